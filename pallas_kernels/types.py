@@ -1,0 +1,49 @@
+"""Inputs of the mixed-precision decode attention, for ONE layer (the cache contract of DESIGN.md).
+
+All are plain NamedTuples, hence pytrees, so they pass through jit/vmap/scan unchanged.
+
+Shapes (B = batch, W = recent-window slots, Hkv = KV heads, D = head dim, page = page size):
+
+* ``Window``: the BF16 recent window of this layer, ring-indexed.  It already holds the current
+  token's K/V (the decode step writes it before attention), so "window + current" of DESIGN.md is
+  one partition here.  Slot ``s`` of sequence ``b`` is visible iff ``s < length[b]``; the ring is
+  filled in order, so the visible slots are always a prefix ``[0, min(count, W))``.
+* ``HighPool``: BF16 pages of this layer.  Pages are shared by all sequences; which pages a
+  sequence owns, in order, is in ``PageMaps.hi_pages``.
+* ``LowPool``: packed INT4 pages of this layer (half-split nibble layout, see ``pask_jax.quant``)
+  with fp16 scales, ``scale[..., 0]`` for K and ``scale[..., 1]`` for V.
+* ``PageMaps``: the page tables and lengths of this layer's *group* (layers in a group share
+  actions, hence maps).  Entry ``j`` of sequence ``b`` lives in page ``pages[b, j // page]`` at row
+  ``j % page``; entries ``j >= len[b]`` are invisible (and may hold garbage).
+
+Every visible key appears exactly once across the three partitions.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class Window(NamedTuple):
+  k: jax.Array       # [B, W, Hkv, D] bf16
+  v: jax.Array       # [B, W, Hkv, D] bf16
+  length: jax.Array  # [B] int32, number of visible slots (<= W)
+
+
+class HighPool(NamedTuple):
+  k: jax.Array  # [P_hi, page, Hkv, D] bf16
+  v: jax.Array  # [P_hi, page, Hkv, D] bf16
+
+
+class LowPool(NamedTuple):
+  k: jax.Array      # [P_lo, page, Hkv, D // 2] uint8, two signed nibbles per byte
+  v: jax.Array      # [P_lo, page, Hkv, D // 2] uint8
+  scale: jax.Array  # [P_lo, page, Hkv, 2] float16: (K scale, V scale)
+
+
+class PageMaps(NamedTuple):
+  hi_pages: jax.Array  # [B, max_hi_pages] int32
+  hi_len: jax.Array    # [B] int32, entries (not pages)
+  lo_pages: jax.Array  # [B, max_lo_pages] int32
+  lo_len: jax.Array    # [B] int32
