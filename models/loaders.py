@@ -1,0 +1,197 @@
+"""Loading decoders: an HF checkpoint directory, a GGUF file, or random weights from a config.
+
+Each loader returns a :class:`Loaded` bundle ``(cfg, model, tokenizer)``; ``tokenizer`` is None
+for random models.  Weights are converted to the ``[in, out]`` layout of :mod:`models.decoder`
+and stacked over layers.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from models import gguf_io
+from models.config import ModelConfig
+from models.decoder import Decoder, rope_inv_freq
+from models.tokenizer import Tokenizer
+
+
+class Loaded(NamedTuple):
+  cfg: ModelConfig
+  model: Decoder
+  tokenizer: Tokenizer | None
+
+
+def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Decoder:
+  """Random weights (tests and speed benchmarks); norms are ones, RoPE as configured."""
+  return Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+
+
+# Per-layer tensor names: ours -> (HF suffix, GGUF suffix, transpose?)
+_LAYER = {
+    "attn_norm": ("input_layernorm.weight", "attn_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", "ffn_norm.weight", False),
+    "wq": ("self_attn.q_proj.weight", "attn_q.weight", True),
+    "wk": ("self_attn.k_proj.weight", "attn_k.weight", True),
+    "wv": ("self_attn.v_proj.weight", "attn_v.weight", True),
+    "wo": ("self_attn.o_proj.weight", "attn_output.weight", True),
+    "bq": ("self_attn.q_proj.bias", "attn_q.bias", False),
+    "bk": ("self_attn.k_proj.bias", "attn_k.bias", False),
+    "bv": ("self_attn.v_proj.bias", "attn_v.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", "ffn_gate.weight", True),
+    "w_up": ("mlp.up_proj.weight", "ffn_up.weight", True),
+    "w_down": ("mlp.down_proj.weight", "ffn_down.weight", True),
+}
+_TOP = {  # ours -> (HF name, GGUF name, transpose?)
+    "embed": ("model.embed_tokens.weight", "token_embd.weight", False),
+    "norm": ("model.norm.weight", "output_norm.weight", False),
+    "lm_head": ("lm_head.weight", "output.weight", True),
+}
+
+
+def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], which: int, dtype,
+              desc: str) -> Decoder:
+  """Build a Decoder from a tensor getter (which=0: HF names, 1: GGUF names)."""
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+  gdef, state = nnx.split(abstract)
+  pure = nnx.to_pure_dict(state)
+  names = [n for n in pure if n != "inv_freq"]
+  prefix = ("model.layers.{}.", "blk.{}.")[which]
+  for name in tqdm(names, desc=desc, unit="tensor", leave=False):
+    if name in _TOP:
+      arr = get(_TOP[name][which])
+      arr = arr.T if _TOP[name][2] else arr
+    else:
+      suffix, transpose = _LAYER[name][which], _LAYER[name][2]
+      rows = []
+      for i in range(cfg.n_layers):
+        a = get(prefix.format(i) + suffix)
+        rows.append(a.T if transpose else a)
+      arr = np.stack(rows)
+    want = tuple(pure[name].shape)
+    if tuple(arr.shape) != want:
+      raise ValueError(f"tensor {name}: checkpoint shape {arr.shape} != expected {want}")
+    pure[name] = jnp.asarray(arr, dtype)
+  pure["inv_freq"] = jnp.asarray(pure_inv_freq(cfg, get, which))
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(gdef, state)
+
+
+def pure_inv_freq(cfg: ModelConfig, get, which: int) -> np.ndarray:
+  factors = None
+  if which == 1:
+    try:
+      factors = get("rope_freqs.weight")
+    except KeyError:
+      pass
+  return rope_inv_freq(cfg, factors)
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """Undo llama.cpp's q/k row permutation (interleaved RoPE -> rotate-half). w: [out, in]."""
+  return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+      w.shape)
+
+
+def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
+  reader = gguf_io.open_gguf(path)
+  meta = gguf_io.metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  cfg = ModelConfig.from_gguf_fields(meta, set(tensors))
+
+  def get(name: str) -> np.ndarray:
+    if name not in tensors:
+      raise KeyError(name)
+    a = gguf_io.tensor(tensors[name])
+    if cfg.arch == "llama" and name.endswith("attn_q.weight"):
+      a = _unpermute(a, cfg.n_heads)
+    elif cfg.arch == "llama" and name.endswith("attn_k.weight"):
+      a = _unpermute(a, cfg.n_kv_heads)
+    return a
+
+  def get_checked(name: str) -> np.ndarray:
+    try:
+      return get(name)
+    except KeyError:
+      if name == "rope_freqs.weight":
+        raise
+      raise ValueError(f"GGUF file {os.fspath(path)} has no tensor {name!r} needed by "
+                       f"the {cfg.arch} architecture") from None
+
+  model = _assemble(cfg, get_checked, 1, dtype, f"loading {os.path.basename(os.fspath(path))}")
+  return Loaded(cfg, model, Tokenizer.from_gguf_metadata(meta))
+
+
+# --- HF checkpoint directory ------------------------------------------------------------------
+
+def load_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
+  from safetensors import safe_open
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"HF checkpoint directory not found: {path}")
+  cfg = ModelConfig.from_hf(path)
+  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors files in {path}")
+  where: dict[str, str] = {}
+  for f in files:
+    with safe_open(f, framework="numpy") as h:
+      for k in h.keys():
+        where[k] = f
+
+  def get(name: str) -> np.ndarray:
+    if name not in where:
+      if name == "lm_head.weight" and cfg.tie_embeddings:
+        raise KeyError(name)
+      raise ValueError(f"checkpoint {path} has no tensor {name!r}")
+    return _read_safetensor(where[name], name)
+
+  model = _assemble(cfg, get, 0, dtype, f"loading {os.path.basename(path)}")
+  tok = Tokenizer.from_hf_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+  return Loaded(cfg, model, tok)
+
+
+def _read_safetensor(file: str, name: str) -> np.ndarray:
+  """One tensor as float32; bf16 is widened by hand (numpy has no bfloat16)."""
+  with open(file, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(n))
+    info = header[name]
+    start, end = info["data_offsets"]
+    f.seek(8 + n + start)
+    raw = f.read(end - start)
+  dt, shape = info["dtype"], info["shape"]
+  if dt == "BF16":
+    u = np.frombuffer(raw, np.uint16).astype(np.uint32) << 16
+    return u.view(np.float32).reshape(shape)
+  np_dt = {"F32": np.float32, "F16": np.float16, "F64": np.float64}.get(dt)
+  if np_dt is None:
+    raise ValueError(f"tensor {name} in {file}: unsupported dtype {dt}")
+  return np.frombuffer(raw, np_dt).astype(np.float32).reshape(shape)
+
+
+def load(path_or_name: str | os.PathLike | None = None, *, dtype=jnp.float32) -> Loaded:
+  """A registered model name, a GGUF file, or an HF checkpoint directory."""
+  from models import registry
+  path = registry.resolve(path_or_name)
+  if os.path.isdir(path):
+    return load_hf(path, dtype=dtype)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"model not found: {path} (not a file, a directory, nor one of the "
+                            f"registered names: {', '.join(registry.NAMES)})")
+  with open(path, "rb") as f:
+    magic = f.read(4)
+  if magic != b"GGUF":
+    raise ValueError(f"{path} is neither a GGUF file nor an HF checkpoint directory")
+  return load_gguf(path, dtype=dtype)
