@@ -125,9 +125,12 @@ class Tokenizer:
     vocab = self.tok.get_vocab(with_added_tokens=True)
     out = [b""] * max(self.vocab_size, max(vocab.values()) + 1)
     byte_dec = _byte_decoder()
-    added = {t.content for t in self.tok.get_added_tokens_decoder().values()}
+    added = {t.content: t.special for t in self.tok.get_added_tokens_decoder().values()}
     for t, i in vocab.items():
-      out[i] = t.encode() if t in added else bytes(byte_dec.get(c, ord(c) & 0xFF) for c in t)
+      if t in added:  # control tokens have no text a grammar could match; added ones do
+        out[i] = b"" if added[t] else t.encode()
+      else:
+        out[i] = bytes(byte_dec.get(c, ord(c) & 0xFF) for c in t)
     return out
 
   def hash(self) -> str:

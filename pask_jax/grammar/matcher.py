@@ -1,0 +1,100 @@
+"""XGrammar glue: tokenizer info from our tokenizer, grammar compilation, per-request matchers.
+
+The bitmask is filled on the host (``int32[B, ceil(V/32)]``, bit ``t % 32`` of word ``t // 32``
+set = token ``t`` allowed) and shipped to the jitted step, which unpacks it and masks the logits
+(:func:`pask_jax.sample.apply_bitmask`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+
+class GrammarError(ValueError):
+  """A schema or grammar that XGrammar cannot compile."""
+
+
+def _xgr():
+  import xgrammar  # heavy import (torch): only when a grammar is used
+  return xgrammar
+
+
+class GrammarCompiler:
+  """Compiles grammars for one tokenizer/model pair (vocab size = the model's logits width)."""
+
+  def __init__(self, tokenizer, vocab_size: int):
+    xgr = _xgr()
+    vocab = tokenizer.token_bytes()
+    vocab += [b""] * (vocab_size - len(vocab))  # padding rows of the lm_head: never allowed
+    self.vocab_size = vocab_size
+    self.stop_ids = list(tokenizer.stop_ids)
+    self.info = xgr.TokenizerInfo(vocab[:vocab_size], xgr.VocabType.RAW, vocab_size=vocab_size,
+                                  stop_token_ids=self.stop_ids)
+    self._compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+
+  def json_schema(self, schema: dict | str) -> "Grammar":
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+      json.loads(text)
+    except json.JSONDecodeError as e:
+      raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
+    try:
+      compiled = self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+    except Exception as e:
+      raise GrammarError(f"XGrammar cannot compile this JSON schema: {e}") from None
+    return Grammar(compiled, "json_schema", source=text)
+
+  def ebnf(self, text: str, root: str = "root") -> "Grammar":
+    xgr = _xgr()
+    try:
+      compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(text, root_rule_name=root))
+    except Exception as e:
+      raise GrammarError(f"XGrammar cannot compile this EBNF grammar: {e}") from None
+    return Grammar(compiled, "ebnf", source=text)
+
+
+class Grammar:
+  def __init__(self, compiled, kind: str, source: str = "", meta: dict[str, Any] | None = None):
+    self.compiled, self.kind, self.source, self.meta = compiled, kind, source, meta or {}
+
+  def matcher(self) -> "Matcher":
+    return Matcher(self)
+
+
+class Matcher:
+  """One request's parser state. ``fill`` writes the allowed-token bitmask for the next step."""
+
+  def __init__(self, grammar: Grammar):
+    xgr = _xgr()
+    self.grammar = grammar
+    self.m = xgr.GrammarMatcher(grammar.compiled, max_rollback_tokens=-1)
+
+  def fill(self, bitmask: np.ndarray, row: int = 0) -> None:
+    self.m.fill_next_token_bitmask(bitmask, row)
+
+  def accept(self, token: int) -> bool:
+    return self.m.accept_token(int(token))
+
+  def rollback(self, n: int) -> None:
+    self.m.rollback(n)
+
+  def jump_forward(self) -> str:
+    return self.m.find_jump_forward_string()
+
+  @property
+  def terminated(self) -> bool:
+    return self.m.is_terminated()
+
+  def completed(self) -> bool:
+    return self.m.is_completed()
+
+
+def bitmask_words(vocab_size: int) -> int:
+  return math.ceil(vocab_size / 32)
+
+
+def new_bitmask(batch: int, vocab_size: int, allow_all: bool = True) -> np.ndarray:
+  return np.full((batch, bitmask_words(vocab_size)), -1 if allow_all else 0, np.int32)
