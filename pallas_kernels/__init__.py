@@ -1,0 +1,61 @@
+"""Mixed-precision decode attention over the PASK cache: {INT4 pool, BF16 pool, window}.
+
+One entry point, :func:`decode_attention`, picks a backend:
+
+* ``"reference"`` -- plain jnp, FP32 (``reference.py``); what CPU runs.
+* ``"gpu"`` -- Pallas Triton kernel (``gpu/decode.py``).
+* ``"tpu"`` -- Pallas Mosaic kernel (``tpu/decode.py``).
+* ``"auto"`` -- by ``jax.default_backend()``: gpu/cuda/rocm -> "gpu", tpu -> "tpu", else reference.
+
+All backends compute the same function: softmax over the union of the visible entries of the three
+partitions with INT4 rows dequantized in the kernel, FP32 scores / statistics / accumulation, the
+partitions (and split-KV chunks) merged by the shared-normalization rule (paper Eq. 15), BF16 out.
+The probabilities enter the ``p @ V`` MMA as BF16 in the kernels (FP32 accumulation), the usual
+flash-attention trade; the reference keeps them in FP32.
+"""
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.reference import decode_attention_reference
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
+
+BACKENDS = ("auto", "reference", "gpu", "tpu")
+
+
+def resolve_backend(backend: str = "auto") -> str:
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend != "auto":
+    return backend
+  plat = jax.default_backend()
+  if plat in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  if plat == "tpu":
+    return "tpu"
+  return "reference"
+
+
+def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
+                     scale: float | None = None, backend: str = "auto", **knobs) -> jax.Array:
+  """q [B, Hq, D] (RoPE applied) -> out [B, Hq, D] bf16 for ONE layer.
+
+  Hq must be a multiple of the KV head count; ``scale`` (a Python float) defaults to 1/sqrt(D).
+  ``knobs`` are backend tuning parameters (block and chunk sizes, ``num_warps``/``num_stages`` on
+  GPU, ``splits`` on TPU, ``interpret``); the defaults are the tuned ones.  Jittable.
+  """
+  hq, hkv = q.shape[1], window.k.shape[2]
+  if hq % hkv:
+    raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+  which = resolve_backend(backend)
+  if which == "reference":
+    return decode_attention_reference(q, window, hi, lo, maps, scale=scale)
+  if which == "gpu":
+    from pallas_kernels.gpu import decode_attention_gpu
+    return decode_attention_gpu(q, window, hi, lo, maps, scale=scale, **knobs)
+  from pallas_kernels.tpu import decode_attention_tpu
+  return decode_attention_tpu(q, window, hi, lo, maps, scale=scale, **knobs)
+
+
+__all__ = ["BACKENDS", "HighPool", "LowPool", "PageMaps", "Window", "decode_attention",
+           "decode_attention_reference", "resolve_backend"]

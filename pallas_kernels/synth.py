@@ -1,0 +1,153 @@
+"""Random kernel inputs that honour the cache contract, for tests, compare-kernels and benches.
+
+Never zeros: K/V are N(0, 1) (scaled per head so scores are not flat).  Everything the contract
+calls invisible is poisoned -- NaN in BF16 slots beyond a length, NaN fp16 scales, garbage page-table
+entries (out of range) beyond a sequence's pages -- so any leak of invisible data shows as NaN.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pask_jax import quant
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  b: int = 2
+  hq: int = 8
+  hkv: int = 2
+  d: int = 128
+  page: int = 16
+  w: int = 32            # window slots
+  lo_cap: int = 256      # max INT4 entries per sequence (multiple of page)
+  hi_cap: int = 128      # max BF16 pool entries per sequence (multiple of page)
+
+  @property
+  def g(self) -> int:
+    return self.hq // self.hkv
+
+
+def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool = True,
+         spare_pages: int = 3):
+  """Returns (q [B, Hq, D] bf16, Window, HighPool, LowPool, PageMaps); lengths are per sequence."""
+  s = shape
+  rng = np.random.default_rng(seed)
+  lo_len = np.broadcast_to(np.asarray(lo_len, np.int32), (s.b,)).copy()
+  hi_len = np.broadcast_to(np.asarray(hi_len, np.int32), (s.b,)).copy()
+  win_len = np.broadcast_to(np.asarray(win_len, np.int32), (s.b,)).copy()
+  assert (lo_len <= s.lo_cap).all() and (hi_len <= s.hi_cap).all() and (win_len <= s.w).all()
+  n_lo, n_hi = s.lo_cap // s.page, s.hi_cap // s.page
+  nan = np.nan if poison else 0.0
+
+  def rows(*lead):
+    # Per-head magnitudes differ so that quantization scales and softmax sharpness vary.
+    mag = rng.uniform(0.5, 2.0, size=(s.hkv, 1))
+    return rng.standard_normal((*lead, s.hkv, s.d)) * mag
+
+  def tables(n_per_seq, lens):
+    p_tot = s.b * n_per_seq + spare_pages
+    perm = rng.permutation(p_tot)[: s.b * n_per_seq].reshape(s.b, n_per_seq)
+    tbl = perm.astype(np.int32)
+    used = np.zeros(p_tot, bool)
+    for b in range(s.b):
+      k = -(-int(lens[b]) // s.page)
+      used[tbl[b, :k]] = True
+      if poison:  # Entries past the sequence's pages are garbage, out of range included.
+        tbl[b, k:] = rng.integers(-5, p_tot + 50, size=n_per_seq - k)
+    return tbl, p_tot, used
+
+  def mask_rows(x, tbl, lens, used, fill):
+    """Poison every pool row that no sequence can see."""
+    x = x.copy()
+    vis = np.zeros(x.shape[:2], bool)
+    for b in range(s.b):
+      for j in range(int(lens[b])):
+        vis[tbl[b, j // s.page], j % s.page] = True
+    x[~vis] = fill
+    return x
+
+  # BF16 pool.
+  hi_tbl, p_hi, hi_used = tables(n_hi, hi_len)
+  khi = mask_rows(rows(p_hi, s.page), hi_tbl, hi_len, hi_used, nan)
+  vhi = mask_rows(rows(p_hi, s.page), hi_tbl, hi_len, hi_used, nan)
+
+  # INT4 pool, quantized with the project's own quantizer.
+  lo_tbl, p_lo, lo_used = tables(n_lo, lo_len)
+  klo_f = rows(p_lo, s.page)
+  vlo_f = rows(p_lo, s.page)
+  if p_lo:
+    # A few all-zero rows exercise the "zero codes, scale 1" rule.
+    klo_f[0, 0, 0] = 0.0
+  kc, ks = quant.quantize_packed(jnp.asarray(klo_f, jnp.float32))
+  vc, vs = quant.quantize_packed(jnp.asarray(vlo_f, jnp.float32))
+  sc = np.stack([np.asarray(ks), np.asarray(vs)], axis=-1)      # [P, page, Hkv, 2] f16
+  sc = mask_rows(sc, lo_tbl, lo_len, lo_used, np.float16(nan))
+  kc, vc = np.asarray(kc), np.asarray(vc)
+  if poison:
+    kc = mask_rows(kc, lo_tbl, lo_len, lo_used, 0xFF)
+    vc = mask_rows(vc, lo_tbl, lo_len, lo_used, 0xFF)
+
+  # Window: the visible slots are a prefix.
+  kw, vw = rows(s.b, s.w), rows(s.b, s.w)
+  for b in range(s.b):
+    kw[b, win_len[b]:] = nan
+    vw[b, win_len[b]:] = nan
+
+  q = rng.standard_normal((s.b, s.hq, s.d))
+  bf = lambda x: jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
+  window = Window(bf(kw), bf(vw), jnp.asarray(win_len))
+  hi = HighPool(bf(khi), bf(vhi))
+  lo = LowPool(jnp.asarray(kc, jnp.uint8), jnp.asarray(vc, jnp.uint8), jnp.asarray(sc, jnp.float16))
+  maps = PageMaps(jnp.asarray(hi_tbl), jnp.asarray(hi_len), jnp.asarray(lo_tbl), jnp.asarray(lo_len))
+  return bf(q), window, hi, lo, maps
+
+
+def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, scale=None):
+  """float64 numpy softmax over the explicitly listed visible keys (one independent oracle)."""
+  q = np.asarray(q.astype(jnp.float32), np.float64)
+  b_, hq, d = q.shape
+  hkv = window.k.shape[2]
+  g = hq // hkv
+  scale = 1 / np.sqrt(d) if scale is None else scale
+  f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  kw, vw, khi, vhi = f(window.k), f(window.v), f(hi.k), f(hi.v)
+  sc = np.asarray(lo.scale.astype(jnp.float32), np.float64)
+  kcodes = np.asarray(quant.unpack(lo.k), np.float64)
+  vcodes = np.asarray(quant.unpack(lo.v), np.float64)
+  page_lo, page_hi = lo.k.shape[1], hi.k.shape[1]
+  out = np.zeros((b_, hq, d))
+  for b in range(b_):
+    ks, vs = [], []
+    for j in range(int(maps.lo_len[b])):
+      p, r = int(maps.lo_pages[b, j // page_lo]), j % page_lo
+      ks.append(kcodes[p, r] * sc[p, r, :, 0:1])
+      vs.append(vcodes[p, r] * sc[p, r, :, 1:2])
+    for j in range(int(maps.hi_len[b])):
+      p, r = int(maps.hi_pages[b, j // page_hi]), j % page_hi
+      ks.append(khi[p, r])
+      vs.append(vhi[p, r])
+    for j in range(int(window.length[b])):
+      ks.append(kw[b, j])
+      vs.append(vw[b, j])
+    if not ks:
+      continue
+    k, v = np.stack(ks), np.stack(vs)                          # [S, Hkv, D]
+    for h in range(hq):
+      s = k[:, h // g] @ q[b, h] * scale
+      p = np.exp(s - s.max())
+      out[b, h] = p @ v[:, h // g] / p.sum()
+  return out
+
+
+def rel_err(out, ref) -> float:
+  """||out - ref|| / ||ref|| in float64 (NaN anywhere -> inf)."""
+  out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+  ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
+  if not np.isfinite(out).all():
+    return float("inf")
+  return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
