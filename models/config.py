@@ -101,8 +101,12 @@ class ModelConfig:
           f"unknown model architecture {kind!r} (model_type/architectures in config.json); "
           f"supported: {', '.join(ARCHS)}")
     heads = cfg["num_attention_heads"]
-    scaling = cfg.get("rope_scaling")
+    # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older: `rope_scaling`.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") else None)
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     if scaling is not None:
+      scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
       rtype = scaling.get("rope_type", scaling.get("type"))
       if rtype in (None, "default"):
         scaling = None
@@ -113,7 +117,7 @@ class ModelConfig:
         intermediate=cfg["intermediate_size"], n_layers=cfg["num_hidden_layers"],
         n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        rope_theta=float(theta), rope_scaling=scaling,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position=int(cfg.get("max_position_embeddings", 32768)),

@@ -76,7 +76,7 @@ class Decoder(nnx.Module):
     init = lambda *shape, fan_in: nnx.Param(
         (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype))
     ones = lambda *shape: nnx.Param(jnp.ones(shape, dtype))
-    self.embed = init(cfg.vocab_size, d, fan_in=1)
+    self.embed = init(cfg.vocab_size, d, fan_in=d)
     self.attn_norm, self.mlp_norm = ones(L, d), ones(L, d)
     self.wq, self.wk, self.wv = init(L, d, hq, fan_in=d), init(L, d, hkv, fan_in=d), init(
         L, d, hkv, fan_in=d)

@@ -1,0 +1,155 @@
+"""Decoder correctness on random configs, HF-checkpoint loading against transformers, bad input."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import TINY, full_logprobs, relerr
+from models import ModelConfig, UnknownArchitectureError, load, load_gguf, load_hf, random_model
+from pask_jax import kv_dense
+from pask_jax.decode import CapacityError, Runner, Sampling, generate
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_decode_equals_prefill(arch):
+  """Token-by-token decode through the cache gives the logits of one full forward."""
+  cfg = TINY[arch]
+  model = random_model(cfg, seed=1)
+  rng = np.random.default_rng(0)
+  B, T, P = 2, 12, 5
+  ids = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+  cache = kv_dense.init(cfg.n_layers, B, T, cfg.n_kv_heads, cfg.head_dim, jnp.float32)
+  full, _ = model(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(T), (B, T)),
+                  cache._replace(length=jnp.full((B,), T, jnp.int32)), kv_dense.attend)
+  runner = Runner(model, batch=B, capacity=T, cache_dtype=jnp.float32)
+  logits, cache = runner.prefill(runner.params, runner.new_cache(), jnp.asarray(ids[:, :P]),
+                                 jnp.full((B,), P, jnp.int32))
+  steps = [logits]
+  bits = jnp.full((B, -(-cfg.vocab_size // 32)), -1, jnp.int32)
+  for t in range(P, T):
+    _, logits, cache = runner.step(runner.params, cache, jnp.asarray(ids[:, t]), bits,
+                                   jax.random.key(0), jnp.zeros(B), jnp.ones(B))
+    steps.append(logits)
+  got = np.stack([np.asarray(s) for s in steps], 1)
+  assert relerr(got, np.asarray(full)[:, P - 1:T]) < 1e-5
+  assert runner.traces["step"] == 1
+
+
+def test_ragged_batch_matches_single():
+  """Prompts of different lengths in one batch give the same logits as run alone."""
+  cfg = TINY["qwen2"]
+  model = random_model(cfg, seed=2)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 9, 6)]
+  runner = Runner(model, batch=3, capacity=32, cache_dtype=jnp.float32)
+  from pask_jax.decode import pad_prompts
+  toks, lens = pad_prompts(prompts, 3, 32)
+  logits, _ = runner.prefill(runner.params, runner.new_cache(), jnp.asarray(toks), jnp.asarray(lens))
+  for i, p in enumerate(prompts):
+    lp = full_logprobs(model, p)[-1]
+    assert relerr(jax.nn.log_softmax(logits[i]), lp) < 1e-5
+
+
+def test_step_compiles_once_per_shape():
+  cfg = TINY["llama"]
+  model = random_model(cfg)
+
+  class Tok:  # minimal tokenizer: no stop tokens
+    stop_ids = ()
+    decode = staticmethod(lambda ids: " ".join(map(str, ids)))
+
+  runner = Runner(model, batch=2, capacity=64)
+  for seed, temp, prompts in [(0, 0.0, [[1, 2, 3], [4] * 7]), (1, 0.8, [[5] * 11, [6, 7]]),
+                              (2, 1.3, [[9, 9]])]:
+    res = generate(runner, Tok(), prompts, sampling=Sampling(max_tokens=6, temperature=temp,
+                                                               top_p=0.9, seed=seed))
+    assert all(len(r.tokens) == 6 for r in res)
+  assert runner.traces["step"] == 1 and runner.traces["prefill"] == 1
+
+
+def test_sampling_is_seeded():
+  cfg = TINY["qwen3"]
+  runner = Runner(random_model(cfg), batch=1, capacity=64)
+
+  class Tok:
+    stop_ids = ()
+    decode = staticmethod(str)
+
+  run = lambda seed: generate(runner, Tok(), [[1, 2, 3]],
+                              sampling=Sampling(max_tokens=12, temperature=1.0, seed=seed))[0].tokens
+  assert run(3) == run(3)
+  assert run(3) != run(4)
+
+
+# --- HF checkpoint directory, against transformers' own modelling code -----------------------
+
+def _hf_config(cfg: ModelConfig) -> dict:
+  d = {"model_type": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,
+       "intermediate_size": cfg.intermediate, "num_hidden_layers": cfg.n_layers,
+       "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+       "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps,
+       "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": 128,
+       "hidden_act": "silu", "attention_bias": cfg.arch == "qwen2"}
+  if cfg.rope_scaling:
+    d["rope_scaling"] = dict(cfg.rope_scaling)
+  return d
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_hf_checkpoint_matches_transformers(arch, tmp_path):
+  import torch
+  import transformers
+  cfg = TINY[arch]
+  hf_cfg = transformers.AutoConfig.for_model(**_hf_config(cfg))
+  torch.manual_seed(0)
+  ref = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+  with torch.no_grad():  # non-trivial norms and biases
+    for name, p in ref.named_parameters():
+      if "norm" in name or name.endswith("bias"):
+        p.add_(0.1 * torch.randn_like(p))
+  ref.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded *.safetensors + index
+  assert len(list(tmp_path.glob("*.safetensors"))) > 1
+  ours = load_hf(tmp_path)
+  assert ours.cfg.arch == arch and ours.cfg.tie_embeddings == cfg.tie_embeddings
+  ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 20).tolist()
+  with torch.no_grad():
+    want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1).numpy()
+  assert relerr(full_logprobs(ours.model, ids), want) < 1e-5
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+def test_missing_files_are_named(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    load(tmp_path / "nope.gguf")
+  with pytest.raises(FileNotFoundError, match="no.gguf"):
+    load_gguf(tmp_path / "no.gguf")
+  (tmp_path / "ckpt").mkdir()
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    load_hf(tmp_path / "ckpt")
+  junk = tmp_path / "junk.bin"
+  junk.write_bytes(b"not a model at all")
+  with pytest.raises(ValueError, match="neither a GGUF"):
+    load(junk)
+
+
+def test_unknown_architecture(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "vocab_size": 5}))
+  with pytest.raises(UnknownArchitectureError, match="mamba"):
+    load(tmp_path)
+  with pytest.raises(UnknownArchitectureError, match="gpt2"):
+    ModelConfig.from_gguf_fields({"general.architecture": "gpt2"}, set())
+
+
+def test_prompt_over_capacity():
+  runner = Runner(random_model(TINY["llama"]), batch=1, capacity=16)
+
+  class Tok:
+    stop_ids = ()
+    decode = staticmethod(str)
+
+  with pytest.raises(CapacityError, match="capacity 16"):
+    generate(runner, Tok(), [list(range(12))], sampling=Sampling(max_tokens=8))
