@@ -1,0 +1,397 @@
+"""The frozen policy Λ, Γ, B_D (paper §3.4–3.5, A.2, A.4, B.1, B.3) and its cost model.
+
+``FrozenPolicy`` is a pytree of dense tables indexed by tag id (``pask_jax.tags``) so that the
+online lookup is one gather:
+
+* ``action[N, G]`` / ``floor[N, G]`` (int8, R=0 < L=1 < H=2): base action a⁰ and floor a⁻ per
+  tag id and layer group.  The parent chain (class,role,state,next) → (class,role,state) →
+  (class,role) → class is resolved at build time: an id without its own entry carries the entry
+  of its nearest calibrated ancestor; an id with none (or a malformed id) gets H for action and
+  floor and no scores.  Parent aggregates, if calibration wants them (e.g. the max over children),
+  are entries of the parent ids themselves.
+* ``prio[N, G, 2]`` (float32): the adjacent-upgrade scores ρ(R→L) at ``[..., 0]`` and ρ(L→H) at
+  ``[..., 1]`` (Eq. 8).  NaN means "no calibrated score": such an upgrade is never promoted, and
+  the matching demotion is ranked last (B.1: optional promotions require a unique calibrated score).
+* ``crit[N]``: Crit(z) of Alg. 2 (state critical or next lookahead_critical).
+* ``reserve[S]`` and ``pooled``: Γ per parser-state id and the pooled fallback for unseen states
+  (Eq. 10), **in units of C_full** (so a model-independent policy stays model independent; the
+  controller multiplies by ``c_full``).  Calibration divides its bit-valued quantile by C_full.
+* ``b_d`` / ``b_p``: decode and prefill budgets (fractions of Full-KV payload).
+* ``cost[3, G]``: m(a, c) in bits (B.3, Eq. 13–14) and ``c_full`` = Σ_c m(H, c).
+* static: ``sink`` and ``window`` sizes, and ``record``: the A.4 record as a JSON string.
+
+A policy built without a model (``model=None``) is a *template*: its tables do not depend on the
+model, its cost is zero until :func:`bind` (or :func:`load` with a model) fills it in.  A policy
+bound to a model carries the model identity (n_layers, n_kv_heads, head_dim, tokenizer hash, …)
+and :func:`load` refuses it for any other model.
+
+On disk (``save``/``load``): ``DIR/arrays`` (orbax) + ``DIR/policy.json`` (the readable A.4 record,
+including the sparse calibrated entries).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pask_jax import tags as T
+
+FORMAT = "pask-policy/1"
+DEFAULT_SINK = 4
+DEFAULT_WINDOW = 32
+# Tie order of the online controller (documented in controller.py; recorded here per A.4).
+TIE_ORDER = ("demote: ascending stored priority, NaN last, ties -> lower layer group first; "
+             "promote: descending priority, ties -> upper layer group first; "
+             "ids: ascending tag id (tags.all_ids)")
+QUANTIZER = {"bits": 4, "symmetric": True, "granularity": "per (token, KV head) row, K and V separate",
+             "scale": "fp16(max|x|/7), floor smallest positive fp16 (bumped one fp16 up if max|x|/s>7.5)",
+             "codes": "clip(round(x/s), -7, 7)", "zero_row": "codes 0, scale 1",
+             "layout": "half-split nibbles: byte i = x[i] | x[i+D/2] << 4"}
+PAYLOAD = {"unit": "bits", "n_c": "2*sum_{l in c} Hkv_l*d_l", "k_c": "2*sum_{l in c} Hkv_l",
+           "p_c": "2*sum_{l in c} Hkv_l*(d_l mod 2)", "m_R": "0", "m_H": "16*n_c",
+           "m_L": "4*n_c + 16*k_c + 4*p_c", "c_full": "sum_c m(H,c)"}
+_IDENT_REQUIRED = ("n_layers", "n_kv_heads", "head_dim")
+
+
+# ---- model identity and cost model ------------------------------------------------------------
+
+def identity_of(model: Any, tokenizer_hash: str | None = None) -> dict:
+  """Model identity as a dict.  ``model``: a dict, or anything with ``n_layers``, ``n_kv_heads``,
+  ``head_dim`` attributes (``identity()`` is used when present, e.g. ``models.ModelConfig``)."""
+  if isinstance(model, Mapping):
+    ident = dict(model)
+  elif hasattr(model, "identity"):
+    ident = dict(model.identity())
+  else:
+    ident = {k: getattr(model, k) for k in _IDENT_REQUIRED}
+  for k in _IDENT_REQUIRED:
+    if k not in ident:
+      if hasattr(model, k):
+        ident[k] = getattr(model, k)
+      else:
+        raise ValueError(f"model identity lacks {k!r}: {ident}")
+  if tokenizer_hash is not None:
+    ident["tokenizer_hash"] = tokenizer_hash
+  return {k: (list(v) if isinstance(v, tuple) else v) for k, v in ident.items()}
+
+
+def _per_layer(x, n_layers: int) -> list[int]:
+  return [int(x)] * n_layers if np.isscalar(x) else [int(v) for v in x]
+
+
+def cost_model(n_layers: int, n_kv_heads: int | Sequence[int], head_dim: int | Sequence[int],
+               n_groups: int = 3) -> np.ndarray:
+  """m(a, c) in bits, ``float64[3, G]`` indexed by action (R, L, H) and group (B.3, Eq. 13–14).
+
+  Per-layer ``n_kv_heads`` / ``head_dim`` sequences are accepted (the paper's H_ℓ, d_ℓ).
+  """
+  heads, dims = _per_layer(n_kv_heads, n_layers), _per_layer(head_dim, n_layers)
+  m = np.zeros((3, n_groups), np.float64)
+  for g, (lo, hi) in enumerate(T.layer_groups(n_layers, n_groups)):
+    n_c = 2 * sum(heads[l] * dims[l] for l in range(lo, hi))
+    k_c = 2 * sum(heads[l] for l in range(lo, hi))
+    p_c = 2 * sum(heads[l] * (dims[l] % 2) for l in range(lo, hi))
+    m[T.H, g] = 16 * n_c
+    m[T.L, g] = 4 * n_c + 16 * k_c + 4 * p_c
+  return m
+
+
+# ---- the pytree -------------------------------------------------------------------------------
+
+@flax.struct.dataclass
+class FrozenPolicy:
+  action: jax.Array   # [N, G] int8
+  floor: jax.Array    # [N, G] int8
+  prio: jax.Array     # [N, G, 2] float32: ρ(R→L), ρ(L→H); NaN = no score
+  crit: jax.Array     # [N] bool
+  reserve: jax.Array  # [S] float32, Γ per parser-state id, units of C_full
+  pooled: jax.Array   # [] float32, Γ for unseen states, units of C_full
+  b_d: jax.Array      # [] float32
+  b_p: jax.Array      # [] float32
+  cost: jax.Array     # [3, G] float32 bits
+  c_full: jax.Array   # [] float32 bits
+  sink: int = flax.struct.field(pytree_node=False, default=DEFAULT_SINK)
+  window: int = flax.struct.field(pytree_node=False, default=DEFAULT_WINDOW)
+  record_json: str = flax.struct.field(pytree_node=False, default="{}")
+
+  @property
+  def n_groups(self) -> int:
+    return self.action.shape[-1]
+
+  @property
+  def record(self) -> dict:
+    return json.loads(self.record_json)
+
+  @property
+  def model(self) -> dict | None:
+    return self.record.get("model")
+
+  @property
+  def allowance(self) -> jax.Array:
+    """b = B_D · C_full bits per accepted non-stop token (fractional bits kept)."""
+    return self.b_d * self.c_full
+
+  def gamma(self, state_id: jax.Array) -> jax.Array:
+    """Γ(s) in bits; ids outside the table (or -1) use the pooled reserve."""
+    s = jnp.asarray(state_id, jnp.int32)
+    n = self.reserve.shape[0]
+    known = (s >= 0) & (s < n)
+    g = jnp.where(known, self.reserve[jnp.clip(s, 0, max(n - 1, 0))] if n else self.pooled,
+                  self.pooled)
+    return g * self.c_full
+
+
+class Entry(NamedTuple):
+  """One calibrated table entry: per group base action, floor and scores (length-G sequences)."""
+  action: Sequence[int]
+  floor: Sequence[int]
+  prio: Sequence[Sequence[float]] | None = None   # [G][2]: ρ(R→L), ρ(L→H); None = no scores
+
+
+def _check_entry(tag_id: int, e: Entry, n_groups: int):
+  a, f = list(e.action), list(e.floor)
+  if len(a) != n_groups or len(f) != n_groups:
+    raise ValueError(f"entry {T.describe(tag_id)}: need {n_groups} groups, got {a}, {f}")
+  if not all(x in (T.R, T.L, T.H) for x in a + f):
+    raise ValueError(f"entry {T.describe(tag_id)}: actions must be 0/1/2 (R/L/H), got {a}, {f}")
+  if not T.is_well_formed(tag_id):
+    raise ValueError(f"entry for malformed tag id {tag_id}")
+
+
+def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
+          reserve: Mapping[int, float] | Sequence[float] = (), pooled: float = 0.0,
+          b_d: float = 1.0, b_p: float = 1.0, sink: int = DEFAULT_SINK,
+          window: int = DEFAULT_WINDOW, tokenizer_hash: str | None = None,
+          adapter: str = "", thresholds: Any = None, reserve_k: int = 8,
+          reserve_beta: float = 0.8, extra: Mapping[str, Any] | None = None) -> FrozenPolicy:
+  """Pack calibrated entries into a ``FrozenPolicy`` (Alg. 1 line 11, "Pack").
+
+  ``entries``: tag id → :class:`Entry`.  ``reserve``: Γ per parser-state id in units of C_full
+  (a dict, unlisted ids take ``pooled``; or a dense sequence).  ``model``: see
+  :func:`identity_of`; ``None`` makes a model-independent template (see :func:`bind`).
+  """
+  G = n_groups
+  action = np.full((T.N_IDS, G), T.H, np.int8)
+  floor = np.full((T.N_IDS, G), T.H, np.int8)
+  prio = np.full((T.N_IDS, G, 2), np.nan, np.float32)
+  crit = np.zeros((T.N_IDS,), bool)
+  for i, e in entries.items():
+    _check_entry(int(i), e, G)
+  for i in range(T.N_IDS):
+    if not T.is_well_formed(i):
+      continue
+    crit[i] = T.is_critical(i)
+    for p in T.parents(i):
+      if p in entries:
+        e = entries[p]
+        action[i], floor[i] = e.action, e.floor
+        if e.prio is not None:
+          prio[i] = np.asarray(e.prio, np.float32).reshape(G, 2)
+        break
+  if isinstance(reserve, Mapping):
+    n = max((int(k) + 1 for k in reserve), default=0)
+    res = np.full((n,), pooled, np.float32)
+    for k, v in reserve.items():
+      res[int(k)] = v
+  else:
+    res = np.asarray(reserve, np.float32).reshape(-1)
+
+  record = {
+      "format": FORMAT, "adapter": adapter, "vocab": T.vocab_record(), "n_groups": G,
+      "layer_boundaries": None, "quantizer": QUANTIZER, "payload_cost": dict(PAYLOAD),
+      "sink": int(sink), "window": int(window), "thresholds": thresholds,
+      "budgets": {"b_d": float(b_d), "b_p": float(b_p)},
+      "reserve": {"k": int(reserve_k), "beta": float(reserve_beta), "unit": "c_full",
+                  "pooled": float(pooled), "per_state": {str(i): float(v) for i, v in enumerate(res)}},
+      "fallback": "parent chain (class,role,state,next)->(class,role,state)->(class,role)->class, "
+                  "precomputed; nothing compatible -> H action and floor; no score -> no promotion",
+      "tie_order": TIE_ORDER,
+      "entries": {T.describe(int(i)): {"id": int(i), "action": [T.ACTION_NAMES[a] for a in e.action],
+                                       "floor": [T.ACTION_NAMES[a] for a in e.floor],
+                                       "prio": (np.asarray(e.prio, float).reshape(G, 2).tolist()
+                                                if e.prio is not None else None)}
+                  for i, e in sorted(entries.items())},
+      "model": None, "extra": dict(extra or {}),
+  }
+  pol = FrozenPolicy(
+      action=jnp.asarray(action), floor=jnp.asarray(floor), prio=jnp.asarray(prio),
+      crit=jnp.asarray(crit), reserve=jnp.asarray(res), pooled=jnp.float32(pooled),
+      b_d=jnp.float32(b_d), b_p=jnp.float32(b_p), cost=jnp.zeros((3, G), jnp.float32),
+      c_full=jnp.float32(0.0), sink=int(sink), window=int(window),
+      record_json=json.dumps(record, sort_keys=True))
+  return bind(pol, model, tokenizer_hash) if model is not None else pol
+
+
+def bind(pol: FrozenPolicy, model: Any, tokenizer_hash: str | None = None) -> FrozenPolicy:
+  """Fill in the cost model and identity of ``model``; refuse a policy made for another model."""
+  ident = identity_of(model, tokenizer_hash)
+  rec = pol.record
+  if rec.get("model") is not None:
+    check_identity(rec["model"], ident)
+  G = pol.n_groups
+  cost = cost_model(ident["n_layers"], ident["n_kv_heads"], ident["head_dim"], G)
+  rec["model"] = ident
+  rec["layer_boundaries"] = list(T.layer_boundaries(int(ident["n_layers"]), G))
+  rec["payload_cost"]["m_bits"] = {"R": cost[T.R].tolist(), "L": cost[T.L].tolist(),
+                                   "H": cost[T.H].tolist()}
+  rec["payload_cost"]["c_full_bits"] = float(cost[T.H].sum())
+  return pol.replace(cost=jnp.asarray(cost, jnp.float32), c_full=jnp.float32(cost[T.H].sum()),
+                     record_json=json.dumps(rec, sort_keys=True))
+
+
+def check_identity(policy_ident: Mapping, model_ident: Mapping, where: str = "policy"):
+  """Raise ValueError naming every field on which the two identities disagree.
+
+  The required fields (n_layers, n_kv_heads, head_dim) are always compared; any other field
+  (tokenizer_hash, arch, vocab_size) is compared when both sides have it.
+  """
+  bad = []
+  for k in sorted(set(policy_ident) | set(model_ident)):
+    if k in _IDENT_REQUIRED or (k in policy_ident and k in model_ident):
+      pv, mv = policy_ident.get(k), model_ident.get(k)
+      if pv != mv:
+        bad.append(f"{k}: {where} has {pv!r}, model has {mv!r}")
+  if bad:
+    raise ValueError(f"{where} was made for another model; mismatching fields: " + "; ".join(bad))
+
+
+# ---- save / load ------------------------------------------------------------------------------
+
+_ARRAYS = ("action", "floor", "prio", "crit", "b_d", "b_p")
+
+
+def save(pol: FrozenPolicy, directory: str | os.PathLike) -> None:
+  """Write ``directory/arrays`` (orbax) and ``directory/policy.json``; overwrites both."""
+  import orbax.checkpoint as ocp
+  d = os.path.abspath(os.fspath(directory))
+  os.makedirs(d, exist_ok=True)
+  tree = {k: np.asarray(getattr(pol, k)) for k in _ARRAYS}
+  # orbax refuses zero-size arrays: Γ is stored as [reserve..., pooled] (never empty).
+  tree["gamma"] = np.concatenate([np.asarray(pol.reserve, np.float32).reshape(-1),
+                                  np.asarray(pol.pooled, np.float32).reshape(1)])
+  ckptr = ocp.PyTreeCheckpointer()
+  ckptr.save(os.path.join(d, "arrays"), tree, force=True)
+  with open(os.path.join(d, "policy.json"), "w") as f:
+    json.dump(pol.record, f, indent=1, sort_keys=True)
+    f.write("\n")
+
+
+def load(directory: str | os.PathLike, model: Any = None,
+         tokenizer_hash: str | None = None) -> FrozenPolicy:
+  """Read a policy; with ``model`` given, refuse a mismatch (ValueError) and bind the cost model.
+
+  A policy saved bound to a model needs no ``model`` argument (its own identity gives the cost).
+  """
+  import orbax.checkpoint as ocp
+  d = os.path.abspath(os.fspath(directory))
+  with open(os.path.join(d, "policy.json")) as f:
+    rec = json.load(f)
+  if rec.get("format") != FORMAT:
+    raise ValueError(f"{d}: not a {FORMAT} policy (format={rec.get('format')!r})")
+  if model is not None and rec.get("model") is not None:
+    check_identity(rec["model"], identity_of(model, tokenizer_hash), where=f"policy {d}")
+  arr = ocp.PyTreeCheckpointer().restore(os.path.join(d, "arrays"))
+  G = int(rec["n_groups"])
+  if np.asarray(arr["action"]).shape != (T.N_IDS, G):
+    raise ValueError(f"{d}: table shape {np.asarray(arr['action']).shape} != {(T.N_IDS, G)}")
+  pol = FrozenPolicy(
+      action=jnp.asarray(arr["action"], jnp.int8), floor=jnp.asarray(arr["floor"], jnp.int8),
+      prio=jnp.asarray(arr["prio"], jnp.float32), crit=jnp.asarray(arr["crit"], bool),
+      reserve=jnp.asarray(np.asarray(arr["gamma"])[:-1], jnp.float32),
+      pooled=jnp.float32(np.asarray(arr["gamma"])[-1]), b_d=jnp.float32(arr["b_d"]),
+      b_p=jnp.float32(arr["b_p"]), cost=jnp.zeros((3, G), jnp.float32), c_full=jnp.float32(0),
+      sink=int(rec["sink"]), window=int(rec["window"]),
+      record_json=json.dumps(rec, sort_keys=True))
+  if rec.get("model") is not None:
+    pol = bind(pol, rec["model"])
+  if model is not None:
+    pol = bind(pol, model, tokenizer_hash)
+  return pol
+
+
+# ---- shipped policies -------------------------------------------------------------------------
+
+POLICIES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "policies")
+
+
+def all_high(model: Any = None, *, n_groups: int = 3, sink: int = DEFAULT_SINK,
+             window: int = DEFAULT_WINDOW, tokenizer_hash: str | None = None) -> FrozenPolicy:
+  """The reference π_ref (A.4): B_D = 1, every action and floor H, Γ = 0."""
+  return build({}, model, n_groups=n_groups, b_d=1.0, b_p=1.0, pooled=0.0, sink=sink,
+               window=window, tokenizer_hash=tokenizer_hash, adapter="any",
+               extra={"name": "all-high"})
+
+
+def _demo_entries(n_groups: int) -> dict[int, Entry]:
+  """Hand-written (not calibrated) entries; three-group values stretched to ``n_groups``."""
+  Cl = T.Cls
+  # (action lower/middle/upper, floor lower/middle/upper)
+  fc = {
+      T.fc(Cl.PURE_SCAFFOLD): ("RRL", "RRR"),
+      T.fc(Cl.SCHEMA_BEARING): ("LHH", "LLH"),
+      T.fc(Cl.SCHEMA_BEARING, T.FCRole.SCAFFOLD_SEPARATOR): ("RLL", "RRL"),
+      T.fc(Cl.SCHEMA_BEARING, T.FCRole.DISPATCH_KEY): ("HHH", "HHH"),
+      T.fc(Cl.SCHEMA_BEARING, T.FCRole.REQUIRED): ("LHH", "LLH"),
+      T.fc(Cl.SCHEMA_BEARING, T.FCRole.OPTIONAL): ("LLH", "RLL"),
+      T.fc(Cl.FREE_GENERATION): ("LLH", "LLL"),
+  }
+  sq = {
+      T.sql(Cl.PURE_SCAFFOLD): ("RLL", "RRR"),
+      T.sql(Cl.SCHEMA_BEARING): ("LHH", "LLH"),
+      T.sql(Cl.SCHEMA_BEARING, T.SQLRole.PROJECTION): ("LHH", "LLH"),
+      T.sql(Cl.SCHEMA_BEARING, T.SQLRole.RELATION): ("HHH", "LHH"),
+      T.sql(Cl.SCHEMA_BEARING, T.SQLRole.PREDICATE): ("LHH", "LLH"),
+      T.sql(Cl.SCHEMA_BEARING, T.SQLRole.OUTSIDE_SCHEMA): ("LLH", "RLL"),
+      T.sql(Cl.FREE_GENERATION): ("LLH", "LLL"),
+  }
+  P = T.PromptLabel
+  pr = {
+      T.prompt(P.PROTECTED_CONTENT): ("HHH", "LHH"),
+      T.prompt(P.SCHEMA_SCAFFOLD): ("RLL", "RRR"),
+      T.prompt(P.FUNCTION_NAME): ("HHH", "HHH"),
+      T.prompt(P.PARAMETER_KEY): ("LHH", "LLH"),
+      T.prompt(P.TYPE_CONSTRAINT): ("LLH", "RLL"),
+      T.prompt(P.ENUM_CONSTRAINT): ("LHH", "LLH"),
+      T.prompt(P.SCHEMA_DESCRIPTION): ("RLL", "RRR"),
+  }
+  code = {"R": T.R, "L": T.L, "H": T.H}
+  stretch = lambda s: [code[s[min(2, g * 3 // n_groups)]] for g in range(n_groups)]
+  out = {}
+  for i, (a, f) in {**fc, **sq, **pr}.items():
+    # Scores grow with depth (upper groups matter more) and are larger for L→H than R→L.
+    prio = [[1.0 + g, 2.0 + 2 * g] for g in range(n_groups)]
+    out[i] = Entry(stretch(a), stretch(f), prio)
+  return out
+
+
+def demo(model: Any = None, *, n_groups: int = 3, b_d: float = 0.5, b_p: float = 0.5,
+         sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW,
+         tokenizer_hash: str | None = None) -> FrozenPolicy:
+  """A hand-written policy that compresses: scaffold → R/L, function names and required
+  arguments H in the upper groups, free text L; B_D = B_P = 0.5, Γ = 0.  Not calibrated."""
+  return build(_demo_entries(n_groups), model, n_groups=n_groups, b_d=b_d, b_p=b_p, pooled=0.0,
+               sink=sink, window=window, tokenizer_hash=tokenizer_hash, adapter="any",
+               extra={"name": "demo", "note": "hand-written, not calibrated"})
+
+
+BUILTIN = {"all-high": all_high, "demo": demo}
+
+
+def resolve(name_or_dir: str, model: Any = None, tokenizer_hash: str | None = None) -> FrozenPolicy:
+  """``"all-high"``, ``"demo"`` (constructed), or a policy directory (loaded and checked)."""
+  if name_or_dir in BUILTIN:
+    return BUILTIN[name_or_dir](model, tokenizer_hash=tokenizer_hash)
+  return load(name_or_dir, model, tokenizer_hash)
+
+
+def describe(pol: FrozenPolicy, tag_id: int) -> str:
+  """``fc:pure_scaffold -> action RRL floor RRR`` for logs."""
+  a = "".join(T.ACTION_NAMES[int(x)] for x in np.asarray(pol.action[tag_id]))
+  f = "".join(T.ACTION_NAMES[int(x)] for x in np.asarray(pol.floor[tag_id]))
+  return f"{T.describe(tag_id)} -> action {a} floor {f}"
