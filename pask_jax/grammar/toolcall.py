@@ -55,7 +55,11 @@ def _esc(s: str) -> str:
   return json.dumps(s)  # an EBNF string literal uses JSON escapes
 
 
-def tool_call_grammar(compiler: GrammarCompiler, tools: list[dict], fmt: str) -> Grammar:
+def tool_call_grammar(compiler: GrammarCompiler, tools: list[dict], fmt: str,
+                      max_calls: int = 8) -> Grammar:
+  """One to ``max_calls`` calls in ``fmt`` (BFCL's parallel cases need at most a handful)."""
+  if max_calls < 1:
+    raise GrammarError("max_calls must be >= 1")
   if fmt not in FORMATS:
     raise GrammarError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(FORMATS)}")
   tools = normalize_tools(tools)
@@ -67,12 +71,12 @@ def tool_call_grammar(compiler: GrammarCompiler, tools: list[dict], fmt: str) ->
     raise GrammarError(f"XGrammar cannot compile the tool schemas: {e}") from None
   call = _rename_root(call, "call")
   if fmt == "fenced_json":
-    head = f'root ::= block ("\\n" block)*\nblock ::= {_esc("```json" + chr(10))} call {_esc(chr(10) + "```")}\n'
+    head = f'root ::= block ("\\n" block){{0,{max_calls - 1}}}\nblock ::= {_esc("```json" + chr(10))} call {_esc(chr(10) + "```")}\n'
   elif fmt == "tool_call_tags":
-    head = (f'root ::= block ("\\n" block)*\n'
+    head = (f'root ::= block ("\\n" block){{0,{max_calls - 1}}}\n'
             f'block ::= {_esc("<tool_call>" + chr(10))} call {_esc(chr(10) + "</tool_call>")}\n')
   else:
-    head = 'root ::= "[" call (", " call)* "]"\n'
+    head = f'root ::= "[" call (", " call){{0,{max_calls - 1}}} "]"\n'
   g = compiler.ebnf(head + call)
   g.kind, g.meta = "tool_calls", {"format": fmt, "tools": tools}
   return g

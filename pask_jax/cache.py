@@ -1,0 +1,387 @@
+"""The PASK mixed-precision KV cache (DESIGN.md "The cache pytree"; paper B.2, B.4, B.5).
+
+Immutable pytree; every update returns a new one.  Shapes (L layers, B sequences, W window
+slots, G layer groups, Hkv KV heads, D head dim, ``page`` rows per page)::
+
+  layers.win_k/win_v  [L, B, W, Hkv, D]      bf16  recent window, ring slot = position % W
+  layers.hi_k/hi_v    [L, P_hi, page, Hkv, D]  bf16  high pool (pages shared by sequences)
+  layers.lo_k/lo_v    [L, P_lo, page, Hkv, D/2] u8  low pool, INT4 half-split nibbles
+  layers.lo_s         [L, P_lo, page, Hkv, 2]  f16   (K scale, V scale) per row
+  win_pos             [B, W]      int32  absolute position held by each slot (-1: empty)
+  win_act             [B, W, G]   int8   pending actions of each window token (R/L/H)
+  count               [B]         int32  tokens written so far = next absolute position
+  hi_pages/lo_pages   [G, B, n_pages] int32  page tables (layers of a group share them)
+  hi_len/lo_len       [G, B]      int32  entries stored per group and sequence
+  hi_pos/lo_pos       [G, B, cap] int32  absolute position of entry j (-1: none)
+  overflow            [B]         bool   an entry did not fit its pool (it was dropped)
+
+Lifecycle of a token at position p (B.2): it enters window slot p % W with its pending actions
+(sink positions p < ``sink`` are forced to H for every group); when position p + W is written
+to the same slot, the token is *materialized* per group: H → appended to the BF16 pool, L →
+quantized and appended to the INT4 pool, R → gone.  Pools are append-only and decisions are
+never undone; ``hi_pos``/``lo_pos`` keep absolute positions across released gaps.  Every visible
+key appears exactly once across the INT4 pool, the BF16 pool and the window (which already holds
+the current token when attention runs).
+
+Page allocation here is the dense default: sequence b owns pages [b·n_pages, (b+1)·n_pages) of
+every pool, identically for every group.  An engine may hand in its own page tables; the update
+functions only ever go through ``*_pages``.
+
+**The decode-step split** (the model runs its layers one by one; the shared bookkeeping is done
+once per step):
+
+  cache, plan = begin_step(cache, actions[B, G], active[B])   # once, before the layers
+  for each layer ℓ (Python loop, or lax.scan over ``cache.layers`` with ``group_of_layer``):
+    lkv = write_layer(layer_slice(cache, ℓ), plan, g(ℓ), k_ℓ[B, Hkv, D], v_ℓ[B, Hkv, D])
+    window, hi, lo, maps = kernel_inputs(lkv, cache, g(ℓ))      # pallas_kernels.types
+    out = pallas_kernels.decode_attention(q_ℓ, window, hi, lo, maps)
+  cache = cache.replace(layers=stacked lkv's)                   # or set_layer(cache, ℓ, lkv)
+
+``begin_step`` moves the evicted token's bookkeeping (lengths, positions, overflow) and records the
+new token's position and pending actions; ``write_layer`` copies/quantizes the evicted token's
+K/V into the pools of that layer (it must read the window slot before overwriting it, so both
+happen there) and writes the new K/V into the window.  ``append`` does the whole thing for
+K/V of all layers at once (tests, prefill-free tools).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
+from pask_jax import quant
+from pask_jax import tags as T
+
+
+@flax.struct.dataclass
+class LayerKV:
+  """Per-layer K/V storage; in :class:`Cache` every field has a leading layer axis."""
+  win_k: jax.Array  # [B, W, Hkv, D] bf16
+  win_v: jax.Array
+  hi_k: jax.Array   # [P_hi, page, Hkv, D] bf16
+  hi_v: jax.Array
+  lo_k: jax.Array   # [P_lo, page, Hkv, D/2] uint8
+  lo_v: jax.Array
+  lo_s: jax.Array   # [P_lo, page, Hkv, 2] float16
+
+
+@flax.struct.dataclass
+class Cache:
+  layers: LayerKV
+  win_pos: jax.Array   # [B, W] int32
+  win_act: jax.Array   # [B, W, G] int8
+  count: jax.Array     # [B] int32
+  hi_pages: jax.Array  # [G, B, n_hi_pages] int32
+  lo_pages: jax.Array  # [G, B, n_lo_pages] int32
+  hi_len: jax.Array    # [G, B] int32
+  lo_len: jax.Array    # [G, B] int32
+  hi_pos: jax.Array    # [G, B, cap_hi] int32
+  lo_pos: jax.Array    # [G, B, cap_lo] int32
+  overflow: jax.Array  # [B] bool
+  group_of: tuple = flax.struct.field(pytree_node=False, default=())
+  sink: int = flax.struct.field(pytree_node=False, default=0)
+
+  @property
+  def n_layers(self) -> int:
+    return self.layers.win_k.shape[0]
+
+  @property
+  def batch(self) -> int:
+    return self.win_pos.shape[0]
+
+  @property
+  def window(self) -> int:
+    return self.win_pos.shape[1]
+
+  @property
+  def n_groups(self) -> int:
+    return self.hi_len.shape[0]
+
+  @property
+  def page(self) -> int:
+    return self.layers.hi_k.shape[2]
+
+  @property
+  def win_len(self) -> jax.Array:
+    """[B] visible window slots: a prefix of the ring, min(count, W)."""
+    return jnp.minimum(self.count, self.window)
+
+
+class StepPlan(NamedTuple):
+  """What one decode step does, shared by all layers (output of :func:`begin_step`)."""
+  slot: jax.Array     # [B] int32 window slot of the new token; W (out of range) if inactive
+  dest_hi: jax.Array  # [G, B] int32 flat hi-pool row for the evicted token; out of range: none
+  dest_lo: jax.Array  # [G, B] int32 flat lo-pool row for the evicted token; out of range: none
+
+
+# ---- construction -----------------------------------------------------------------------------
+
+def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity: int,
+         window: int, sink: int = 0, n_groups: int = 3, page: int = 16,
+         hi_capacity: int | None = None, lo_capacity: int | None = None) -> Cache:
+  """An empty cache.  ``capacity``: tokens per sequence a pool can hold (default for both pools;
+  ``hi_capacity``/``lo_capacity`` override), rounded up to whole pages.  ``window``/``sink`` come
+  from the policy (``policy.window``, ``policy.sink``).
+  """
+  if head_dim % 2:
+    raise ValueError(f"INT4 packing needs an even head_dim, got {head_dim}")
+  if window < 1:
+    raise ValueError("the recent window needs at least one slot (it holds the current token)")
+  G, B, W, Hkv, D = n_groups, batch, window, n_kv_heads, head_dim
+  n_hi = math.ceil((capacity if hi_capacity is None else hi_capacity) / page)
+  n_lo = math.ceil((capacity if lo_capacity is None else lo_capacity) / page)
+
+  def dense_pages(n):   # [G, B, n]: sequence b owns pages b*n .. b*n+n-1
+    return jnp.broadcast_to(jnp.arange(B * n, dtype=jnp.int32).reshape(1, B, n), (G, B, n))
+
+  z = lambda shape, dt: jnp.zeros(shape, dt)
+  layers = LayerKV(
+      win_k=z((n_layers, B, W, Hkv, D), jnp.bfloat16), win_v=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
+      hi_k=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
+      hi_v=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
+      lo_k=z((n_layers, B * n_lo, page, Hkv, D // 2), jnp.uint8),
+      lo_v=z((n_layers, B * n_lo, page, Hkv, D // 2), jnp.uint8),
+      lo_s=jnp.ones((n_layers, B * n_lo, page, Hkv, 2), jnp.float16))
+  return Cache(
+      layers=layers, win_pos=jnp.full((B, W), -1, jnp.int32), win_act=z((B, W, G), jnp.int8),
+      count=z((B,), jnp.int32), hi_pages=dense_pages(n_hi), lo_pages=dense_pages(n_lo),
+      hi_len=z((G, B), jnp.int32), lo_len=z((G, B), jnp.int32),
+      hi_pos=jnp.full((G, B, n_hi * page), -1, jnp.int32),
+      lo_pos=jnp.full((G, B, n_lo * page), -1, jnp.int32),
+      overflow=z((B,), bool), group_of=tuple(T.group_of_layer(n_layers, n_groups)), sink=int(sink))
+
+
+def init_for(model, batch: int, policy, *, capacity: int, page: int = 16, **kw) -> Cache:
+  """``init`` from a model config (``n_layers``, ``n_kv_heads``, ``head_dim``) and a policy."""
+  return init(model.n_layers, batch, model.n_kv_heads, model.head_dim, capacity=capacity,
+              window=policy.window, sink=policy.sink, n_groups=policy.n_groups, page=page, **kw)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _flat_row(pages: jax.Array, j: jax.Array, page: int, n_rows: int) -> jax.Array:
+  """Entry ``j [G, B, ...]`` through page tables ``pages [G, B, n_pages]`` -> flat pool row, or
+  ``n_rows`` (out of range: scatters with mode="drop" skip it) when j is beyond the table."""
+  G, B, n_pages = pages.shape
+  extra = (1,) * (j.ndim - 2)
+  pi = j // page
+  ok = (j >= 0) & (pi < n_pages)
+  gi = jnp.arange(G).reshape((G, 1) + extra)
+  bi = jnp.arange(B).reshape((1, B) + extra)
+  pid = pages[gi, bi, jnp.clip(pi, 0, n_pages - 1)]
+  return jnp.where(ok, pid * page + j % page, n_rows)
+
+
+def _flat(x: jax.Array) -> jax.Array:
+  """[.., P, page, ...] -> [.., P*page, ...] (the last-but-pool axes untouched)."""
+  return x.reshape(x.shape[:-4] + (x.shape[-4] * x.shape[-3],) + x.shape[-2:])
+
+
+def _quant_kv(k: jax.Array, v: jax.Array):
+  """K/V rows [..., D] -> (k codes [..., D/2], v codes, scales [..., 2]) per (token, head) row."""
+  kq, ks = quant.quantize_packed(k)
+  vq, vs = quant.quantize_packed(v)
+  return kq, vq, jnp.stack([ks, vs], axis=-1)
+
+
+def _force_sink(actions: jax.Array, pos: jax.Array, sink: int) -> jax.Array:
+  """Sink positions stay H forever (B.2): ``actions [..., G]``, ``pos [...]``."""
+  return jnp.where((pos < sink)[..., None], jnp.int8(T.H), actions.astype(jnp.int8))
+
+
+# ---- prefill ----------------------------------------------------------------------------------
+
+def materialize_prefill(cache: Cache, k: jax.Array, v: jax.Array, plan: jax.Array,
+                        lengths: jax.Array | None = None) -> Cache:
+  """Store a full-precision prefill into a fresh cache (B.4: retain H, quantize L, release R).
+
+  k, v: [L, B, T, Hkv, D] (post-RoPE, any float dtype); plan: int [B, T, G] actions per prompt
+  token; lengths: [B] prompt lengths (default T; rows t >= lengths[b] are padding and ignored).
+  The last min(n, W) tokens of each prompt go to the window with their plan as pending actions;
+  earlier ones are materialized now.  Sink positions are forced H.  ``cache`` must be empty.
+  """
+  Lyr, B, Tn, Hkv, D = k.shape
+  G, W = cache.n_groups, cache.window
+  chex.assert_shape(v, k.shape)
+  chex.assert_shape(plan, (B, Tn, G))
+  chex.assert_shape(cache.layers.win_k, (Lyr, B, W, Hkv, D))
+  n = jnp.full((B,), Tn, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+  t = jnp.arange(Tn, dtype=jnp.int32)[None, :]                       # [1, T]
+  real = t < n[:, None]                                              # [B, T]
+  in_win = real & (t >= n[:, None] - W)
+  done = real & ~in_win                                              # materialized now
+  act = _force_sink(plan, jnp.broadcast_to(t, (B, Tn)), cache.sink)  # [B, T, G]
+  gl = jnp.asarray(cache.group_of, jnp.int32)                        # [L]
+  lay = cache.layers
+  li = jnp.arange(Lyr)[:, None, None]
+
+  def pool(which, pages, length, pool_k):
+    sel = done[None] & (jnp.moveaxis(act, -1, 0) == which)           # [G, B, T]
+    j = length[..., None] + jnp.cumsum(sel, axis=-1) - 1             # entry index per token
+    rows = pool_k.shape[1] * cache.page
+    dest = jnp.where(sel, _flat_row(pages, j, cache.page, rows), rows)
+    return sel, j, dest, rows
+
+  # High pool: BF16 copies.
+  sel_h, j_h, dest_h, rows_h = pool(T.H, cache.hi_pages, cache.hi_len, lay.hi_k)
+  d = dest_h[gl]                                                     # [L, B, T]
+  hi_k = _flat(lay.hi_k).at[li, d].set(k.astype(jnp.bfloat16), mode="drop")
+  hi_v = _flat(lay.hi_v).at[li, d].set(v.astype(jnp.bfloat16), mode="drop")
+  # Low pool: quantized from the BF16 values (what the window would have held).
+  sel_l, j_l, dest_l, rows_l = pool(T.L, cache.lo_pages, cache.lo_len, lay.lo_k)
+  d = dest_l[gl]
+  kq, vq, s = _quant_kv(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  lo_k = _flat(lay.lo_k).at[li, d].set(kq, mode="drop")
+  lo_v = _flat(lay.lo_v).at[li, d].set(vq, mode="drop")
+  lo_s = _flat(lay.lo_s).at[li, d].set(s, mode="drop")
+  # Positions and lengths per group.
+  gi, bi = jnp.arange(G)[:, None, None], jnp.arange(B)[None, :, None]
+  tt = jnp.broadcast_to(t[None], (G, B, Tn))
+  hi_pos = cache.hi_pos.at[gi, bi, jnp.where(sel_h, j_h, cache.hi_pos.shape[-1])].set(
+      tt, mode="drop")
+  lo_pos = cache.lo_pos.at[gi, bi, jnp.where(sel_l, j_l, cache.lo_pos.shape[-1])].set(
+      tt, mode="drop")
+  hi_len = cache.hi_len + jnp.sum(sel_h, axis=-1)
+  lo_len = cache.lo_len + jnp.sum(sel_l, axis=-1)
+  overflow = cache.overflow | jnp.any((dest_h == rows_h) & sel_h, axis=(0, 2)) | jnp.any(
+      (dest_l == rows_l) & sel_l, axis=(0, 2))
+  # Window.
+  slot = jnp.where(in_win, t % W, W)                                 # [B, T]; W = drop
+  bj = jnp.arange(B)[:, None]
+  win_k = lay.win_k.at[:, bj, slot].set(jnp.asarray(k, jnp.bfloat16), mode="drop")
+  win_v = lay.win_v.at[:, bj, slot].set(jnp.asarray(v, jnp.bfloat16), mode="drop")
+  win_pos = cache.win_pos.at[bj, slot].set(jnp.broadcast_to(t, (B, Tn)), mode="drop")
+  win_act = cache.win_act.at[bj, slot].set(act, mode="drop")
+
+  unflat = lambda x, ref: x.reshape(ref.shape)
+  layers = LayerKV(win_k=win_k, win_v=win_v, hi_k=unflat(hi_k, lay.hi_k),
+                   hi_v=unflat(hi_v, lay.hi_v), lo_k=unflat(lo_k, lay.lo_k),
+                   lo_v=unflat(lo_v, lay.lo_v), lo_s=unflat(lo_s, lay.lo_s))
+  return cache.replace(layers=layers, win_pos=win_pos, win_act=win_act, count=cache.count + n,
+                       hi_len=hi_len, lo_len=lo_len, hi_pos=hi_pos, lo_pos=lo_pos,
+                       overflow=overflow)
+
+
+# ---- decode: the per-step split ---------------------------------------------------------------
+
+def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None):
+  """Shared bookkeeping of one decode step -> (cache with new maps/positions/pending, StepPlan).
+
+  actions: int [B, G] pending actions of the new token (controller output); active: bool [B]
+  (default all) — an inactive sequence is left untouched by this step and by ``write_layer``.
+  The new token takes position ``count[b]`` and slot ``count[b] % W``; the token it displaces
+  (position count - W, if any) is materialized by its pending actions.
+  """
+  B, W, G = cache.batch, cache.window, cache.n_groups
+  chex.assert_shape(actions, (B, G))
+  act_on = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+  p = cache.count
+  slot = p % W
+  bi = jnp.arange(B)
+  evict = act_on & (p >= W)                                          # [B]
+  old_pos = cache.win_pos[bi, slot]                                  # [B]
+  old_act = cache.win_act[bi, slot].T                                # [G, B]
+  page = cache.page
+
+  def one_pool(which, pages, length, pos, rows):
+    sel = evict[None] & (old_act == which)                           # [G, B]
+    j = length                                                       # next entry
+    dest = jnp.where(sel, _flat_row(pages, j, page, rows), rows)     # [G, B]
+    cap = pos.shape[-1]
+    pos = pos.at[jnp.arange(G)[:, None], bi[None], jnp.where(sel, j, cap)].set(
+        jnp.broadcast_to(old_pos[None], (G, B)), mode="drop")
+    lost = jnp.any(sel & (dest == rows), axis=0)                     # [B]
+    return dest, length + sel, pos, lost
+
+  rows_h = cache.layers.hi_k.shape[1] * page
+  rows_l = cache.layers.lo_k.shape[1] * page
+  dest_h, hi_len, hi_pos, lost_h = one_pool(T.H, cache.hi_pages, cache.hi_len, cache.hi_pos, rows_h)
+  dest_l, lo_len, lo_pos, lost_l = one_pool(T.L, cache.lo_pages, cache.lo_len, cache.lo_pos, rows_l)
+  wslot = jnp.where(act_on, slot, W)                                 # W: dropped
+  new_act = _force_sink(actions, p, cache.sink)
+  cache = cache.replace(
+      win_pos=cache.win_pos.at[bi, wslot].set(p, mode="drop"),
+      win_act=cache.win_act.at[bi, wslot].set(new_act, mode="drop"),
+      count=p + act_on.astype(jnp.int32), hi_len=hi_len, lo_len=lo_len, hi_pos=hi_pos,
+      lo_pos=lo_pos, overflow=cache.overflow | lost_h | lost_l)
+  return cache, StepPlan(slot=wslot, dest_hi=dest_h, dest_lo=dest_l)
+
+
+def write_layer(lkv: LayerKV, plan: StepPlan, g, k: jax.Array, v: jax.Array) -> LayerKV:
+  """One layer's K/V update for a step: materialize the evicted window token into this layer's
+  pools (by group ``g``'s decision, ``g`` may be traced) and write the new ``k, v [B, Hkv, D]``
+  into the window.  ``lkv`` is one layer's arrays (no layer axis)."""
+  B, W = lkv.win_k.shape[:2]
+  chex.assert_shape(k, (B,) + lkv.win_k.shape[2:])
+  bi = jnp.arange(B)
+  read = jnp.minimum(plan.slot, W - 1)
+  old_k, old_v = lkv.win_k[bi, read], lkv.win_v[bi, read]            # [B, Hkv, D]
+  dh, dl = plan.dest_hi[g], plan.dest_lo[g]                          # [B]
+  hi_k = _flat(lkv.hi_k).at[dh].set(old_k, mode="drop").reshape(lkv.hi_k.shape)
+  hi_v = _flat(lkv.hi_v).at[dh].set(old_v, mode="drop").reshape(lkv.hi_v.shape)
+  kq, vq, s = _quant_kv(old_k, old_v)
+  lo_k = _flat(lkv.lo_k).at[dl].set(kq, mode="drop").reshape(lkv.lo_k.shape)
+  lo_v = _flat(lkv.lo_v).at[dl].set(vq, mode="drop").reshape(lkv.lo_v.shape)
+  lo_s = _flat(lkv.lo_s).at[dl].set(s, mode="drop").reshape(lkv.lo_s.shape)
+  win_k = lkv.win_k.at[bi, plan.slot].set(k.astype(lkv.win_k.dtype), mode="drop")
+  win_v = lkv.win_v.at[bi, plan.slot].set(v.astype(lkv.win_v.dtype), mode="drop")
+  return LayerKV(win_k=win_k, win_v=win_v, hi_k=hi_k, hi_v=hi_v, lo_k=lo_k, lo_v=lo_v, lo_s=lo_s)
+
+
+def layer_slice(cache: Cache, layer) -> LayerKV:
+  """Layer ``layer``'s arrays (``layer`` may be traced)."""
+  return jax.tree.map(lambda x: x[layer], cache.layers)
+
+
+def set_layer(cache: Cache, layer, lkv: LayerKV) -> Cache:
+  return cache.replace(layers=jax.tree.map(lambda x, y: x.at[layer].set(y), cache.layers, lkv))
+
+
+def group_array(cache: Cache) -> jax.Array:
+  """``int32[L]``: the layer group of every layer (for a lax.scan over layers)."""
+  return jnp.asarray(cache.group_of, jnp.int32)
+
+
+def kernel_inputs(lkv: LayerKV, cache: Cache, g) -> tuple[Window, HighPool, LowPool, PageMaps]:
+  """The ``pallas_kernels.types`` inputs of one layer whose group is ``g`` (may be traced);
+  ``cache`` supplies the shared maps (use the cache returned by ``begin_step``)."""
+  return (Window(lkv.win_k, lkv.win_v, cache.win_len),
+          HighPool(lkv.hi_k, lkv.hi_v),
+          LowPool(lkv.lo_k, lkv.lo_v, lkv.lo_s),
+          PageMaps(cache.hi_pages[g], cache.hi_len[g], cache.lo_pages[g], cache.lo_len[g]))
+
+
+def layer_inputs(cache: Cache, layer: int):
+  """``kernel_inputs`` for layer ``layer`` of a cache (static layer index)."""
+  return kernel_inputs(layer_slice(cache, layer), cache, cache.group_of[layer])
+
+
+def append(cache: Cache, k: jax.Array, v: jax.Array, actions: jax.Array,
+           active: jax.Array | None = None) -> Cache:
+  """A whole decode-step update from every layer's K/V ``[L, B, Hkv, D]`` (scan over layers)."""
+  chex.assert_shape(k, (cache.n_layers, cache.batch) + cache.layers.win_k.shape[3:])
+  cache, plan = begin_step(cache, actions, active)
+
+  def body(_, xs):
+    lkv, kl, vl, g = xs
+    return None, write_layer(lkv, plan, g, kl, vl)
+
+  _, layers = jax.lax.scan(body, None, (cache.layers, k, v, group_array(cache)))
+  return cache.replace(layers=layers)
+
+
+# ---- inspection (host side, tests, ledger) ----------------------------------------------------
+
+def stored_positions(cache: Cache, g: int, b: int) -> dict[str, list[int]]:
+  """Absolute positions visible to group ``g`` of sequence ``b``: hi, lo (entry order), window."""
+  hl, ll = int(cache.hi_len[g, b]), int(cache.lo_len[g, b])
+  wl = int(cache.win_len[b])
+  return {"hi": np.asarray(cache.hi_pos[g, b, :hl]).tolist(),
+          "lo": np.asarray(cache.lo_pos[g, b, :ll]).tolist(),
+          "win": np.asarray(cache.win_pos[b, :wl]).tolist()}
