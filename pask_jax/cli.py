@@ -1,0 +1,134 @@
+"""``pask-jax`` command line: generate (and the tools of later stages as they land)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _pick_platform() -> None:
+  """Run on the CPU when this host has no accelerator, unless the user chose a platform.
+
+  The ahead-of-time compile extras install the CUDA plugin and libtpu even on CPU-only hosts,
+  where JAX would otherwise try (and loudly fail) to initialize them.
+  """
+  if "JAX_PLATFORMS" in os.environ:
+    return
+  has_gpu = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+  has_tpu = os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
+  if not (has_gpu or has_tpu):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _read_json(path: str, what: str):
+  if not os.path.exists(path):
+    raise SystemExit(f"error: {what} file not found: {path}")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise SystemExit(f"error: {what} file {path} is not valid JSON: {e}")
+
+
+def cmd_generate(args) -> int:
+  import jax
+  import jax.numpy as jnp
+
+  from models import load
+  from pask_jax.decode import CapacityError, Runner, Sampling, generate
+  from pask_jax.grammar import (DEFAULT_FORMAT, GrammarCompiler, GrammarError, parse_calls,
+                                tool_call_grammar, tools_system_prompt)
+
+  on_cpu = jax.default_backend() == "cpu"
+  dtype = {"auto": jnp.float32 if on_cpu else jnp.bfloat16, "float32": jnp.float32,
+           "bfloat16": jnp.bfloat16}[args.dtype]
+  try:
+    m = load(args.model, dtype=dtype)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  tok = m.tokenizer
+  if tok is None:
+    raise SystemExit("error: this checkpoint has no tokenizer.json; cannot take a text prompt")
+  messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+      {"role": "user", "content": args.prompt}]
+  grammar, tools, fmt = None, None, None
+  try:
+    gc = GrammarCompiler(tok, m.cfg.vocab_size) if (args.json_schema or args.tools) else None
+    if args.json_schema:
+      grammar = gc.json_schema(_read_json(args.json_schema, "JSON schema"))
+    elif args.tools:
+      tools = _read_json(args.tools, "tools")
+      tools = tools if isinstance(tools, list) else [tools]
+      fmt = args.tool_format or DEFAULT_FORMAT.get(m.cfg.arch, "json_list")
+      grammar = tool_call_grammar(gc, tools, fmt)
+  except GrammarError as e:
+    raise SystemExit(f"error: {e}")
+  template_takes_tools = tok.chat_template and "tools" in tok.chat_template
+  if tools and not template_takes_tools:
+    messages.insert(0, {"role": "system", "content": tools_system_prompt(tools, fmt)})
+  text = tok.apply_chat_template(messages, tools=tools if template_takes_tools else None) \
+      if tok.chat_template and not args.raw else args.prompt
+  ids = tok.encode(text)
+  capacity = -(-(len(ids) + args.max_tokens) // 256) * 256
+  if capacity > m.cfg.max_position:
+    raise SystemExit(f"error: prompt of {len(ids)} tokens + max_tokens {args.max_tokens} exceeds "
+                     f"the model's context of {m.cfg.max_position} tokens")
+  runner = Runner(m.model, batch=1, capacity=capacity)
+  try:
+    res = generate(runner, tok, [ids], grammars=[grammar],
+                   sampling=Sampling(max_tokens=args.max_tokens, temperature=args.temperature,
+                                     top_p=args.top_p, seed=args.seed))[0]
+  except CapacityError as e:
+    raise SystemExit(f"error: {e}")
+  print(res.text)
+  if tools:
+    try:
+      print("tool calls:", json.dumps(parse_calls(res.text, fmt)))
+    except ValueError as e:
+      print(f"tool calls: none parsed ({e})")
+  print(f"[{len(ids)} prompt tokens, {len(res.tokens)} generated, finish={res.finish}, "
+        f"prefill {res.prefill_s:.2f}s (incl. compile), decode {res.tokens_per_s:.1f} tokens/s "
+        f"(incl. first-step compile), backend={jax.default_backend()}]", file=sys.stderr)
+  return 0
+
+
+def cmd_compare_kernels(args, rest) -> int:
+  from pallas_kernels import compare
+  return compare.main(rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+  _pick_platform()
+  ap = argparse.ArgumentParser(prog="pask-jax", description="PASK structured-generation KV tools")
+  sub = ap.add_subparsers(dest="cmd", required=True)
+  g = sub.add_parser("generate", help="generate text (optionally under a JSON schema or tools)")
+  g.add_argument("--model", default=None,
+                 help="GGUF file, HF checkpoint dir, or a registered name "
+                      "(default: smollm2-135m-instruct; also qwen2.5-coder-0.5b-instruct)")
+  g.add_argument("--prompt", required=True)
+  g.add_argument("--system", default=None, help="optional system message")
+  x = g.add_mutually_exclusive_group()
+  x.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+  x.add_argument("--tools", metavar="FILE", help="JSON list of tools (OpenAI format)")
+  g.add_argument("--tool-format", choices=["fenced_json", "tool_call_tags", "json_list"],
+                 help="tool-call format (default: per model family, see pask_jax.grammar)")
+  g.add_argument("--max-tokens", type=int, default=64)
+  g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  g.add_argument("--top-p", type=float, default=1.0)
+  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+  g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+  sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels", add_help=False)
+  args, rest = ap.parse_known_args(argv)
+  if args.cmd == "compare-kernels":
+    return cmd_compare_kernels(args, rest)
+  if rest:
+    ap.error(f"unrecognized arguments: {' '.join(rest)}")
+  if args.max_tokens <= 0:
+    ap.error("--max-tokens must be positive")
+  return cmd_generate(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
