@@ -37,7 +37,7 @@ def cmd_generate(args) -> int:
 
   from models import load
   from pask_jax.decode import CapacityError, Runner, Sampling, generate
-  from pask_jax.grammar import (DEFAULT_FORMAT, GrammarCompiler, GrammarError, parse_calls,
+  from pask_jax.grammar import (DEFAULT_STYLE, GrammarCompiler, GrammarError, parse_calls,
                                 tool_call_grammar, tools_system_prompt)
 
   on_cpu = jax.default_backend() == "cpu"
@@ -60,8 +60,10 @@ def cmd_generate(args) -> int:
     elif args.tools:
       tools = _read_json(args.tools, "tools")
       tools = tools if isinstance(tools, list) else [tools]
-      fmt = args.tool_format or DEFAULT_FORMAT.get(m.cfg.arch, "json_list")
-      grammar = tool_call_grammar(gc, tools, fmt)
+      fmt, indent = DEFAULT_STYLE.get(m.cfg.arch, ("json_list", None))
+      if args.tool_format and args.tool_format != fmt:
+        fmt, indent = args.tool_format, None
+      grammar = tool_call_grammar(gc, tools, fmt, indent=indent)
   except GrammarError as e:
     raise SystemExit(f"error: {e}")
   template_takes_tools = tok.chat_template and "tools" in tok.chat_template
