@@ -39,6 +39,7 @@ def _partial(q, k, v, valid, c):
   return o, m, l
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def partials(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, scale=None):
   """The three per-partition partials stacked on axis 2: o [B,Hkv,3,g,D], m, l [B,Hkv,3,g]."""
   b, hq, d = q.shape

@@ -7,6 +7,7 @@ entries (out of range) beyond a sequence's pages -- so any leak of invisible dat
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +84,8 @@ def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool =
   if p_lo:
     # A few all-zero rows exercise the "zero codes, scale 1" rule.
     klo_f[0, 0, 0] = 0.0
-  kc, ks = quant.quantize_packed(jnp.asarray(klo_f, jnp.float32))
-  vc, vs = quant.quantize_packed(jnp.asarray(vlo_f, jnp.float32))
+  kc, ks = _quantize(jnp.asarray(klo_f, jnp.float32))
+  vc, vs = _quantize(jnp.asarray(vlo_f, jnp.float32))
   sc = np.stack([np.asarray(ks), np.asarray(vs)], axis=-1)      # [P, page, Hkv, 2] f16
   sc = mask_rows(sc, lo_tbl, lo_len, lo_used, np.float16(nan))
   kc, vc = np.asarray(kc), np.asarray(vc)
@@ -105,6 +106,9 @@ def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool =
   lo = LowPool(jnp.asarray(kc, jnp.uint8), jnp.asarray(vc, jnp.uint8), jnp.asarray(sc, jnp.float16))
   maps = PageMaps(jnp.asarray(hi_tbl), jnp.asarray(hi_len), jnp.asarray(lo_tbl), jnp.asarray(lo_len))
   return bf(q), window, hi, lo, maps
+
+
+_quantize = jax.jit(quant.quantize_packed)
 
 
 def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, scale=None):
@@ -151,3 +155,58 @@ def rel_err(out, ref) -> float:
   if not np.isfinite(out).all():
     return float("inf")
   return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def merged_f32(o, m, l, axis: int, hq: int, g: int | None = None):
+  """Merge kernel partials to an FP32 [B, Hq, D] (drops padded query rows) for tight checks."""
+  from pallas_kernels import common
+  if g is not None:   # GPU layout [B, Hkv, NS, M, D]: keep the g real rows of each group
+    o, m, l = o[..., :g, :], m[..., :g], l[..., :g]
+  out, _ = common.merge(o, m, l, axis=axis)
+  out = out.reshape(out.shape[0], -1, out.shape[-1])
+  return out[:, :hq]
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def reference_f32(q, window, hi, lo, maps, *, scale=None):
+  from pallas_kernels import reference
+  o, m, l = reference.partials(q, window, hi, lo, maps, scale=scale)
+  return merged_f32(o, m, l, axis=2, hq=q.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A kernel test case: a shape and per-sequence lengths (lo, hi, win)."""
+  name: str
+  shape: Shape
+  lo: tuple
+  hi: tuple
+  win: tuple
+  spare_pages: int = 3
+
+  def make(self, seed: int = 0, poison: bool = True):
+    return make(self.shape, self.lo, self.hi, self.win, seed=seed, poison=poison,
+                spare_pages=self.spare_pages)
+
+
+# Ragged lengths: 0, 1, and non-multiples of every page and block size; every GQA ratio of the
+# issue (1, 2, 4, 7, 8), head_dim 64 and 128, page 1 (dense), a non-power-of-two page, empty
+# partitions, and a pool that does not exist at all (P = 0).
+CASES = [
+    Case("g1_d64", Shape(b=3, hq=2, hkv=2, d=64, page=16, w=24, lo_cap=288, hi_cap=96),
+         (0, 1, 287), (95, 0, 17), (1, 24, 13)),
+    Case("g2_d128_p8", Shape(b=2, hq=4, hkv=2, d=128, page=8, w=40, lo_cap=200, hi_cap=64),
+         (199, 9), (1, 63), (40, 1)),
+    Case("g4_d128", Shape(b=2, hq=16, hkv=4, d=128, page=16, w=32, lo_cap=512, hi_cap=160),
+         (500, 33), (160, 2), (7, 32)),
+    Case("g7_d64", Shape(b=2, hq=14, hkv=2, d=64, page=16, w=32, lo_cap=320, hi_cap=64),
+         (319, 65), (0, 50), (32, 5)),
+    Case("g8_d128_page1", Shape(b=2, hq=8, hkv=1, d=128, page=1, w=16, lo_cap=70, hi_cap=40),
+         (70, 3), (39, 0), (16, 2)),
+    Case("g4_d64_page12_hkv3", Shape(b=2, hq=12, hkv=3, d=64, page=12, w=20, lo_cap=144,
+                                     hi_cap=48), (143, 0), (13, 48), (20, 1)),
+    Case("no_lo_pool", Shape(b=2, hq=8, hkv=2, d=64, page=16, w=16, lo_cap=0, hi_cap=96),
+         (0, 0), (90, 17), (3, 16), spare_pages=0),
+    Case("no_hi_pool_empty_window", Shape(b=2, hq=8, hkv=2, d=128, page=16, w=16, lo_cap=96,
+                                          hi_cap=0), (96, 41), (0, 0), (0, 0), spare_pages=0),
+]

@@ -14,6 +14,9 @@ Why this shape:
   and high nibbles [D/2, D), so q and the output are split in halves and each half gets one MMA.
   Codes in [-7, 7] are exact in bf16, so q.k uses bf16 MMAs with FP32 accumulation exactly; the
   K scale multiplies the score column and the V scale the probability column.
+* ``exact_pv`` (default) feeds p to the p @ V MMA as a bf16 hi + lo pair: FP32-grade value
+  accumulation (rel. error ~1e-5 instead of ~1e-3) for one more small MMA per block, which the
+  memory-bound loop hides.
 * Heads are the fastest grid axis (CUDA's x) so the programs reading the same tokens' rows,
   table entries and scale sectors run together.
 """
@@ -44,7 +47,21 @@ def _online(carry, s, valid):
   return p, alpha, m_new, l_new
 
 
-def _kernel(lens_ref, q_ref, *refs, g, page_lo, page_hi, n_lo, n_hi, chunk_lo, chunk_hi,
+def _split_bf16(x):
+  """f32 -> (hi, lo) bf16 with hi + lo == x to ~2^-17: two MMAs give a near-FP32 p @ V."""
+  hi = x.astype(jnp.bfloat16)
+  return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _pv(p, v, exact):
+  """p [M, bk] f32 @ v [bk, N] bf16 -> [M, N] f32."""
+  if not exact:
+    return plgpu.dot(p.astype(v.dtype), v)
+  hi, lo = _split_bf16(p)
+  return plgpu.dot(hi, v) + plgpu.dot(lo, v)
+
+
+def _kernel(lens_ref, q_ref, *refs, g, exact_pv, page_lo, page_hi, n_lo, n_hi, chunk_lo, chunk_hi,
             chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi):
   # lens_ref [4] i32 (lo, hi, win, -); q_ref [M, D] bf16.
   refs = list(refs)
@@ -83,10 +100,10 @@ def _kernel(lens_ref, q_ref, *refs, g, page_lo, page_hi, n_lo, n_hi, chunk_lo, c
       valid = pos < end
       rows = rows_of(pos, valid)
       k = _gather(k_ref, rows, valid, 0.0)    # [bk, D]
-      s = pl.dot(q, k, trans_b=True) * c                                    # [M, bk] f32
+      s = plgpu.dot(q, k, trans_b=True) * c                                    # [M, bk] f32
       p, alpha, m, l = _online((m, l), s, valid)
       v = _gather(v_ref, rows, valid, 0.0)
-      o = o * alpha[:, None] + pl.dot(p.astype(v.dtype), v)
+      o = o * alpha[:, None] + _pv(p, v, exact_pv)
       return o, m, l
 
     n = pl.cdiv(jnp.maximum(end - start, 0), bk)
@@ -113,13 +130,13 @@ def _kernel(lens_ref, q_ref, *refs, g, page_lo, page_hi, n_lo, n_hi, chunk_lo, c
       rows = _paged_rows(tlo_ref, page_lo, pos, valid)
       kl, kh = unpack(_gather(klo_ref, rows, valid, 0))
       ks = plgpu.load(sc_ref.at[rows, jnp.zeros_like(rows)], mask=valid, other=0.0).astype(jnp.float32)
-      s = (pl.dot(ql, kl, trans_b=True) + pl.dot(qh, kh, trans_b=True)) * (ks * c)[None, :]
+      s = (plgpu.dot(ql, kl, trans_b=True) + plgpu.dot(qh, kh, trans_b=True)) * (ks * c)[None, :]
       p, alpha, m, l = _online((m, l), s, valid)
       vs = plgpu.load(sc_ref.at[rows, jnp.ones_like(rows)], mask=valid, other=0.0).astype(jnp.float32)
-      pv = (p * vs[None, :]).astype(jnp.bfloat16)
+      pv = p * vs[None, :]
       vl, vh = unpack(_gather(vlo_ref, rows, valid, 0))
-      ol = ol * alpha[:, None] + pl.dot(pv, vl)
-      oh = oh * alpha[:, None] + pl.dot(pv, vh)
+      ol = ol * alpha[:, None] + _pv(pv, vl, exact_pv)
+      oh = oh * alpha[:, None] + _pv(pv, vh, exact_pv)
       return ol, oh, m, l
 
     n = pl.cdiv(jnp.maximum(end - start, 0), bk)
@@ -167,11 +184,12 @@ def _plan(cap, bk, chunk):
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "exact_pv", "interpret"))
 def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 64,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
-                 num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+                 num_warps: int = 8, num_stages: int = 3, exact_pv: bool = True,
+                 interpret: bool = False):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten)."""
   b, hq, d = q.shape
   w, hkv = window.k.shape[1], window.k.shape[2]
@@ -225,7 +243,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
   kernel = functools.partial(
       _kernel, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo, n_hi=n_hi, chunk_lo=chunk_lo,
       chunk_hi=chunk_hi, chunk_w=chunk_w, bk_lo=block_lo, bk_hi=block_hi, bk_w=block_w, c=c,
-      has_lo=bool(n_lo), has_hi=bool(n_hi))
+      has_lo=bool(n_lo), has_hi=bool(n_hi), exact_pv=exact_pv)
   o, m, l = pl.pallas_call(
       kernel,
       grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages
@@ -245,7 +263,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "exact_pv", "interpret"))
 def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, **kw):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
   b, hq, d = q.shape

@@ -16,6 +16,8 @@ TPU-specific choices (each one is something that did not compile otherwise or wo
 * INT4 codes travel as int8 (same bytes) and are widened to int32 before shifting (int8 shifts do
   not compile).  fp16 scales travel as raw bits packed in one int32 per row (fp16 vector loads do
   not compile) and are decoded with integer ops (``common.f16_bits_to_f32``).
+* ``exact_pv`` (default) feeds p to the p @ V matmul as a bf16 hi + lo pair: FP32-grade value
+  accumulation for a second MXU pass, which a memory-bound decode hides.
 * The half-split nibble layout gives low/high halves of D without a lane concatenate: q is passed
   as two halves and the INT4 accumulators are two [H, D/2] halves, joined in the XLA merge.
 """
@@ -33,7 +35,16 @@ from pallas_kernels import common
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 
-def _kernel(lens_ref, tlo_ref, thi_ref, *refs, hkv, g, page_lo, page_hi, n_lo, n_hi, steps, c,
+def _pv(p, v, exact):
+  """p [H, R] f32 @ v [R, N] bf16 -> f32; ``exact`` splits p into a bf16 hi + lo pair."""
+  f = lambda a: jnp.dot(a, v, preferred_element_type=jnp.float32)
+  if not exact:
+    return f(p.astype(jnp.bfloat16))
+  hi = p.astype(jnp.bfloat16)
+  return f(hi) + f((p - hi.astype(jnp.float32)).astype(jnp.bfloat16))
+
+
+def _kernel(lens_ref, tlo_ref, thi_ref, *refs, exact_pv, hkv, g, page_lo, page_hi, n_lo, n_hi, steps, c,
             has_lo, has_hi):
   # Scalar prefetch (SMEM): lens [3*B] (lo, hi, win per sequence), tlo [B*n_lo], thi [B*n_hi].
   refs = list(refs)
@@ -98,7 +109,7 @@ def _kernel(lens_ref, tlo_ref, thi_ref, *refs, hkv, g, page_lo, page_hi, n_lo, n
     ok = visible(k.shape[0], base, length)
     p = softmax_step(nt(q_ref[0], k) * c, ok)
     v = jnp.where(row_ok(k.shape[0], base, length), v_ref[0], 0)
-    acc[...] += jnp.dot(p.astype(jnp.bfloat16), v, preferred_element_type=jnp.float32)
+    acc[...] += _pv(p, v, exact_pv)
 
   def nibbles(x):  # int8 [R, D/2] -> bf16 low half, high half (codes exact in bf16)
     x = x.astype(jnp.int32)
@@ -119,10 +130,10 @@ def _kernel(lens_ref, tlo_ref, thi_ref, *refs, hkv, g, page_lo, page_hi, n_lo, n
       s = (nt(ql_ref[0], kl) + nt(qh_ref[0], kh)) * (ks * c)
       p = softmax_step(s, ok)
       # Garbage (NaN) scales of invisible rows must not reach p @ v.
-      pv = jnp.where(ok, p * vs, 0.0).astype(jnp.bfloat16)
+      pv = jnp.where(ok, p * vs, 0.0)
       vl, vh = nibbles(vlo_ref[0])
-      acc4l[...] += jnp.dot(pv, vl, preferred_element_type=jnp.float32)
-      acc4h[...] += jnp.dot(pv, vh, preferred_element_type=jnp.float32)
+      acc4l[...] += _pv(pv, vl, exact_pv)
+      acc4h[...] += _pv(pv, vh, exact_pv)
 
   if has_hi:
     hi_len = lens_ref[3 * b + 1]
@@ -154,9 +165,10 @@ def _page_index(t, b, lens_ref, tbl_ref, which, page, n_pages, n_pool):
   return jnp.clip(tbl_ref[b * n_pages + j], 0, n_pool - 1)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "exact_pv", "interpret"))
 def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
-                 scale: float | None = None, splits: int = 1, interpret=False):
+                 scale: float | None = None, splits: int = 1, exact_pv: bool = True,
+                 interpret=False):
   """Unmerged partials: o [B, NS, H, D] f32 (INT4 halves already joined), m, l [B, NS, H]."""
   b, hq, d = q.shape
   w, hkv = window.k.shape[1], window.k.shape[2]
@@ -216,7 +228,7 @@ def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
 
   kernel = functools.partial(
       _kernel, hkv=hkv, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo, n_hi=n_hi,
-      steps=steps, c=c, has_lo=has_lo, has_hi=has_hi)
+      steps=steps, c=c, has_lo=has_lo, has_hi=has_hi, exact_pv=exact_pv)
   outs = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -236,11 +248,13 @@ def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
   return o, m[..., 0], l[..., 0]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "exact_pv", "interpret"))
 def decode_attention_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
-                         scale: float | None = None, splits: int = 1, interpret=False):
+                         scale: float | None = None, splits: int = 1, exact_pv: bool = True,
+                         interpret=False):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
   hq = q.shape[1]
-  o, m, l = partials_tpu(q, window, hi, lo, maps, scale=scale, splits=splits, interpret=interpret)
+  o, m, l = partials_tpu(q, window, hi, lo, maps, scale=scale, splits=splits, exact_pv=exact_pv,
+                         interpret=interpret)
   out, _ = common.merge(o, m, l, axis=1)
   return out[:, :hq].astype(jnp.bfloat16)

@@ -1,0 +1,46 @@
+"""Ahead-of-time compiles on a CPU host: the TPU kernel through libtpu for v5e, v6e and tpu7x, and
+the GPU kernel to PTX for sm_90a with ptxas's resource report checked against Hopper's limits.
+
+Nothing here skips: a missing libtpu, CUDA plugin or ptxas is a failure (the ``aot`` extra and the
+CUDA toolkit's ptxas, or pip ``nvidia-cuda-nvcc``, provide them).
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from pallas_kernels import synth  # noqa: E402
+from pallas_kernels.gpu import aot as gpu_aot  # noqa: E402
+from pallas_kernels.gpu import decode_attention_gpu  # noqa: E402
+from pallas_kernels.tpu import aot as tpu_aot  # noqa: E402
+from pallas_kernels.tpu import decode_attention_tpu  # noqa: E402
+
+# The issue's two model shapes (Qwen3-4B-like 32q/8kv d128; Qwen2.5-0.5B 14q/2kv d64), small pools.
+SHAPES = {
+    "32q8kv_d128": synth.Case("a", synth.Shape(b=4, hq=32, hkv=8, d=128, page=16, w=64,
+                                               lo_cap=1024, hi_cap=512), (900,), (300,), (64,)),
+    "14q2kv_d64": synth.Case("b", synth.Shape(b=2, hq=14, hkv=2, d=64, page=16, w=32,
+                                              lo_cap=512, hi_cap=256), (500,), (100,), (32,)),
+}
+
+
+@pytest.mark.parametrize("gen", sorted(tpu_aot.TOPOLOGIES))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_tpu_kernel_compiles_for_generation(gen, shape):
+  args = SHAPES[shape].make(poison=False)
+  comp = tpu_aot.compile_for(gen, decode_attention_tpu, *args, splits=2)
+  rep = tpu_aot.memory_report(comp)
+  assert rep["argument_bytes"] > 0 and rep["code_bytes"] > 0
+  assert "pask_decode_attention_tpu" in comp.as_text()
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gpu_kernel_compiles_to_sm90a_within_limits(shape):
+  args = SHAPES[shape].make(poison=False)
+  reps = gpu_aot.report(decode_attention_gpu, *args)
+  assert [r.name for r in reps] == ["pask_decode_attention"]
+  for r in reps:
+    assert ".target sm_90a" in r.ptx
+    assert r.ok(), r.summary()
+    assert r.registers <= gpu_aot.SM90_MAX_REGS and r.smem_bytes <= gpu_aot.SM90_MAX_SMEM
