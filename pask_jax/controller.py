@@ -156,3 +156,63 @@ def control_batch(policy: FrozenPolicy, tag_ids: jax.Array, state_ids: jax.Array
     is_stop = jnp.zeros(jnp.shape(state_ids), bool)
   return jax.vmap(control, in_axes=(None, 0, 0, 0, 0))(policy, tag_ids, state_ids, balance,
                                                         is_stop)
+
+
+# ---- prefill companion (§3.6, B.4) ------------------------------------------------------------
+
+def _prefill_one(policy: FrozenPolicy, cands: jax.Array, n: jax.Array):
+  """One prompt: cands int32[T, N_CAND], n = prompt length -> (int8[T, G], floor excess bits)."""
+  Tn = cands.shape[0]
+  G = policy.n_groups
+  _, floor, prio, _, _ = jax.vmap(lambda c: resolve(policy, c))(cands)   # [T, G], [T, G, 2]
+  t = jnp.arange(Tn)
+  real = t < n
+  floor = jnp.where((t < policy.sink)[:, None], T.H, floor)              # sinks: H, no upgrades
+  cost = policy.cost                                                     # [3, G]
+  gi = jnp.arange(G)[None, :]
+  base = jnp.where(real[:, None], cost[floor, gi], 0.0)                  # [T, G]
+  target = policy.b_p * n.astype(jnp.float32) * policy.c_full            # T_P
+  # Upgrade steps: step 0 = floor -> floor+1, step 1 = floor+1 -> floor+2 (if below H).  The
+  # second step of a chain can only follow the first, so its key is min(own, first): sorting the
+  # steps then reproduces "repeatedly take the best eligible upgrade".
+  p0 = prio[jnp.arange(Tn)[:, None], gi, jnp.clip(floor, 0, 1)]          # [T, G]
+  p1 = prio[jnp.arange(Tn)[:, None], gi, jnp.clip(floor + 1, 0, 1)]
+  ok0 = real[:, None] & (floor < T.H) & ~jnp.isnan(p0)
+  ok1 = ok0 & (floor + 1 < T.H) & ~jnp.isnan(p1)
+  k0 = jnp.where(ok0, p0, -jnp.inf)
+  k1 = jnp.where(ok1, jnp.minimum(p0, p1), -jnp.inf)
+  d0 = cost[jnp.clip(floor + 1, 0, 2), gi] - cost[floor, gi]
+  d1 = cost[jnp.clip(floor + 2, 0, 2), gi] - cost[jnp.clip(floor + 1, 0, 2), gi]
+  key = jnp.stack([k0, k1], axis=-1).reshape(-1)                         # [T*G*2] (t, g, step)
+  delta = jnp.stack([d0, d1], axis=-1).reshape(-1)
+  ok = jnp.stack([ok0, ok1], axis=-1).reshape(-1)
+  # Descending key; ties: token position, then layer group, then step (lexsort: last key first).
+  idx = jnp.arange(key.shape[0])
+  order = jnp.lexsort((idx, -key))
+  used = jnp.sum(base) + jnp.cumsum(jnp.where(ok[order], delta[order], 0.0))
+  # Promote while it fits: the longest prefix of eligible steps whose cumulative cost <= T_P.
+  fits = jnp.cumprod((used <= target) & ok[order]).astype(bool)
+  take = jnp.zeros_like(ok).at[order].set(fits)
+  up = take.reshape(Tn, G, 2).sum(-1)
+  act = jnp.where(real[:, None], floor + up, T.R).astype(jnp.int8)
+  excess = jnp.maximum(jnp.sum(base) - target, 0.0)
+  return act, excess
+
+
+def plan_prefill(policy: FrozenPolicy, cands: jax.Array, lengths: jax.Array | None = None):
+  """Prefill retention plan (§3.6, B.4) from prompt-label candidates ``int32[B, T, N_CAND]``.
+
+  Per prompt of n tokens: T_P = B_P · n · C_full.  Every token starts at its floor (labels are
+  resolved like decode tags: parent chain, Eq. 12 for cross-label tokens, no entry → H); sink
+  positions are H.  Then adjacent upgrades are applied in descending stored priority (ties:
+  token position, then layer group) while the total stays <= T_P, stopping at the first one that
+  does not fit; upgrades without a score (NaN, or several candidates) are not taken.  Floors beat
+  the budget: their excess over T_P is returned, not enforced.  Base actions are not used here:
+  the prefill companion allocates from floors and priorities alone.  Window tokens are planned
+  like the rest (their plan is the pending action applied when they leave the window).
+
+  Returns (plan int8[B, T, G] — R on padding rows —, floor excess float32[B] bits).
+  """
+  B, Tn, _ = cands.shape
+  n = jnp.full((B,), Tn, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+  return jax.vmap(lambda c, m: _prefill_one(policy, c, m))(jnp.asarray(cands, jnp.int32), n)
