@@ -245,3 +245,45 @@ def test_batch_vmap(hand):
                                     jnp.asarray([400.0, 400.0, 7.0]))
   assert a.tolist() == [[H, L, R], [R, R, R], [R, R, R]]
   assert nb.tolist() == [400 - 352 + 768, 400 + 768, 7.0]
+
+
+# ---- prefill companion ------------------------------------------------------------------------
+
+LAB = T.prompt(T.PromptLabel.PARAMETER_KEY)
+LAB2 = T.prompt(T.PromptLabel.SCHEMA_SCAFFOLD)
+
+
+def _prefill_pol(b_p, sink=0):
+  return _pol({LAB: P.Entry([H, H, H], [R, R, L], PRIO), LAB2: P.Entry([L, L, L], [L, R, R], None)},
+              b_p=b_p, sink=sink)
+
+
+@pytest.mark.parametrize("b_p,sink,expect,excess", [
+    # upgrade keys: g1 (2, chain min(2,3)=2) > g0 (1, min(1,5)=1) > g2 L→H (0.5); ties by position
+    (0.5, 0, [[R, H, L], [R, H, L]], 0.0),       # 192 +96+160 +96+160 = 704; next +96 misfits
+    (1.0, 0, [[H, H, H], [H, H, H]], 0.0),       # everything fits exactly (1536)
+    (0.05, 0, [[R, R, L], [R, R, L]], 192 - 76.8),  # floors beat the budget; excess recorded
+    (0.75, 1, [[H, H, H], [R, H, L]], 0.0),      # sink H (768) + 96 + 96 + 160 = 1120 <= 1152
+])
+def test_prefill_plan_hand(b_p, sink, expect, excess):
+  pol = _prefill_pol(b_p, sink)
+  plan, ex = jax.jit(C.plan_prefill)(pol, np.stack([T.stack_candidates([[LAB], [LAB]])]))
+  assert plan[0].tolist() == expect
+  assert float(ex[0]) == pytest.approx(excess, abs=1e-3)
+
+
+def test_prefill_plan_candidates_padding_budget():
+  pol = _prefill_pol(0.6)
+  cands = np.stack([T.stack_candidates([[LAB, LAB2], [LAB], [LAB2], [LAB]]),
+                    T.stack_candidates([[LAB], [LAB], [LAB], [LAB]])])
+  plan, _ = jax.jit(C.plan_prefill)(pol, cands, jnp.asarray([4, 2]))
+  plan = np.asarray(plan)
+  assert plan[0, 0].tolist() == [H, H, H]      # cross-label: max of actions and floors, fixed
+  assert plan[0, 2].tolist() == [L, R, R]      # no scores: floors only
+  assert plan[1, 2:].tolist() == [[R] * 3] * 2  # padding rows
+  cost = np.asarray(pol.cost)
+  for b, n in ((0, 4), (1, 2)):
+    used = sum(cost[plan[b, t], np.arange(3)].sum() for t in range(n))
+    floors = sum(cost[np.asarray(C.resolve(pol, cands[b, t])[1]), np.arange(3)].sum()
+                 for t in range(n))
+    assert used <= max(0.6 * n * 768, floors) + 1e-3
