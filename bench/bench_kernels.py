@@ -1,0 +1,200 @@
+"""Decode-attention kernel benchmark on a GPU (issue 4, "Performance"); not a test.
+
+  python bench/bench_kernels.py --out DIR [--quick] [--sweep]
+
+Measures, in ONE process and run, per configuration:
+  * the card's copy bandwidth (jnp elementwise read+write of 2 GiB) -- the ceiling;
+  * jax's own ``jax.experimental.pallas.ops.gpu.decode_attention.gqa`` on the dense BF16 cache of
+    the same logical context -- the baseline;
+  * our kernel on (a) all context in the BF16 pool (+ BF16 window) and (b) a B ~ 0.33 mix (most old
+    tokens INT4, some released, the rest and the window BF16), with error vs the jnp reference.
+Timing: ``reps`` jitted bundles of ``inner`` chained calls (each call's q depends on the previous
+output, so nothing is CSE'd or overlapped), inputs rotated across copies so that small configs
+are not served from the 60 MB L2; median per call.  Bytes are the K/V bytes the kernel must read
+(visible rows, scales included); effective bandwidth = bytes / time.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pask_jax import quant  # noqa: E402
+from pallas_kernels import synth  # noqa: E402
+from pallas_kernels.gpu import decode_attention_gpu  # noqa: E402
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window  # noqa: E402
+
+PAGE = 16
+WIN = 64
+
+
+def build(key, b, hq, hkv, d, lo_len, hi_len, win_len):
+  """Random inputs on device (no poisoning; scattered page tables), tight pool capacities."""
+  ks = jax.random.split(key, 8)
+  n_lo, n_hi = -(-lo_len // PAGE), -(-hi_len // PAGE)
+  p_lo, p_hi = b * n_lo, b * n_hi
+  bf = jnp.bfloat16
+  def normal(k, shape):
+    return jax.random.normal(k, shape, jnp.float32).astype(bf)
+  kw, vw = normal(ks[0], (b, WIN, hkv, d)), normal(ks[1], (b, WIN, hkv, d))
+  hi = HighPool(normal(ks[2], (max(p_hi, 0), PAGE, hkv, d)), normal(ks[3], (max(p_hi, 0), PAGE, hkv, d)))
+  qz = jax.jit(quant.quantize_packed)
+  kc, ksc = qz(jax.random.normal(ks[4], (p_lo, PAGE, hkv, d), jnp.float32))
+  vc, vsc = qz(jax.random.normal(ks[5], (p_lo, PAGE, hkv, d), jnp.float32))
+  lo = LowPool(kc, vc, jnp.stack([ksc, vsc], -1))
+  perm = lambda k, n: jax.random.permutation(k, n).reshape(b, -1).astype(jnp.int32)
+  maps = PageMaps(perm(ks[6], p_hi) if p_hi else jnp.zeros((b, 0), jnp.int32),
+                  jnp.full((b,), hi_len, jnp.int32),
+                  perm(ks[7], p_lo) if p_lo else jnp.zeros((b, 0), jnp.int32),
+                  jnp.full((b,), lo_len, jnp.int32))
+  q = normal(jax.random.fold_in(key, 99), (b, hq, d))
+  win = Window(kw, vw, jnp.full((b,), win_len, jnp.int32))
+  return q, win, hi, lo, maps
+
+
+def kv_bytes(b, hkv, d, lo_len, hi_len, win_len):
+  return b * hkv * (2 * 2 * d * (hi_len + win_len) + (2 * (d // 2) + 4) * lo_len)
+
+
+def timeit(fn, arg_sets, inner=10, reps=7):
+  """Median seconds per call of fn(*args) on device, chained to defeat CSE/overlap."""
+  def bundle(sets):
+    acc = jnp.zeros((), jnp.float32)
+    for r in range(inner):
+      a = sets[r % len(sets)]
+      q = a[0] + (acc * 0).astype(a[0].dtype)
+      acc = acc + fn(q, *a[1:])[0, 0, 0].astype(jnp.float32)
+    return acc
+  f = jax.jit(bundle)
+  f(arg_sets).block_until_ready()
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    f(arg_sets).block_until_ready()
+    ts.append((time.perf_counter() - t) / inner)
+  return statistics.median(ts), min(ts), max(ts)
+
+
+def copy_bw():
+  x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.float32).astype(jnp.bfloat16)  # 2 GiB
+  f = jax.jit(lambda x: x * 2)
+  f(x).block_until_ready()
+  ts = []
+  for _ in range(10):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    ts.append(time.perf_counter() - t)
+  return 2 * x.nbytes / statistics.median(ts)
+
+
+def n_copies(nbytes):
+  return max(1, min(4, math.ceil(240e6 / max(nbytes, 1))))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="bench_out")
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--sweep", action="store_true", help="knob sweep on the headline shape")
+  ap.add_argument("--knobs", default="{}", help="JSON dict of kernel knobs for all configs")
+  args = ap.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  from jax.experimental.pallas.ops.gpu.decode_attention import gqa
+  dev = jax.devices()[0]
+  print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+  bw = copy_bw()
+  print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s", flush=True)
+  knobs = json.loads(args.knobs)
+  rows = []
+
+  # (name, B, Hq, Hkv, D, context)
+  shapes = [("4B-like b8 32K", 8, 32, 8, 128, 32768), ("4B-like b1 8K", 1, 32, 8, 128, 8192),
+            ("4B-like b32 8K", 32, 32, 8, 128, 8192), ("0.5B b8 32K", 8, 14, 2, 64, 32768),
+            ("0.5B b1 8K", 1, 14, 2, 64, 8192)]
+  if args.quick:
+    shapes = shapes[:1]
+  key = jax.random.key(1)
+  for name, b, hq, hkv, d, ctx in shapes:
+    # (a) all BF16: pool + window.  (b) B ~ 0.33: 8% released, 79% INT4, 12% BF16 pool, window.
+    lo_b = int(ctx * 0.795)
+    hi_b = int(ctx * 0.122) - WIN
+    mixes = {"a_bf16": (0, ctx - WIN, WIN), "b_mix": (lo_b, hi_b, WIN)}
+    # Baseline: jax's gqa over the dense BF16 cache of the same logical context.
+    kd = jax.random.normal(key, (b, ctx, hkv, d), jnp.float32).astype(jnp.bfloat16)
+    vd = jax.random.normal(jax.random.fold_in(key, 1), (b, ctx, hkv, d), jnp.float32).astype(
+        jnp.bfloat16)
+    qd = jax.random.normal(jax.random.fold_in(key, 2), (b, hq, d), jnp.float32).astype(jnp.bfloat16)
+    dense_bytes = 2 * kd.nbytes
+    nc = n_copies(dense_bytes)
+    sets = [(qd, kd, vd)] + [(qd, kd + 0, vd + 0) for _ in range(nc - 1)]
+    try:
+      t_base = timeit(lambda q, k, v: gqa(q, k, v), sets)[0]
+      err_base = None
+    except Exception as e:  # keep going: the kernel numbers still matter
+      traceback.print_exc()
+      t_base = float("nan")
+    del sets
+    rows.append(dict(shape=name, variant="jax gqa (dense bf16)", B_payload=1.0,
+                     time_us=t_base * 1e6, bytes=dense_bytes, tbps=dense_bytes / t_base / 1e12,
+                     vs_baseline=1.0, err=None, knobs=""))
+    print(rows[-1], flush=True)
+    del kd, vd
+    for mix, (lo_len, hi_len, win_len) in mixes.items():
+      nbytes = kv_bytes(b, hkv, d, lo_len, hi_len, win_len)
+      payload = (hi_len + win_len + lo_len * (4 * d + 16) / (16 * d)) / ctx
+      arg_sets = [build(jax.random.fold_in(key, 10 + i), b, hq, hkv, d, lo_len, hi_len, win_len)
+                  for i in range(n_copies(nbytes))]
+      ref = synth.reference_f32(*arg_sets[0])
+      variants = [knobs]
+      if args.sweep and name.startswith("4B-like b8"):
+        variants = [dict(num_warps=nw, num_stages=st, block_hi=bh, block_lo=bl, block_w=64)
+                    for nw, st, bh, bl in [(4, 2, 64, 64), (4, 3, 64, 64), (8, 3, 64, 64),
+                                           (8, 4, 64, 64), (8, 3, 128, 128), (8, 2, 128, 128),
+                                           (4, 4, 32, 64), (8, 3, 64, 128), (8, 4, 32, 128)]]
+        variants += [dict(chunk_hi=ch, chunk_lo=4 * ch) for ch in (512, 1024, 4096)]
+      for kn in variants:
+        try:
+          fn = lambda *a, kn=kn: decode_attention_gpu(*a, **kn)
+          out = fn(*arg_sets[0])
+          err = synth.rel_err(out, ref)
+          t = timeit(fn, arg_sets)[0]
+        except Exception as e:
+          print(f"FAILED {name} {mix} {kn}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+          continue
+        rows.append(dict(shape=name, variant=f"pask {mix}", B_payload=round(payload, 3),
+                         time_us=t * 1e6, bytes=nbytes, tbps=nbytes / t / 1e12,
+                         vs_baseline=t_base / t, err=err, knobs=json.dumps(kn)))
+        print(rows[-1], flush=True)
+      del arg_sets, ref
+
+  with open(os.path.join(args.out, "kernels.json"), "w") as f:
+    json.dump(dict(jax=jax.__version__, device=dev.device_kind, copy_tbps=bw / 1e12, rows=rows), f,
+              indent=1)
+  with open(os.path.join(args.out, "kernels.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+  print(f"\ncopy bandwidth {bw / 1e12:.3f} TB/s  ({dev.device_kind}, jax {jax.__version__})")
+  print(f"{'shape':18s} {'variant':22s} {'B':>5s} {'us':>9s} {'TB/s':>6s} {'x base':>7s} "
+        f"{'rel err':>8s}  knobs")
+  for r in rows:
+    e = "" if r["err"] is None else f"{r['err']:.1e}"
+    print(f"{r['shape']:18s} {r['variant']:22s} {r['B_payload']:5.3f} {r['time_us']:9.1f} "
+          f"{r['tbps']:6.3f} {r['vs_baseline']:7.2f} {e:>8s}  {r['knobs']}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
