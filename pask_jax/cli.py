@@ -36,7 +36,7 @@ def cmd_generate(args) -> int:
   import jax.numpy as jnp
 
   from models import load
-  from pask_jax.decode import CapacityError, Runner, Sampling, generate
+  from pask_jax.decode import CapacityError, Runner, Sampling, capacity_for, generate
   from pask_jax.grammar import (DEFAULT_STYLE, GrammarCompiler, GrammarError, parse_calls,
                                 tool_call_grammar, tools_system_prompt)
 
@@ -72,7 +72,7 @@ def cmd_generate(args) -> int:
   text = tok.apply_chat_template(messages, tools=tools if template_takes_tools else None) \
       if tok.chat_template and not args.raw else args.prompt
   ids = tok.encode(text)
-  capacity = -(-(len(ids) + args.max_tokens) // 256) * 256
+  capacity = capacity_for(len(ids), args.max_tokens)
   if capacity > m.cfg.max_position:
     raise SystemExit(f"error: prompt of {len(ids)} tokens + max_tokens {args.max_tokens} exceeds "
                      f"the model's context of {m.cfg.max_position} tokens")

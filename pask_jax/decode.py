@@ -6,7 +6,9 @@ Data path per step (host <-> device)::
     device (one jitted call): KV of y_t into the cache, logits for t+1, mask, sample y_{t+1}
 
 Shapes are static: the step compiles once per (batch, capacity); prefill once per padded prompt
-length bucket (multiples of ``PREFILL_BUCKET``).  Temperature, top-p, PRNG keys and grammar
+length bucket (multiples of ``PREFILL_BUCKET``), and prompts longer than ``PREFILL_CHUNK`` run as
+chunks of that size through one compiled chunk function (the attention scores of a whole 8K
+prompt at batch 8 would need 69 GB).  Temperature, top-p, PRNG keys and grammar
 bitmasks are traced inputs.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pask_jax.grammar.matcher import Grammar, new_bitmask
 from pask_jax.sample import apply_bitmask, sample
 
 PREFILL_BUCKET = 64
+PREFILL_CHUNK = 512
 
 
 class CapacityError(ValueError):
@@ -72,16 +75,31 @@ class Runner:
     return kv_dense.init(c.n_layers, self.batch, self.capacity, c.n_kv_heads, c.head_dim,
                          self.cache_dtype)
 
-  def _prefill(self, params, cache, tokens, lengths):
-    """tokens [B, T] right-padded, lengths [B] -> (logits at each last prompt token [B, V], cache)."""
+  def _prefill(self, params, cache, tokens, start, lengths):
+    """One prompt chunk: tokens [B, Tc] at positions start + [0, Tc) (right-padded prompts of
+    ``lengths`` [B]) -> (logits at each sequence's last prompt token, clipped into this chunk
+    [B, V], cache)."""
     self.traces["prefill"] += 1
     model = nnx.merge(self.graphdef, params)
     B, T = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
     cache = cache._replace(length=lengths.astype(jnp.int32))
-    logits, cache = model(tokens, positions, cache, kv_dense.attend,
-                          last_only=jnp.maximum(lengths - 1, 0))
+    last = jnp.clip(lengths - 1 - start, 0, T - 1)
+    logits, cache = model(tokens, positions, cache, kv_dense.attend, last_only=last)
     return logits[:, 0], cache
+
+  def prefill_all(self, cache, tokens: np.ndarray, lengths: np.ndarray):
+    """Whole (padded) prompts, chunk by chunk -> (last-token logits [B, V], cache)."""
+    T = tokens.shape[1]
+    chunk = min(T, PREFILL_CHUNK)
+    lengths_d = jnp.asarray(lengths)
+    logits = None
+    for start in range(0, T, chunk):
+      part, cache = self.prefill(self.params, cache, jnp.asarray(tokens[:, start:start + chunk]),
+                                 jnp.int32(start), lengths_d)
+      mine = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + chunk))[:, None]
+      logits = part if logits is None else jnp.where(mine, part, logits)
+    return logits, cache
 
   def _step(self, params, cache, tokens, bits, key, temperature, top_p):
     """tokens [B] (the last accepted) -> (next tokens [B], logits [B, V], cache)."""
@@ -97,12 +115,30 @@ class Runner:
     return sample(apply_bitmask(logits, bits), key, temperature, top_p)
 
 
+def padded_len(n: int, bucket: int = PREFILL_BUCKET) -> int:
+  """Prompt length after padding: a bucket multiple, or a chunk multiple past one chunk."""
+  step = PREFILL_CHUNK if n > PREFILL_CHUNK else bucket
+  return -(-n // step) * step
+
+
+def capacity_for(prompt_len: int, max_tokens: int, round_to: int = 256) -> int:
+  """A cache capacity that holds the padded prompt and ``max_tokens`` new tokens."""
+  need = max(prompt_len + max_tokens, padded_len(prompt_len))
+  return -(-need // round_to) * round_to
+
+
 def pad_prompts(prompts: Sequence[Sequence[int]], batch: int, capacity: int,
                 bucket: int = PREFILL_BUCKET) -> tuple[np.ndarray, np.ndarray]:
   lengths = np.array([len(p) for p in prompts] + [1] * (batch - len(prompts)), np.int32)
   if min(len(p) for p in prompts) == 0:
     raise ValueError("empty prompt")
-  T = min(capacity, -(-int(lengths.max()) // bucket) * bucket)
+  T = padded_len(int(lengths.max()), bucket)
+  if int(lengths.max()) <= PREFILL_CHUNK:
+    T = min(T, capacity)
+  elif T > capacity:
+    raise CapacityError(f"a prompt of {int(lengths.max())} tokens is prefilled in chunks of "
+                        f"{PREFILL_CHUNK} and needs capacity >= {T} (got {capacity}); see "
+                        "capacity_for()")
   tokens = np.zeros((batch, T), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
@@ -138,8 +174,7 @@ def generate(runner: Runner, tokenizer, prompts: Sequence[Sequence[int]], *,
 
   t0 = time.perf_counter()
   tokens, lengths = pad_prompts(prompts, B, runner.capacity)
-  logits, cache = runner.prefill(runner.params, runner.new_cache(), jnp.asarray(tokens),
-                                 jnp.asarray(lengths))
+  logits, cache = runner.prefill_all(runner.new_cache(), tokens, lengths)
   active = [True] * n + [False] * (B - n)
   fill(active)
   key, sub = jax.random.split(key)

@@ -22,8 +22,17 @@ def apply_bitmask(logits: jax.Array, bits: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-  """logits [B, V] (already masked) -> tokens [B] int32."""
+  """logits [B, V] (already masked) -> tokens [B] int32.
+
+  The sort that nucleus sampling needs runs only when some sequence samples (``lax.cond``), so
+  greedy decoding pays for an argmax alone.
+  """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.lax.cond(jnp.any(temperature > 0),
+                      lambda: _nucleus(logits, key, temperature, top_p, greedy), lambda: greedy)
+
+
+def _nucleus(logits, key, temperature, top_p, greedy):
   t = jnp.maximum(temperature, 1e-6)[:, None]
   scaled = logits / t
   order = jnp.argsort(-scaled, axis=-1)

@@ -28,7 +28,7 @@ def main(argv=None):
   from pask_jax.decode import pad_prompts
   import jax.numpy as jnp
   t, l = pad_prompts([ids], 1, runner.capacity)
-  logits, _ = runner.prefill(runner.params, runner.new_cache(), jnp.asarray(t), jnp.asarray(l))
+  logits, _ = runner.prefill_all(runner.new_cache(), t, l)
   lp = np.asarray(jax.nn.log_softmax(logits[0]))
   tc = tok.tok.token_to_id("<tool_call>")
   top = np.argsort(-lp)[:5]

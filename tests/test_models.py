@@ -25,8 +25,7 @@ def test_decode_equals_prefill(arch):
   full, _ = model(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(T), (B, T)),
                   cache._replace(length=jnp.full((B,), T, jnp.int32)), kv_dense.attend)
   runner = Runner(model, batch=B, capacity=T, cache_dtype=jnp.float32)
-  logits, cache = runner.prefill(runner.params, runner.new_cache(), jnp.asarray(ids[:, :P]),
-                                 jnp.full((B,), P, jnp.int32))
+  logits, cache = runner.prefill_all(runner.new_cache(), ids[:, :P], np.full((B,), P, np.int32))
   steps = [logits]
   bits = jnp.full((B, -(-cfg.vocab_size // 32)), -1, jnp.int32)
   for t in range(P, T):
@@ -47,10 +46,28 @@ def test_ragged_batch_matches_single():
   runner = Runner(model, batch=3, capacity=32, cache_dtype=jnp.float32)
   from pask_jax.decode import pad_prompts
   toks, lens = pad_prompts(prompts, 3, 32)
-  logits, _ = runner.prefill(runner.params, runner.new_cache(), jnp.asarray(toks), jnp.asarray(lens))
+  logits, _ = runner.prefill_all(runner.new_cache(), toks, lens)
   for i, p in enumerate(prompts):
     lp = full_logprobs(model, p)[-1]
     assert relerr(jax.nn.log_softmax(logits[i]), lp) < 1e-5
+
+
+def test_chunked_prefill_matches_one_pass(monkeypatch):
+  """Prompts longer than a chunk: same last-token logits and same cache as one big chunk."""
+  import pask_jax.decode as dec
+  cfg = TINY["llama"]
+  model = random_model(cfg, seed=4)
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (70, 17, 64)]
+  runner = Runner(model, batch=3, capacity=192, cache_dtype=jnp.float32)
+  toks, lens = dec.pad_prompts(prompts, 3, 192)
+  one, c1 = runner.prefill_all(runner.new_cache(), toks, lens)
+  monkeypatch.setattr(dec, "PREFILL_CHUNK", 32)
+  toks2, _ = dec.pad_prompts(prompts, 3, 192)
+  chunked, c2 = runner.prefill_all(runner.new_cache(), toks2, lens)
+  assert relerr(chunked, one) < 1e-5
+  for b, n in enumerate(lens):
+    assert relerr(c2.k[:, b, :n], c1.k[:, b, :n]) < 1e-6
 
 
 def test_step_compiles_once_per_shape():

@@ -1,0 +1,50 @@
+"""The ``pask-jax`` command line on the embedded default model."""
+import json
+
+import jsonschema
+import pytest
+
+from pask_jax import cli
+
+
+def test_generate_json_schema(tmp_path, capsys):
+  schema = json.load(open("examples/weather_schema.json"))
+  rc = cli.main(["generate", "--prompt", "Weather in Paris as JSON", "--json-schema",
+                 "examples/weather_schema.json", "--max-tokens", "48"])
+  out, err = capsys.readouterr()
+  assert rc == 0
+  jsonschema.validate(json.loads(out.strip().splitlines()[0]), schema)
+  assert "tokens/s" in err
+
+
+def test_generate_tools(capsys):
+  rc = cli.main(["generate", "--prompt", "What's the weather in Tokyo?", "--tools",
+                 "examples/weather_tools.json", "--max-tokens", "48"])
+  out, _ = capsys.readouterr()
+  assert rc == 0
+  line = next(l for l in out.splitlines() if l.startswith("tool calls: "))
+  calls = json.loads(line[len("tool calls: "):])
+  assert calls and all(c["name"] == "get_weather" for c in calls)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--json-schema", "missing.json"], "JSON schema file not found: missing.json"),
+    (["--tools", "missing.json"], "tools file not found"),
+    (["--model", "/nonexistent/model.gguf"], "model not found: /nonexistent/model.gguf"),
+])
+def test_bad_input_is_reported_plainly(argv, msg):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generate", "--prompt", "hi", "--max-tokens", "4"] + argv)
+  assert msg in str(e.value)
+
+
+def test_uncompilable_schema(tmp_path):
+  bad = tmp_path / "bad.json"
+  bad.write_text(json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))
+  with pytest.raises(SystemExit, match="cannot compile"):
+    cli.main(["generate", "--prompt", "hi", "--json-schema", str(bad), "--max-tokens", "4"])
+
+
+def test_prompt_longer_than_context():
+  with pytest.raises(SystemExit, match="exceeds the model's context of 8192"):
+    cli.main(["generate", "--prompt", "word " * 9000, "--max-tokens", "4"])
