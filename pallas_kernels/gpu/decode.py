@@ -34,6 +34,7 @@ from pallas_kernels import common
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 _LO, _HI, _WIN = 0, 1, 2
+_OFF = 136.0   # INT4 "bits" dequant: bf16(0x4300 | (n ^ 8)) == n + 136
 
 
 def _online(carry, s, valid):
@@ -53,15 +54,20 @@ def _split_bf16(x):
   return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _pv(p, v, exact):
-  """p [M, bk] f32 @ v [bk, N] bf16 -> [M, N] f32."""
+def _pv(p, v, exact, with_sum=False):
+  """p [M, bk] f32 @ v [bk, N] bf16 -> [M, N] f32 (and the row sums of the p really used)."""
   if not exact:
-    return plgpu.dot(p.astype(v.dtype), v)
-  hi, lo = _split_bf16(p)
-  return plgpu.dot(hi, v) + plgpu.dot(lo, v)
+    pb = p.astype(v.dtype)
+    out = plgpu.dot(pb, v)
+    fed = pb.astype(jnp.float32)
+  else:
+    hi, lo = _split_bf16(p)
+    out = plgpu.dot(hi, v) + plgpu.dot(lo, v)
+    fed = hi.astype(jnp.float32) + lo.astype(jnp.float32)
+  return (out, jnp.sum(fed, axis=1)) if with_sum else out
 
 
-def _kernel(lens_ref, q_ref, *refs, g, exact_pv, page_lo, page_hi, n_lo, n_hi, chunk_lo, chunk_hi,
+def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, page_lo, page_hi, n_lo, n_hi, chunk_lo, chunk_hi,
             chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi):
   # lens_ref [4] i32 (lo, hi, win, -); q_ref [M, D] bf16.
   refs = list(refs)
@@ -117,11 +123,24 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, page_lo, page_hi, n_lo, n_hi, c
     end = jnp.minimum(start + chunk_lo, lens_ref[_LO])
     bk = bk_lo
 
-    def unpack(x):  # [bk, D/2] u8 -> low, high halves as bf16 (exact: codes in [-8, 7])
-      x = x.astype(jnp.int32)
-      lo = lax.shift_right_arithmetic(lax.shift_left(x, 28), 28)
-      hi = lax.shift_right_arithmetic(lax.shift_left(x, 24), 28)
-      return lo.astype(jnp.float32).astype(jnp.bfloat16), hi.astype(jnp.float32).astype(jnp.bfloat16)
+    def unpack(x):  # [bk, D/2] u8 -> low, high halves as bf16
+      if int4_dequant == "cvt":  # exact codes via int -> float conversions (slow on Hopper)
+        x = x.astype(jnp.int32)
+        lo = lax.shift_right_arithmetic(lax.shift_left(x, 28), 28)
+        hi = lax.shift_right_arithmetic(lax.shift_left(x, 24), 28)
+        return (lo.astype(jnp.float32).astype(jnp.bfloat16),
+                hi.astype(jnp.float32).astype(jnp.bfloat16))
+      # "bits": bf16 with bits 0x4300 | u is 128 + u exactly (7 mantissa bits), and u = n ^ 8
+      # maps the signed nibble n to n + 8, so the value is code + OFF with integer ops only.
+      # The OFF is removed after the MMA (see below).
+      x = x.astype(jnp.uint16)
+      lo = lax.bitcast_convert_type(((x & 0xF) ^ 8) | 0x4300, jnp.bfloat16)
+      hi = lax.bitcast_convert_type(((x >> 4) ^ 8) | 0x4300, jnp.bfloat16)
+      return lo, hi
+
+    off = 0.0 if int4_dequant == "cvt" else _OFF
+    # q . (code + OFF) = q . code + OFF * sum(q): subtract the second term (FP32, once).
+    q_off = off * (jnp.sum(ql.astype(jnp.float32), axis=1) + jnp.sum(qh.astype(jnp.float32), axis=1))
 
     def body(i, carry):
       ol, oh, m, l = carry
@@ -130,13 +149,17 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, page_lo, page_hi, n_lo, n_hi, c
       rows = _paged_rows(tlo_ref, page_lo, pos, valid)
       kl, kh = unpack(_gather(klo_ref, rows, valid, 0))
       ks = plgpu.load(sc_ref.at[rows, jnp.zeros_like(rows)], mask=valid, other=0.0).astype(jnp.float32)
-      s = (plgpu.dot(ql, kl, trans_b=True) + plgpu.dot(qh, kh, trans_b=True)) * (ks * c)[None, :]
+      s = plgpu.dot(ql, kl, trans_b=True) + plgpu.dot(qh, kh, trans_b=True) - q_off[:, None]
+      s = s * (ks * c)[None, :]
       p, alpha, m, l = _online((m, l), s, valid)
       vs = plgpu.load(sc_ref.at[rows, jnp.ones_like(rows)], mask=valid, other=0.0).astype(jnp.float32)
       pv = p * vs[None, :]
       vl, vh = unpack(_gather(vlo_ref, rows, valid, 0))
-      ol = ol * alpha[:, None] + _pv(pv, vl, exact_pv)
-      oh = oh * alpha[:, None] + _pv(pv, vh, exact_pv)
+      # Same offset on the V side: p . (code + OFF) - OFF * sum(p), with the p actually fed.
+      ol_b, psum = _pv(pv, vl, exact_pv, with_sum=True)
+      oh_b = _pv(pv, vh, exact_pv)
+      ol = ol * alpha[:, None] + (ol_b - off * psum[:, None])
+      oh = oh * alpha[:, None] + (oh_b - off * psum[:, None])
       return ol, oh, m, l
 
     n = pl.cdiv(jnp.maximum(end - start, 0), bk)
@@ -184,12 +207,12 @@ def _plan(cap, bk, chunk):
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-    "num_stages", "exact_pv", "interpret"))
+    "num_stages", "exact_pv", "int4_dequant", "interpret"))
 def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
-                 scale: float | None = None, block_lo: int = 64, block_hi: int = 64,
+                 scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
-                 num_warps: int = 8, num_stages: int = 3, exact_pv: bool = True,
-                 interpret: bool = False):
+                 num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
+                 int4_dequant: str = "bits", interpret: bool = False):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten)."""
   b, hq, d = q.shape
   w, hkv = window.k.shape[1], window.k.shape[2]
@@ -243,7 +266,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
   kernel = functools.partial(
       _kernel, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo, n_hi=n_hi, chunk_lo=chunk_lo,
       chunk_hi=chunk_hi, chunk_w=chunk_w, bk_lo=block_lo, bk_hi=block_hi, bk_w=block_w, c=c,
-      has_lo=bool(n_lo), has_hi=bool(n_hi), exact_pv=exact_pv)
+      has_lo=bool(n_lo), has_hi=bool(n_hi), exact_pv=exact_pv, int4_dequant=int4_dequant)
   o, m, l = pl.pallas_call(
       kernel,
       grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages
@@ -263,7 +286,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-    "num_stages", "exact_pv", "interpret"))
+    "num_stages", "exact_pv", "int4_dequant", "interpret"))
 def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, **kw):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
   b, hq, d = q.shape
