@@ -1,34 +1,44 @@
-"""Prefill, the jitted decode step, and the host-side generation loop (Full KV).
+"""Prefill, the jitted decode step, and the host-side generation loop, for Full KV and PASK.
 
 Data path per step (host <-> device)::
 
-    host: matcher.accept(y_t) -> fill bitmask for t+1
-    device (one jitted call): KV of y_t into the cache, logits for t+1, mask, sample y_{t+1}
+    host: tracker.accept(y_t) -> grammar matcher + adapter -> tag ids z_t, parser-state id s_t;
+          fill the bitmask for t+1
+    device (one jitted call): controller (Alg. 2) -> actions a_t[G]; cache.begin_step (the token
+          leaving the window is materialized); per layer: write K/V of y_t, attention over
+          {INT4 pool, BF16 pool, window}; logits for t+1; mask; sample y_{t+1}
 
-Shapes are static: the step compiles once per (batch, capacity); prefill once per padded prompt
-length bucket (multiples of ``PREFILL_BUCKET``), and prompts longer than ``PREFILL_CHUNK`` run as
-chunks of that size through one compiled chunk function (the attention scores of a whole 8K
-prompt at batch 8 would need 69 GB).  Temperature, top-p, PRNG keys and grammar
-bitmasks are traced inputs.
+Two runners share :func:`generate`: :class:`Runner` over the dense Full-KV cache (the baseline)
+and :class:`PaskRunner` over the mixed-precision cache of :mod:`pask_jax.cache`.  Shapes are
+static: a step compiles once per (batch, capacity); prefill once per padded prompt length bucket
+(multiples of ``PREFILL_BUCKET``), and prompts longer than ``PREFILL_CHUNK`` run as chunks of that
+size through one compiled chunk function (the attention scores of a whole 8K prompt at batch 8
+would need 69 GB).  Tags, parser states, budgets, temperatures, PRNG keys and grammar bitmasks are
+traced inputs; the policy is a traced pytree too (so calibration can vmap a stack of policies).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pask_jax import kv_dense
+from pask_jax import cache as pcache
+from pask_jax import controller, kv_dense, ledger
+from pask_jax import tags as T
 from pask_jax.grammar.matcher import Grammar, new_bitmask
 from pask_jax.sample import apply_bitmask, sample
 
 PREFILL_BUCKET = 64
 PREFILL_CHUNK = 512
+# Tag of a token generated without a grammar adapter (free text) and of an unlabeled prompt token.
+FREE_TAG = T.candidates(T.fc(T.Cls.FREE_GENERATION))
+PROMPT_TAG = T.candidates(T.prompt(T.PromptLabel.PROTECTED_CONTENT))
 
 
 class CapacityError(ValueError):
@@ -51,6 +61,7 @@ class Result:
   finish: str            # "stop" (stop token / grammar complete) or "length"
   prefill_s: float
   decode_s: float
+  ledger: dict | None = None  # PASK runs: the request's KV ledger (pask_jax.ledger.summary)
 
   @property
   def tokens_per_s(self) -> float:
@@ -114,6 +125,139 @@ class Runner:
   def _select(self, logits, bits, key, temperature, top_p):
     return sample(apply_bitmask(logits, bits), key, temperature, top_p)
 
+  # --- the session protocol used by generate() ----------------------------------------------
+
+  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+    return self.prefill_all(self.new_cache(), tokens, lengths)
+
+  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+    nxt, _, state = self.step(self.params, state, tokens, bits, key, temperature, top_p)
+    return nxt, state
+
+  def report(self, state) -> list[dict] | None:
+    return None
+
+
+
+class PaskRunner:
+  """Prefill and the jitted PASK decode step over the mixed-precision cache.
+
+  ``decode_step(params, policy, cache, budget, led, tokens[B], tag_ids[B, 4], state_ids[B],
+  active[B]) -> (logits[B, V], cache, budget, led, actions[B, G])`` is DESIGN.md's signature plus
+  the policy (a traced pytree), the ledger and an ``active`` mask (finished sequences are neither
+  charged nor written).  ``budget`` is the balance R_t of Alg. 2 *including* the current token's
+  allowance (R_1 = b).  Prefill runs at full precision over a dense scratch cache, then the
+  prefill plan (§3.6, B.4) retains H, quantizes L and releases R (B.4: "prefill first uses
+  all-BF16 scratch storage").
+  """
+
+  def __init__(self, model: nnx.Module, policy, *, batch: int, capacity: int, page: int = 16,
+               backend: str = "auto"):
+    self.cfg = model.cfg
+    self.policy = policy
+    self.graphdef, self.params = nnx.split(model)
+    self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
+    self.traces: collections.Counter = collections.Counter()
+    self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16)
+    self._dense.params = self.params
+    self.commit = jax.jit(self._commit)
+    self.decode_step = jax.jit(self._decode_step, donate_argnums=(2,))
+    self.step = jax.jit(self._step, donate_argnums=(2,))
+    self.select = self._dense.select
+
+  def new_cache(self) -> pcache.Cache:
+    return pcache.init_for(self.cfg, self.batch, self.policy, capacity=self.capacity,
+                           page=self.page)
+
+  def _commit(self, policy, cache, k, v, cands, lengths):
+    """Dense prefill K/V [L, B, T, Hkv, D] -> plan, materialized cache, ledger, R_1."""
+    self.traces["commit"] += 1
+    plan, _ = controller.plan_prefill(policy, cands, lengths)
+    cache = pcache.materialize_prefill(cache, k, v, plan, lengths)
+    cache = cache.replace(count=lengths.astype(jnp.int32))
+    led = ledger.record_prefill(ledger.init(self.batch, policy.n_groups), plan, lengths,
+                                sink=policy.sink)
+    budget = jnp.full((self.batch,), controller.initial_balance(policy), jnp.float32)
+    return cache, budget, ledger.record_live(led, cache, policy.cost, policy.c_full)
+
+  def _attend(self, carry, layer, q, k, v, positions):
+    cache, plan = carry
+    g = pcache.group_array(cache)[layer]
+    lkv = pcache.write_layer(pcache.layer_slice(cache, layer), plan, g, k[:, 0], v[:, 0])
+    window, hi, lo, maps = pcache.kernel_inputs(lkv, cache, g)
+    import pallas_kernels  # the kernel package is optional for Full-KV users
+    out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, backend=self.backend)
+    return out[:, None].astype(q.dtype), (pcache.set_layer(cache, layer, lkv), plan)
+
+  def _decode_step(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
+    self.traces["step"] += 1
+    model = nnx.merge(self.graphdef, params)
+    actions, budget = controller.control_batch(policy, tag_ids, state_ids, budget, ~active)
+    pos = cache.count                                  # the new token's absolute position
+    cache, plan = pcache.begin_step(cache, actions, active)
+    logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
+    led = ledger.record_decode(led, actions, active, pos, sink=policy.sink)
+    led = ledger.record_live(led, cache, policy.cost, policy.c_full)
+    return logits[:, 0], cache, budget, led, actions
+
+  def _step(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, key,
+            temperature, top_p):
+    cache, budget, led = state
+    logits, cache, budget, led, _ = self._decode_step(params, policy, cache, budget, led, tokens,
+                                                      tag_ids, state_ids, active)
+    nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+    return nxt, logits, (cache, budget, led)
+
+  # --- the session protocol used by generate() ----------------------------------------------
+
+  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+    B, Tn = tokens.shape
+    dense = kv_dense.init(self.cfg.n_layers, B, Tn, self.cfg.n_kv_heads, self.cfg.head_dim,
+                          jnp.bfloat16)
+    logits, dense = self._dense.prefill_all(dense, tokens, lengths)
+    cands = np.broadcast_to(PROMPT_TAG, (B, Tn, T.N_CAND)).copy()
+    for b, tg in enumerate(prompt_tags or []):
+      if tg is not None:
+        cands[b, :len(tg)] = tg
+    cands[np.arange(Tn)[None, :] >= lengths[:, None]] = T.PAD
+    state = self.commit(self.policy, self.new_cache(), dense.k, dense.v, jnp.asarray(cands),
+                        jnp.asarray(lengths))
+    return logits, state
+
+  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+    nxt, _, state = self.step(self.params, self.policy, state, tokens, tag_ids, state_ids,
+                              active, bits, key, temperature, top_p)
+    return nxt, state
+
+  def report(self, state) -> list[dict]:
+    return ledger.summary(state[2], self.policy)
+
+
+class Tracker:
+  """One request's grammar matcher and structural-tag adapter on the host.
+
+  ``accept(token) -> (tag ids int32[4], parser-state id)``.  Without an adapter every token gets
+  :data:`FREE_TAG` and the unseen state id -1 (pooled reserve).
+  """
+
+  def __init__(self, grammar: Grammar | None = None, adapter: Any = None):
+    self.matcher = grammar.matcher() if grammar is not None else None
+    self.adapter = adapter
+
+  def fill(self, bits: np.ndarray, row: int) -> None:
+    if self.matcher is not None:
+      self.matcher.fill(bits, row)
+
+  def accept(self, token: int) -> tuple[np.ndarray, int]:
+    if self.adapter is not None:
+      return self.adapter.accept(self.matcher, token)
+    if self.matcher is not None and not self.matcher.accept(token):
+      raise RuntimeError(f"grammar rejected token {token} it allowed")
+    return FREE_TAG, -1
+
+  @property
+  def terminated(self) -> bool:
+    return self.matcher is not None and self.matcher.terminated
 
 def padded_len(n: int, bucket: int = PREFILL_BUCKET) -> int:
   """Prompt length after padding: a bucket multiple, or a chunk multiple past one chunk."""
@@ -145,10 +289,17 @@ def pad_prompts(prompts: Sequence[Sequence[int]], batch: int, capacity: int,
   return tokens, lengths
 
 
-def generate(runner: Runner, tokenizer, prompts: Sequence[Sequence[int]], *,
+def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
              grammars: Sequence[Grammar | None] | None = None,
+             trackers: Sequence[Tracker] | None = None, prompt_tags: Sequence[Any] | None = None,
              sampling: Sampling = Sampling()) -> list[Result]:
-  """Generate for up to ``runner.batch`` prompts of different lengths, each under its grammar."""
+  """Generate for up to ``runner.batch`` prompts of different lengths.
+
+  Each request has a :class:`Tracker` (its grammar matcher and tag adapter), built from
+  ``grammars`` when ``trackers`` is not given.  ``prompt_tags``: optional per-prompt
+  ``int32[n, 4]`` prompt-span label candidates for the PASK prefill plan.  With a
+  :class:`PaskRunner` each result carries the request's ledger in ``Result.ledger``.
+  """
   B, V = runner.batch, runner.cfg.vocab_size
   n = len(prompts)
   if not 0 < n <= B:
@@ -158,23 +309,27 @@ def generate(runner: Runner, tokenizer, prompts: Sequence[Sequence[int]], *,
       raise CapacityError(
           f"prompt {i} has {len(p)} tokens; with max_tokens={sampling.max_tokens} it needs "
           f"{len(p) + sampling.max_tokens} > capacity {runner.capacity}")
-  grammars = list(grammars) if grammars is not None else [None] * n
-  matchers = [g.matcher() if g is not None else None for g in grammars] + [None] * (B - n)
+  if trackers is None:
+    grammars = list(grammars) if grammars is not None else [None] * n
+    trackers = [Tracker(g) for g in grammars]
+  trackers = list(trackers) + [Tracker() for _ in range(B - n)]
   stops = set(tokenizer.stop_ids)
   temp = jnp.full((B,), sampling.temperature, jnp.float32)
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)
   key = jax.random.key(sampling.seed)
   bits = new_bitmask(B, V)
+  tag_ids = np.broadcast_to(FREE_TAG, (B, T.N_CAND)).copy()
+  state_ids = np.full((B,), -1, np.int32)
 
   def fill(active):
     bits[:] = -1
     for b in range(n):
-      if active[b] and matchers[b] is not None:
-        matchers[b].fill(bits, b)
+      if active[b]:
+        trackers[b].fill(bits, b)
 
   t0 = time.perf_counter()
   tokens, lengths = pad_prompts(prompts, B, runner.capacity)
-  logits, cache = runner.prefill_all(runner.new_cache(), tokens, lengths)
+  logits, state = runner.begin(tokens, lengths, prompt_tags)
   active = [True] * n + [False] * (B - n)
   fill(active)
   key, sub = jax.random.split(key)
@@ -187,10 +342,8 @@ def generate(runner: Runner, tokenizer, prompts: Sequence[Sequence[int]], *,
       if not active[b]:
         continue
       tok = int(nxt[b])
-      m = matchers[b]
-      if m is not None and not m.accept(tok):
-        raise RuntimeError(f"grammar rejected token {tok} it allowed (sequence {b})")
-      if tok in stops or (m is not None and m.terminated):
+      tag_ids[b], state_ids[b] = trackers[b].accept(tok)
+      if tok in stops or trackers[b].terminated:
         active[b], finish[b] = False, "stop"
         if tok not in stops:
           out[b].append(tok)
@@ -202,9 +355,11 @@ def generate(runner: Runner, tokenizer, prompts: Sequence[Sequence[int]], *,
       break
     fill(active)
     key, sub = jax.random.split(key)
-    nxt_dev, _, cache = runner.step(runner.params, cache, jnp.asarray(nxt), jnp.asarray(bits), sub,
-                                    temp, top_p)
+    nxt_dev, state = runner.advance(state, jnp.asarray(nxt), jnp.asarray(tag_ids),
+                                    jnp.asarray(state_ids), jnp.asarray(active), jnp.asarray(bits),
+                                    sub, temp, top_p)
     nxt = np.asarray(nxt_dev)
   t2 = time.perf_counter()
-  return [Result(out[b], tokenizer.decode(out[b]), len(prompts[b]), finish[b], t1 - t0, t2 - t1)
-          for b in range(n)]
+  reports = runner.report(state) or [None] * n
+  return [Result(out[b], tokenizer.decode(out[b]), len(prompts[b]), finish[b], t1 - t0, t2 - t1,
+                 reports[b]) for b in range(n)]
