@@ -61,7 +61,9 @@ class Result:
   finish: str            # "stop" (stop token / grammar complete) or "length"
   prefill_s: float
   decode_s: float
-  ledger: dict | None = None  # PASK runs: the request's KV ledger (pask_jax.ledger.summary)
+  # PASK runs: the request's KV ledger (pask_jax.ledger.summary).  It counts the tokens whose KV
+  # entered the cache; the last token of a generation cut at max_tokens never does.
+  ledger: dict | None = None
 
   @property
   def tokens_per_s(self) -> float:
@@ -71,8 +73,14 @@ class Result:
 class Runner:
   """Jitted prefill and decode step for one model over a dense Full-KV cache."""
 
-  def __init__(self, model: nnx.Module, *, batch: int, capacity: int, cache_dtype=None):
+  def __init__(self, model: nnx.Module, *, batch: int, capacity: int, cache_dtype=None,
+               attn_out_dtype=None):
+    """``attn_out_dtype``: round decode-step attention outputs to this dtype (bfloat16, as the
+    PASK decode kernels do; prefill stays at full precision in both) — for numerics-matched
+    comparisons of the two caches."""
     self.cfg = model.cfg
+    self.attend = kv_dense.attend if attn_out_dtype is None else (
+        lambda *a: _round_out(kv_dense.attend(*a), attn_out_dtype))
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity = batch, capacity
     self.cache_dtype = cache_dtype or jax.tree.leaves(self.params)[0].dtype
@@ -118,7 +126,7 @@ class Runner:
     model = nnx.merge(self.graphdef, params)
     pos = cache.length[:, None]
     cache = cache._replace(length=cache.length + 1)
-    logits, cache = model(tokens[:, None], pos, cache, kv_dense.attend)
+    logits, cache = model(tokens[:, None], pos, cache, self.attend)
     logits = logits[:, 0]
     return sample(apply_bitmask(logits, bits), key, temperature, top_p), logits, cache
 
@@ -258,6 +266,11 @@ class Tracker:
   @property
   def terminated(self) -> bool:
     return self.matcher is not None and self.matcher.terminated
+
+def _round_out(result, dtype):
+  out, cache = result
+  return out.astype(dtype).astype(out.dtype), cache
+
 
 def padded_len(n: int, bucket: int = PREFILL_BUCKET) -> int:
   """Prompt length after padding: a bucket multiple, or a chunk multiple past one chunk."""
