@@ -55,3 +55,13 @@ def test_gpu_scale_argument():
   got = synth.merged_f32(o, m, l, axis=2, hq=args[0].shape[1], g=case.shape.g)
   assert synth.rel_err(got, synth.reference_f32(*args, scale=0.07)) < 3e-5
   assert np.isfinite(np.asarray(got)).all()
+
+
+def test_gpu_int4_cvt_dequant_matches_bits_dequant():
+  case = synth.CASES[3]   # g = 7, D = 64
+  args = case.make(seed=14)
+  want = synth.reference_f32(*args)
+  for mode in ("cvt", "bits"):
+    o, m, l = partials_gpu(*args, interpret=True, int4_dequant=mode, **SMALL)
+    got = synth.merged_f32(o, m, l, axis=2, hq=args[0].shape[1], g=case.shape.g)
+    assert synth.rel_err(got, want) < 3e-5, mode
