@@ -76,7 +76,16 @@ def cmd_generate(args) -> int:
   if capacity > m.cfg.max_position:
     raise SystemExit(f"error: prompt of {len(ids)} tokens + max_tokens {args.max_tokens} exceeds "
                      f"the model's context of {m.cfg.max_position} tokens")
-  runner = Runner(m.model, batch=1, capacity=capacity)
+  if args.policy:
+    from pask_jax import ledger, policy as pol_mod
+    from pask_jax.decode import PaskRunner
+    try:
+      pol = pol_mod.resolve(args.policy, m.cfg, tokenizer_hash=tok.hash())
+    except (FileNotFoundError, ValueError) as e:
+      raise SystemExit(f"error: policy {args.policy!r}: {e}")
+    runner = PaskRunner(m.model, pol, batch=1, capacity=capacity)
+  else:
+    runner = Runner(m.model, batch=1, capacity=capacity)
   try:
     res = generate(runner, tok, [ids], grammars=[grammar],
                    sampling=Sampling(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -89,6 +98,8 @@ def cmd_generate(args) -> int:
       print("tool calls:", json.dumps(parse_calls(res.text, fmt)))
     except ValueError as e:
       print(f"tool calls: none parsed ({e})")
+  if res.ledger is not None:
+    print("ledger: " + ledger.format_summary([res.ledger]), file=sys.stderr)
   print(f"[{len(ids)} prompt tokens, {len(res.tokens)} generated, finish={res.finish}, "
         f"prefill {res.prefill_s:.2f}s (incl. compile), decode {res.tokens_per_s:.1f} tokens/s "
         f"(incl. first-step compile), backend={jax.default_backend()}]", file=sys.stderr)
@@ -121,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+  g.add_argument("--policy", default=None,
+                 help="decode under PASK with this policy: all-high, demo, or a policy directory "
+                      "(default: Full KV)")
   sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels", add_help=False)
   args, rest = ap.parse_known_args(argv)
   if args.cmd == "compare-kernels":

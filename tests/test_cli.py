@@ -48,3 +48,21 @@ def test_uncompilable_schema(tmp_path):
 def test_prompt_longer_than_context():
   with pytest.raises(SystemExit, match="exceeds the model's context of 8192"):
     cli.main(["generate", "--prompt", "word " * 9000, "--max-tokens", "4"])
+
+
+def test_generate_under_pask_policy(capsys):
+  rc = cli.main(["generate", "--prompt", "What's the weather in Tokyo?", "--tools",
+                 "examples/weather_tools.json", "--max-tokens", "32", "--policy", "demo"])
+  out, err = capsys.readouterr()
+  assert rc == 0 and "tool calls: " in out
+  assert "ledger: [0]" in err and "measured B" in err
+
+
+def test_policy_for_another_model_is_refused(tmp_path):
+  from models import ModelConfig
+  from pask_jax import policy as P
+  other = ModelConfig(arch="qwen2", vocab_size=10, hidden=8, intermediate=8, n_layers=24,
+                      n_heads=2, n_kv_heads=2, head_dim=4)
+  P.save(P.demo(other), tmp_path / "pol")
+  with pytest.raises(SystemExit, match="n_layers"):
+    cli.main(["generate", "--prompt", "hi", "--max-tokens", "4", "--policy", str(tmp_path / "pol")])
