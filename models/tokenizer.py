@@ -121,7 +121,14 @@ class Tokenizer:
     return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
   def token_bytes(self) -> list[bytes]:
-    """Raw bytes of every token id (for the grammar engine); special tokens as their text."""
+    """Raw bytes of every token id (for the grammar engine and tag adapters; computed once).
+
+    Control tokens map to b"" (no grammar can match them); added tokens to their text."""
+    if getattr(self, "_token_bytes", None) is None:
+      self._token_bytes = self._compute_token_bytes()
+    return list(self._token_bytes)
+
+  def _compute_token_bytes(self) -> list[bytes]:
     vocab = self.tok.get_vocab(with_added_tokens=True)
     out = [b""] * max(self.vocab_size, max(vocab.values()) + 1)
     byte_dec = _byte_decoder()

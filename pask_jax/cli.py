@@ -36,7 +36,7 @@ def cmd_generate(args) -> int:
   import jax.numpy as jnp
 
   from models import load
-  from pask_jax.decode import CapacityError, Runner, Sampling, capacity_for, generate
+  from pask_jax.decode import CapacityError, Runner, Sampling, Tracker, capacity_for, generate
   from pask_jax.grammar import (DEFAULT_STYLE, GrammarCompiler, GrammarError, parse_calls,
                                 tool_call_grammar, tools_system_prompt)
 
@@ -71,7 +71,11 @@ def cmd_generate(args) -> int:
     messages.insert(0, {"role": "system", "content": tools_system_prompt(tools, fmt)})
   text = tok.apply_chat_template(messages, tools=tools if template_takes_tools else None) \
       if tok.chat_template and not args.raw else args.prompt
-  ids = tok.encode(text)
+  if args.policy:  # PASK: prompt-span labels for the prefill plan (§3.6)
+    from pask_jax.grammar.prompt_spans import label_prompt
+    ids, prompt_tags = label_prompt(tok, text)
+  else:
+    ids, prompt_tags = tok.encode(text), None
   capacity = capacity_for(len(ids), args.max_tokens)
   if capacity > m.cfg.max_position:
     raise SystemExit(f"error: prompt of {len(ids)} tokens + max_tokens {args.max_tokens} exceeds "
@@ -87,7 +91,11 @@ def cmd_generate(args) -> int:
   else:
     runner = Runner(m.model, batch=1, capacity=capacity)
   try:
-    res = generate(runner, tok, [ids], grammars=[grammar],
+    tracker = Tracker(grammar)
+    if args.policy and tools:  # structural tags of the tool-call output (§3.3)
+      from pask_jax.grammar.fc_adapter import FCAdapter
+      tracker = Tracker(grammar, FCAdapter(grammar, tok))
+    res = generate(runner, tok, [ids], trackers=[tracker], prompt_tags=[prompt_tags],
                    sampling=Sampling(max_tokens=args.max_tokens, temperature=args.temperature,
                                      top_p=args.top_p, seed=args.seed))[0]
   except CapacityError as e:
