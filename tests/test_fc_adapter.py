@@ -10,7 +10,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))

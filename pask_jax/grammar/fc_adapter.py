@@ -66,7 +66,7 @@ class Adapter:
     self.tb = tokenizer if isinstance(tokenizer, list) else tokenizer.token_bytes()
     self.stop_ids = frozenset(stop_ids if stop_ids is not None else tokenizer.stop_ids)
     self.vocab = vocab
-    self.frontier = Frontier(grammar.compiled) if vocab is not None else None
+    self.frontier = _frontier(grammar) if vocab is not None else None
     self.last_key: str | None = None
 
   def accept(self, matcher, token: int) -> tuple[np.ndarray, int]:
@@ -119,11 +119,19 @@ class Adapter:
 
   def state_key(self, matcher) -> str:
     """The frontier key of the matcher's current state (calibration collects these)."""
-    fr = self.frontier or Frontier(self.grammar.compiled)
+    fr = self.frontier or _frontier(self.grammar)
     return fr.key(matcher.m)
 
   def _idle(self):
     return SCAF
+
+
+def _frontier(grammar) -> Frontier:
+  """One frontier reader per grammar (reading the rule names costs ~40 ms on a tool grammar)."""
+  fr = getattr(grammar, "_pask_frontier", None)
+  if fr is None:
+    fr = grammar._pask_frontier = Frontier(grammar.compiled)
+  return fr
 
 
 def _coarsen(ids: list[int]) -> list[int]:
