@@ -385,3 +385,92 @@ def stored_positions(cache: Cache, g: int, b: int) -> dict[str, list[int]]:
   return {"hi": np.asarray(cache.hi_pos[g, b, :hl]).tolist(),
           "lo": np.asarray(cache.lo_pos[g, b, :ll]).tolist(),
           "win": np.asarray(cache.win_pos[b, :wl]).tolist()}
+
+
+# ---- engine-owned paging (serve/) -------------------------------------------------------------
+# A server sizes the pools for its capacity (not batch × capacity) and hands out pages per
+# sequence slot; these functions are the device half of that, the free lists live in the engine.
+
+def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity: int,
+               window: int, hi_pool_pages: int, lo_pool_pages: int, sink: int = 0,
+               n_groups: int = 3, page: int = 16) -> Cache:
+  """An empty cache of ``batch`` slots whose pools hold ``hi_pool_pages``/``lo_pool_pages`` pages
+  shared by all slots; ``capacity`` (tokens per slot) sizes each slot's page table.
+
+  Every page-table entry starts unassigned: it holds the pool's page count, the first
+  out-of-range id, so a write through it is dropped by the scatters' ``mode="drop"`` and the
+  kernels (which read only entries below ``*_len``) never see it.  The engine assigns pages with
+  :func:`insert_slot`.  Pools need at least one page (zero-size pools do not index).
+  """
+  if hi_pool_pages < 1 or lo_pool_pages < 1:
+    raise ValueError("each pool needs at least one page")
+  base = init(n_layers, batch, n_kv_heads, head_dim, capacity=page, window=window, sink=sink,
+              n_groups=n_groups, page=page)
+  G, B, n = n_groups, batch, math.ceil(capacity / page)
+  pool = lambda x, P: jnp.zeros((n_layers, P) + x.shape[2:], x.dtype)
+  lay = base.layers
+  layers = lay.replace(hi_k=pool(lay.hi_k, hi_pool_pages), hi_v=pool(lay.hi_v, hi_pool_pages),
+                       lo_k=pool(lay.lo_k, lo_pool_pages), lo_v=pool(lay.lo_v, lo_pool_pages),
+                       lo_s=jnp.ones((n_layers, lo_pool_pages) + lay.lo_s.shape[2:], jnp.float16))
+  return base.replace(
+      layers=layers, hi_pages=jnp.full((G, B, n), hi_pool_pages, jnp.int32),
+      lo_pages=jnp.full((G, B, n), lo_pool_pages, jnp.int32),
+      hi_pos=jnp.full((G, B, n * page), -1, jnp.int32),
+      lo_pos=jnp.full((G, B, n * page), -1, jnp.int32))
+
+
+def _slot_state(cache: Cache, hi_row: jax.Array, lo_row: jax.Array) -> dict:
+  """The per-sequence fields of an empty batch-1 sequence with page rows ``[n_pages]``."""
+  G, W = cache.n_groups, cache.window
+  return dict(
+      win_pos=jnp.full((1, W), -1, jnp.int32), win_act=jnp.zeros((1, W, G), jnp.int8),
+      count=jnp.zeros((1,), jnp.int32),
+      hi_pages=jnp.broadcast_to(jnp.asarray(hi_row, jnp.int32), (G, 1, cache.hi_pages.shape[2])),
+      lo_pages=jnp.broadcast_to(jnp.asarray(lo_row, jnp.int32), (G, 1, cache.lo_pages.shape[2])),
+      hi_len=jnp.zeros((G, 1), jnp.int32), lo_len=jnp.zeros((G, 1), jnp.int32),
+      hi_pos=jnp.full((G, 1, cache.hi_pos.shape[2]), -1, jnp.int32),
+      lo_pos=jnp.full((G, 1, cache.lo_pos.shape[2]), -1, jnp.int32),
+      overflow=jnp.zeros((1,), bool))
+
+
+# Axis of the batch in each per-sequence field (the layers' windows are axis 1).
+_SEQ_AXIS = dict(win_pos=0, win_act=0, count=0, hi_pages=1, lo_pages=1, hi_len=1, lo_len=1,
+                 hi_pos=1, lo_pos=1, overflow=0)
+
+
+def _put_slot(cache: Cache, slot, part: dict) -> dict:
+  put = lambda name: jax.lax.dynamic_update_slice_in_dim(getattr(cache, name), part[name], slot,
+                                                         _SEQ_AXIS[name])
+  return {name: put(name) for name in _SEQ_AXIS}
+
+
+def insert_slot(cache: Cache, slot, k: jax.Array, v: jax.Array, plan: jax.Array, length,
+                hi_row: jax.Array, lo_row: jax.Array) -> Cache:
+  """Reset sequence ``slot`` (may be traced) and store one prompt's full-precision prefill there.
+
+  k, v: [L, 1, T, Hkv, D]; plan: int [1, T, G]; length: int [1]; hi_row/lo_row: int32
+  [n_pages] the slot's page tables (the same pages for every layer group: a page id names one
+  page in each layer's pool, so one free list per pool serves all groups).  Exactly
+  :func:`materialize_prefill` on a batch-1 view that shares the pools, written back into the
+  slot; other slots are untouched (their pages are disjoint, which the engine guarantees).
+  """
+  lay = cache.layers
+  win = lambda x: jnp.zeros((x.shape[0], 1) + x.shape[2:], x.dtype)
+  one = cache.replace(layers=lay.replace(win_k=win(lay.win_k), win_v=win(lay.win_v)),
+                      **_slot_state(cache, hi_row, lo_row))
+  one = materialize_prefill(one, k, v, plan, length)
+  put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, slot, 1)
+  layers = one.layers.replace(win_k=put(lay.win_k, one.layers.win_k),
+                              win_v=put(lay.win_v, one.layers.win_v))
+  return cache.replace(layers=layers, **_put_slot(cache, slot, {n: getattr(one, n)
+                                                                 for n in _SEQ_AXIS}))
+
+
+def release_slot(cache: Cache, slot) -> Cache:
+  """Empty sequence ``slot`` (may be traced): no tokens, every page-table entry unassigned, so
+  the slot references none of the pages the engine hands to other requests.  Pool contents
+  are left as they are (the next owner overwrites before it reads)."""
+  n_hi, n_lo = cache.layers.hi_k.shape[1], cache.layers.lo_k.shape[1]
+  part = _slot_state(cache, jnp.full((cache.hi_pages.shape[2],), n_hi, jnp.int32),
+                     jnp.full((cache.lo_pages.shape[2],), n_lo, jnp.int32))
+  return cache.replace(**_put_slot(cache, slot, part))

@@ -1,0 +1,105 @@
+"""Engine-owned paging in pask_jax.cache: init_paged, insert_slot, release_slot."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from pask_jax import cache as C
+
+L, Hkv, D, W, PAGE, CAP, G = 3, 2, 8, 4, 4, 16, 3
+P_HI, P_LO = 10, 9
+# jitted: eager scatters over the whole cache cost seconds per call on CPU
+append = jax.jit(C.append)
+materialize = jax.jit(C.materialize_prefill)
+
+
+def _prompt(seed, n, T=12):
+  r = np.random.default_rng(seed)
+  k = jnp.asarray(r.normal(size=(L, 1, T, Hkv, D)), jnp.float32)
+  v = jnp.asarray(r.normal(size=(L, 1, T, Hkv, D)), jnp.float32)
+  plan = jnp.asarray(r.integers(0, 3, size=(1, T, G)), jnp.int8)
+  return k, v, plan, jnp.asarray([n], jnp.int32)
+
+
+def _row(ids, n_pages, pool):
+  return jnp.asarray(list(ids) + [pool] * (n_pages - len(ids)), jnp.int32)
+
+
+def _paged():
+  return C.init_paged(L, 3, Hkv, D, capacity=CAP, window=W, hi_pool_pages=P_HI,
+                      lo_pool_pages=P_LO, sink=1, n_groups=G, page=PAGE)
+
+
+def _attend(cache, b, q):
+  """Reference attention of sequence b for every layer -> [L, Hkv*2, D]."""
+  outs = []
+  for layer in range(L):
+    win, hi, lo, maps = C.layer_inputs(cache, layer)
+    pick = lambda t: jax.tree.map(lambda x: x[b:b + 1] if x.ndim and x.shape[0] == cache.batch
+                                  else x, t)
+    out = pallas_kernels.decode_attention(q, pick(win), hi, lo, pick(maps), backend="reference")
+    outs.append(np.asarray(out[0], np.float32))
+  return np.stack(outs)
+
+
+def test_init_paged_shapes_and_unassigned_tables():
+  c = _paged()
+  assert c.layers.hi_k.shape == (L, P_HI, PAGE, Hkv, D)
+  assert c.layers.lo_k.shape == (L, P_LO, PAGE, Hkv, D // 2)
+  assert c.hi_pages.shape == (G, 3, CAP // PAGE)
+  assert (np.asarray(c.hi_pages) == P_HI).all() and (np.asarray(c.lo_pages) == P_LO).all()
+  assert c.hi_pos.shape == (G, 3, CAP)
+
+
+def test_insert_slot_matches_dense_prefill_and_touches_only_its_pages():
+  k, v, plan, n = _prompt(0, 11)
+  hi_ids, lo_ids = [7, 2], [4, 8]
+  c = _paged()
+  ins = jax.jit(C.insert_slot)
+  c = ins(c, jnp.int32(1), k, v, plan, n, _row(hi_ids, 4, P_HI), _row(lo_ids, 4, P_LO))
+  ref = materialize(C.init(L, 1, Hkv, D, capacity=CAP, window=W, sink=1, n_groups=G,
+                                     page=PAGE), k, v, plan, n)
+  for g in range(G):
+    assert C.stored_positions(c, g, 1) == C.stored_positions(ref, g, 0)
+    assert C.stored_positions(c, g, 0) == {"hi": [], "lo": [], "win": []}
+  assert int(c.count[1]) == 11 and int(c.count[0]) == 0 and int(c.count[2]) == 0
+  # Pages outside the slot's rows stay zero: nothing leaked into another slot's future pages.
+  hk = np.asarray(c.layers.hi_k, np.float32)
+  lk = np.asarray(c.layers.lo_k)
+  assert not hk[:, [p for p in range(P_HI) if p not in hi_ids]].any()
+  assert not lk[:, [p for p in range(P_LO) if p not in lo_ids]].any()
+  assert hk[:, hi_ids[0]].any()
+  q = jnp.asarray(np.random.default_rng(1).normal(size=(1, 2 * Hkv, D)), jnp.float32)
+  np.testing.assert_allclose(_attend(c, 1, q), _attend(ref, 0, q), rtol=1e-5, atol=1e-5)
+
+
+def test_two_slots_then_decode_steps_and_release():
+  c = _paged()
+  ins = jax.jit(C.insert_slot)
+  k0, v0, p0, n0 = _prompt(2, 9)
+  k1, v1, p1, n1 = _prompt(3, 12)
+  c = ins(c, jnp.int32(0), k0, v0, p0, n0, _row([0, 1, 2], 4, P_HI), _row([0, 1], 4, P_LO))
+  c = ins(c, jnp.int32(2), k1, v1, p1, n1, _row([5, 3, 9], 4, P_HI), _row([2, 6], 4, P_LO))
+  refs = [materialize(C.init(L, 1, Hkv, D, capacity=CAP, window=W, sink=1,
+                                       n_groups=G, page=PAGE), k, v, p, n)
+          for k, v, p, n in ((k0, v0, p0, n0), (k1, v1, p1, n1))]
+  r = np.random.default_rng(4)
+  active = jnp.asarray([True, False, True])
+  for _ in range(3):
+    kk = jnp.asarray(r.normal(size=(L, 3, Hkv, D)), jnp.float32)
+    vv = jnp.asarray(r.normal(size=(L, 3, Hkv, D)), jnp.float32)
+    act = jnp.asarray(r.integers(0, 3, size=(3, G)), jnp.int8)
+    c = append(c, kk, vv, act, active)
+    refs = [append(refs[0], kk[:, 0:1], vv[:, 0:1], act[0:1]),
+            append(refs[1], kk[:, 2:3], vv[:, 2:3], act[2:3])]
+  q = jnp.asarray(r.normal(size=(1, 2 * Hkv, D)), jnp.float32)
+  for b, ref in ((0, refs[0]), (2, refs[1])):
+    for g in range(G):
+      assert C.stored_positions(c, g, b) == C.stored_positions(ref, g, 0)
+    np.testing.assert_allclose(_attend(c, b, q), _attend(ref, 0, q), rtol=1e-5, atol=1e-5)
+  assert int(c.count[1]) == 0 and not bool(c.overflow.any())
+  c = jax.jit(C.release_slot)(c, jnp.int32(2))
+  assert int(c.count[2]) == 0 and int(c.hi_len[:, 2].sum()) == 0
+  assert (np.asarray(c.hi_pages[:, 2]) == P_HI).all() and (np.asarray(c.lo_pages[:, 2]) == P_LO).all()
+  for g in range(G):   # slot 0 unaffected by releasing slot 2
+    assert C.stored_positions(c, g, 0) == C.stored_positions(refs[0], g, 0)
