@@ -114,6 +114,26 @@ def cmd_generate(args) -> int:
   return 0
 
 
+def cmd_serve(args) -> int:
+  """``pask-jax serve``: the OpenAI-compatible server (serve/) under uvicorn."""
+  import uvicorn
+
+  from serve.app import build
+  try:
+    app, engine = build(args.model, args.policy, slots=args.slots, context=args.context,
+                        page=args.page, hi_pages=args.hi_pages, lo_pages=args.lo_pages,
+                        dtype=args.dtype, default_max_tokens=args.default_max_tokens)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, context "
+        f"{args.context}, policy {args.policy})", file=sys.stderr)
+  try:
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+  finally:
+    engine.stop()
+  return 0
+
+
 def cmd_compare_kernels(args, rest) -> int:
   from pallas_kernels import compare
   return compare.main(rest)
@@ -143,12 +163,30 @@ def main(argv: list[str] | None = None) -> int:
   g.add_argument("--policy", default=None,
                  help="decode under PASK with this policy: all-high, demo, or a policy directory "
                       "(default: Full KV)")
+  s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching (PASK)")
+  s.add_argument("--model", default=None, help="as for generate (default: smollm2-135m-instruct)")
+  s.add_argument("--policy", default="all-high", help="all-high (default), demo, or a policy dir")
+  s.add_argument("--host", default="127.0.0.1")
+  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--slots", type=int, default=4, help="decode batch size")
+  s.add_argument("--context", type=int, default=2048,
+                 help="most tokens (prompt + max_tokens) per request")
+  s.add_argument("--page", type=int, default=16, help="tokens per KV page")
+  s.add_argument("--hi-pages", type=int, default=None,
+                 help="BF16 pool size in pages (default: every slot at full context)")
+  s.add_argument("--lo-pages", type=int, default=None,
+                 help="INT4 pool size in pages (default: as --hi-pages if the policy emits L)")
+  s.add_argument("--default-max-tokens", type=int, default=256)
+  s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+  s.add_argument("--log-level", default="info")
   sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels", add_help=False)
   args, rest = ap.parse_known_args(argv)
   if args.cmd == "compare-kernels":
     return cmd_compare_kernels(args, rest)
   if rest:
     ap.error(f"unrecognized arguments: {' '.join(rest)}")
+  if args.cmd == "serve":
+    return cmd_serve(args)
   if args.max_tokens <= 0:
     ap.error("--max-tokens must be positive")
   return cmd_generate(args)
