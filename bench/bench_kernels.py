@@ -1,6 +1,8 @@
 """Decode-attention kernel benchmark on a GPU (issue 4, "Performance"); not a test.
 
   python bench/bench_kernels.py --out DIR [--quick] [--sweep]
+  python bench/bench_kernels.py --out DIR --int4-sweep   # INT4-path variants, headline shape only
+  python bench/bench_kernels.py --profile-one 'KNOBS' --mix b_int4_part   # one call, for ncu
 
 Measures, in ONE process and run, per configuration:
   * the card's copy bandwidth (jnp elementwise read+write of 2 GiB) -- the ceiling;
@@ -107,13 +109,47 @@ def n_copies(nbytes, inner=10):
   return max(1, min(inner, int(12e9 // max(nbytes, 1))))
 
 
+# --int4-sweep variants (run 3; runs 1-2 are recorded in bench/RESULTS.md, "## Kernels").  The
+# defaults now run a large INT4 pool as its own launch: 2 warps, 64-key blocks, "asm" dequant,
+# register prefetch, 1 stage.
+INT4_SWEEP = {
+    "b_mix": [
+        {}, dict(fuse=True), dict(exact_pv=False), dict(block_lo=32),
+        dict(num_warps_lo=1, block_lo=16), dict(num_warps_lo=4, block_lo=128),
+    ],
+    "b_int4_part": [{}],
+    "b_bf16_part": [{}],
+}
+
+
+def profile_one(kn, mix):
+  """One warm-up and one timed-free call of the headline shape's ``mix`` (for ncu)."""
+  b, hq, hkv, d, ctx = 8, 32, 8, 128, 32768
+  lo_b, hi_b = int(ctx * 0.795), int(ctx * 0.122) - WIN
+  lens = {"a_bf16": (0, ctx - WIN, WIN), "b_mix": (lo_b, hi_b, WIN), "b_int4_part": (lo_b, 0, 1)}
+  a = build(jax.random.key(5), b, hq, hkv, d, *lens[mix])
+  f = jax.jit(lambda *x: decode_attention_gpu(*x, **kn))
+  f(*a).block_until_ready()
+  f(*a).block_until_ready()
+  print("profiled", mix, kn, flush=True)
+  return 0
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="bench_out")
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--sweep", action="store_true", help="knob sweep on the headline shape")
   ap.add_argument("--knobs", default="{}", help="JSON dict of kernel knobs for all configs")
+  ap.add_argument("--int4-sweep", action="store_true",
+                  help="headline shape only: (a) with defaults, (b) and its INT4 part over INT4_SWEEP")
+  ap.add_argument("--no-gqa", action="store_true", help="skip the jax gqa baseline")
+  ap.add_argument("--profile-one", default=None, help="JSON knobs: run the headline shape's --mix "
+                  "once (after one warm-up call) and exit; for ncu")
+  ap.add_argument("--mix", default="b_int4_part")
   args = ap.parse_args(argv)
+  if args.profile_one is not None:
+    return profile_one(json.loads(args.profile_one), args.mix)
   os.makedirs(args.out, exist_ok=True)
   from jax.experimental.pallas.ops.gpu.decode_attention import gqa
   dev = jax.devices()[0]
@@ -128,7 +164,7 @@ def main(argv=None):
   shapes = [("4B-like b8 32K", 8, 32, 8, 128, 32768), ("4B-like b1 8K", 1, 32, 8, 128, 8192),
             ("4B-like b32 8K", 32, 32, 8, 128, 8192), ("0.5B b8 32K", 8, 14, 2, 64, 32768),
             ("0.5B b1 8K", 1, 14, 2, 64, 8192)]
-  if args.quick:
+  if args.quick or args.int4_sweep:
     shapes = shapes[:1]
   key = jax.random.key(1)
   for name, b, hq, hkv, d, ctx in shapes:
@@ -147,7 +183,7 @@ def main(argv=None):
     base = {}
     # "fresh": a distinct cache per call, as in decode (its internal K/V transposes are paid each
     # call); "amortized": one cache for the whole bundle, so XLA computes the transposes once.
-    for tag, nc in (("fresh", n_copies(dense_bytes)), ("amortized", 1)):
+    for tag, nc in (() if args.no_gqa else (("fresh", n_copies(dense_bytes)), ("amortized", 1))):
       sets = [(qd, kd, vd)] + [(qd, kd + 0, vd + 0) for _ in range(nc - 1)]
       try:
         base[tag] = timeit(lambda q, k, v: gqa(q, k, v), sets)[0]
@@ -160,7 +196,7 @@ def main(argv=None):
                        tbps=dense_bytes / base[tag] / 1e12, vs_baseline=base["fresh"] / base[tag],
                        err=None, knobs=""))
       print(rows[-1], flush=True)
-    t_base = base["fresh"]
+    t_base = base.get("fresh", float("nan"))
     del kd, vd
     for mix, (lo_len, hi_len, win_len) in mixes.items():
       nbytes = kv_bytes(b, hkv, d, lo_len, hi_len, win_len)
@@ -173,12 +209,14 @@ def main(argv=None):
       if args.sweep and name.startswith("4B-like b8") and mix == "a_bf16":
         variants += [dict(num_warps=8, num_stages=3), dict(num_warps=4, num_stages=2, block_hi=64),
                      dict(chunk_hi=1024)]
+      if args.int4_sweep:
+        variants = [knobs] if mix == "a_bf16" else [{**knobs, **v} for v in INT4_SWEEP[mix]]
       if args.sweep and name.startswith("4B-like b8") and mix == "b_mix":
         variants += [dict(num_warps=4), dict(num_warps=8, num_stages=3, block_lo=128),
                      dict(num_warps=4, num_stages=3, block_lo=128, block_hi=64),
                      dict(chunk_lo=2048), dict(int4_dequant="cvt"),
                      dict(int4_dequant="cvt", num_warps=8, num_stages=4, block_hi=64)]
-      for kn in variants:
+      for kn in variants if variants else ():
         try:
           fn = lambda *a, kn=kn: decode_attention_gpu(*a, **kn)
           out = fn(*arg_sets[0])

@@ -65,3 +65,30 @@ def test_gpu_int4_cvt_dequant_matches_bits_dequant():
     o, m, l = partials_gpu(*args, interpret=True, int4_dequant=mode, **SMALL)
     got = synth.merged_f32(o, m, l, axis=2, hq=args[0].shape[1], g=case.shape.g)
     assert synth.rel_err(got, want) < 3e-5, mode
+
+
+@pytest.mark.parametrize("case", [synth.CASES[i] for i in (0, 3, 4, 7)], ids=lambda c: c.name)
+def test_gpu_int4_prefetch_and_unfused_match_reference(case):
+  """The register-prefetched INT4 loop and the separate-launch layout compute the same partials
+  (the prefetch runs past the last block with masked loads; the page table is poisoned there)."""
+  args = case.make(seed=zlib.crc32(case.name.encode()) % 997)
+  want = synth.reference_f32(*args)
+  for kn in (dict(int4_prefetch=True), dict(int4_prefetch=True, fuse=False, num_warps_lo=4),
+             dict(fuse=False, int4_dequant="asm")):   # "asm" runs as "bits" when interpreted
+    o, m, l = partials_gpu(*args, interpret=True, **SMALL, **kn)
+    got = synth.merged_f32(o, m, l, axis=2, hq=args[0].shape[1], g=case.shape.g)
+    assert synth.rel_err(got, want) < 3e-5, kn
+
+
+def test_gpu_large_int4_pool_gets_its_own_launch_within_sm90a_limits():
+  """fuse="auto": an INT4 partition with >= one program per SM runs as its own kernel (2 warps,
+  register prefetch, inline-PTX dequant); both kernels compile for sm_90a without spills."""
+  from pallas_kernels.gpu import aot
+  shape = synth.Shape(b=8, hq=32, hkv=8, d=128, page=16, w=64, lo_cap=4096, hi_cap=512)
+  args = synth.make(shape, 4000, 500, 64, poison=False)
+  reps = aot.report(decode_attention_gpu, *args)
+  assert sorted(r.name for r in reps) == ["pask_decode_attention", "pask_decode_attention_int4"]
+  for r in reps:
+    assert r.ok(), (r.name, r.summary())
+  int4 = next(r for r in reps if r.name.endswith("int4"))
+  assert "prmt.b32" in int4.ptx and "lop3.b32" in int4.ptx     # the inline-PTX unpack is there

@@ -35,6 +35,7 @@ from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 _LO, _HI, _WIN = 0, 1, 2
 _OFF = 136.0   # INT4 "bits" dequant: bf16(0x4300 | (n ^ 8)) == n + 136
+_NUM_SMS = 132  # H100 / H200: "auto" gives a large INT4 partition its own launch
 
 
 def _online(carry, s, valid):
@@ -67,17 +68,20 @@ def _pv(p, v, exact, with_sum=False):
   return (out, jnp.sum(fed, axis=1)) if with_sum else out
 
 
-def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, page_lo, page_hi, n_lo, n_hi, chunk_lo, chunk_hi,
-            chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi):
+def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, int4_prefetch, page_lo, page_hi, n_lo,
+            n_hi, chunk_lo, chunk_hi, chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi, has_w):
   # lens_ref [4] i32 (lo, hi, win, -); q_ref [M, D] bf16.
   refs = list(refs)
   if has_lo:
-    tlo_ref, klo_ref, vlo_ref, sc_ref = refs[:4]   # [n_pages], [P*page, D/2] u8 x2, [P*page, 2]
+    tlo_ref, klo_ref, vlo_ref, sc_ref = refs[:4]   # [n_pages], [P*page, D/2] u8 x2, [P*page] u32
     refs = refs[4:]
   if has_hi:
     thi_ref, khi_ref, vhi_ref = refs[:3]           # [n_pages], [P*page, D] bf16 x2
     refs = refs[3:]
-  kw_ref, vw_ref, o_ref, m_ref, l_ref = refs       # [W, D] x2; [M, D], [M], [M]
+  if has_w:
+    kw_ref, vw_ref = refs[:2]                      # [W, D] x2
+    refs = refs[2:]
+  o_ref, m_ref, l_ref = refs                       # [M, D], [M], [M]
   m_rows, d = q_ref.shape
   h2 = d // 2
   sp = pl.program_id(1)
@@ -122,39 +126,34 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, page_lo, page_hi,
     start = split * chunk_lo
     end = jnp.minimum(start + chunk_lo, lens_ref[_LO])
     bk = bk_lo
-
-    def unpack(x):  # [bk, D/2] u8 -> low, high halves as bf16
-      if int4_dequant == "cvt":  # exact codes via int -> float conversions (slow on Hopper)
-        x = x.astype(jnp.int32)
-        lo = lax.shift_right_arithmetic(lax.shift_left(x, 28), 28)
-        hi = lax.shift_right_arithmetic(lax.shift_left(x, 24), 28)
-        return (lo.astype(jnp.float32).astype(jnp.bfloat16),
-                hi.astype(jnp.float32).astype(jnp.bfloat16))
-      # "bits": bf16 with bits 0x4300 | u is 128 + u exactly (7 mantissa bits), and u = n ^ 8
-      # maps the signed nibble n to n + 8, so the value is code + OFF with integer ops only.
-      # The OFF is removed after the MMA (see below).
-      x = x.astype(jnp.uint16)
-      lo = lax.bitcast_convert_type(((x & 0xF) ^ 8) | 0x4300, jnp.bfloat16)
-      hi = lax.bitcast_convert_type(((x >> 4) ^ 8) | 0x4300, jnp.bfloat16)
-      return lo, hi
-
     off = 0.0 if int4_dequant == "cvt" else _OFF
     # q . (code + OFF) = q . code + OFF * sum(q): subtract the second term (FP32, once).
     q_off = off * (jnp.sum(ql.astype(jnp.float32), axis=1) + jnp.sum(qh.astype(jnp.float32), axis=1))
 
-    def body(i, carry):
-      ol, oh, m, l = carry
+    def where(i):
       pos = start + i * bk + jnp.arange(bk)
-      valid = pos < end
-      rows = _paged_rows(tlo_ref, page_lo, pos, valid)
-      kl, kh = unpack(_gather(klo_ref, rows, valid, 0))
-      ks = plgpu.load(sc_ref.at[rows, jnp.zeros_like(rows)], mask=valid, other=0.0).astype(jnp.float32)
+      return pos, pos < end
+
+    def rows_at(i):
+      pos, valid = where(i)
+      return _paged_rows(tlo_ref, page_lo, pos, valid)
+
+    def fetch(i, rows):
+      """Issue the loads of block i (raw codes and the packed K|V fp16 scales)."""
+      valid = where(i)[1]
+      return (_gather(klo_ref, rows, valid, 0), _gather(vlo_ref, rows, valid, 0),
+              plgpu.load(sc_ref.at[rows], mask=valid, other=0))
+
+    def step(i, kraw, vraw, sc, carry):
+      ol, oh, m, l = carry
+      valid = where(i)[1]
+      kl, kh = _unpack(kraw, int4_dequant)
+      ks, vs = _scales(sc)
       s = plgpu.dot(ql, kl, trans_b=True) + plgpu.dot(qh, kh, trans_b=True) - q_off[:, None]
       s = s * (ks * c)[None, :]
       p, alpha, m, l = _online((m, l), s, valid)
-      vs = plgpu.load(sc_ref.at[rows, jnp.ones_like(rows)], mask=valid, other=0.0).astype(jnp.float32)
       pv = p * vs[None, :]
-      vl, vh = unpack(_gather(vlo_ref, rows, valid, 0))
+      vl, vh = _unpack(vraw, int4_dequant)
       # Same offset on the V side: p . (code + OFF) - OFF * sum(p), with the p actually fed.
       ol_b, psum = _pv(pv, vl, exact_pv, with_sum=True)
       oh_b = _pv(pv, vh, exact_pv)
@@ -164,7 +163,23 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, page_lo, page_hi,
 
     n = pl.cdiv(jnp.maximum(end - start, 0), bk)
     z = jnp.zeros((m_rows, h2), jnp.float32)
-    ol, oh, m, l = lax.fori_loop(0, n, body, (z, z, m0, l0))
+    if int4_prefetch:
+      # Software pipeline in registers: block i+1's codes and scales and block i+2's page-table
+      # rows are in flight while block i is computed, so no load waits on the one before it.
+      def body(i, carry):
+        acc, (kraw, vraw, sc), rows_next = carry[:4], carry[4:7], carry[7]
+        rows_next2 = rows_at(i + 2)
+        nxt = fetch(i + 1, rows_next)
+        acc = step(i, kraw, vraw, sc, acc)
+        return (*acc, *nxt, rows_next2)
+
+      init = (z, z, m0, l0, *fetch(0, rows_at(0)), rows_at(1))
+      ol, oh, m, l = lax.fori_loop(0, n, body, init)[:4]
+    else:
+      def body(i, carry):
+        return step(i, *fetch(i, rows_at(i)), carry)
+
+      ol, oh, m, l = lax.fori_loop(0, n, body, (z, z, m0, l0))
     store([ol, oh], m, l)
 
   if has_lo:
@@ -178,10 +193,61 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, page_lo, page_hi,
       bf16_part(khi_ref, vhi_ref, lambda pos, ok: _paged_rows(thi_ref, page_hi, pos, ok),
                 sp - n_lo, chunk_hi, lens_ref[_HI], bk_hi)
 
-  @pl.when(sp >= n_lo + n_hi)
-  def _():
-    bf16_part(kw_ref, vw_ref, lambda pos, ok: pos, sp - n_lo - n_hi, chunk_w, lens_ref[_WIN],
-              bk_w)
+  if has_w:
+    @pl.when(sp >= n_lo + n_hi)
+    def _():
+      bf16_part(kw_ref, vw_ref, lambda pos, ok: pos, sp - n_lo - n_hi, chunk_w, lens_ref[_WIN],
+                bk_w)
+
+
+# $0, $1 <- four bytes of $2 (byte j -> 16-bit lane j): bf16 bits ((nibble ^ 8) | 0x4300).
+_ASM_UNPACK_LO = """{
+.reg .b32 t0, t1;
+prmt.b32 t0, $2, $2, 0x3130;
+prmt.b32 t1, $2, $2, 0x3332;
+lop3.b32 $0, t0, 0x000F000F, 0x43084308, 0x6A;
+lop3.b32 $1, t1, 0x000F000F, 0x43084308, 0x6A;
+}"""
+_ASM_UNPACK_HI = """{
+.reg .b32 t0, t1;
+prmt.b32 t0, $2, $2, 0x3130;
+prmt.b32 t1, $2, $2, 0x3332;
+shr.u32 t0, t0, 4;
+shr.u32 t1, t1, 4;
+lop3.b32 $0, t0, 0x000F000F, 0x43084308, 0x6A;
+lop3.b32 $1, t1, 0x000F000F, 0x43084308, 0x6A;
+}"""
+
+
+def _unpack(x, mode):
+  """[bk, D/2] u8 -> (low, high) halves as bf16: exact codes ("cvt") or code + OFF ("bits", "asm")."""
+  if mode == "cvt":  # exact codes via int -> float conversions (slow on Hopper)
+    x = x.astype(jnp.int32)
+    lo = lax.shift_right_arithmetic(lax.shift_left(x, 28), 28)
+    hi = lax.shift_right_arithmetic(lax.shift_left(x, 24), 28)
+    return (lo.astype(jnp.float32).astype(jnp.bfloat16),
+            hi.astype(jnp.float32).astype(jnp.bfloat16))
+  if mode == "asm":
+    # Four bytes per instance: two byte permutes spread bytes (0,1) and (2,3) to 16-bit lanes,
+    # and one lop3 each gives ((n & 0xF) ^ 8) | 0x4300 per lane, i.e. bf16 code + OFF, two at a
+    # time (8 instructions for 8 values instead of ~6 per value).
+    sds = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)]
+    asm = lambda code: plgpu.elementwise_inline_asm(code, args=[x], constraints="=r,=r,r", pack=4,
+                                                    result_shape_dtypes=sds)[0]
+    return asm(_ASM_UNPACK_LO), asm(_ASM_UNPACK_HI)
+  # "bits": bf16 with bits 0x4300 | u is 128 + u exactly (7 mantissa bits), and u = n ^ 8 maps
+  # the signed nibble n to n + 8, so the value is code + OFF with integer ops only.  The OFF is
+  # removed after the MMA.
+  x = x.astype(jnp.uint16)
+  lo = lax.bitcast_convert_type(((x & 0xF) ^ 8) | 0x4300, jnp.bfloat16)
+  hi = lax.bitcast_convert_type(((x >> 4) ^ 8) | 0x4300, jnp.bfloat16)
+  return lo, hi
+
+
+def _scales(w):
+  """u32 [bk] holding (K fp16 bits | V fp16 bits << 16) -> K, V scales as f32."""
+  f16 = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+  return f16(w & 0xFFFF), f16(lax.shift_right_logical(w, jnp.uint32(16)))
 
 
 def _gather(ref, rows, valid, other):
@@ -205,15 +271,30 @@ def _plan(cap, bk, chunk):
   return common.cdiv(cap, chunk), chunk
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-    "num_stages", "exact_pv", "int4_dequant", "interpret"))
+_KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
+          "num_stages", "exact_pv", "int4_dequant", "int4_prefetch", "fuse", "num_warps_lo",
+          "num_stages_lo", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_KNOBS)
 def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
                  num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
-                 int4_dequant: str = "bits", interpret: bool = False):
-  """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten)."""
+                 int4_dequant: str | None = None, int4_prefetch: bool | None = None,
+                 fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
+                 interpret: bool = False):
+  """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten).
+
+  ``fuse=False`` runs the INT4 partition as its own launch (``num_warps_lo`` warps,
+  ``num_stages_lo`` stages, ``block_lo`` keys) and the BF16 pool + window as another; the
+  partials are concatenated.  ``"auto"`` (default) separates them when the INT4 partition alone
+  has at least one program per SM (a large pool: latency-bound, it wants few warps per program and
+  many programs) and fuses otherwise (a small pool: launch-bound, one launch is cheaper).
+  ``int4_dequant`` / ``int4_prefetch`` default to "asm" / True in the separate INT4 launch and to
+  "bits" / False in the fused kernel (which must stay within 128 registers at 8 warps).
+  ``int4_dequant="asm"`` falls back to "bits" in interpret mode (no inline PTX on the CPU).
+  """
   b, hq, d = q.shape
   w, hkv = window.k.shape[1], window.k.shape[2]
   g = hq // hkv
@@ -233,60 +314,78 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
     chunk_lo = min(8192, max(512, common.cdiv(max(cap_lo, 1), target)))
   n_lo, chunk_lo = _plan(cap_lo, block_lo, chunk_lo)
   n_hi, chunk_hi = _plan(cap_hi, block_hi, chunk_hi)
+  if fuse == "auto":
+    fuse = b * hkv * n_lo < _NUM_SMS
+  if int4_dequant is None:
+    int4_dequant = "bits" if fuse else "asm"
+  if int4_prefetch is None:
+    int4_prefetch = not fuse
   block_w = min(block_w, max(16, common.next_pow2(w)))
   n_w, chunk_w = _plan(w, block_w, w)
-  ns = n_lo + n_hi + n_w
 
   qp = q.reshape(b, hkv, g, d)
   qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
   lens = jnp.stack([maps.lo_len, maps.hi_len, window.length, jnp.zeros_like(window.length)], 1)
   lens = lens.astype(jnp.int32)
 
-  args = [lens, qp]
-  specs = [pl.BlockSpec((None, 4), lambda h, s, i: (i, 0)),
-           pl.BlockSpec((None, None, m_rows, d), lambda h, s, i: (i, h, 0, 0))]
+  lo_args, lo_specs, hi_args, hi_specs = [], [], [], []
   if n_lo:
     rows = p_lo * page_lo
-    args += [maps.lo_pages.astype(jnp.int32), lo.k.reshape(rows, hkv, d // 2),
-             lo.v.reshape(rows, hkv, d // 2), lo.scale.reshape(rows, hkv, 2)]
-    specs += [pl.BlockSpec((None, maps.lo_pages.shape[1]), lambda h, s, i: (i, 0)),
-              pl.BlockSpec((rows, None, d // 2), lambda h, s, i: (0, h, 0)),
-              pl.BlockSpec((rows, None, d // 2), lambda h, s, i: (0, h, 0)),
-              pl.BlockSpec((rows, None, 2), lambda h, s, i: (0, h, 0))]
+    # (K, V) fp16 scales of a row as one u32 (K in the low half): one 4-byte load per row.
+    sc = lax.bitcast_convert_type(lo.scale, jnp.uint32).reshape(rows, hkv)
+    lo_args = [maps.lo_pages.astype(jnp.int32), lo.k.reshape(rows, hkv, d // 2),
+               lo.v.reshape(rows, hkv, d // 2), sc]
+    lo_specs = [pl.BlockSpec((None, maps.lo_pages.shape[1]), lambda h, s, i: (i, 0)),
+                pl.BlockSpec((rows, None, d // 2), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((rows, None, d // 2), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((rows, None), lambda h, s, i: (0, h))]
   if n_hi:
     rows = p_hi * page_hi
-    args += [maps.hi_pages.astype(jnp.int32), hi.k.reshape(rows, hkv, d),
-             hi.v.reshape(rows, hkv, d)]
-    specs += [pl.BlockSpec((None, maps.hi_pages.shape[1]), lambda h, s, i: (i, 0)),
-              pl.BlockSpec((rows, None, d), lambda h, s, i: (0, h, 0)),
-              pl.BlockSpec((rows, None, d), lambda h, s, i: (0, h, 0))]
-  args += [window.k, window.v]
-  specs += [pl.BlockSpec((None, w, None, d), lambda h, s, i: (i, 0, h, 0))] * 2
+    hi_args = [maps.hi_pages.astype(jnp.int32), hi.k.reshape(rows, hkv, d),
+               hi.v.reshape(rows, hkv, d)]
+    hi_specs = [pl.BlockSpec((None, maps.hi_pages.shape[1]), lambda h, s, i: (i, 0)),
+                pl.BlockSpec((rows, None, d), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((rows, None, d), lambda h, s, i: (0, h, 0))]
+  w_args = [window.k, window.v]
+  w_specs = [pl.BlockSpec((None, w, None, d), lambda h, s, i: (i, 0, h, 0))] * 2
 
-  kernel = functools.partial(
-      _kernel, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo, n_hi=n_hi, chunk_lo=chunk_lo,
-      chunk_hi=chunk_hi, chunk_w=chunk_w, bk_lo=block_lo, bk_hi=block_hi, bk_w=block_w, c=c,
-      has_lo=bool(n_lo), has_hi=bool(n_hi), exact_pv=exact_pv, int4_dequant=int4_dequant)
-  o, m, l = pl.pallas_call(
-      kernel,
-      grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages
-      in_specs=specs,
-      out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda h, s, i: (i, h, s, 0, 0)),
-                 pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0)),
-                 pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0))],
-      out_shape=[jax.ShapeDtypeStruct((b, hkv, ns, m_rows, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, ns, m_rows), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, ns, m_rows), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret,
-      name="pask_decode_attention",
-  )(*args)
-  return o, m, l
+  if interpret and int4_dequant == "asm":
+    int4_dequant = "bits"
+
+  def call(n_lo_, n_hi_, n_w_, args, specs, warps, stages, name):
+    ns = n_lo_ + n_hi_ + n_w_
+    kernel = functools.partial(
+        _kernel, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo_, n_hi=n_hi_,
+        chunk_lo=chunk_lo, chunk_hi=chunk_hi, chunk_w=chunk_w, bk_lo=block_lo, bk_hi=block_hi,
+        bk_w=block_w, c=c, has_lo=bool(n_lo_), has_hi=bool(n_hi_), has_w=bool(n_w_),
+        exact_pv=exact_pv, int4_dequant=int4_dequant, int4_prefetch=int4_prefetch)
+    return pl.pallas_call(
+        kernel,
+        grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages
+        in_specs=[pl.BlockSpec((None, 4), lambda h, s, i: (i, 0)),
+                  pl.BlockSpec((None, None, m_rows, d), lambda h, s, i: (i, h, 0, 0))] + specs,
+        out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda h, s, i: (i, h, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0)),
+                   pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, ns, m_rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, ns, m_rows), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, ns, m_rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+        name=name,
+    )(lens, qp, *args)
+
+  if fuse or not n_lo:
+    return call(n_lo, n_hi, n_w, lo_args + hi_args + w_args, lo_specs + hi_specs + w_specs,
+                num_warps, num_stages, "pask_decode_attention")
+  parts = [call(n_lo, 0, 0, lo_args, lo_specs, num_warps_lo, num_stages_lo,
+                "pask_decode_attention_int4"),
+           call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,
+                "pask_decode_attention")]
+  return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-    "num_stages", "exact_pv", "int4_dequant", "interpret"))
+@functools.partial(jax.jit, static_argnames=_KNOBS)
 def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, **kw):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
   b, hq, d = q.shape
