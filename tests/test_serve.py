@@ -1,0 +1,293 @@
+"""serve/: the OpenAI-compatible server over the continuous-batching PASK engine.
+
+One real uvicorn server on 127.0.0.1 (a free port, a background thread) with the embedded default
+model, shared by the module; clients are the official ``openai`` package and ``httpx``.  The
+server is small on purpose (4 slots, 256-token context, a BF16 pool of 20 pages where full
+provisioning would be 64) so that page-limited admission actually happens.  Every network call
+has a timeout and every loop a bound.
+"""
+import concurrent.futures as cf
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import uvicorn
+
+from pask_jax.decode import PaskRunner, Sampling, generate
+
+HI_PAGES = 20
+TIMEOUT = 90.0
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def server():
+  from serve.app import build
+  app, engine = build(slots=4, context=256, hi_pages=HI_PAGES, default_max_tokens=32)
+  sock = socket.socket()
+  sock.bind(("127.0.0.1", 0))
+  port = sock.getsockname()[1]
+  srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+  th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+  th.start()
+  base = f"http://127.0.0.1:{port}"
+  for _ in range(200):   # bounded wait for the socket to serve
+    if srv.started:
+      break
+    time.sleep(0.05)
+  assert srv.started
+  yield base, engine
+  srv.should_exit = True
+  th.join(10)
+  engine.stop()
+  sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+
+
+def _metrics(base) -> dict:
+  text = httpx.get(base + "/metrics", timeout=10).text
+  out = {}
+  for line in text.splitlines():
+    if line and not line.startswith("#"):
+      k, v = line.rsplit(" ", 1)
+      out[k] = float(v)
+  return out
+
+
+def _idle(base, bound=60.0) -> dict:
+  """/metrics once nothing runs or waits (cancellations are reaped within an engine iteration)."""
+  t0 = time.time()
+  while True:
+    m = _metrics(base)
+    if m["pask_running"] == 0 and m["pask_queue_depth"] == 0 or time.time() - t0 > bound:
+      return m
+    time.sleep(0.1)
+
+
+def test_models_health_and_metrics(server):
+  base, _ = server
+  assert httpx.get(base + "/health", timeout=10).json() == {"status": "ok"}
+  ids = [m["id"] for m in httpx.get(base + "/v1/models", timeout=10).json()["data"]]
+  assert ids == ["smollm2-135m-instruct"]
+  m = _metrics(base)
+  assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES and m["pask_engine_up"] == 1
+
+
+def test_tool_call(server, client):
+  r = client.chat.completions.create(
+      model="smollm2-135m-instruct", max_tokens=60, tools=WEATHER,
+      messages=[{"role": "user", "content": "What is the weather like in Paris?"}])
+  ch = r.choices[0]
+  assert ch.finish_reason == "tool_calls"
+  call = ch.message.tool_calls[0]
+  assert call.type == "function" and call.function.name == "get_weather"
+  args = json.loads(call.function.arguments)
+  assert isinstance(args["city"], str)
+  pask = r.usage.model_extra["pask"]
+  assert pask["measured_B"] == 1.0 and pask["actions"]["R"] == 0 and pask["actions"]["L"] == 0
+  # all-high: every prompt and decode token is H in every layer group.
+  n_tokens = r.usage.prompt_tokens + r.usage.completion_tokens
+  assert n_tokens - 1 <= pask["actions"]["H"] / 3 <= n_tokens
+  assert pask["overflow"] is False
+
+
+def test_json_schema(client):
+  schema = {"type": "object", "properties": {
+      "answer": {"type": "boolean"}, "color": {"enum": ["blue", "red", "green"]},
+      "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+      "required": ["answer", "color", "count"], "additionalProperties": False}
+  r = client.chat.completions.create(
+      model="x", max_tokens=40, messages=[{"role": "user", "content": "Is the sky blue?"}],
+      response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+  assert r.choices[0].finish_reason == "stop"
+  jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_greedy_stream_equals_non_stream(client):
+  kw = dict(model="x", max_tokens=12, temperature=0,
+            messages=[{"role": "user", "content": "Name three colors."}])
+  full = client.chat.completions.create(**kw)
+  parts, finish, usage = [], None, None
+  for c in client.chat.completions.create(stream=True, **kw):
+    if c.choices:
+      parts.append(c.choices[0].delta.content or "")
+      finish = c.choices[0].finish_reason or finish
+    usage = c.usage or usage
+  assert "".join(parts) == full.choices[0].message.content and full.choices[0].message.content
+  assert finish == full.choices[0].finish_reason
+  assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_matches_single_sequence_generate(server):
+  """Two requests decoded side by side in the batched paged cache give exactly the tokens of
+  ``decode.generate`` on a batch-1 PaskRunner with its dense page layout."""
+  base, engine = server
+  prompts = ["What is 2+2?", "Write a haiku about the sea."]
+  body = lambda p: {"model": "x", "max_tokens": 10, "messages": [{"role": "user", "content": p}]}
+  with cf.ThreadPoolExecutor(2) as ex:
+    outs = list(ex.map(lambda p: httpx.post(base + "/v1/chat/completions", json=body(p),
+                                            timeout=TIMEOUT).json(), prompts))
+  tok = engine.tok
+  runner = PaskRunner(engine.model, engine.policy, batch=1, capacity=256)
+  from pask_jax.grammar.prompt_spans import label_prompt
+  for p, out in zip(prompts, outs):
+    ids, tags = label_prompt(tok, tok.apply_chat_template([{"role": "user", "content": p}]))
+    ref = generate(runner, tok, [ids], prompt_tags=[tags], sampling=Sampling(max_tokens=10))[0]
+    assert out["choices"][0]["message"]["content"] == ref.text
+    assert out["usage"]["completion_tokens"] == len(ref.tokens)
+    assert out["usage"]["pask"]["measured_B"] == ref.ledger["measured_B"]
+
+
+BAD = [
+    ("malformed json", b'{"model": "x", "messages": [', 400, None),
+    ("not an object", b'[1, 2]', 400, None),
+    ("missing messages", {"model": "x"}, 400, "messages"),
+    ("missing model", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ("bad role", {"model": "x", "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages[0]"),
+    ("max_tokens 0", {"model": "x", "max_tokens": 0,
+                      "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ("max_tokens -3", {"model": "x", "max_tokens": -3,
+                       "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ("max_tokens str", {"model": "x", "max_tokens": "5",
+                        "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
+    ("temperature 9", {"model": "x", "temperature": 9,
+                       "messages": [{"role": "user", "content": "hi"}]}, 400, "temperature"),
+    ("invalid schema", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+                        "response_format": {"type": "json_schema", "json_schema": {
+                            "name": "a", "schema": {"type": "nonsense"}}}}, 400,
+     "response_format"),
+    ("uncompilable schema", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+                             "response_format": {"type": "json_schema", "json_schema": {
+                                 "name": "a", "schema": {"type": "object", "properties": {
+                                     "a": {"$ref": "#/$defs/missing"}}}}}}, 400,
+     "response_format"),
+    ("unknown tool", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+                      "tools": WEATHER, "tool_choice": {"type": "function",
+                                                        "function": {"name": "nope"}}}, 400,
+     "tool_choice"),
+    ("tool without name", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+                           "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
+    ("prompt over capacity", {"model": "x", "max_tokens": 8,
+                              "messages": [{"role": "user", "content": "word " * 400}]}, 400,
+     "messages"),
+    ("prompt + max_tokens over capacity", {"model": "x", "max_tokens": 250,
+                                           "messages": [{"role": "user", "content": "hi"}]},
+     400, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(server, name, body, status, param):
+  base, _ = server
+  kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+  r = httpx.post(base + "/v1/chat/completions", timeout=30,
+                 headers={"content-type": "application/json"}, **kw)
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+  if "capacity" in name:
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_bad_input_through_openai_client_then_still_serving(server, client):
+  with pytest.raises(openai.BadRequestError) as e:
+    client.chat.completions.create(model="x", max_tokens=0,
+                                   messages=[{"role": "user", "content": "hi"}])
+  assert e.value.status_code == 400
+  r = client.chat.completions.create(model="x", max_tokens=3,
+                                     messages=[{"role": "user", "content": "hi"}])
+  assert r.usage.completion_tokens >= 1
+  assert httpx.get(server[0] + "/health", timeout=10).status_code == 200
+
+
+def test_admission_waits_for_pages(server):
+  """Three long prompts of d pages each and a 20-page pool with 3·d > 20: with four slots free,
+  at least one of them must wait in the queue for pages; all complete and every page comes
+  back."""
+  base, engine = server
+  before = _metrics(base)['pask_admission_blocked_total{reason="pages"}']
+  long = "Tell me about the sea. " * 28
+  body = {"model": "x", "max_tokens": 6, "messages": [{"role": "user", "content": long}]}
+  n = len(engine.tok.encode(engine.tok.apply_chat_template(body["messages"])))
+  d, d_lo = engine.demand(n, 6)
+  assert HI_PAGES // 3 < d <= HI_PAGES and d_lo == 0   # all-high: no INT4 pages reserved
+  with cf.ThreadPoolExecutor(3) as ex:
+    rs = list(ex.map(lambda _: httpx.post(base + "/v1/chat/completions", json=body,
+                                          timeout=TIMEOUT), range(3)))
+  assert [r.status_code for r in rs] == [200] * 3
+  m = _idle(base)
+  assert m['pask_admission_blocked_total{reason="pages"}'] > before
+  assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES
+
+
+def _load_one(base: str, i: int, rng: random.Random) -> tuple[str, int]:
+  """One load-test client: (kind, status) — status 0 for a client that hung up on purpose."""
+  url = base + "/v1/chat/completions"
+  kind = rng.choices(["malformed", "stream_drop", "slow_drop", "json", "text"],
+                     [20, 10, 5, 15, 50])[0]
+  msgs = [{"role": "user", "content": rng.choice(["Hi!", "What is 3+5?", "Name a fruit.",
+                                                  "Say something nice."])}]
+  if kind == "malformed":
+    bad = rng.choice([b'{"model": "x", "messages": [', b'{"model": "x"}', json.dumps(
+        {"model": "x", "messages": msgs, "max_tokens": -1}).encode(), json.dumps(
+        {"model": "x", "messages": msgs, "tools": WEATHER,
+         "tool_choice": {"type": "function", "function": {"name": "nope"}}}).encode()])
+    return kind, httpx.post(url, content=bad, timeout=30).status_code
+  body = {"model": "x", "messages": msgs, "max_tokens": rng.randint(2, 8), "seed": i,
+          "temperature": rng.choice([0, 0.8])}
+  if kind == "json":
+    body["response_format"] = {"type": "json_object"}
+  if kind == "stream_drop":   # read the first chunk or two, then hang up
+    with httpx.stream("POST", url, json=dict(body, stream=True, max_tokens=8),
+                      timeout=TIMEOUT) as r:
+      for j, _ in zip(range(2), r.iter_lines()):
+        pass
+      return kind, 0
+  if kind == "slow_drop":     # a non-streaming client that gives up before the answer
+    try:
+      httpx.post(url, json=dict(body, max_tokens=8), timeout=0.3)
+    except httpx.TimeoutException:
+      pass
+    return kind, 0
+  r = httpx.post(url, json=body, timeout=TIMEOUT)
+  if r.status_code == 200:
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+  return kind, r.status_code
+
+
+def test_load_no_5xx_and_every_page_back(server):
+  """40 requests, 8 concurrent, ~20% malformed, some clients hanging up mid-stream or before a
+  non-streamed answer: no 5xx, malformed ones get 400, and afterwards the pools are full again;
+  the decode step compiled once for the whole module."""
+  base, engine = server
+  rng = random.Random(0)
+  seeds = [random.Random(rng.random()) for _ in range(40)]
+  with cf.ThreadPoolExecutor(8) as ex:
+    res = list(ex.map(lambda a: _load_one(base, *a), enumerate(seeds)))
+  kinds = {k for k, _ in res}
+  assert {"malformed", "text", "stream_drop"} <= kinds
+  for kind, status in res:
+    assert status < 500, (kind, status)
+    assert status == (400 if kind == "malformed" else 0 if kind.endswith("drop") else 200)
+  m = _idle(base)
+  assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES
+  assert m['pask_pages_used_bf16{pool="bf16"}'] == 0
+  assert m["pask_http_server_errors_total"] == 0
+  assert m['pask_requests_total{outcome="error"}'] == 0 and m["pask_overflow_total"] == 0
+  assert m["pask_client_disconnects_total"] >= 1
+  assert engine.runner.traces["step"] == 1   # one compile of the batched step, ever
+  assert httpx.get(base + "/health", timeout=10).json() == {"status": "ok"}
