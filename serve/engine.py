@@ -269,10 +269,11 @@ class Engine:
       self._decode()
 
   def _admit(self) -> None:
-    while self.waiting and self.waiting[0].cancelled:
-      r = self.waiting.popleft()
-      self.m["requests_cancelled"] += 1
-      r.emit("done", None)
+    if any(r.cancelled for r in self.waiting):   # gone before admission: drop, nothing held
+      for r in [r for r in self.waiting if r.cancelled]:
+        self.m["requests_cancelled"] += 1
+        r.emit("done", None)
+      self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
     if not self.waiting or None not in self.running:
       return
     r = self.waiting[0]

@@ -2,8 +2,10 @@
 
 One real uvicorn server on 127.0.0.1 (a free port, a background thread) with the embedded default
 model, shared by the module; clients are the official ``openai`` package and ``httpx``.  The
-server is small on purpose (4 slots, 256-token context, a BF16 pool of 20 pages where full
-provisioning would be 64) so that page-limited admission actually happens.  Every network call
+server runs the hand-written ``demo`` policy (R, L and H all occur, so both pools are used; the
+default all-high policy is the special case that never reserves INT4 pages) and is small on
+purpose (4 slots, 256-token context, pools of 20 pages where full provisioning would be 64) so
+that page-limited admission actually happens.  Every network call
 has a timeout and every loop a bound.
 """
 import concurrent.futures as cf
@@ -21,7 +23,7 @@ import uvicorn
 
 from pask_jax.decode import PaskRunner, Sampling, generate
 
-HI_PAGES = 20
+HI_PAGES = LO_PAGES = 20
 TIMEOUT = 90.0
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -32,7 +34,8 @@ WEATHER = [{"type": "function", "function": {
 @pytest.fixture(scope="module")
 def server():
   from serve.app import build
-  app, engine = build(slots=4, context=256, hi_pages=HI_PAGES, default_max_tokens=32)
+  app, engine = build(None, "demo", slots=4, context=256, hi_pages=HI_PAGES, lo_pages=LO_PAGES,
+                      default_max_tokens=32)
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
   port = sock.getsockname()[1]
@@ -84,6 +87,19 @@ def test_models_health_and_metrics(server):
   assert ids == ["smollm2-135m-instruct"]
   m = _metrics(base)
   assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES and m["pask_engine_up"] == 1
+  assert m['pask_pages_free_int4{pool="int4"}'] == LO_PAGES
+
+
+def test_all_high_reserves_no_int4_pages(server):
+  """The default policy stores everything H: INT4 reservations are zero and its pool one page."""
+  from pask_jax import policy as P
+  from serve.engine import Engine
+  _, engine = server
+  pol = P.resolve("all-high", engine.cfg, tokenizer_hash=engine.tok.hash())
+  e = Engine(engine.model, engine.tok, pol, slots=2, context=256)
+  assert (e.hi_total, e.lo_total) == (2 * 16, 1)
+  assert e.demand(100, 20) == (6, 0) and e.demand(10, 5) == (0, 0)
+  assert engine.demand(100, 20) == (6, 6)   # demo can emit L: both pools reserved
 
 
 def test_tool_call(server, client):
@@ -97,11 +113,14 @@ def test_tool_call(server, client):
   args = json.loads(call.function.arguments)
   assert isinstance(args["city"], str)
   pask = r.usage.model_extra["pask"]
-  assert pask["measured_B"] == 1.0 and pask["actions"]["R"] == 0 and pask["actions"]["L"] == 0
-  # all-high: every prompt and decode token is H in every layer group.
+  assert 0 < pask["measured_B"] < 1 and pask["overflow"] is False
+  assert pask["actions"]["R"] > 0 and pask["actions"]["L"] > 0 and pask["actions"]["H"] > 0
+  # Every prompt token and every decode token fed back is charged once per layer group (the
+  # last generated token never enters the cache).
   n_tokens = r.usage.prompt_tokens + r.usage.completion_tokens
-  assert n_tokens - 1 <= pask["actions"]["H"] / 3 <= n_tokens
-  assert pask["overflow"] is False
+  assert sum(pask["actions"].values()) in (3 * (n_tokens - 1), 3 * n_tokens)
+  assert pask["prompt_kv_bits"] + pask["decode_kv_bits"] == pytest.approx(
+      pask["measured_B"] * pask["full_kv_bits"])
 
 
 def test_json_schema(client):
@@ -141,7 +160,7 @@ def test_matches_single_sequence_generate(server):
     outs = list(ex.map(lambda p: httpx.post(base + "/v1/chat/completions", json=body(p),
                                             timeout=TIMEOUT).json(), prompts))
   tok = engine.tok
-  runner = PaskRunner(engine.model, engine.policy, batch=1, capacity=256)
+  runner = PaskRunner(engine.model, engine.policy, batch=1, capacity=256)   # dense pages
   from pask_jax.grammar.prompt_spans import label_prompt
   for p, out in zip(prompts, outs):
     ids, tags = label_prompt(tok, tok.apply_chat_template([{"role": "user", "content": p}]))
@@ -224,7 +243,7 @@ def test_admission_waits_for_pages(server):
   body = {"model": "x", "max_tokens": 6, "messages": [{"role": "user", "content": long}]}
   n = len(engine.tok.encode(engine.tok.apply_chat_template(body["messages"])))
   d, d_lo = engine.demand(n, 6)
-  assert HI_PAGES // 3 < d <= HI_PAGES and d_lo == 0   # all-high: no INT4 pages reserved
+  assert HI_PAGES // 3 < d <= HI_PAGES and d_lo == d
   with cf.ThreadPoolExecutor(3) as ex:
     rs = list(ex.map(lambda _: httpx.post(base + "/v1/chat/completions", json=body,
                                           timeout=TIMEOUT), range(3)))
@@ -232,6 +251,7 @@ def test_admission_waits_for_pages(server):
   m = _idle(base)
   assert m['pask_admission_blocked_total{reason="pages"}'] > before
   assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES
+  assert m['pask_pages_free_int4{pool="int4"}'] == LO_PAGES
 
 
 def _load_one(base: str, i: int, rng: random.Random) -> tuple[str, int]:
@@ -285,7 +305,8 @@ def test_load_no_5xx_and_every_page_back(server):
     assert status == (400 if kind == "malformed" else 0 if kind.endswith("drop") else 200)
   m = _idle(base)
   assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES
-  assert m['pask_pages_used_bf16{pool="bf16"}'] == 0
+  assert m['pask_pages_free_int4{pool="int4"}'] == LO_PAGES
+  assert m['pask_pages_used_bf16{pool="bf16"}'] == 0 and m['pask_pages_used_int4{pool="int4"}'] == 0
   assert m["pask_http_server_errors_total"] == 0
   assert m['pask_requests_total{outcome="error"}'] == 0 and m["pask_overflow_total"] == 0
   assert m["pask_client_disconnects_total"] >= 1
