@@ -106,7 +106,9 @@ def _messages(body: dict) -> list[dict]:
     text = _text(m.get("content"), where + ".content")
     if m["role"] == "assistant" and m.get("tool_calls"):
       # Earlier calls go back into the transcript as the JSON the model would have written.
-      calls = [{"name": c["function"]["name"], "arguments": c["function"].get("arguments")}
+      if not isinstance(m["tool_calls"], list):
+        raise BadRequest("'tool_calls' must be a list", where + ".tool_calls")
+      calls = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments")}
                for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
       text = (text + "\n" if text else "") + json.dumps(calls)
     out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": text})
@@ -312,7 +314,11 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str = "pask-jax",
         body = json.loads(raw)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON body: {e}") from None
-      req, meta = await asyncio.to_thread(prep, body)
+      try:
+        req, meta = await asyncio.to_thread(prep, body)
+      except (KeyError, TypeError, AttributeError, ValueError) as e:
+        # A shape the checks above did not foresee is still the client's input, not our 5xx.
+        raise BadRequest(f"invalid request: {e!r}") from None
       if not engine.alive:
         return JSONResponse(error_body("the engine is not running", "server_error"), 503)
       loop = asyncio.get_running_loop()

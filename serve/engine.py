@@ -55,6 +55,11 @@ from pask_jax.grammar.matcher import new_bitmask
 from pask_jax.sample import _nucleus, apply_bitmask
 
 _ids = itertools.count(1)
+METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_step_s",
+               "decode_rows", "requests_stop", "requests_length", "requests_cancelled",
+               "requests_error", "prompt_tokens", "completion_tokens", "tpot_s_sum", "tpot_count",
+               "overflow", "payload_bits", "full_kv_bits", "actions_R", "actions_L", "actions_H",
+               "admission_blocked_pages")
 
 
 @dataclasses.dataclass(eq=False)
@@ -139,7 +144,9 @@ class Engine:
     self.stopping = False
     self.thread: threading.Thread | None = None
     self.crashed: BaseException | None = None
-    self.m = collections.Counter()   # metrics (read by the app thread; ints and floats only)
+    # Metrics, written by the engine thread and read by the app's: every key exists from the
+    # start (a dict that grows while another thread iterates it raises).
+    self.m = collections.Counter(dict.fromkeys(METRIC_KEYS, 0))
 
   # --- jitted pieces ------------------------------------------------------------------------
 
@@ -237,7 +244,8 @@ class Engine:
     self.submit(r)
     while self.inbox or self.waiting or any(x is not None for x in self.running):
       self._iterate()
-    self.m.clear()
+    for k in self.m:   # back to zero, keys kept
+      self.m[k] = 0
 
   # --- the engine thread --------------------------------------------------------------------
 

@@ -177,6 +177,12 @@ BAD = [
     ("missing model", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ("bad role", {"model": "x", "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0]"),
+    ("tool_calls not a list", {"model": "x", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": "x"}]}, 400,
+     "messages[0].tool_calls"),
+    ("content not text", {"model": "x", "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("n 2", {"model": "x", "n": 2, "messages": [{"role": "user", "content": "hi"}]}, 400, "n"),
     ("max_tokens 0", {"model": "x", "max_tokens": 0,
                       "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
     ("max_tokens -3", {"model": "x", "max_tokens": -3,
