@@ -456,7 +456,8 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
   * ``prompt_labels``: prompt-span tags for the PASK prefill plan (default: on for PaskRunner).
   * ``sampling``: a :class:`~pask_jax.decode.Sampling`; default greedy with ``max_tokens``.
   * ``sort``: batch cases of similar prompt length together (less padding); records come back
-    in the input order either way.  Greedy results do not depend on the batch composition.
+    in the input order either way.  Each request is decoded independently (its own mask and
+    cache rows); only float rounding may differ with the padded batch shape.
   """
   from pask_jax.decode import PaskRunner, Sampling, Tracker, generate
   pask = isinstance(runner, PaskRunner)

@@ -256,3 +256,63 @@ def test_run_cases_smollm2_full_kv():
     json.dumps(r.asdict())  # records serialize (per-case JSONL)
   s = bfcl.summary(recs)
   assert s["overall"]["n"] == 2 and 0.0 <= s["simple_python"]["accuracy"] <= 1.0
+
+
+# --- grammar <-> checker round trip --------------------------------------------------------------
+
+def _ordered(v, schema):
+  """``v`` with object keys in the schema's property order (strict grammars fix that order)."""
+  if isinstance(v, dict) and "properties" in schema:
+    props = schema["properties"]
+    return {k: _ordered(v[k], props[k]) for k in props if k in v}
+  if isinstance(v, list) and "items" in schema:
+    return [_ordered(x, schema["items"]) for x in v]
+  return v
+
+
+def _answer_text(case, fmt, indent):
+  """The reference answer written as the model would in ``fmt``."""
+  params = {t["function"]["name"]: t["function"]["parameters"] for t in case.tools}
+  calls = [{"name": fn, "arguments": _ordered(a, params[fn])}
+           for c in bfcl.reference_calls(case) for fn, a in c.items()]
+  if fmt == "json_list":
+    return json.dumps(calls)
+  return "\n".join(f"```json\n{json.dumps(c, indent=indent)}\n```" for c in calls)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen"])
+def test_grammar_accepts_reference_and_checker_passes(cases, which):
+  """Per family format (SmolLM2: json_list; Qwen2: fenced JSON at indent 2), the case grammar
+  accepts the correct answer token by token, stops, and the scored text passes."""
+  import os
+  import sys
+  from pask_jax.grammar import GrammarCompiler
+  if which == "qwen":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    from export_tokenizer import load as load_tokenizer
+    tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
+    arch = "qwen2"
+  else:
+    from helpers import smollm2
+    tok, arch = smollm2().tokenizer, "llama"
+  fmt, indent = bfcl.style_for(arch)
+  assert (fmt, indent) == {"qwen": ("fenced_json", 2), "smollm2": ("json_list", None)}[which]
+  grammars = bfcl.Grammars(GrammarCompiler(tok, tok.vocab_size), fmt, indent)
+  ids = ["simple_python_0", "simple_python_83", "simple_python_89", "multiple_0", "parallel_0",
+         "parallel_multiple_0"]
+  for i in ids:
+    c = cases[i]
+    text = _answer_text(c, fmt, indent)
+    m = grammars(c).matcher()
+    for t in tok.tok.encode(text, add_special_tokens=False).ids:
+      assert m.accept(t), (i, text)
+    assert m.accept(tok.stop_ids[0]) and m.terminated, i
+    r = bfcl.score(c, text, fmt=fmt)
+    assert r["passed"] and r["per_call"] == 1.0, (i, r)
+  # the prompt goes through the template's own tools section when it has one
+  prompt = bfcl.render(cases["parallel_0"], tok, fmt)
+  if which == "qwen":
+    assert "<tools>" in prompt and json.dumps(cases["parallel_0"].tools[0], ensure_ascii=False) in prompt
+  else:
+    assert "<tools>" not in prompt and "You can call these functions" in prompt
+  assert cases["parallel_0"].messages[0]["content"] in prompt
