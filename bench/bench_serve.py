@@ -87,12 +87,14 @@ def one(base: str, i: int, a, rng: random.Random) -> dict:
       status = resp.status_code
       for line in resp.iter_lines():
         if line.startswith("data: {"):
-          first = first or time.perf_counter() - t0
           c = json.loads(line[6:])
+          d = (c.get("choices") or [{}])[0].get("delta") or {}
+          if d.get("content") or d.get("tool_calls"):   # the first token's text, not the role
+            first = first or time.perf_counter() - t0
           if c.get("usage"):
             toks = c["usage"]["completion_tokens"]
     return {"kind": kind, "status": status, "s": time.perf_counter() - t0, "tokens": toks,
-            "stream": True, "ttfb": first}
+            "stream": True, "ttft": first}
   resp = httpx.post(url, json=body, timeout=a.timeout)
   toks = resp.json()["usage"]["completion_tokens"] if resp.status_code == 200 else 0
   return {"kind": kind, "status": resp.status_code, "s": time.perf_counter() - t0, "tokens": toks}
@@ -173,8 +175,8 @@ def main(argv=None) -> int:
       "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
       "latency_p50_s": round(pct([r["s"] for r in ok], 0.5), 2),
       "latency_p95_s": round(pct([r["s"] for r in ok], 0.95), 2),
-      "ttfb_p50_s": (round(pct([r["ttfb"] for r in ok if r.get("ttfb")], 0.5), 2)
-                     if any(r.get("ttfb") for r in ok) else None),
+      "ttft_p50_s": (round(pct([r["ttft"] for r in ok if r.get("ttft")], 0.5), 2)
+                     if any(r.get("ttft") for r in ok) else None),
       "tpot_ms_mean": round(1e3 * d("pask_tpot_seconds_sum") / max(1, d("pask_tpot_seconds_count")), 1),
       "decode_step_ms_mean": round(1e3 * d("pask_decode_step_seconds_total")
                                    / max(1, d("pask_decode_steps_total")), 1),

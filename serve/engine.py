@@ -16,9 +16,11 @@ are sized for the server, not ``slots × context``).  Choices, in the order a re
   >= 64, so a handful of shapes compile), then ``cache.insert_slot`` materializes its prefill plan
   (prompt-span labels → R/L/H) into the request's slot and pages — one jitted function with the
   slot index and page rows as traced inputs, compiled once per bucket.
-* **Interleaving**: each engine iteration admits at most one request (one prefill), then runs
-  one decode step for all running slots, so a burst of arrivals cannot stall running streams
-  for more than one prefill.
+* **Interleaving**: each engine iteration admits requests into free slots, then runs one decode
+  step for all running slots.  While other requests are decoding, admission stops once this
+  iteration's prefills took about one decode step (a moving average; at least one prefill), so
+  a burst of arrivals stalls running streams by about one step; with nothing running it fills
+  every free slot (a step costs the same for one active row as for all).
 * **Decode**: ONE jitted step for the whole batch (``PaskRunner._decode_step`` + per-row
   sampling); inactive slots are masked by ``active`` (neither charged nor written), so it
   compiles once per batch shape.  Sampling keys are per request: fold_in(key(seed), token
@@ -144,6 +146,7 @@ class Engine:
     self.stopping = False
     self.thread: threading.Thread | None = None
     self.crashed: BaseException | None = None
+    self.step_ema = 0.0   # seconds per decode step (moving average): the prefill budget
     # Metrics, written by the engine thread and read by the app's: every key exists from the
     # start (a dict that grows while another thread iterates it raises).
     self.m = collections.Counter(dict.fromkeys(METRIC_KEYS, 0))
@@ -282,23 +285,31 @@ class Engine:
         self.m["requests_cancelled"] += 1
         r.emit("done", None)
       self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
-    if not self.waiting or None not in self.running:
-      return
-    r = self.waiting[0]
-    h, l = self.demand(len(r.ids), r.max_tokens)
-    if len(self.free_hi) < h or len(self.free_lo) < l:
-      self.m["admission_blocked_pages"] += 1   # a slot is free, the pages are not
-      return   # strict FIFO: wait for pages
-    self.waiting.popleft()
-    r.slot = self.running.index(None)
-    r.hi = [self.free_hi.popleft() for _ in range(h)]
-    r.lo = [self.free_lo.popleft() for _ in range(l)]
-    self.running[r.slot] = r
-    self.m["queue_wait_s"] += time.perf_counter() - r.t_submit
-    try:
-      self._prefill(r)
-    except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
-      self._finish(r, "error", f"prefill failed: {e}")
+    busy = bool(self.active.any())
+    spent = 0.0
+    while self.waiting and None in self.running:
+      r = self.waiting[0]
+      h, l = self.demand(len(r.ids), r.max_tokens)
+      if len(self.free_hi) < h or len(self.free_lo) < l:
+        self.m["admission_blocked_pages"] += 1   # a slot is free, the pages are not
+        return   # strict FIFO: wait for pages
+      self.waiting.popleft()
+      r.slot = self.running.index(None)
+      r.hi = [self.free_hi.popleft() for _ in range(h)]
+      r.lo = [self.free_lo.popleft() for _ in range(l)]
+      self.running[r.slot] = r
+      self.m["queue_wait_s"] += time.perf_counter() - r.t_submit
+      t0 = time.perf_counter()
+      try:
+        self._prefill(r)
+      except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
+        self._finish(r, "error", f"prefill failed: {e}")
+      spent += time.perf_counter() - t0
+      # Running streams wait while we prefill: stop once this iteration's prefills cost about
+      # one decode step (always at least one).  With nothing running, fill every free slot —
+      # the step costs the same for 1 active row as for all of them.
+      if busy and spent >= self.step_ema:
+        return
 
   def _row(self, pages: list[int], total: int) -> jnp.ndarray:
     return jnp.asarray(pages + [total] * (self.n_pages - len(pages)), jnp.int32)
@@ -347,6 +358,7 @@ class Engine:
     dt = time.perf_counter() - t0
     self.m["decode_steps"] += 1
     self.m["decode_step_s"] += dt
+    self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
     self.m["decode_rows"] += int(self.active.sum())
     for b, r in enumerate(self.running):
       if r is not None and self.active[b]:
