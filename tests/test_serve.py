@@ -123,6 +123,21 @@ def test_tool_call(server, client):
       pask["measured_B"] * pask["full_kv_bits"])
 
 
+def test_tool_call_streamed(client):
+  """SSE with tools: one ``tool_calls`` delta once the call is complete, then finish_reason."""
+  calls, finish = [], None
+  for c in client.chat.completions.create(
+      model="x", max_tokens=60, tools=WEATHER, stream=True,
+      tool_choice={"type": "function", "function": {"name": "get_weather"}},
+      messages=[{"role": "user", "content": "Is it raining in Tokyo?"}]):
+    if c.choices:
+      calls += c.choices[0].delta.tool_calls or []
+      finish = c.choices[0].finish_reason or finish
+  assert finish == "tool_calls" and len(calls) >= 1
+  assert calls[0].function.name == "get_weather" and calls[0].index == 0
+  assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+
+
 def test_json_schema(client):
   schema = {"type": "object", "properties": {
       "answer": {"type": "boolean"}, "color": {"enum": ["blue", "red", "green"]},
