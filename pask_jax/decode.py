@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
 from pask_jax import tags as T
@@ -193,7 +194,6 @@ class PaskRunner:
     g = pcache.group_array(cache)[layer]
     lkv = pcache.write_layer(pcache.layer_slice(cache, layer), plan, g, k[:, 0], v[:, 0])
     window, hi, lo, maps = pcache.kernel_inputs(lkv, cache, g)
-    import pallas_kernels  # the kernel package is optional for Full-KV users
     out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, backend=self.backend)
     return out[:, None].astype(q.dtype), (pcache.set_layer(cache, layer, lkv), plan)
 
