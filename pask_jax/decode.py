@@ -181,13 +181,28 @@ class PaskRunner:
   def _commit(self, policy, cache, k, v, cands, lengths):
     """Dense prefill K/V [L, B, T, Hkv, D] -> plan, materialized cache, ledger, R_1."""
     self.traces["commit"] += 1
-    plan, _ = controller.plan_prefill(policy, cands, lengths)
+    plan, budget, k, v, lengths = self._plan(policy, cands, lengths, k, v)
     cache = pcache.materialize_prefill(cache, k, v, plan, lengths)
     cache = cache.replace(count=lengths.astype(jnp.int32))
-    led = ledger.record_prefill(ledger.init(self.batch, policy.n_groups), plan, lengths,
-                                sink=policy.sink)
+    tmpl = self._shared(policy)
+    led = ledger.record_prefill(ledger.init(self.batch, tmpl.n_groups), plan, lengths,
+                                sink=tmpl.sink)
+    return cache, budget, ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
+
+  # Policy hooks: one policy for the whole batch here; calibrate.stack overrides them to apply a
+  # stack of policies, each to its own copy of the requests.
+  def _plan(self, policy, cands, lengths, k, v):
+    """-> (prefill plan [B, T, G], R_1 [B], K, V, lengths) for the batch's rows."""
+    plan, _ = controller.plan_prefill(policy, cands, lengths)
     budget = jnp.full((self.batch,), controller.initial_balance(policy), jnp.float32)
-    return cache, budget, ledger.record_live(led, cache, policy.cost, policy.c_full)
+    return plan, budget, k, v, lengths
+
+  def _shared(self, policy):
+    """The policy whose sink, groups and cost model the ledger uses (a stack shares them)."""
+    return policy
+
+  def _control(self, policy, tag_ids, state_ids, budget, stop):
+    return controller.control_batch(policy, tag_ids, state_ids, budget, stop)
 
   def _attend(self, carry, layer, q, k, v, positions):
     cache, plan = carry
@@ -200,12 +215,13 @@ class PaskRunner:
   def _decode_step(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
     self.traces["step"] += 1
     model = nnx.merge(self.graphdef, params)
-    actions, budget = controller.control_batch(policy, tag_ids, state_ids, budget, ~active)
+    actions, budget = self._control(policy, tag_ids, state_ids, budget, ~active)
     pos = cache.count                                  # the new token's absolute position
     cache, plan = pcache.begin_step(cache, actions, active)
     logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
-    led = ledger.record_decode(led, actions, active, pos, sink=policy.sink)
-    led = ledger.record_live(led, cache, policy.cost, policy.c_full)
+    tmpl = self._shared(policy)
+    led = ledger.record_decode(led, actions, active, pos, sink=tmpl.sink)
+    led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
     return logits[:, 0], cache, budget, led, actions
 
   def _step(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, key,
