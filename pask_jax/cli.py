@@ -139,6 +139,76 @@ def cmd_compare_kernels(args, rest) -> int:
   return compare.main(rest)
 
 
+def _load_model(name, dtype_name):
+  import jax
+  import jax.numpy as jnp
+
+  from models import load
+  on_cpu = jax.default_backend() == "cpu"
+  dtype = {"auto": jnp.float32 if on_cpu else jnp.bfloat16, "float32": jnp.float32,
+           "bfloat16": jnp.bfloat16}[dtype_name]
+  try:
+    m = load(name, dtype=dtype)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  if m.tokenizer is None:
+    raise SystemExit("error: this checkpoint has no tokenizer; evaluation needs one")
+  return m
+
+
+def cmd_eval(args) -> int:
+  """``pask-jax eval``: one method at one budget on a BFCL split (see pask_jax.evaluate)."""
+  from pask_jax import evaluate as E
+  rc = E.RunConfig(args.method, args.budget, args.split,
+                   tuple(args.categories) if args.categories else None, args.max_cases,
+                   args.max_tokens, args.policy,
+                   E.read_knobs(args.knobs) if args.knobs else None)
+  try:
+    E.check_config(rc)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
+  m = _load_model(args.model, args.dtype)
+  try:
+    s = E.Session(m, batch=args.batch)
+    meta = E.run(s, rc, args.out)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
+  c = meta["categories"]
+  for k, d in c.items():
+    print(f"{k:>18}: n={d['n']:4d} acc={100 * d['accuracy']:6.2f}% per-call="
+          f"{100 * d['per_call']:6.2f}% B prefill/decode/total={d['prefill_B']:.3f}/"
+          f"{d['decode_B']:.3f}/{d['total_B']:.3f}")
+  print(f"wrote {args.out}/cases.jsonl, summary.csv, summary.json ({meta['wall_s']:.1f} s)",
+        file=sys.stderr)
+  return 0
+
+
+def cmd_tune(args) -> int:
+  """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
+  from pask_jax import evaluate as E
+  m = _load_model(args.model, args.dtype)
+  try:
+    s = E.Session(m, batch=args.batch)
+    res = E.tune(s, args.methods, args.budget, grid=args.grid, split=args.split,
+                 max_cases=args.max_cases, max_tokens=args.max_tokens,
+                 categories=args.categories, out=args.out)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
+  print(json.dumps(res["knobs"], indent=1))
+  return 0
+
+
+def cmd_report(args) -> int:
+  """``pask-jax report``: markdown table + accuracy-vs-B plot from eval run directories."""
+  from pask_jax import evaluate as E
+  try:
+    print(E.report(args.runs, args.out), end="")
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
+  print(f"wrote {args.out}/report.md and {args.out}/accuracy_vs_B.png", file=sys.stderr)
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   _pick_platform()
   ap = argparse.ArgumentParser(prog="pask-jax", description="PASK structured-generation KV tools")
@@ -180,6 +250,38 @@ def main(argv: list[str] | None = None) -> int:
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   s.add_argument("--log-level", default="info")
   sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels", add_help=False)
+  from pask_jax.baselines import METHODS
+  e = sub.add_parser("eval", help="accuracy and measured KV budget of one method on BFCL")
+  e.add_argument("--model", default=None, help="as for generate (default: smollm2-135m-instruct)")
+  e.add_argument("--task", choices=["bfcl"], default="bfcl")
+  e.add_argument("--split", choices=["cal", "dev", "test"], default="test")
+  e.add_argument("--method", required=True, help="one of " + ", ".join(METHODS))
+  e.add_argument("--budget", type=float, default=1.0, help="target measured B in (0, 1]")
+  e.add_argument("--policy", default=None, help="PASK policy directory (--method pask)")
+  e.add_argument("--knobs", default=None, help="knobs.json from pask-jax tune (dev-tuned)")
+  e.add_argument("--max-cases", type=int, default=None, help="at most N cases per category")
+  e.add_argument("--categories", nargs="+", default=None,
+                 help="BFCL categories (default: the four non-live ones)")
+  e.add_argument("--max-tokens", type=int, default=128)
+  e.add_argument("--batch", type=int, default=64, help="sequences per generation batch")
+  e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+  e.add_argument("--out", required=True, help="output directory")
+  t = sub.add_parser("tune", help="tune baseline knobs on the development split (paper C.3)")
+  t.add_argument("--model", default=None)
+  t.add_argument("--task", choices=["bfcl"], default="bfcl")
+  t.add_argument("--methods", nargs="+", default=["h2o", "snapkv", "mikv"])
+  t.add_argument("--budget", type=float, default=0.33, help="target B the knobs are tuned at")
+  t.add_argument("--grid", choices=["small", "paper"], default="small")
+  t.add_argument("--split", choices=["cal", "dev"], default="dev")
+  t.add_argument("--max-cases", type=int, default=None, help="at most N cases per category")
+  t.add_argument("--categories", nargs="+", default=None)
+  t.add_argument("--max-tokens", type=int, default=128)
+  t.add_argument("--batch", type=int, default=64)
+  t.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+  t.add_argument("--out", required=True, help="output directory (knobs.json, tune.csv)")
+  r = sub.add_parser("report", help="markdown table + accuracy-vs-B plot of eval runs")
+  r.add_argument("runs", nargs="+", help="eval output directories")
+  r.add_argument("--out", required=True)
   args, rest = ap.parse_known_args(argv)
   if args.cmd == "compare-kernels":
     return cmd_compare_kernels(args, rest)
@@ -187,6 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.error(f"unrecognized arguments: {' '.join(rest)}")
   if args.cmd == "serve":
     return cmd_serve(args)
+  if args.cmd == "report":
+    return cmd_report(args)
+  if args.cmd in ("eval", "tune"):
+    if args.max_tokens <= 0:
+      ap.error("--max-tokens must be positive")
+    if args.batch <= 0:
+      ap.error("--batch must be positive")
+    if args.cmd == "tune":
+      return cmd_tune(args)
+    return cmd_eval(args)
   if args.max_tokens <= 0:
     ap.error("--max-tokens must be positive")
   return cmd_generate(args)

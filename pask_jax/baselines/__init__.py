@@ -1,0 +1,24 @@
+"""Other KV retention policies in the same stack as PASK (same weights, tokenizer, prompts,
+grammars, greedy decoding and payload cost model), one module per baseline:
+
+* :mod:`~pask_jax.baselines.full` — Full KV (the dense :class:`~pask_jax.decode.Runner`).
+* :mod:`~pask_jax.baselines.streaming` — StreamingLLM (Xiao et al. 2024): sinks + recent window,
+  an all-R :class:`~pask_jax.policy.FrozenPolicy` on the real PASK cache and kernels.
+* :mod:`~pask_jax.baselines.int4` — uniform INT4 beyond the window (KIVI-like, Liu et al. 2024),
+  an all-L policy on the real PASK cache and kernels.
+* :mod:`~pask_jax.baselines.h2o` — H2O (Zhang et al. 2023): accumulated-attention heavy hitters.
+* :mod:`~pask_jax.baselines.snapkv` — SnapKV (Li et al. 2024): observation-window prompt selection.
+* :mod:`~pask_jax.baselines.mikv` — MiKV (Yang et al. 2024): H2O importance → BF16, the rest INT4.
+
+The last three need attention statistics and run on :class:`MaskedRunner` (dense cache with
+per-layer, per-head keep/INT4 masks, statistics from the reference attention path).
+:mod:`~pask_jax.baselines.budget` holds the shared payload accounting and budget matching.
+"""
+from pask_jax.baselines import budget, full, h2o, int4, mikv, snapkv, streaming
+from pask_jax.baselines.masked import Config, MaskedRunner, plan
+
+METHODS = ("full", "pask", "streaming", "h2o", "snapkv", "mikv", "int4")
+MASKED = ("h2o", "snapkv", "mikv")
+
+__all__ = ["METHODS", "MASKED", "Config", "MaskedRunner", "plan", "budget", "full", "h2o", "int4",
+           "mikv", "snapkv", "streaming"]

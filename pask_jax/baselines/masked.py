@@ -1,0 +1,315 @@
+"""A dense-cache runner with per-layer, per-KV-head keep / INT4 masks: H2O, SnapKV and MiKV.
+
+These methods need attention statistics, which PASK's fused kernels do not emit.  They come from
+the **reference attention path**: prefill and every decode step compute attention with jnp
+einsums over the dense cache (as :mod:`pask_jax.kv_dense`, FP32 math), materializing the softmax
+probabilities, and the probabilities each key receives are accumulated per (layer, KV head):
+
+* prefill — column sums of the [B, Hkv, G, T, S] probability tensor weighted by the query mask
+  (all prompt queries for H2O/MiKV, the last ``obs`` ones for SnapKV): one extra einsum of the
+  size of the P·V product per chunk;
+* decode — the [B, Hkv, G, S] probabilities of the step summed over G and added to an f32 score
+  buffer ``[L, B, Hkv, S]``, then one argmin over S per (layer, sequence, head) and a scatter
+  (plus, for MiKV, the quantize→dequantize of at most one K and one V row per head).
+
+Cost: attention reads the whole dense capacity every step (no fused kernel, no skipping of evicted
+slots), plus ~6 bytes per (layer, sequence, head, slot) of masks and scores; K/V are stored in
+float32 so that INT4-simulated rows hold the dequantized values exactly.  Wall time of these runs
+is therefore not comparable with PASK's kernels; accuracy and measured B are.
+
+Evicted entries are masked out of attention (their slots stay allocated); INT4 entries hold
+``dequant(quant(x))`` with :func:`pask_jax.quant.quantize` (per (token, head) row, fp16 scale).  The
+method and all its knobs are traced arrays (:class:`Rule`), so one compilation serves every method,
+budget and tuning configuration of a run.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pask_jax import quant
+from pask_jax.baselines import budget, h2o, mikv, snapkv
+from pask_jax.decode import PREFILL_CHUNK
+from pask_jax.sample import apply_bitmask, sample
+
+KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A masked method with its knobs (host side).
+
+  ``ratio``: H2O's capacity ratio r / MiKV's high ratio h (see :func:`plan`); ``target``: the B
+  SnapKV aims at; ``gen``: expected generated tokens (SnapKV's prompt capacity).
+  """
+  method: str
+  ratio: float = 1.0
+  target: float = 1.0
+  sink: int = 4
+  recent: int = 32
+  obs: int = 32
+  kernel: int = 7
+  pool: str = "max"
+  gen: float = 48.0
+
+  def __post_init__(self):
+    if self.method not in KINDS:
+      raise ValueError(f"unknown masked method {self.method!r}; choose from {sorted(KINDS)}")
+    if self.pool not in ("avg", "max"):
+      raise ValueError(f"pool must be avg or max, got {self.pool!r}")
+    if self.kernel % 2 == 0 or not 1 <= self.kernel <= snapkv.MAX_KERNEL:
+      raise ValueError(f"kernel must be odd and <= {snapkv.MAX_KERNEL}, got {self.kernel}")
+
+
+class Rule(NamedTuple):
+  """Traced per-request knobs ([B] each, ``kind`` a scalar)."""
+  kind: jax.Array
+  sink: jax.Array
+  recent: jax.Array
+  ratio: jax.Array
+  obs: jax.Array
+  kernel: jax.Array
+  is_max: jax.Array
+  cap: jax.Array
+
+
+class State(NamedTuple):
+  k: jax.Array         # [L, B, S, Hkv, D] float32
+  v: jax.Array
+  keep: jax.Array      # [L, B, Hkv, S] bool: entry retained (visible)
+  low: jax.Array       # [L, B, Hkv, S] bool: entry holds INT4 (dequantized) values
+  score: jax.Array     # [L, B, Hkv, S] float32: accumulated attention received
+  length: jax.Array    # [B] int32: tokens written
+  n_prompt: jax.Array  # [B] int32
+  n_gen: jax.Array     # [B] int32: generated tokens whose K/V entered the cache
+  rule: Rule
+
+
+def qdq(x):
+  """quantize -> dequantize with PASK's INT4 quantizer (float32 out)."""
+  codes, s = quant.quantize(x)
+  return codes.astype(jnp.float32) * s[..., None].astype(jnp.float32)
+
+
+def _probs(q, k, vis):
+  """q [B, T, Hq, D], k [B, S, Hkv, D], vis bool [B, Hkv, T, S] -> p [B, Hkv, G, T, S] f32."""
+  B, T, Hq, D = q.shape
+  Hkv = k.shape[2]
+  qg = q.reshape(B, T, Hkv, Hq // Hkv, D).astype(jnp.float32) * D ** -0.5
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
+  s = jnp.where(vis[:, :, None], s, -jnp.inf)
+  return jax.nn.softmax(s, axis=-1)
+
+
+def _out(p, v, q):
+  B, T, Hq, D = q.shape
+  o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+  return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+class MaskedRunner:
+  """Session protocol of :func:`pask_jax.decode.generate` over the masked dense cache.
+
+  Call :meth:`configure` with a :class:`Config` before each generation; :meth:`report` gives each
+  request's measured B (end-of-request payload, see :mod:`pask_jax.baselines.budget`).
+  """
+
+  def __init__(self, model: nnx.Module, *, batch: int, capacity: int):
+    self.cfg = model.cfg
+    self.graphdef, self.params = nnx.split(model)
+    self.batch, self.capacity = batch, capacity
+    self.config: Config | None = None
+    self.h_bits, self.l_bits = budget.entry_bits(self.cfg.head_dim)
+    self.traces: collections.Counter = collections.Counter()
+    self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+    self.compress = jax.jit(self._compress, donate_argnums=(0,))
+    self.step = jax.jit(self._step, donate_argnums=(1,))
+    self.select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+
+  def configure(self, config: Config) -> "MaskedRunner":
+    self.config = config
+    return self
+
+  # --- state -----------------------------------------------------------------------------------
+
+  def rule(self, lengths: np.ndarray) -> Rule:
+    c, B = self.config, self.batch
+    if c is None:
+      raise RuntimeError("MaskedRunner.configure(Config(...)) first")
+    full = lambda x, dt: jnp.full((B,), x, dt)
+    cap = [snapkv.prompt_cap(c.target, int(n), c.obs, c.gen) for n in lengths]
+    return Rule(jnp.int32(KINDS[c.method]), full(c.sink, jnp.int32), full(c.recent, jnp.int32),
+                full(c.ratio, jnp.float32), full(c.obs, jnp.int32), full(c.kernel, jnp.int32),
+                full(c.pool == "max", bool), jnp.asarray(cap, jnp.int32))
+
+  def new_state(self, lengths: np.ndarray) -> State:
+    c, B, S = self.cfg, self.batch, self.capacity
+    kv = (c.n_layers, B, S, c.n_kv_heads, c.head_dim)
+    m = (c.n_layers, B, c.n_kv_heads, S)
+    z = jnp.zeros((B,), jnp.int32)
+    return State(jnp.zeros(kv, jnp.float32), jnp.zeros(kv, jnp.float32), jnp.zeros(m, bool),
+                 jnp.zeros(m, bool), jnp.zeros(m, jnp.float32), z, z, z, self.rule(lengths))
+
+  # --- prefill ---------------------------------------------------------------------------------
+
+  def _prefill(self, params, st: State, tokens, start, lengths):
+    """One prompt chunk at positions start + [0, Tc): full attention, K/V written, attention
+    statistics accumulated with the method's query weights."""
+    self.traces["prefill"] += 1
+    model = nnx.merge(self.graphdef, params)
+    B, T = tokens.shape
+    pos = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+    n = lengths.astype(jnp.int32)
+    r = st.rule
+    obs_q = pos >= (n - r.obs)[:, None]
+    wq = ((pos < n[:, None]) & ((r.kind != KINDS["snapkv"]) | obs_q)).astype(jnp.float32)
+    bi = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    slot = jnp.arange(self.capacity)
+    vis = (slot[None, None, :] <= pos[:, :, None]) & (slot[None, None, :] < n[:, None, None])
+
+    def attend(st, layer, q, k, v, positions):
+      kc = st.k.at[layer, bi, positions].set(k.astype(jnp.float32), mode="drop")
+      vc = st.v.at[layer, bi, positions].set(v.astype(jnp.float32), mode="drop")
+      p = _probs(q, kc[layer], jnp.broadcast_to(vis[:, None], (B, k.shape[2]) + vis.shape[1:]))
+      col = jnp.einsum("bkgts,bt->bks", p, wq)
+      return _out(p, vc[layer], q), st._replace(k=kc, v=vc, score=st.score.at[layer].add(col))
+
+    last = jnp.clip(n - 1 - start, 0, T - 1)
+    logits, st = model(tokens, pos, st, attend, last_only=last)
+    return logits[:, 0], st._replace(length=n, n_prompt=n)
+
+  def _compress(self, st: State) -> State:
+    """After prefill: the method's selection over the prompt (evict / demote at once)."""
+    self.traces["compress"] += 1
+    r, n = st.rule, st.n_prompt
+    L, B, Hkv, S = st.score.shape
+    bc = lambda x: jnp.broadcast_to(x[None, :, None], (L, B, Hkv))
+    ratio = h2o.capacity(r.ratio, n)
+    hk = h2o.select(st.score, bc(n), bc(r.sink), bc(r.recent), bc(ratio))
+    sk = snapkv.select(st.score, bc(n), bc(r.obs), bc(r.kernel), bc(r.is_max), bc(r.cap))
+    valid = jnp.arange(S) < bc(n)[..., None]
+    is_mikv = r.kind == KINDS["mikv"]
+    keep = jnp.where(r.kind == KINDS["snapkv"], sk, jnp.where(is_mikv, valid, hk))
+    low = is_mikv & valid & ~hk
+    lw = jnp.swapaxes(low, 2, 3)[..., None]                 # [L, B, S, Hkv, 1]
+    k = jnp.where(lw, qdq(st.k), st.k)
+    v = jnp.where(lw, qdq(st.v), st.v)
+    return st._replace(k=k, v=v, keep=keep, low=low)
+
+  def prefill_all(self, st: State, tokens: np.ndarray, lengths: np.ndarray):
+    T = tokens.shape[1]
+    chunk = min(T, PREFILL_CHUNK)
+    lengths_d = jnp.asarray(lengths)
+    logits = None
+    for start in range(0, T, chunk):
+      part, st = self.prefill(self.params, st, jnp.asarray(tokens[:, start:start + chunk]),
+                              jnp.int32(start), lengths_d)
+      mine = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + chunk))[:, None]
+      logits = part if logits is None else jnp.where(mine, part, logits)
+    return logits, self.compress(st)
+
+  # --- decode ----------------------------------------------------------------------------------
+
+  def _step(self, params, st: State, tokens, active, bits, key, temperature, top_p):
+    """One token per sequence: write, attend over kept entries, accumulate, evict / demote."""
+    self.traces["step"] += 1
+    model = nnx.merge(self.graphdef, params)
+    B, S = self.batch, self.capacity
+    r = st.rule
+    pos = st.length                                   # slot of the new token
+    t = pos + 1                                       # tokens once it is written
+    bi = jnp.arange(B)
+    slot = jnp.arange(S)
+    here = slot[None, :] == pos[:, None]              # [B, S]
+    cap = h2o.capacity(r.ratio, t)                    # [B]
+    prot = h2o.protected(slot, t, r.sink, r.recent)   # [B, S]
+    evicts = (r.kind != KINDS["snapkv"]) & active     # [B]
+    is_mikv = r.kind == KINDS["mikv"]
+
+    def attend(st, layer, q, k, v, positions):
+      Hkv = k.shape[2]
+      kc = st.k.at[layer, bi, pos].set(jnp.where(active[:, None, None], k[:, 0], st.k[layer, bi, pos])
+                                       .astype(jnp.float32), mode="drop")
+      vc = st.v.at[layer, bi, pos].set(jnp.where(active[:, None, None], v[:, 0], st.v[layer, bi, pos])
+                                       .astype(jnp.float32), mode="drop")
+      keep = st.keep[layer] | (here & active[:, None])[:, None]        # [B, Hkv, S]
+      low = st.low[layer]
+      vis = (keep | here[:, None]) & (slot <= pos[:, None])[:, None]
+      p = _probs(q, kc[layer], vis[:, :, None])                          # [B, Hkv, G, 1, S]
+      o = _out(p, vc[layer], q)
+      score = st.score[layer] + jnp.sum(p[:, :, :, 0], axis=2) * active[:, None, None]
+      # One-in/one-out: the lowest-scoring unprotected high entry leaves (H2O) or drops to INT4.
+      high = keep & ~low
+      cand = high & ~prot[:, None]
+      count = jnp.sum(high, axis=-1)                                     # [B, Hkv]
+      need = evicts[:, None] & (count > cap[:, None]) & jnp.any(cand, axis=-1)
+      j = jnp.argmin(jnp.where(cand, score, jnp.inf), axis=-1)           # [B, Hkv]
+      hit = need[..., None] & (slot == j[..., None])                     # [B, Hkv, S]
+      keep = keep & ~(hit & ~is_mikv)
+      low = low | (hit & is_mikv)
+      # MiKV: the demoted rows (one per head at most) get their INT4 values.
+      hi = jnp.arange(Hkv)
+      dq = need[..., None] & is_mikv
+      krow, vrow = kc[layer, bi[:, None], j, hi[None]], vc[layer, bi[:, None], j, hi[None]]
+      kc = kc.at[layer, bi[:, None], j, hi[None]].set(jnp.where(dq, qdq(krow), krow))
+      vc = vc.at[layer, bi[:, None], j, hi[None]].set(jnp.where(dq, qdq(vrow), vrow))
+      st = st._replace(k=kc, v=vc, keep=st.keep.at[layer].set(keep), low=st.low.at[layer].set(low),
+                       score=st.score.at[layer].set(score))
+      return o, st
+
+    logits, st = model(tokens[:, None], pos[:, None], st, attend)
+    a = active.astype(jnp.int32)
+    st = st._replace(length=st.length + a, n_gen=st.n_gen + a)
+    logits = logits[:, 0]
+    return sample(apply_bitmask(logits, bits), key, temperature, top_p), logits, st
+
+  # --- the session protocol used by generate() ------------------------------------------------
+
+  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+    return self.prefill_all(self.new_state(lengths), tokens, lengths)
+
+  def advance(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+    nxt, _, st = self.step(self.params, st, tokens, active, bits, key, temperature, top_p)
+    return nxt, st
+
+  def report(self, st: State) -> list[dict]:
+    """Per request: retained entries (H and INT4) and measured B, prompt / generated / total."""
+    keep, low = np.asarray(st.keep), np.asarray(st.low)
+    npf, ngn = np.asarray(st.n_prompt), np.asarray(st.n_gen)
+    L, B, Hkv, S = keep.shape
+    per = L * Hkv * self.h_bits            # Full-KV bits of one token
+    out = []
+    for b in range(B):
+      p, g = int(npf[b]), int(ngn[b])
+      hi = (keep[:, b] & ~low[:, b]).sum(axis=(0, 1))   # [S] entries per position
+      lo = (keep[:, b] & low[:, b]).sum(axis=(0, 1))
+      bits = hi * self.h_bits + lo * self.l_bits
+      pb, gb = float(bits[:p].sum()), float(bits[p:p + g].sum())
+      ratio = lambda x, y: x / y if y else float("nan")
+      out.append({"n_prompt": p, "n_gen": g, "prefill_bits": pb, "decode_bits": gb,
+                  "full_kv_bits": (p + g) * per, "prefill_B": ratio(pb, p * per),
+                  "decode_B": ratio(gb, g * per), "measured_B": ratio(pb + gb, (p + g) * per),
+                  "high_entries": int(hi[:p + g].sum()), "low_entries": int(lo[:p + g].sum())})
+    return out
+
+
+def plan(method: str, target: float, lengths, *, sink: int = 4, recent: int = 32, q: float = 0.0,
+         obs: int = 32, gen: float = 48.0) -> float:
+  """The budget knob for ``target``: H2O's r / MiKV's h solved by bisection so that the predicted
+  mean B over ``lengths`` [(n_prompt, n_gen)] matches (protected sinks/recent and rounding
+  included); SnapKV needs none (its per-request capacity comes from the target) -> ``target``."""
+  target = budget.check_target(target)
+  if method == "h2o":
+    return budget.bisect(lambda r: h2o.predict_b(r, lengths, sink, recent), target)
+  if method == "mikv":
+    mikv.high_ratio(target, q)  # raises below q
+    return budget.bisect(lambda r: mikv.predict_b(r, lengths, sink, recent, q), target)
+  if method == "snapkv":
+    return target
+  raise ValueError(f"unknown masked method {method!r}")

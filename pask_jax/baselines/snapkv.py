@@ -1,0 +1,66 @@
+"""SnapKV (Li et al., NeurIPS 2024, "SnapKV: LLM Knows What You are Looking for Before
+Generation"): per layer and KV head, the last ``obs`` prompt queries (the observation window) vote
+for prefix tokens with their attention; the votes are pooled along the sequence (``avg`` or
+``max``, odd ``kernel``) so that neighbours of important tokens come along; the top-scoring prefix
+tokens plus the observation window are kept, the rest of the prompt is evicted once, after
+prefill.  **Generation keeps everything**: every generated token's K/V is appended and never
+evicted (the original method compresses the prompt only).
+
+Votes are summed over the query heads sharing a KV head (GQA).  Budget: the prompt capacity of a
+request is ``round(B·(n_p + ĝ) − ĝ)`` entries per head (clipped to [min(obs, n_p), n_p]), with ĝ
+the expected generated length, so the end-of-request B ≈ target when n_gen ≈ ĝ.  Knobs (paper
+Table 8): obs ∈ {16,32,64,128}, pooling ∈ {avg, max}, kernel ∈ {3,5,7}.  Runs on
+:class:`~pask_jax.baselines.masked.MaskedRunner`.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pask_jax.baselines._rank import rank_desc
+
+MAX_KERNEL = 15
+
+
+def pool(vote, prefix, kernel, is_max):
+  """1-D pooling of ``vote[..., S]`` over the ``prefix`` positions (same padding, like
+  ``max_pool1d`` with -inf padding / ``avg_pool1d`` with zero padding counted in the mean).
+  ``kernel`` int [...] (odd, <= MAX_KERNEL) and ``is_max`` bool [...] may differ per row."""
+  S = vote.shape[-1]
+  x = jnp.where(prefix, vote.astype(jnp.float32), 0.0)
+  half = kernel[..., None] // 2
+  mx = jnp.full(x.shape, -jnp.inf, jnp.float32)
+  sm = jnp.zeros(x.shape, jnp.float32)
+  slot = jnp.arange(S)
+  for o in range(-(MAX_KERNEL // 2), MAX_KERNEL // 2 + 1):
+    src = slot + o
+    inside = (src >= 0) & (src < S)
+    sh = jnp.take(x, jnp.clip(src, 0, S - 1), axis=-1)
+    pre = jnp.take(prefix, jnp.clip(src, 0, S - 1), axis=-1) & inside
+    use = jnp.abs(o) <= half
+    mx = jnp.where(use & pre, jnp.maximum(mx, sh), mx)
+    sm = sm + jnp.where(use & pre, sh, 0.0)
+  return jnp.where(is_max[..., None], mx, sm / kernel[..., None].astype(jnp.float32))
+
+
+def select(vote, n, obs, kernel, is_max, cap):
+  """Keep mask bool[..., S]: the observation window ∪ the top ``cap - |window|`` pooled prefix
+  tokens.  vote [..., S] (attention from the window's queries); n, obs, kernel, cap int [...]."""
+  slot = jnp.arange(vote.shape[-1])
+  n_ = n[..., None]
+  valid = slot < n_
+  window = valid & (slot >= n_ - obs[..., None])
+  prefix = valid & ~window
+  pooled = pool(vote, prefix, kernel, is_max)
+  k = jnp.maximum(cap - jnp.sum(window, axis=-1), 0)
+  return window | (prefix & (rank_desc(pooled, prefix) < k[..., None]))
+
+
+def prompt_cap(target: float, n_prompt: int, obs: int, gen: float) -> int:
+  """Prompt entries kept per head for one request (see module doc)."""
+  c = int(round(target * (n_prompt + gen) - gen))
+  return int(min(n_prompt, max(min(obs, n_prompt), c)))
+
+
+def predict_b(target: float, lengths, obs: int, gen: float) -> float:
+  return float(np.mean([(prompt_cap(target, p, obs, gen) + g) / (p + g) for p, g in lengths]))

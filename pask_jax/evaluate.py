@@ -1,0 +1,469 @@
+"""Accuracy against measured KV budget: PASK and the baselines on one task, same stack.
+
+Every method shares the model weights, tokenizer, prompts (rendered once per case, identical ids
+for every method), tool-call grammars, greedy decoding, batching and the payload cost model
+(:mod:`pask_jax.baselines.budget`).  A :class:`Session` holds one model and its runners, so that
+runs of several methods and budgets in one process share compilations (the driver
+``scripts/eval_h200.py`` relies on it); :func:`run` evaluates one (method, budget, split) and
+writes:
+
+* ``cases.jsonl`` — per case: id, category, split, text, calls, passed, per_call, error, finish,
+  prompt_len, gen_len, prefill_B, decode_B, total_B, prefill_s, decode_s;
+* ``summary.csv`` — per category, ``simple+multiple`` (the headline) and ``overall``: n,
+  accuracy, per-call fraction, mean prefill/decode/total B, and the workload-weighted total B
+  (Σ payload / Σ Full-KV payload);
+* ``summary.json`` — the same plus the configuration, knobs and timings (read by :func:`report`).
+
+Budget-flexible baselines are set to the target from the prompt lengths of the run and the
+expected generated length ``gen`` (measured on the development split by :func:`tune`); method
+knobs come from a knobs file written by :func:`tune` (development split only, frozen before test).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from pask_jax import baselines as BL
+from pask_jax.baselines import budget as BU
+
+SPLIT_NAMES = {"cal": "calibration", "dev": "development", "test": "test",
+               "calibration": "calibration", "development": "development"}
+HEADLINE = ("simple_python", "multiple")
+# Knob grids (paper Table 8).  "paper" is the full grid; "small" the one the H200 driver uses.
+GRIDS = {
+    "paper": {"h2o": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
+              "mikv": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
+              "snapkv": {"obs": [16, 32, 64, 128], "pool": ["avg", "max"], "kernel": [3, 5, 7]}},
+    "small": {"h2o": {"sink": [4], "recent": [16, 64]},
+              "mikv": {"sink": [4], "recent": [16, 64]},
+              "snapkv": {"obs": [16, 64], "pool": ["avg", "max"], "kernel": [7]}},
+}
+DEFAULT_KNOBS = {"gen": 48.0, "streaming": {"sink": 4}, "int4": {"sink": 4, "window": 32},
+                 "h2o": {"sink": 4, "recent": 32}, "mikv": {"sink": 4, "recent": 32},
+                 "snapkv": {"obs": 32, "pool": "max", "kernel": 7}}
+
+
+# --- tasks ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Prepared:
+  case: Any
+  ids: list[int]
+  prompt_tags: Any
+  grammar: Any
+
+
+class BFCLTask:
+  """BFCL through :mod:`calibrate.bfcl` (data, split, prompts, grammars, official checker)."""
+  name = "bfcl"
+
+  def __init__(self, tokenizer, arch: str, compiler, seed: int = 0):
+    from calibrate import bfcl
+    self.bfcl, self.tok, self.arch, self.seed = bfcl, tokenizer, arch, seed
+    self.fmt, indent = bfcl.style_for(arch)
+    self.grammars = bfcl.Grammars(compiler, self.fmt, indent) if compiler is not None else None
+
+  def cases(self, split: str, categories: Sequence[str] | None = None,
+            max_cases: int | None = None) -> list:
+    cats = tuple(categories) if categories else self.bfcl.NONLIVE
+    cs = self.bfcl.load(cats, split=SPLIT_NAMES.get(split, split), seed=self.seed)
+    return _cap_per_category(cs, max_cases)
+
+  def prepare(self, cases, prompt_labels: bool) -> list[Prepared]:
+    ps = self.bfcl.prepare(cases, self.tok, arch=self.arch, prompt_labels=prompt_labels,
+                           grammars=self.grammars)
+    return [Prepared(p.case, p.ids, p.prompt_tags, p.grammar) for p in ps]
+
+  def score(self, case, text: str, complete: bool) -> dict:
+    return self.bfcl.score(case, text, complete=complete, fmt=self.fmt)
+
+
+def _cap_per_category(cases: list, max_cases: int | None) -> list:
+  """At most ``max_cases`` per category, in order (a deterministic cut)."""
+  if not max_cases:
+    return list(cases)
+  seen: dict[str, int] = {}
+  out = []
+  for c in cases:
+    if seen.get(c.category, 0) < max_cases:
+      seen[c.category] = seen.get(c.category, 0) + 1
+      out.append(c)
+  return out
+
+
+# --- runs ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RunConfig:
+  method: str
+  budget: float = 1.0
+  split: str = "test"
+  categories: tuple[str, ...] | None = None
+  max_cases: int | None = None
+  max_tokens: int = 128
+  policy: str | None = None          # pask: a policy directory (or all-high / demo)
+  knobs: dict | None = None           # see DEFAULT_KNOBS; merged over it
+
+
+def check_config(rc: RunConfig) -> None:
+  """Clear errors for bad input (before any model work)."""
+  if rc.method not in BL.METHODS:
+    raise ValueError(f"unknown method {rc.method!r}; choose from {', '.join(BL.METHODS)}")
+  BU.check_target(rc.budget)
+  if rc.method == "pask" and not rc.policy:
+    raise ValueError("--method pask needs --policy DIR (a FrozenPolicy saved by pask_jax.policy)")
+  if rc.split not in SPLIT_NAMES:
+    raise ValueError(f"unknown split {rc.split!r}; choose from cal, dev, test")
+  if rc.max_tokens <= 0:
+    raise ValueError("max_tokens must be positive")
+
+
+def merged_knobs(knobs: dict | None) -> dict:
+  out = json.loads(json.dumps(DEFAULT_KNOBS))
+  for k, v in (knobs or {}).items():
+    if isinstance(v, dict):
+      out.setdefault(k, {}).update(v)
+    else:
+      out[k] = v
+  return out
+
+
+class Session:
+  """One model, its tokenizer, a task and lazily built runners shared across runs."""
+
+  def __init__(self, loaded, task=None, *, batch: int = 64, compiler=None):
+    from pask_jax.grammar import GrammarCompiler
+    self.m, self.tok, self.cfg = loaded, loaded.tokenizer, loaded.cfg
+    self.batch = batch
+    self.compiler = compiler or GrammarCompiler(self.tok, self.cfg.vocab_size)
+    self.task = task or BFCLTask(self.tok, self.cfg.arch, self.compiler)
+    self.capacity = 0
+    self.runners: dict[str, Any] = {}
+    self.policies: dict[str, Any] = {}
+
+  def ensure_capacity(self, preps: Sequence[Prepared], max_tokens: int) -> None:
+    from pask_jax.decode import capacity_for
+    need = capacity_for(max(len(p.ids) for p in preps), max_tokens)
+    if need > self.cfg.max_position:
+      raise ValueError(f"prompts need {need} positions, beyond the model's {self.cfg.max_position}")
+    if need > self.capacity:
+      self.capacity, self.runners = need, {}
+
+  def runner(self, kind: str):
+    """'full' | 'pask' (PaskRunner, policy swapped per run) | 'masked'."""
+    r = self.runners.get(kind)
+    if r is None:
+      from pask_jax import policy as P
+      from pask_jax.decode import PaskRunner, Runner
+      kw = dict(batch=self.batch, capacity=self.capacity)
+      if kind == "full":
+        r = Runner(self.m.model, **kw)
+      elif kind == "pask":
+        r = PaskRunner(self.m.model, P.all_high(self.cfg), **kw)
+      else:
+        r = BL.MaskedRunner(self.m.model, **kw)
+      self.runners[kind] = r
+    return r
+
+  def load_policy(self, where: str):
+    from pask_jax import policy as P
+    if where not in self.policies:
+      try:
+        self.policies[where] = P.resolve(where, self.cfg, tokenizer_hash=self.tok.hash())
+      except FileNotFoundError as e:
+        raise ValueError(f"policy {where!r} not found: {e}") from None
+    return self.policies[where]
+
+
+def _setup(s: Session, rc: RunConfig, preps: list[Prepared]) -> tuple[Any, dict]:
+  """Runner for the method, configured for the target; and the settings actually used."""
+  kn = merged_knobs(rc.knobs)
+  gen = float(kn["gen"])
+  lengths = [(len(p.ids), gen) for p in preps]
+  m = rc.method
+  used: dict[str, Any] = {"gen": gen}
+  if m == "full":
+    return s.runner("full"), used
+  if m in ("pask", "streaming", "int4"):
+    r = s.runner("pask")
+    if m == "pask":
+      r.policy = s.load_policy(rc.policy)
+      used.update(policy=rc.policy, b_d=float(r.policy.b_d), b_p=float(r.policy.b_p))
+    elif m == "int4":
+      r.policy = BL.int4.policy(s.cfg, sink=int(kn["int4"]["sink"]),
+                                window=int(kn["int4"]["window"]))
+      used.update(kn["int4"])
+    else:
+      sink = int(kn["streaming"]["sink"])
+      w = BL.streaming.window_for(rc.budget, lengths, sink)
+      r.policy = BL.streaming.policy(s.cfg, sink=sink, window=w)
+      used.update(sink=sink, window=w)
+    return r, used
+  k = dict(kn[m])
+  q = BU.low_ratio(s.cfg.head_dim)
+  ratio = BL.plan(m, rc.budget, lengths, sink=int(k.get("sink", 4)),
+                  recent=int(k.get("recent", 32)), q=q, obs=int(k.get("obs", 32)), gen=gen)
+  conf = BL.Config(m, ratio=ratio, target=rc.budget, gen=gen, **k)
+  used.update(dataclasses.asdict(conf))
+  return s.runner("masked").configure(conf), used
+
+
+def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | None) -> dict:
+  if rc.method == "full":
+    return BL.full.measured(n_prompt, n_gen)
+  if rc.method == "streaming":
+    return BL.streaming.measured(led["n_prompt"], led["n_gen"], used["sink"], used["window"])
+  return {"prefill_B": led["prefill_B"], "decode_B": led["decode_B"],
+          "total_B": led["measured_B"]}
+
+
+def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = True,
+        cases: list | None = None) -> dict:
+  """Evaluate one (method, budget, split); returns the summary dict (and writes ``out``)."""
+  from pask_jax.decode import Sampling, Tracker, generate
+  check_config(rc)
+  if cases is None:
+    cases = s.task.cases(rc.split, rc.categories, rc.max_cases)
+  if not cases:
+    raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
+  pask = rc.method == "pask"
+  preps = s.task.prepare(cases, prompt_labels=pask)
+  s.ensure_capacity(preps, rc.max_tokens)
+  runner, used = _setup(s, rc, preps)
+  if pask:
+    from pask_jax.grammar.fc_adapter import FCAdapter
+    tracker = lambda g: Tracker(g, FCAdapter(g, s.tok))
+  else:
+    tracker = lambda g: Tracker(g)
+  sampling = Sampling(max_tokens=rc.max_tokens)
+  order = sorted(range(len(preps)), key=lambda i: len(preps[i].ids))
+  rows: list[dict | None] = [None] * len(preps)
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=len(preps), desc=f"{rc.method} B={rc.budget:g} {rc.split}", unit="case")
+  t0 = time.perf_counter()
+  for st in range(0, len(order), s.batch):
+    idx = order[st:st + s.batch]
+    ps = [preps[i] for i in idx]
+    res = generate(runner, s.tok, [p.ids for p in ps], trackers=[tracker(p.grammar) for p in ps],
+                   prompt_tags=[p.prompt_tags for p in ps] if pask else None, sampling=sampling)
+    for i, p, r in zip(idx, ps, res):
+      sc = s.task.score(p.case, r.text, r.finish == "stop")
+      b = _measured(rc, used, r.prompt_len, len(r.tokens), r.ledger)
+      n_gen = r.ledger["n_gen"] if r.ledger else len(r.tokens)
+      rows[i] = {"id": p.case.id, "category": p.case.category, "split": rc.split,
+                 "method": rc.method, "budget": rc.budget, "text": r.text, "calls": sc["calls"],
+                 "passed": bool(sc["passed"]), "per_call": float(sc["per_call"]),
+                 "error": sc["error"], "finish": r.finish, "prompt_len": r.prompt_len,
+                 "gen_len": len(r.tokens), "kv_gen_len": int(n_gen), **b,
+                 "prefill_s": r.prefill_s, "decode_s": r.decode_s}
+    if bar is not None:
+      bar.update(len(idx))
+  if bar is not None:
+    bar.close()
+  wall = time.perf_counter() - t0
+  summ = summarize(rows)
+  meta = {"method": rc.method, "budget": rc.budget, "split": rc.split, "model": s.cfg.arch,
+          "model_identity": _ident(s), "task": s.task.name, "n_cases": len(rows),
+          "max_tokens": rc.max_tokens, "batch": s.batch, "capacity": s.capacity,
+          "settings": used, "wall_s": wall, "categories": summ}
+  if out:
+    write(out, rows, meta)
+  return meta
+
+
+def _ident(s: Session) -> dict:
+  from pask_jax import policy as P
+  return P.identity_of(s.cfg, s.tok.hash())
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, dict]:
+  """Per category, ``simple+multiple`` and ``overall``: accuracy, per-call and B means."""
+  groups: dict[str, list[dict]] = {}
+  for r in rows:
+    groups.setdefault(r["category"], []).append(r)
+  head = [r for r in rows if r["category"] in HEADLINE]
+  if head:
+    groups["simple+multiple"] = head
+  groups["overall"] = list(rows)
+  out = {}
+  for k, v in groups.items():
+    mean = lambda f: float(np.nanmean([r[f] for r in v])) if v else float("nan")
+    n_all = sum(r["prompt_len"] + r["kv_gen_len"] for r in v)
+    w = sum(r["total_B"] * (r["prompt_len"] + r["kv_gen_len"]) for r in v) / n_all if n_all else \
+        float("nan")
+    out[k] = {"n": len(v), "accuracy": mean("passed"), "per_call": mean("per_call"),
+              "prefill_B": mean("prefill_B"), "decode_B": mean("decode_B"),
+              "total_B": mean("total_B"), "total_B_weighted": w,
+              "gen_len": mean("gen_len"), "prompt_len": mean("prompt_len")}
+  return out
+
+
+CSV_FIELDS = ("method", "budget", "split", "category", "n", "accuracy", "per_call", "prefill_B",
+              "decode_B", "total_B", "total_B_weighted", "prompt_len", "gen_len")
+
+
+def write(out: str, rows: Sequence[dict], meta: dict) -> None:
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "cases.jsonl"), "w") as f:
+    for r in rows:
+      f.write(json.dumps(r, ensure_ascii=False) + "\n")
+  with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(CSV_FIELDS)
+    for cat, d in meta["categories"].items():
+      w.writerow([meta["method"], meta["budget"], meta["split"], cat] +
+                 [_fmt(d[k]) for k in CSV_FIELDS[4:]])
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+    f.write("\n")
+
+
+def _fmt(x):
+  return f"{x:.4f}" if isinstance(x, float) else x
+
+
+# --- tuning (development split only) --------------------------------------------------------------
+
+def grid_configs(method: str, grid: str | dict) -> list[dict]:
+  g = GRIDS[grid][method] if isinstance(grid, str) else grid[method]
+  keys = sorted(g)
+  out = [{}]
+  for k in keys:
+    out = [{**c, k: v} for c in out for v in g[k]]
+  return out
+
+
+def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "small",
+         split: str = "dev", max_cases: int | None = None, max_tokens: int = 128,
+         categories: Sequence[str] | None = None, out: str | None = None,
+         progress: bool = True) -> dict:
+  """Dev-split tuning (paper C.3): measure ``gen`` (mean generated tokens under Full KV), then per
+  method pick the grid point with the best overall accuracy at ``budget`` (ties: headline
+  accuracy, then measured B closest to the target).  Returns (and writes ``out``/knobs.json,
+  ``out``/tune.csv) the frozen knobs."""
+  if SPLIT_NAMES.get(split) == "test":
+    raise ValueError("tuning on the test split is not allowed (C.3: dev only, frozen before test)")
+  budget = BU.check_target(budget)
+  cases = s.task.cases(split, categories, max_cases)
+  base = RunConfig("full", 1.0, split, max_tokens=max_tokens)
+  full = run(s, base, None, progress=progress, cases=cases)
+  gen = full["categories"]["overall"]["gen_len"]
+  knobs = merged_knobs({"gen": gen})
+  log = [{"method": "full", "knobs": "{}", "accuracy": full["categories"]["overall"]["accuracy"],
+          "total_B": 1.0}]
+  for m in methods:
+    if m not in GRIDS["paper"]:
+      raise ValueError(f"no tuning grid for {m!r}; tunable: {sorted(GRIDS['paper'])}")
+    best = None
+    for c in grid_configs(m, grid):
+      kn = merged_knobs({"gen": gen, m: c})
+      try:
+        r = run(s, RunConfig(m, budget, split, max_tokens=max_tokens, knobs=kn), None,
+                progress=progress, cases=cases)
+      except ValueError as e:  # e.g. a budget the method cannot reach
+        log.append({"method": m, "knobs": json.dumps(c), "error": str(e)})
+        continue
+      o = r["categories"]["overall"]
+      h = r["categories"].get("simple+multiple", o)
+      key = (o["accuracy"], h["accuracy"], -abs(o["total_B"] - budget))
+      log.append({"method": m, "knobs": json.dumps(c), "accuracy": o["accuracy"],
+                  "headline": h["accuracy"], "total_B": o["total_B"]})
+      if best is None or key > best[0]:
+        best = (key, c)
+    if best is not None:
+      knobs[m].update(best[1])
+  res = {"knobs": knobs, "budget": budget, "split": split, "grid": grid, "n_cases": len(cases),
+         "full_accuracy": full["categories"]["overall"]["accuracy"], "log": log}
+  if out:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "knobs.json"), "w") as f:
+      json.dump(res, f, indent=1)
+      f.write("\n")
+    with open(os.path.join(out, "tune.csv"), "w", newline="") as f:
+      w = csv.DictWriter(f, ["method", "knobs", "accuracy", "headline", "total_B", "error"])
+      w.writeheader()
+      for row in log:
+        w.writerow(row)
+  return res
+
+
+def read_knobs(path: str) -> dict:
+  """A knobs.json from :func:`tune` (or a plain knobs dict)."""
+  with open(path) as f:
+    d = json.load(f)
+  return d.get("knobs", d)
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def load_runs(dirs: Sequence[str]) -> list[dict]:
+  out = []
+  for d in dirs:
+    p = os.path.join(d, "summary.json")
+    if not os.path.exists(p):
+      raise ValueError(f"{d}: no summary.json (not a pask-jax eval run directory)")
+    with open(p) as f:
+      out.append({**json.load(f), "dir": d})
+  return out
+
+
+def report(dirs: Sequence[str], out: str) -> str:
+  """Markdown table + PNG of headline (simple+multiple) accuracy against measured total B."""
+  runs = load_runs(dirs)
+  runs.sort(key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS else 99,
+                           r["budget"]))
+  cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple")
+          if any(c in r["categories"] for r in runs)]
+  head = ["method", "target B", "measured B (prefill / decode / total)", "simple+multiple",
+          "overall"] + cats + [f"{c} per-call" for c in cats if c.startswith("parallel")] + ["n"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  pct = lambda d, k="accuracy": f"{100 * d[k]:.2f}" if d else "–"
+  for r in runs:
+    c = r["categories"]
+    o = c["overall"]
+    row = [r["method"], "–" if r["method"] == "full" else f"{r['budget']:.2f}",
+           f"{o['prefill_B']:.3f} / {o['decode_B']:.3f} / {o['total_B']:.3f}",
+           pct(c.get("simple+multiple")), pct(o)] + [pct(c.get(k)) for k in cats]
+    row += [pct(c.get(k), "per_call") for k in cats if k.startswith("parallel")] + [str(o["n"])]
+    lines.append("| " + " | ".join(row) + " |")
+  md = "\n".join(lines) + "\n"
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "report.md"), "w") as f:
+    f.write(md)
+  _plot(runs, os.path.join(out, "accuracy_vs_B.png"))
+  return md
+
+
+def _plot(runs: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  by: dict[str, list] = {}
+  for r in runs:
+    c = r["categories"]
+    acc = c.get("simple+multiple", c["overall"])["accuracy"]
+    by.setdefault(r["method"], []).append((c["overall"]["total_B"], 100 * acc))
+  for m, pts in by.items():
+    pts.sort()
+    xs, ys = zip(*pts)
+    if m == "full":
+      ax.axhline(ys[0], color="k", ls="--", lw=1, label="Full KV")
+      continue
+    ax.plot(xs, ys, marker="o", label={"pask": "PASK"}.get(m, m))
+  ax.set_xlabel("measured relative total KV cost B")
+  ax.set_ylabel("accuracy, simple + multiple (%)")
+  ax.set_xlim(0, 1.05)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
