@@ -1,0 +1,611 @@
+"""PASK offline calibration, Algorithm 1 (paper §3.4, §3.6, A.4, B.4, B.6, E.2, E.4).
+
+Stages (each saved under ``work/`` as it completes, so an interrupted run resumes):
+
+1. **Reference** — π_ref (all-high, B_D = 1) generates the calibration split; its trajectories
+   (tokens, structural tag candidates, parser states) are the fixed reference of Runtime-D, the
+   bucket counts N̄_q, the nominal costs and the reserve.
+2. **Buckets** — q = (tag id, layer group) for every tag id observed on a reference token with a
+   single candidate (decode tags from the FC adapter; prompt labels for the prefill companion).
+   Tokens with several candidates resolve online by Eq. 12 (max over candidates); unobserved ids
+   fall back along the parent chain to an aggregate entry (componentwise max of the observed
+   children: conservative), and ids with nothing compatible are H.
+3. **Runtime-V** — for every bucket and a ∈ {R, L}, π_{q,a} applies a to every occurrence of q
+   (others H, B_D = B_P = 1) during complete generation on the calibration split;
+   V = R̂_cal(π_{q,a}) − R̂_cal(π_ref) with R̂ = error rate; monotone envelope (Eq. 5).  All
+   interventions of a chunk run in one jitted generation loop (:mod:`calibrate.stack`).
+4. **Runtime-D** — D(q, a) (Eq. 7) on the reference trajectories (:mod:`calibrate.distortion`),
+   mean counts N̄_q, priorities ρ_D (Eq. 8).
+5. **Decode candidates** — per threshold pair τ: floors (Eq. 6); the greedy path from the floors
+   (largest ρ_D first; ties: ascending tag id, then group; zero scores stay eligible up to all-high;
+   Prop. 2); per candidate the nominal reference cost ratio B_D and the reserve Γ (Eq. 16, K, β,
+   left empirical quantile per parser state, pooled fallback).  ``path_points`` candidates per
+   path are evaluated (evenly spaced in nominal cost, both ends kept; 0 = every step).
+6. **Selection** — complete controllers and π_ref on the development split; Eq. 9 with α_D on the
+   measured decode cost (actual generated lengths); π_ref is the fallback.
+7. **Prefill companion** (§3.6, B.4) — floors from the prompt-label V_P per τ, priorities from D_P,
+   candidates over (τ, B_P); selection with α_P on the measured prefill cost (decode all-high).
+8. **Compose and pack** — decode + prefill policy, evaluated end to end on dev (accuracy and
+   measured total B), saved with :func:`pask_jax.policy.save` plus ``calibration.json``.
+
+Error rates and thresholds are fractions (0.01 = 1 pp).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pickle
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from calibrate import distortion as dist
+from calibrate import stack as S
+from pask_jax import controller
+from pask_jax import policy as P
+from pask_jax import tags as T
+
+DEFAULT_THRESHOLDS = ((0.0, 0.0), (0.005, 0.01), (0.01, 0.02), (0.02, 0.05))
+
+
+@dataclasses.dataclass
+class Config:
+  thresholds: Sequence[tuple[float, float]] = DEFAULT_THRESHOLDS
+  prefill_thresholds: Sequence[tuple[float, float]] = DEFAULT_THRESHOLDS
+  alpha_d: float = 0.05
+  alpha_p: float = 0.02
+  b_p_grid: Sequence[float] = (0.25, 0.33, 0.4, 0.5, 0.6, 0.75)
+  path_points: int = 8
+  reserve_k: int = 8
+  reserve_beta: float = 0.8
+  min_count: int = 1
+  rows: int = 256
+  max_tokens: int = 128
+  sink: int = P.DEFAULT_SINK
+  window: int = P.DEFAULT_WINDOW
+  n_groups: int = 3
+
+
+# ---- small pure pieces (unit-tested) ----------------------------------------------------------
+
+def envelope(v_l: float, v_r: float) -> tuple[float, float]:
+  """Eq. 5: (V̄(q,L), V̄(q,R))."""
+  vl = max(0.0, v_l)
+  return vl, max(vl, v_r)
+
+
+def floor_of(vbar_l: float, vbar_r: float, tau: tuple[float, float]) -> int:
+  """Eq. 6."""
+  lo, hi = tau
+  if vbar_l > hi:
+    return T.H
+  if vbar_r <= lo:
+    return T.R
+  return T.L
+
+
+def priorities(d: dict, nbar: dict, cost: np.ndarray, buckets: Sequence[tuple[int, int]]) -> dict:
+  """Eq. 8: ρ[(id, g)] = (ρ(R→L), ρ(L→H)); ``d[(id, g, a)]`` with D(·, H) = 0."""
+  out = {}
+  for i, g in buckets:
+    dr, dl = d[(i, g, T.R)], d[(i, g, T.L)]
+    n = max(nbar[i], 1e-12)
+    r2l = max(dr - dl, 0.0) / (n * (cost[T.L, g] - cost[T.R, g]))
+    l2h = max(dl, 0.0) / (n * (cost[T.H, g] - cost[T.L, g]))
+    out[(i, g)] = (r2l, l2h)
+  return out
+
+
+def greedy_path(floors: dict, rho: dict) -> list[dict]:
+  """Prop. 2: maps Θ_0 = floors ⪯ Θ_1 ⪯ … ⪯ all-high, one adjacent upgrade per step, the largest
+  ρ_D first; ties by ascending (tag id, group), then R→L before L→H (one per bucket anyway)."""
+  cur = dict(floors)
+  path = [dict(cur)]
+  while True:
+    best = None
+    for (i, g), a in sorted(cur.items()):
+      if a >= T.H:
+        continue
+      key = (-rho[(i, g)][a], i, g)
+      if best is None or key < best[0]:
+        best = (key, (i, g))
+    if best is None:
+      return path
+    cur[best[1]] += 1
+    path.append(dict(cur))
+
+
+def left_quantile(x: np.ndarray, beta: float) -> float:
+  """The value at rank ⌈βN⌉ (1-based) of the sorted sample (Eq. 24, left empirical quantile)."""
+  x = np.sort(np.asarray(x, np.float64))
+  return float(x[max(1, math.ceil(beta * len(x))) - 1])
+
+
+def deficits(f: np.ndarray, b: float, k: int) -> np.ndarray:
+  """Eq. 16 for one reference trajectory: S[u] = max_{0<=h<=min(K, T-1-u)} [Σ_{j=1..h} f[u+j] − h·b]_+
+  (0-based u; h = 0 gives 0)."""
+  n = len(f)
+  out = np.zeros(n, np.float64)
+  for u in range(n):
+    acc, best = 0.0, 0.0
+    for h in range(1, min(k, n - 1 - u) + 1):
+      acc += f[u + h] - b
+      best = max(best, acc)
+    out[u] = best
+  return out
+
+
+def reserve(floor_costs: Sequence[np.ndarray], states: Sequence[np.ndarray], b: float, c_full: float,
+            k: int, beta: float) -> tuple[dict[int, float], float, dict]:
+  """Eq. 10 / 16 -> (Γ per state id, pooled Γ, samples per state) in units of C_full."""
+  per: dict[int, list[float]] = {}
+  pooled: list[float] = []
+  for f, s in zip(floor_costs, states):
+    d = deficits(np.asarray(f, np.float64), b, k)
+    for u, x in enumerate(d):
+      per.setdefault(int(s[u]), []).append(x)
+      pooled.append(x)
+  gam = {sid: left_quantile(v, beta) / c_full for sid, v in per.items() if sid >= 0}
+  pool = left_quantile(pooled, beta) / c_full if pooled else 0.0
+  return gam, pool, per
+
+
+# ---- policies ---------------------------------------------------------------------------------
+
+def _entries(maps: dict, floors: dict, rho: dict | None, G: int) -> dict[int, P.Entry]:
+  """Per-bucket maps {(id, g): action} -> Entry per id, plus parent aggregates (max of children)."""
+  ids = sorted({i for i, _ in maps})
+  ent = {}
+  for i in ids:
+    a = [maps.get((i, g), T.H) for g in range(G)]
+    f = [floors.get((i, g), T.H) for g in range(G)]
+    pr = None
+    if rho is not None:
+      pr = [[rho.get((i, g), (math.nan, math.nan))[0], rho.get((i, g), (math.nan, math.nan))[1]]
+            for g in range(G)]
+    ent[i] = P.Entry(a, f, pr)
+  agg: dict[int, tuple[list[int], list[int]]] = {}
+  for i in ids:
+    for p in T.parents(i)[1:]:
+      if p in ent:
+        continue
+      a, f = agg.get(p, ([T.R] * G, [T.R] * G))
+      agg[p] = ([max(x, y) for x, y in zip(a, ent[i].action)],
+                [max(x, y) for x, y in zip(f, ent[i].floor)])
+  for p, (a, f) in agg.items():
+    ent[p] = P.Entry(a, f, None)
+  return ent
+
+
+def intervention(model_ident, tmpl: Config, i: int, g: int, a: int, others: Sequence[int],
+                 tokenizer_hash=None) -> P.FrozenPolicy:
+  """π_{q,a} for q = (i, g): action = floor = a on q, H on every other observed id and group."""
+  G = tmpl.n_groups
+  ent = {o: P.Entry([T.H] * G, [T.H] * G) for o in others}
+  acts = [a if gg == g else T.H for gg in range(G)]
+  ent[i] = P.Entry(acts, acts)
+  return P.build(ent, model_ident, n_groups=G, b_d=1.0, b_p=1.0, sink=tmpl.sink,
+                 window=tmpl.window, tokenizer_hash=tokenizer_hash, adapter="fc",
+                 extra={"name": f"intervention {T.describe(i)} g{g} {T.ACTION_NAMES[a]}"})
+
+
+@functools.partial(jax.jit)
+def _resolve_all(pol, cands):
+  a0, fl, _, _, _ = jax.vmap(lambda c: controller.resolve(pol, c))(cands)
+  return jnp.maximum(a0, fl), fl
+
+
+def resolve_rows(pol: P.FrozenPolicy, cands: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Per token candidates int32[n, 4] -> (initial action max(a0, floor) [n, G], floor [n, G])."""
+  if len(cands) == 0:
+    G = pol.n_groups
+    return np.zeros((0, G), np.int32), np.zeros((0, G), np.int32)
+  n = len(cands)
+  m = 1 << max(10, (n - 1).bit_length())          # padded (PAD rows) so shapes repeat: few compiles
+  c = np.full((m, T.N_CAND), T.PAD, np.int32)
+  c[:n] = cands
+  a, f = _resolve_all(pol, jnp.asarray(c))
+  return np.asarray(a)[:n], np.asarray(f)[:n]
+
+
+# ---- the pipeline -----------------------------------------------------------------------------
+
+class Calibration:
+  """Algorithm 1 over a task's calibration and development requests.  See the module docstring.
+
+  ``model``: a flax Decoder (``model.cfg``); ``cal`` / ``dev``: tasks (:mod:`calibrate.tasks`)
+  sharing one parser-state vocabulary; ``out``: the output directory (``work/`` inside keeps the
+  resumable stages).  ``runner_for(V, N)`` defaults to :func:`calibrate.stack.runner_factory`.
+  """
+
+  def __init__(self, model, tokenizer_hash: str | None, cal, dev, out: str, cfg: Config = Config(),
+               *, capacity: int, backend: str = "auto", runner_for=None, progress=None,
+               log: Callable[[str], None] = print, devices=None):
+    self.model, self.cfg, self.cal, self.dev = model, cfg, cal, dev
+    self.ident = P.identity_of(model.cfg, tokenizer_hash)
+    self.thash = tokenizer_hash
+    self.out = out
+    self.work = os.path.join(out, "work")
+    os.makedirs(self.work, exist_ok=True)
+    self.ref_policy = P.all_high(model.cfg, n_groups=cfg.n_groups, sink=cfg.sink,
+                                 window=cfg.window, tokenizer_hash=tokenizer_hash)
+    self.cost = np.asarray(self.ref_policy.cost, np.float64)
+    self.c_full = float(self.cost[T.H].sum())
+    self.runner_for = runner_for or S.runner_factory(model, self.ref_policy, capacity,
+                                                     backend=backend, devices=devices)
+    self.progress = progress
+    self.log = log
+    self.timings: dict[str, float] = {}
+    self._restore_vocab()
+
+  # --- persistence ---
+  def _path(self, name):
+    return os.path.join(self.work, name)
+
+  def _load(self, name):
+    p = self._path(name)
+    if os.path.exists(p):
+      with open(p, "rb") as f:
+        return pickle.load(f)
+    return None
+
+  def _save(self, name, obj):
+    tmp = self._path(name + ".tmp")
+    with open(tmp, "wb") as f:
+      pickle.dump(obj, f)
+    os.replace(tmp, self._path(name))
+
+  def _restore_vocab(self):
+    keys = self._load("state_vocab.pkl")
+    if keys is not None:
+      for k in keys:
+        self.cal.vocab(k)
+
+  def _save_vocab(self):
+    self._save("state_vocab.pkl", self.cal.vocab.keys())
+
+  def _run(self, task, policies, label):
+    bar = self.progress(label, len(policies) * len(task.requests)) if self.progress else None
+    t0 = time.perf_counter()
+    res = S.run_stack(self.runner_for, task, policies, rows=self.cfg.rows,
+                      max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None)
+    if bar:
+      bar.close()
+    self.timings[label] = self.timings.get(label, 0.0) + time.perf_counter() - t0
+    return res
+
+  @staticmethod
+  def error(outcomes) -> float:
+    return 1.0 - float(np.mean([o.passed for o in outcomes]))
+
+  # --- stage 1: reference ---
+  def reference(self):
+    ref = self._load("reference.pkl")
+    if ref is None:
+      ref = self._run(self.cal, [self.ref_policy], "reference (cal)")[0]
+      self._save("reference.pkl", ref)
+      self._save_vocab()
+    self.ref = ref
+    return ref
+
+  def _seq_cands(self, r: int, o) -> tuple[np.ndarray, np.ndarray]:
+    """Reference request r: (prompt candidates [n_prompt, 4], decode candidates [n_dec, 4])."""
+    req = self.cal.requests[r]
+    pt = np.asarray(req.prompt_tags, np.int32)[:len(req.ids)]
+    return pt, o.tags[:len(o.tokens)]
+
+  # --- stage 2: buckets ---
+  def buckets(self):
+    dec: dict[int, int] = {}
+    pre: dict[int, int] = {}
+    for r, o in enumerate(self.ref):
+      pt, dt = self._seq_cands(r, o)
+      for cands, acc in ((pt[self.cfg.sink:], pre), (dt, dec)):
+        valid = cands >= 0
+        one = valid.sum(1) == 1
+        for i in cands[one].max(axis=1):
+          acc[int(i)] = acc.get(int(i), 0) + 1
+    n = len(self.ref)
+    keep = lambda c: {i: k / n for i, k in sorted(c.items()) if k >= self.cfg.min_count}
+    self.nbar_dec, self.nbar_pre = keep(dec), keep(pre)
+    G = self.cfg.n_groups
+    self.dec_buckets = [(i, g) for i in self.nbar_dec for g in range(G)]
+    self.pre_buckets = [(i, g) for i in self.nbar_pre for g in range(G)]
+    self.log(f"buckets: {len(self.nbar_dec)} decode tags, {len(self.nbar_pre)} prompt labels "
+             f"x {G} groups")
+    return self.dec_buckets, self.pre_buckets
+
+  def interventions(self) -> list[tuple[str, int, int, int]]:
+    out = []
+    for kind, bk in (("decode", self.dec_buckets), ("prefill", self.pre_buckets)):
+      for i, g in bk:
+        for a in (T.R, T.L):
+          out.append((kind, i, g, a))
+    return out
+
+  def intervention_policy(self, kind, i, g, a):
+    others = [o for o in (self.nbar_dec if kind == "decode" else self.nbar_pre) if o != i]
+    return intervention(self.ident, self.cfg, i, g, a, others, self.thash)
+
+  # --- stage 3: Runtime-V ---
+  def runtime_v(self):
+    done = self._load("runtime_v.pkl") or {}
+    todo = [k for k in self.interventions() if k not in done]
+    if todo:
+      pols = [self.intervention_policy(*k) for k in todo]
+      bar = self.progress("Runtime-V", len(todo) * len(self.cal.requests)) if self.progress else None
+      t0 = time.perf_counter()
+
+      def save(idx, outs):
+        for j, o in zip(idx, outs):
+          done[todo[j]] = [x.passed for x in o]
+        self._save("runtime_v.pkl", done)
+
+      S.run_stack(self.runner_for, self.cal, pols, rows=self.cfg.rows,
+                  max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None,
+                  on_chunk=save)
+      if bar:
+        bar.close()
+      self.timings["Runtime-V"] = time.perf_counter() - t0
+    e_ref = self.error(self.ref)
+    self.V = {k: (1.0 - float(np.mean(v))) - e_ref for k, v in done.items()}
+    return self.V
+
+  def vbar(self, kind, i, g):
+    return envelope(self.V[(kind, i, g, T.L)], self.V[(kind, i, g, T.R)])
+
+  # --- stage 4: Runtime-D ---
+  def runtime_d(self):
+    got = self._load("runtime_d.pkl")
+    if got is None:
+      t0 = time.perf_counter()
+      keys = [(kind, i, a) for kind, nb in (("decode", self.nbar_dec), ("prefill", self.nbar_pre))
+              for i in nb for a in (T.R, T.L)]
+      # One intervention per (tag, action) with every layer group at once; Eq. 7 sums per group.
+      G = self.cfg.n_groups
+      pols = []
+      for kind, i, a in keys:
+        others = [o for o in (self.nbar_dec if kind == "decode" else self.nbar_pre) if o != i]
+        ent = {o: P.Entry([T.H] * G, [T.H] * G) for o in others}
+        ent[i] = P.Entry([a] * G, [a] * G)
+        pols.append(P.build(ent, self.ident, n_groups=G, sink=self.cfg.sink,
+                            window=self.cfg.window))
+      seqs = [list(self.cal.requests[r].ids) + list(o.tokens) for r, o in enumerate(self.ref)]
+      total = np.zeros((len(keys), G))
+      bar = self.progress("Runtime-D", len(seqs)) if self.progress else None
+      gof = T.group_of_layer(self.model.cfg.n_layers, G)
+      parts = [self._seq_cands(r, o) for r, o in enumerate(self.ref)]
+      allp = np.concatenate([p for p, _ in parts], 0)
+      alld = np.concatenate([d for _, d in parts], 0)
+      cut_p = np.cumsum([len(p) for p, _ in parts])[:-1]
+      cut_d = np.cumsum([len(d) for _, d in parts])[:-1]
+      # acts[A][r]: [n_r, G] actions of request r's tokens (prompt: plan = floor; decode: Eq. 11)
+      acts = []
+      for pol in pols:
+        fp = np.split(resolve_rows(pol, allp)[1], cut_p)
+        ad = np.split(resolve_rows(pol, alld)[0], cut_d)
+        acts.append([np.concatenate([x, y], 0) for x, y in zip(fp, ad)])
+      for r in range(0, len(seqs), 8):
+        caps = dist.capture(self.model, seqs[r:r + 8])
+        for j, (q, k, v) in enumerate(caps):
+          o = self.ref[r + j]
+          pt, dt = parts[r + j]
+          act = np.stack([a[r + j] for a in acts])                     # [A, n, G]
+          n_q = max(len(o.tokens) - 1, 0)
+          total += dist.distortion(q, k, v, act, len(pt), n_q, sink=self.cfg.sink,
+                                   window=self.cfg.window, group_of=gof, n_groups=G)
+          if bar:
+            bar.update(1)
+      if bar:
+        bar.close()
+      total /= len(seqs)
+      got = {}
+      for (kind, i, a), row in zip(keys, total):
+        for g in range(G):
+          got[(kind, i, g, a)] = float(row[g])
+      self._save("runtime_d.pkl", got)
+      self.timings["Runtime-D"] = time.perf_counter() - t0
+    self.D = got
+    dd = {(i, g, a): got[("decode", i, g, a)] for (i, g) in self.dec_buckets for a in (T.R, T.L)}
+    dp = {(i, g, a): got[("prefill", i, g, a)] for (i, g) in self.pre_buckets for a in (T.R, T.L)}
+    self.rho_dec = priorities(dd, self.nbar_dec, self.cost, self.dec_buckets)
+    self.rho_pre = priorities(dp, self.nbar_pre, self.cost, self.pre_buckets)
+    return got
+
+  # --- stage 5: decode candidates ---
+  def floors(self, kind, tau) -> dict:
+    bk = self.dec_buckets if kind == "decode" else self.pre_buckets
+    return {(i, g): floor_of(*self.vbar(kind, i, g), tau) for i, g in bk}
+
+  def _ref_decode(self):
+    c = [self._seq_cands(r, o)[1] for r, o in enumerate(self.ref)]
+    s = [o.states[:len(o.tokens)] for o in self.ref]
+    return c, s
+
+  def nominal(self, pol, cands_list) -> float:
+    """Nominal reference-trajectory decode cost ratio of a policy's initial actions (Prop. 2)."""
+    allc = np.concatenate(cands_list, 0)
+    a, _ = resolve_rows(pol, allc)
+    G = self.cfg.n_groups
+    bits = self.cost[a, np.arange(G)[None]].sum()
+    return float(bits / (self.c_full * max(len(allc), 1)))
+
+  def decode_candidates(self):
+    G = self.cfg.n_groups
+    cands, states = self._ref_decode()
+    out = []
+    for tau in self.cfg.thresholds:
+      f = self.floors("decode", tau)
+      path = greedy_path(f, self.rho_dec)
+      noms = []
+      for m in path:
+        pol = P.build(_entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
+                      window=self.cfg.window)
+        noms.append(self.nominal(pol, cands))
+      keep = pick_points(noms, self.cfg.path_points)
+      fpol = P.build(_entries(f, f, None, G), self.ident, n_groups=G)
+      fcost = []
+      for c in cands:
+        _, fl = resolve_rows(fpol, c)
+        fcost.append(self.cost[fl, np.arange(G)[None]].sum(1) if len(c) else np.zeros(0))
+      for j in keep:
+        b_d = noms[j]
+        gam, pooled, _ = reserve(fcost, states, b_d * self.c_full, self.c_full,
+                                 self.cfg.reserve_k, self.cfg.reserve_beta)
+        pol = P.build(_entries(path[j], f, self.rho_dec, G), self.ident, n_groups=G, b_d=b_d,
+                      b_p=1.0, reserve=gam, pooled=pooled, sink=self.cfg.sink,
+                      window=self.cfg.window, tokenizer_hash=self.thash, adapter="fc",
+                      thresholds={"decode": list(tau)}, reserve_k=self.cfg.reserve_k,
+                      reserve_beta=self.cfg.reserve_beta,
+                      extra={"name": f"decode tau={tau} step {j}/{len(path) - 1}"})
+        out.append({"tau": tuple(tau), "step": j, "path_len": len(path), "nominal_b": b_d,
+                    "path_nominal": noms, "policy": pol, "floors": f, "map": path[j]})
+    self.dec_cands = out
+    return out
+
+  def _dev_eval(self, name, policies):
+    done = self._load(name) or {}
+    todo = [j for j in range(len(policies)) if j not in done]
+    if todo:
+      res = self._run(self.dev, [policies[j] for j in todo], name)
+      for j, r in zip(todo, res):
+        done[j] = [dataclasses.replace(o, tags=None, states=None) for o in r]
+      self._save(name, done)
+    return [done[j] for j in range(len(policies))]
+
+  @staticmethod
+  def stage_cost(outcomes, stage: str) -> float:
+    """Measured cost ratio over requests (actual lengths): Σ bits / Σ Full-KV bits."""
+    bits = sum(o.ledger[f"{stage}_bits"] for o in outcomes)
+    n = "n_gen" if stage == "decode" else "n_prompt"
+    full = sum(o.ledger[n] for o in outcomes)
+    c_full = outcomes[0].ledger["full_kv_bits"] / max(outcomes[0].ledger["n_prompt"] +
+                                                      outcomes[0].ledger["n_gen"], 1)
+    return bits / (full * c_full) if full else float("nan")
+
+  def select(self, stage, cands, results, ref_res, alpha):
+    e_ref = self.error(ref_res)
+    rows = []
+    for c, r in zip(cands, results):
+      rows.append({"err": self.error(r), "cost": self.stage_cost(r, stage),
+                   "total": total_b(r), "acc": 1 - self.error(r)})
+    ok = [j for j, r in enumerate(rows) if r["err"] - e_ref <= alpha + 1e-12]
+    best = min(ok, key=lambda j: (rows[j]["cost"], j)) if ok else None
+    return best, rows, e_ref
+
+  # --- stage 7: prefill candidates ---
+  def prefill_candidates(self):
+    G = self.cfg.n_groups
+    out = []
+    for tau in self.cfg.prefill_thresholds:
+      f = self.floors("prefill", tau)
+      for b_p in self.cfg.b_p_grid:
+        pol = P.build(_entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0, b_p=b_p,
+                      sink=self.cfg.sink, window=self.cfg.window, tokenizer_hash=self.thash,
+                      adapter="prompt", thresholds={"prefill": list(tau)},
+                      extra={"name": f"prefill tau={tau} B_P={b_p}"})
+        out.append({"tau": tuple(tau), "b_p": b_p, "policy": pol, "floors": f})
+    self.pre_cands = out
+    return out
+
+  # --- everything ---
+  def run(self) -> dict:
+    t_all = time.perf_counter()
+    cfg = self.cfg
+    self.reference()
+    self.log(f"reference: cal accuracy {1 - self.error(self.ref):.3f} on {len(self.ref)} requests")
+    self.buckets()
+    self.runtime_v()
+    self.runtime_d()
+    dec = self.decode_candidates()
+    pre = self.prefill_candidates()
+    # Development: π_ref, decode candidates, prefill candidates (one stacked evaluation).
+    pols = [self.ref_policy] + [c["policy"] for c in dec] + [c["policy"] for c in pre]
+    res = self._dev_eval("dev.pkl", pols)
+    ref_dev, dec_res, pre_res = res[0], res[1:1 + len(dec)], res[1 + len(dec):]
+    di, drows, e_ref = self.select("decode", dec, dec_res, ref_dev, cfg.alpha_d)
+    pi, prows, _ = self.select("prefill", pre, pre_res, ref_dev, cfg.alpha_p)
+    self.log(f"dev: reference accuracy {1 - e_ref:.3f}; decode pick {di}, prefill pick {pi}")
+    G = cfg.n_groups
+    if di is None:
+      d_ent, b_d, gam, pooled, tau_d = {}, 1.0, {}, 0.0, None
+    else:
+      c = dec[di]
+      d_ent = _entries(c["map"], c["floors"], self.rho_dec, G)
+      pol = c["policy"]
+      b_d, tau_d = float(pol.b_d), list(c["tau"])
+      gam = {i: float(x) for i, x in enumerate(np.asarray(pol.reserve))}
+      pooled = float(pol.pooled)
+    if pi is None:
+      p_ent, b_p, tau_p = {}, 1.0, None
+    else:
+      c = pre[pi]
+      p_ent, b_p, tau_p = _entries(c["floors"], c["floors"], self.rho_pre, G), c["b_p"], list(c["tau"])
+    record = self.record(dec, drows, di, pre, prows, pi, e_ref)
+    final = P.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
+                    pooled=pooled, sink=cfg.sink, window=cfg.window, tokenizer_hash=self.thash,
+                    adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
+                    reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
+                    extra={"name": "calibrated", "state_vocab": self.cal.vocab.keys(),
+                           "alpha_d": cfg.alpha_d, "alpha_p": cfg.alpha_p})
+    comp = self._dev_eval("dev_composed.pkl", [final])[0]
+    record["composed"] = {"dev_accuracy": 1 - self.error(comp),
+                          "dev_reference_accuracy": 1 - e_ref,
+                          "measured_B_total": total_b(comp),
+                          "measured_B_prefill": self.stage_cost(comp, "prefill"),
+                          "measured_B_decode": self.stage_cost(comp, "decode"),
+                          "b_d": b_d, "b_p": b_p}
+    self.timings["total"] = time.perf_counter() - t_all
+    record["timings_s"] = dict(self.timings)
+    P.save(final, os.path.join(self.out, "policy"))
+    with open(os.path.join(self.out, "calibration.json"), "w") as f:
+      json.dump(record, f, indent=1, sort_keys=True, default=float)
+    self.final, self.record_ = final, record
+    return record
+
+  def record(self, dec, drows, di, pre, prows, pi, e_ref) -> dict:
+    name = lambda k: f"{k[0]}:{T.describe(k[1])}:g{k[2]}:{T.ACTION_NAMES[k[3]]}"
+    return {
+        "n_cal": len(self.cal.requests), "n_dev": len(self.dev.requests),
+        "config": {k: (list(v) if isinstance(v, tuple) else v)
+                   for k, v in dataclasses.asdict(self.cfg).items()},
+        "reference_cal_accuracy": 1 - self.error(self.ref),
+        "nbar": {"decode": {T.describe(i): v for i, v in self.nbar_dec.items()},
+                 "prefill": {T.describe(i): v for i, v in self.nbar_pre.items()}},
+        "V": {name(k): v for k, v in sorted(self.V.items())},
+        "D": {name(k): v for k, v in sorted(self.D.items())},
+        "rho": {"decode": {f"{T.describe(i)}:g{g}": list(v) for (i, g), v in self.rho_dec.items()},
+                "prefill": {f"{T.describe(i)}:g{g}": list(v) for (i, g), v in self.rho_pre.items()}},
+        "decode_candidates": [{"tau": list(c["tau"]), "step": c["step"], "path_len": c["path_len"],
+                               "nominal_b": c["nominal_b"], "dev": r}
+                              for c, r in zip(dec, drows)],
+        "prefill_candidates": [{"tau": list(c["tau"]), "b_p": c["b_p"], "dev": r}
+                               for c, r in zip(pre, prows)],
+        "selected": {"decode": di, "prefill": pi},
+        "dev_reference_accuracy": 1 - e_ref,
+    }
+
+
+def total_b(outcomes) -> float:
+  bits = sum(o.ledger["prefill_bits"] + o.ledger["decode_bits"] for o in outcomes)
+  full = sum(o.ledger["full_kv_bits"] for o in outcomes)
+  return bits / full if full else float("nan")
+
+
+def pick_points(noms: Sequence[float], k: int) -> list[int]:
+  """Indices of ``k`` path steps evenly spaced in nominal cost (first and last always kept;
+  ``k <= 0``: all)."""
+  n = len(noms)
+  if k <= 0 or k >= n:
+    return list(range(n))
+  lo, hi = noms[0], noms[-1]
+  picks = {0, n - 1}
+  for t in np.linspace(lo, hi, k)[1:-1]:
+    picks.add(int(np.argmin([abs(x - t) for x in noms])))
+  return sorted(picks)
