@@ -1,0 +1,191 @@
+"""The evaluation harness end to end on a tiny random model with a synthetic enum task (exact
+oracle), every method; tuning, report and CLI errors."""
+import csv
+import dataclasses
+import gzip
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from models import Loaded, ModelConfig, random_model
+from pask_jax import evaluate as E
+from pask_jax import policy as P
+from pask_jax.grammar import GrammarCompiler, tool_call_grammar
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+from export_tokenizer import load as load_tokenizer  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
+RNG = np.random.default_rng()
+COLORS = ["red", "green", "blue", "amber"]
+TOOL = {"type": "function", "function": {"name": "paint", "description": "Paint the wall",
+                                         "parameters": {"type": "object", "properties": {
+                                             "color": {"type": "string", "enum": COLORS}},
+                                             "required": ["color"]}}}
+
+
+@dataclasses.dataclass
+class Case:
+  id: str
+  category: str
+  target: str
+  text: str
+
+
+class EnumTask:
+  """One tool with an enum argument; a case passes iff the call is exactly paint(color=target)."""
+  name = "enum"
+
+  def __init__(self, tok, compiler):
+    self.tok = tok
+    self.grammar = tool_call_grammar(compiler, [TOOL], "json_list", max_calls=1)
+    self.seed = int(RNG.integers(1 << 30))
+
+  def cases(self, split, categories=None, max_cases=None):
+    rng = np.random.default_rng([self.seed, len(split)])
+    cats = ["simple_python", "multiple", "parallel"]
+    out = []
+    for i in range(max_cases or 6):
+      c = COLORS[int(rng.integers(4))]
+      filler = " ".join(rng.choice(["please", "the", "wall", "now", "colour", "room"],
+                                   int(rng.integers(120, 200))))
+      out.append(Case(f"{split}_{i}", cats[i % 3], c, f"{filler}. Paint it {c}."))
+    return out
+
+  def prepare(self, cases, prompt_labels):
+    from pask_jax.grammar.prompt_spans import label_prompt
+    out = []
+    for c in cases:
+      ids, tags = label_prompt(self.tok, c.text) if prompt_labels else (self.tok.encode(c.text), None)
+      out.append(E.Prepared(c, ids, tags, self.grammar))
+    return out
+
+  def score(self, case, text, complete):
+    if not complete:
+      return {"calls": None, "passed": False, "per_call": 0.0, "error": "incomplete"}
+    calls = json.loads(text)
+    ok = calls == [{"name": "paint", "arguments": {"color": case.target}}]
+    return {"calls": calls, "passed": ok, "per_call": float(ok), "error": ""}
+
+
+@pytest.fixture(scope="module")
+def session():
+  tok = load_tokenizer(DATA)
+  cfg = ModelConfig(arch="qwen2", vocab_size=tok.vocab_size, hidden=32, intermediate=48,
+                    n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, rope_theta=1e6,
+                    tie_embeddings=True)
+  m = Loaded(cfg, random_model(cfg, seed=int(RNG.integers(1 << 30))), tok)
+  gc = GrammarCompiler(tok, cfg.vocab_size)
+  return E.Session(m, EnumTask(tok, gc), batch=4, compiler=gc)
+
+
+@pytest.fixture(scope="module")
+def runs(session, tmp_path_factory):
+  root = tmp_path_factory.mktemp("runs")
+  pol = root / "policy"
+  P.save(P.demo(session.cfg, tokenizer_hash=session.tok.hash()), pol)
+  out = {}
+  full = E.run(session, E.RunConfig("full", 1.0, "test", max_tokens=48), str(root / "full"),
+               progress=False)
+  gen = full["categories"]["overall"]["gen_len"]
+  for m in ("pask", "streaming", "h2o", "snapkv", "mikv", "int4"):
+    rc = E.RunConfig(m, 0.5, "test", max_tokens=48, policy=str(pol) if m == "pask" else None,
+                     knobs={"gen": gen, "h2o": {"sink": 2, "recent": 8},
+                            "mikv": {"sink": 2, "recent": 8}, "snapkv": {"obs": 8}})
+    out[m] = E.run(session, rc, str(root / m), progress=False)
+  out["full"] = full
+  return root, out
+
+
+def rows(d):
+  with open(os.path.join(d, "cases.jsonl")) as f:
+    return [json.loads(l) for l in f]
+
+
+def test_every_method_scored_by_the_exact_oracle(session, runs):
+  root, out = runs
+  cases = {c.id: c for c in session.task.cases("test")}
+  for m, meta in out.items():
+    rs = rows(root / m)
+    assert len(rs) == 6 and {r["id"] for r in rs} == set(cases)
+    for r in rs:
+      call = json.loads(r["text"]) if r["finish"] == "stop" else None
+      want = call is not None and call[0]["arguments"]["color"] == cases[r["id"]].target
+      assert r["passed"] == want and r["category"] == cases[r["id"]].category
+      assert r["prompt_len"] > 100 and 0 < r["total_B"] <= 1.0
+    c = meta["categories"]
+    assert c["overall"]["accuracy"] == pytest.approx(np.mean([r["passed"] for r in rs]))
+    assert c["simple+multiple"]["n"] == 4 and c["parallel"]["n"] == 2
+    with open(root / m / "summary.csv") as f:
+      got = {r["category"]: r for r in csv.DictReader(f)}
+    assert set(got) == {"simple_python", "multiple", "parallel", "simple+multiple", "overall"}
+    assert float(got["overall"]["total_B"]) == pytest.approx(c["overall"]["total_B"], abs=1e-4)
+
+
+def test_measured_budgets(runs):
+  _, out = runs
+  b = {m: meta["categories"]["overall"] for m, meta in out.items()}
+  assert b["full"]["total_B"] == 1.0
+  for m in ("h2o", "mikv"):   # matched by construction
+    assert abs(b[m]["total_B"] - 0.5) <= 0.01, m
+  for m in ("streaming", "snapkv"):   # matched through the generated-length estimate
+    assert abs(b[m]["total_B"] - 0.5) <= 0.03, m
+  assert b["snapkv"]["decode_B"] == 1.0 and b["snapkv"]["prefill_B"] < 0.5
+  assert 0.3 < b["int4"]["total_B"] < 0.4          # m(L)/m(H) = (4·16+32)/(16·16) = 0.375, d=8
+  assert b["pask"]["total_B"] < 1.0
+
+
+def test_masked_methods_at_b1_reproduce_full(session, runs, tmp_path):
+  root, _ = runs
+  ref = {r["id"]: r["text"] for r in rows(root / "full")}
+  for m in ("h2o", "snapkv", "mikv"):
+    meta = E.run(session, E.RunConfig(m, 1.0, "test", max_tokens=48,
+                                      knobs={"gen": 0, m: {"sink": 2}}), str(tmp_path / m),
+                 progress=False)
+    assert {r["id"]: r["text"] for r in rows(tmp_path / m)} == ref, m
+    assert meta["categories"]["overall"]["total_B"] == 1.0
+
+
+def test_report_table_and_plot(runs, tmp_path):
+  root, out = runs
+  md = E.report([str(root / m) for m in out], str(tmp_path))
+  lines = [l for l in md.splitlines() if l.startswith("| ") and "target B" not in l]
+  assert len(lines) == len(out)
+  assert lines[0].startswith("| full ") and (tmp_path / "accuracy_vs_B.png").stat().st_size > 1000
+  with pytest.raises(ValueError, match="summary.json"):
+    E.report([str(tmp_path / "nope")], str(tmp_path))
+
+
+def test_tune_on_dev_only(session, tmp_path):
+  grid = {"h2o": {"sink": [2], "recent": [4, 8]}}
+  res = E.tune(session, ["h2o"], 0.5, grid=grid, split="dev", max_cases=3, max_tokens=48,
+               out=str(tmp_path), progress=False)
+  assert res["knobs"]["h2o"]["recent"] in (4, 8) and res["knobs"]["gen"] > 0
+  assert len(res["log"]) == 3 and (tmp_path / "knobs.json").exists()
+  assert E.read_knobs(str(tmp_path / "knobs.json"))["h2o"]["sink"] == 2
+  with pytest.raises(ValueError, match="test split"):
+    E.tune(session, ["h2o"], 0.5, split="test")
+
+
+def test_bad_input(session, tmp_path):
+  from pask_jax import cli
+  base = ["eval", "--out", str(tmp_path)]
+  for extra, msg in ((["--method", "lru"], "unknown method"),
+                     (["--method", "pask"], "needs --policy"),
+                     (["--method", "h2o", "--budget", "0"], "(0, 1]"),
+                     (["--method", "h2o", "--budget", "1.5"], "(0, 1]")):
+    with pytest.raises(SystemExit) as e:
+      cli.main(base + extra)
+    assert msg in str(e.value.code)
+  other = ModelConfig(arch="llama", vocab_size=97, hidden=64, intermediate=96, n_layers=3,
+                      n_heads=4, n_kv_heads=2, head_dim=16)
+  P.save(P.demo(other), tmp_path / "pol")
+  with pytest.raises(ValueError, match="another model"):
+    E.run(session, E.RunConfig("pask", 0.5, "test", policy=str(tmp_path / "pol"), max_tokens=8),
+          None, progress=False)
+  with pytest.raises(ValueError, match="not found"):
+    E.run(session, E.RunConfig("pask", 0.5, "test", policy=str(tmp_path / "missing"),
+                               max_tokens=8), None, progress=False)
