@@ -37,10 +37,12 @@ SPLIT_NAMES = {"cal": "calibration", "dev": "development", "test": "test",
 HEADLINE = ("simple_python", "multiple")
 # Knob grids (paper Table 8).  "paper" is the full grid; "small" the one the H200 driver uses.
 GRIDS = {
-    "paper": {"h2o": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
+    "paper": {"streaming": {"sink": [4]},
+              "h2o": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
               "mikv": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
               "snapkv": {"obs": [16, 32, 64, 128], "pool": ["avg", "max"], "kernel": [3, 5, 7]}},
-    "small": {"h2o": {"sink": [4], "recent": [16, 64]},
+    "small": {"streaming": {"sink": [4]},
+              "h2o": {"sink": [4], "recent": [16, 64]},
               "mikv": {"sink": [4], "recent": [16, 64]},
               "snapkv": {"obs": [16, 64], "pool": ["avg", "max"], "kernel": [7]}},
 }
@@ -184,7 +186,8 @@ class Session:
 def _setup(s: Session, rc: RunConfig, preps: list[Prepared]) -> tuple[Any, dict]:
   """Runner for the method, configured for the target; and the settings actually used."""
   kn = merged_knobs(rc.knobs)
-  gen = float(kn["gen"])
+  # ĝ: the method's own dev estimate when tuning recorded one, else the Full-KV dev mean.
+  gen = float(kn.get(rc.method, {}).get("gen", kn["gen"]))
   lengths = [(len(p.ids), gen) for p in preps]
   m = rc.method
   used: dict[str, Any] = {"gen": gen}
@@ -200,12 +203,12 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prepared]) -> tuple[Any, dict]
                                 window=int(kn["int4"]["window"]))
       used.update(kn["int4"])
     else:
-      sink = int(kn["streaming"]["sink"])
+      sink = int(kn["streaming"].get("sink", 4))
       w = BL.streaming.window_for(rc.budget, lengths, sink)
       r.policy = BL.streaming.policy(s.cfg, sink=sink, window=w)
       used.update(sink=sink, window=w)
     return r, used
-  k = dict(kn[m])
+  k = {a: v for a, v in kn[m].items() if a != "gen"}
   q = BU.low_ratio(s.cfg.head_dim)
   ratio = BL.plan(m, rc.budget, lengths, sink=int(k.get("sink", 4)),
                   recent=int(k.get("recent", 32)), q=q, obs=int(k.get("obs", 32)), gen=gen)
@@ -347,7 +350,8 @@ def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "smal
          progress: bool = True) -> dict:
   """Dev-split tuning (paper C.3): measure ``gen`` (mean generated tokens under Full KV), then per
   method pick the grid point with the best overall accuracy at ``budget`` (ties: headline
-  accuracy, then measured B closest to the target).  Returns (and writes ``out``/knobs.json,
+  accuracy, then measured B closest to the target) and record that point's own mean generated
+  length as the method's ``gen`` (its ĝ for budget matching).  Returns (and writes ``out``/knobs.json,
   ``out``/tune.csv) the frozen knobs."""
   if SPLIT_NAMES.get(split) == "test":
     raise ValueError("tuning on the test split is not allowed (C.3: dev only, frozen before test)")
@@ -360,7 +364,7 @@ def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "smal
   log = [{"method": "full", "knobs": "{}", "accuracy": full["categories"]["overall"]["accuracy"],
           "total_B": 1.0}]
   for m in methods:
-    if m not in GRIDS["paper"]:
+    if m not in GRIDS["paper"] or (not isinstance(grid, str) and m not in grid):
       raise ValueError(f"no tuning grid for {m!r}; tunable: {sorted(GRIDS['paper'])}")
     best = None
     for c in grid_configs(m, grid):
@@ -377,7 +381,8 @@ def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "smal
       log.append({"method": m, "knobs": json.dumps(c), "accuracy": o["accuracy"],
                   "headline": h["accuracy"], "total_B": o["total_B"]})
       if best is None or key > best[0]:
-        best = (key, c)
+        # the method's own mean generated length on dev: its ĝ for budget matching on test
+        best = (key, {**c, "gen": o["gen_len"]})
     if best is not None:
       knobs[m].update(best[1])
   res = {"knobs": knobs, "budget": budget, "split": split, "grid": grid, "n_cases": len(cases),

@@ -51,7 +51,7 @@ class EnumTask:
     for i in range(max_cases or 6):
       c = COLORS[int(rng.integers(4))]
       filler = " ".join(rng.choice(["please", "the", "wall", "now", "colour", "room"],
-                                   int(rng.integers(120, 200))))
+                                   int(rng.integers(60, 100))))
       out.append(Case(f"{split}_{i}", cats[i % 3], c, f"{filler}. Paint it {c}."))
     return out
 
@@ -91,10 +91,13 @@ def runs(session, tmp_path_factory):
   full = E.run(session, E.RunConfig("full", 1.0, "test", max_tokens=48), str(root / "full"),
                progress=False)
   gen = full["categories"]["overall"]["gen_len"]
+  knobs = {"gen": gen, "h2o": {"sink": 2, "recent": 8}, "mikv": {"sink": 2, "recent": 8},
+           "snapkv": {"obs": 8}, "streaming": {"sink": 4}}
   for m in ("pask", "streaming", "h2o", "snapkv", "mikv", "int4"):
+    if m == "int4":  # streaming's window: the two uniform policies share one compiled step
+      knobs["int4"] = {"sink": 4, "window": out["streaming"]["settings"]["window"]}
     rc = E.RunConfig(m, 0.5, "test", max_tokens=48, policy=str(pol) if m == "pask" else None,
-                     knobs={"gen": gen, "h2o": {"sink": 2, "recent": 8},
-                            "mikv": {"sink": 2, "recent": 8}, "snapkv": {"obs": 8}})
+                     knobs=knobs)
     out[m] = E.run(session, rc, str(root / m), progress=False)
   out["full"] = full
   return root, out
@@ -115,7 +118,7 @@ def test_every_method_scored_by_the_exact_oracle(session, runs):
       call = json.loads(r["text"]) if r["finish"] == "stop" else None
       want = call is not None and call[0]["arguments"]["color"] == cases[r["id"]].target
       assert r["passed"] == want and r["category"] == cases[r["id"]].category
-      assert r["prompt_len"] > 100 and 0 < r["total_B"] <= 1.0
+      assert r["prompt_len"] > 50 and 0 < r["total_B"] <= 1.0
     c = meta["categories"]
     assert c["overall"]["accuracy"] == pytest.approx(np.mean([r["passed"] for r in rs]))
     assert c["simple+multiple"]["n"] == 4 and c["parallel"]["n"] == 2
@@ -134,7 +137,7 @@ def test_measured_budgets(runs):
   for m in ("streaming", "snapkv"):   # matched through the generated-length estimate
     assert abs(b[m]["total_B"] - 0.5) <= 0.03, m
   assert b["snapkv"]["decode_B"] == 1.0 and b["snapkv"]["prefill_B"] < 0.5
-  assert 0.3 < b["int4"]["total_B"] < 0.4          # m(L)/m(H) = (4·16+32)/(16·16) = 0.375, d=8
+  assert 0.3 < b["int4"]["total_B"] < 0.5          # m(L)/m(H) = (4·16+32)/(16·16) = 0.375, d=8
   assert b["pask"]["total_B"] < 1.0
 
 
