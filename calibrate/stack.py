@@ -7,7 +7,8 @@ is applied to ``V`` copies of ``N`` requests in ONE jitted generation loop: the 
 the prefill plan (§3.6) are ``vmap``-ed over the policy axis; the model, the cache and the
 attention kernel see one ordinary batch (so the GPU kernel needs no batching rule), and the
 prompt is prefilled once per request and shared by its ``V`` copies.  With several devices the
-``V·N`` rows are sharded over a 1-D mesh (``jax.sharding``); results do not depend on it.
+policy axis is sharded over a 1-D mesh ``rows`` (``jax.shard_map``: each device runs its share of
+the policies on its own cache, data parallel); results do not depend on it.
 
 :func:`run_stack` is the driver (chunks of policies and requests of fixed shape so the step
 compiles once, host-side grammar tracking, scoring by a task); :func:`run_sequential` is the
@@ -63,6 +64,24 @@ class StackRunner(dec.PaskRunner):
     super().__init__(model, template, batch=n_policies * n_requests, capacity=capacity,
                      page=page, backend=backend)
     self.policy = stack([template] * n_policies)
+    self.local = None
+    if mesh is not None and mesh.size > 1:
+      self._shard_over(mesh, model, capacity, page, backend)
+
+  def _shard_over(self, mesh, model, capacity, page, backend):
+    """Data parallel over a 1-D mesh ``rows``: device i runs policies [i·V/d, (i+1)·V/d) on its
+    own cache (every cache/ledger leaf is the device-major concatenation of the local ones)."""
+    d = mesh.size
+    if self.V % d:
+      raise ValueError(f"{self.V} policies per chunk do not split over {d} devices")
+    self.local = StackRunner(model, self.template, n_policies=self.V // d, n_requests=self.N,
+                             capacity=capacity, page=page, backend=backend)
+    rows, rep = jax.sharding.PartitionSpec("rows"), jax.sharding.PartitionSpec()
+    sm = lambda f, ins: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=rows,
+                                              check_vma=False))
+    self.commit = sm(self.local._commit, (rows, rows, rep, rep, rep, rep))
+    self.step = sm(self.local._step, (rep, rows, rows, rows, rows, rows, rows, rows, rep, rows,
+                                      rows))
 
   def use(self, policy_stack: P.FrozenPolicy) -> None:
     if policy_stack.action.shape[0] != self.V:
@@ -71,6 +90,9 @@ class StackRunner(dec.PaskRunner):
 
   def new_cache(self):
     from pask_jax import cache as pcache
+    if self.local is not None:
+      c = self.local.new_cache()
+      return jax.tree.map(lambda x: jnp.concatenate([x] * self.mesh.size, 0), c)
     return pcache.init_for(self.cfg, self.batch, self.template, capacity=self.capacity,
                            page=self.page)
 
@@ -87,8 +109,7 @@ class StackRunner(dec.PaskRunner):
     budget = jax.vmap(controller.initial_balance)(policy)                 # [V]
     budget = jnp.repeat(budget, self.N)
     tile = lambda x: jnp.tile(x, (1, self.V) + (1,) * (x.ndim - 2))     # batch axis 1
-    return (self._rows(plan), budget, self._shard(tile(k), 1), self._shard(tile(v), 1),
-            jnp.tile(lengths, self.V))
+    return self._rows(plan), budget, tile(k), tile(v), jnp.tile(lengths, self.V)
 
   def _control(self, policy, tag_ids, state_ids, budget, stop):
     V, N = self.V, self.N
@@ -96,14 +117,6 @@ class StackRunner(dec.PaskRunner):
         policy, tag_ids.reshape(V, N, -1), state_ids.reshape(V, N), budget.reshape(V, N),
         stop.reshape(V, N))
     return self._rows(a), self._rows(b)
-
-  def _shard(self, x, axis):
-    if self.mesh is None:
-      return x
-    spec = [None] * x.ndim
-    spec[axis] = "rows"
-    return jax.lax.with_sharding_constraint(
-        x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec)))
 
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     # generate() hands us V copies of the N prompts: prefill the first copy only.
@@ -177,6 +190,7 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
   N = min(n_req, rows)
   V = max(1, min(n_pol, rows // N))
   runner = runner_for(V, N)
+  V = runner.V                                    # the factory may round it (devices)
   out: list[list[Outcome | None]] = [[None] * n_req for _ in range(n_pol)]
   order = sorted(range(n_req), key=lambda i: len(reqs[i].ids))     # similar lengths together
   sampling = dec.Sampling(max_tokens=max_tokens)
@@ -219,8 +233,8 @@ def runner_factory(model, template: P.FrozenPolicy, capacity: int, *, page: int 
                    backend: str = "auto", devices: Sequence | None = None):
   """A ``runner_for(V, N)`` that builds each shape's :class:`StackRunner` once.
 
-  ``devices``: shard the rows over these devices (a 1-D mesh named ``rows``); the row count must
-  be divisible by their number (chunks are padded to it).
+  ``devices``: shard the policy axis over these devices (a 1-D mesh named ``rows``); the
+  policies per chunk are rounded down to a multiple of their number.
   """
   cache: dict[tuple[int, int], StackRunner] = {}
   mesh = None
@@ -228,6 +242,8 @@ def runner_factory(model, template: P.FrozenPolicy, capacity: int, *, page: int 
     mesh = jax.sharding.Mesh(np.asarray(devices), ("rows",))
 
   def get(V: int, N: int) -> StackRunner:
+    if mesh is not None and V % mesh.size:
+      V = max(mesh.size, V - V % mesh.size)
     if (V, N) not in cache:
       cache[(V, N)] = StackRunner(model, template, n_policies=V, n_requests=N, capacity=capacity,
                                   page=page, backend=backend, mesh=mesh)

@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
   t.add_argument("--batch", type=int, default=64)
   t.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   t.add_argument("--out", required=True, help="output directory (knobs.json, tune.csv)")
+  from calibrate import cli as calibrate_cli
+  calibrate_cli.add_parser(sub)
   r = sub.add_parser("report", help="markdown table + accuracy-vs-B plot of eval runs")
   r.add_argument("runs", nargs="+", help="eval output directories")
   r.add_argument("--out", required=True)
@@ -291,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_serve(args)
   if args.cmd == "report":
     return cmd_report(args)
+  if args.cmd == "calibrate":
+    return calibrate_cli.run(args)
   if args.cmd in ("eval", "tune"):
     if args.max_tokens <= 0:
       ap.error("--max-tokens must be positive")

@@ -1,0 +1,130 @@
+"""``pask-jax calibrate``: Algorithm 1 on a real model and task, with progress bars and resume.
+
+    pask-jax calibrate --model qwen2.5-coder-0.5b-instruct --task bfcl --out runs/cal \
+        [--max-cases N] [--categories simple_python multiple] [--rows 1024]
+
+Writes ``OUT/policy`` (the frozen policy: orbax arrays + policy.json), ``OUT/calibration.json``
+(V, D, N̄, ρ, candidates with their nominal and measured costs, the selection, timings) and
+``OUT/work/`` (stages saved as they complete: rerunning the same command resumes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def add_parser(sub) -> None:
+  c = sub.add_parser("calibrate", help="offline calibration (Alg. 1) of a frozen PASK policy")
+  c.add_argument("--model", default=None, help="registered name, GGUF file or HF directory")
+  c.add_argument("--task", default="bfcl", choices=["bfcl"])
+  c.add_argument("--out", required=True, help="output directory (resumes if it has work/)")
+  c.add_argument("--max-cases", type=int, default=None,
+                 help="at most N cases per split and category (calibration and development)")
+  c.add_argument("--categories", nargs="+", default=["simple_python", "multiple"],
+                 help="BFCL categories (default: simple_python multiple — the headline pair)")
+  c.add_argument("--seed", type=int, default=0, help="split seed (paper C.1)")
+  c.add_argument("--rows", type=int, default=256, help="decode rows per stacked chunk (V·N)")
+  c.add_argument("--max-tokens", type=int, default=128)
+  c.add_argument("--path-points", type=int, default=8,
+                 help="candidates evaluated per greedy path (0 = every step)")
+  c.add_argument("--alpha-d", type=float, default=0.05)
+  c.add_argument("--alpha-p", type=float, default=0.02)
+  c.add_argument("--sink", type=int, default=4)
+  c.add_argument("--window", type=int, default=32)
+  c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+  c.add_argument("--backend", default="auto", help="attention kernel backend (auto/reference/...)")
+  c.add_argument("--speedup", type=int, default=0, metavar="K",
+                 help="also time K Runtime-V interventions sequentially vs stacked")
+
+
+def run(args) -> int:
+  import jax
+  import jax.numpy as jnp
+  from tqdm import tqdm
+
+  from calibrate import alg1, bfcl, stack, tasks
+  from models import load
+  from pask_jax.decode import capacity_for
+  from pask_jax.grammar import GrammarCompiler
+
+  on_cpu = jax.default_backend() == "cpu"
+  dtype = {"auto": jnp.float32 if on_cpu else jnp.bfloat16, "float32": jnp.float32,
+           "bfloat16": jnp.bfloat16}[args.dtype]
+  try:
+    m = load(args.model, dtype=dtype)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  unknown = [c for c in args.categories if c not in bfcl.NONLIVE + bfcl.LIVE]
+  if unknown:
+    raise SystemExit(f"error: unknown BFCL categories {unknown}; choose from "
+                     f"{', '.join(bfcl.NONLIVE + bfcl.LIVE)}")
+  tok = m.tokenizer
+  t0 = time.perf_counter()
+
+  def pick(split):
+    cases = bfcl.load(args.categories, split=split, seed=args.seed)
+    if args.max_cases:
+      by: dict[str, list] = {}
+      for c in cases:
+        by.setdefault(c.category, []).append(c)
+      cases = [c for v in by.values() for c in v[:args.max_cases]]
+    return cases
+
+  cal_cases, dev_cases = pick("calibration"), pick("development")
+  comp = GrammarCompiler(tok, m.cfg.vocab_size)
+  cal = tasks.BFCLTask(cal_cases, tok, arch=m.cfg.arch, compiler=comp)
+  dev = tasks.BFCLTask(dev_cases, tok, arch=m.cfg.arch, compiler=comp, vocab=cal.vocab)
+  longest = max(len(r.ids) for r in cal.requests + dev.requests)
+  cap = capacity_for(longest, args.max_tokens)
+  print(f"calibration {len(cal.requests)} cases, development {len(dev.requests)} "
+        f"({', '.join(args.categories)}); longest prompt {longest}, capacity {cap}; "
+        f"{jax.devices()[0].platform} x{len(jax.devices())}", flush=True)
+  cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
+                    rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
+                    window=args.window)
+  bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
+  C = alg1.Calibration(m.model, tok.hash(), cal, dev, args.out, cfg, capacity=cap,
+                       backend=args.backend, progress=bar,
+                       log=lambda s: print(s, flush=True))
+  rec = C.run()
+  if args.speedup:
+    rec["speedup"] = speedup(C, args.speedup)
+  rec["wall_s"] = time.perf_counter() - t0
+  with open(os.path.join(args.out, "calibration.json"), "w") as f:
+    json.dump(rec, f, indent=1, sort_keys=True, default=float)
+  comp_ = rec["composed"]
+  print(f"policy: {os.path.join(args.out, 'policy')}\n"
+        f"dev accuracy {comp_['dev_accuracy']:.3f} (all-high {comp_['dev_reference_accuracy']:.3f}),"
+        f" measured B total {comp_['measured_B_total']:.3f} (prefill "
+        f"{comp_['measured_B_prefill']:.3f}, decode {comp_['measured_B_decode']:.3f}); "
+        f"B_D {comp_['b_d']:.3f}, B_P {comp_['b_p']:.3f}; wall {rec['wall_s']:.0f} s")
+  if "speedup" in rec:
+    s = rec["speedup"]
+    print(f"vmapped vs sequential ({s['interventions']} interventions x {s['requests']} requests): "
+          f"{s['stacked_s']:.1f} s vs {s['sequential_s']:.1f} s = {s['ratio']:.2f}x; "
+          f"same outcomes: {s['same_outcomes']}")
+  return 0
+
+
+def speedup(C, k: int) -> dict:
+  """Time the first ``k`` Runtime-V interventions on the calibration split, stacked (one loop)
+  vs sequential (one loop per intervention), after compiling both shapes; compare outcomes."""
+  from calibrate import stack
+  keys = C.interventions()[:k]
+  pols = [C.intervention_policy(*key) for key in keys]
+  rows, mt = C.cfg.rows, C.cfg.max_tokens
+  # Warm up (compile) both shapes on one request.
+  one = C.cal.subset([0])
+  stack.run_stack(C.runner_for, one, pols[:1], rows=rows, max_tokens=4)
+  stack.run_stack(C.runner_for, C.cal, pols[:1], rows=rows, max_tokens=4)
+  stack.run_stack(C.runner_for, C.cal, pols, rows=rows, max_tokens=4)
+  t0 = time.perf_counter()
+  a = stack.run_stack(C.runner_for, C.cal, pols, rows=rows, max_tokens=mt)
+  t1 = time.perf_counter()
+  b = stack.run_sequential(C.runner_for, C.cal, pols, rows=rows, max_tokens=mt)
+  t2 = time.perf_counter()
+  same = all(x.tokens == y.tokens for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+  return {"interventions": len(pols), "requests": len(C.cal.requests), "stacked_s": t1 - t0,
+          "sequential_s": t2 - t1, "ratio": (t2 - t1) / (t1 - t0), "same_outcomes": same}
