@@ -174,7 +174,7 @@ def _chunks(n: int, size: int) -> list[range]:
 
 
 def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Sequence,
-              *, rows: int = 256, max_tokens: int = 128, progress=None,
+              *, rows: int = 256, max_tokens: int = 128, progress=None, share: bool = True,
               on_chunk: Callable[[list[int], list[list[Outcome]]], None] | None = None
               ) -> list[list[Outcome]]:
   """Generate every request of ``task`` under every policy -> ``out[policy][request]``.
@@ -183,8 +183,10 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
   ``V·N <= rows`` (the last chunk is padded by repeating its last policy / request, whose rows
   are dropped), so the step compiles once.  ``task``: see :mod:`calibrate.tasks` (``requests``,
   ``tracker(i)``, ``score(i, text, complete)``).  ``on_chunk(policy_indices, outcomes)`` is called
-  as each chunk of policies completes (resumable calibration saves there).
+  as each chunk of policies completes (resumable calibration saves there).  ``share``: rows of
+  one request with the same prefix share one parser (:mod:`calibrate.shared`; same results).
   """
+  from calibrate.shared import Forest
   reqs = task.requests
   n_req, n_pol = len(reqs), len(policies)
   N = min(n_req, rows)
@@ -200,7 +202,11 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
     for rc in _chunks(n_req, N):
       ridx = [order[i] for i in rc]
       ridx = ridx + [ridx[-1]] * (N - len(ridx))
-      trackers = [task.tracker(i) for _ in pidx for i in ridx]
+      if share:
+        forest = Forest(task.tracker)
+        trackers = [forest.row(i) for _ in pidx for i in ridx]
+      else:
+        trackers = [task.tracker(i) for _ in pidx for i in ridx]
       prompts = [reqs[i].ids for _ in pidx for i in ridx]
       ptags = [reqs[i].prompt_tags for _ in pidx for i in ridx]
       res = dec.generate(runner, task.tokenizer, prompts, trackers=trackers, prompt_tags=ptags,
@@ -222,10 +228,12 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
 
 def run_sequential(runner_for: Callable[[int, int], StackRunner], task, policies: Sequence,
                    *, rows: int = 256, max_tokens: int = 128, progress=None):
-  """The same as :func:`run_stack`, one policy at a time (``V = 1``): the baseline loop."""
+  """The same as :func:`run_stack`, one policy at a time (``V = 1``, a parser per row): the
+  baseline loop."""
   out = []
   for p in policies:
-    out += run_stack(runner_for, task, [p], rows=rows, max_tokens=max_tokens, progress=progress)
+    out += run_stack(runner_for, task, [p], rows=rows, max_tokens=max_tokens, progress=progress,
+                     share=False)
   return out
 
 
