@@ -249,7 +249,11 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = T
   rows: list[dict | None] = [None] * len(preps)
   bar = None
   if progress:
-    from tqdm import tqdm
+    try:
+      from tqdm import tqdm
+    except ImportError:  # a bare accelerator image: no bar, same results
+      tqdm = None
+  if progress and tqdm is not None:
     bar = tqdm(total=len(preps), desc=f"{rc.method} B={rc.budget:g} {rc.split}", unit="case")
   t0 = time.perf_counter()
   for st in range(0, len(order), s.batch):
@@ -448,7 +452,11 @@ def report(dirs: Sequence[str], out: str) -> str:
 
 
 def _plot(runs: list[dict], path: str) -> None:
-  import matplotlib
+  try:
+    import matplotlib
+  except ImportError:  # the table and CSVs are still written; plot later where matplotlib is
+    print(f"matplotlib is not installed: {path} not written")
+    return
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.4, 4.4))
