@@ -395,3 +395,23 @@ def describe(pol: FrozenPolicy, tag_id: int) -> str:
   a = "".join(T.ACTION_NAMES[int(x)] for x in np.asarray(pol.action[tag_id]))
   f = "".join(T.ACTION_NAMES[int(x)] for x in np.asarray(pol.floor[tag_id]))
   return f"{T.describe(tag_id)} -> action {a} floor {f}"
+
+
+def from_record(rec: Mapping[str, Any]) -> FrozenPolicy:
+  """Rebuild a policy from its readable ``policy.json`` record alone (entries, reserve, budgets,
+  sink/window, model identity): :func:`build` is deterministic, so this equals the saved arrays."""
+  if rec.get("format") != FORMAT:
+    raise ValueError(f"not a {FORMAT} record (format={rec.get('format')!r})")
+  code = {n: i for i, n in enumerate(T.ACTION_NAMES)}
+  ents = {int(e["id"]): Entry([code[a] for a in e["action"]], [code[a] for a in e["floor"]],
+                              e["prio"]) for e in rec["entries"].values()}
+  res = rec["reserve"]
+  per = res.get("per_state", {})
+  reserve = [per[str(i)] for i in range(len(per))]
+  model = rec.get("model")
+  return build(ents, model, n_groups=int(rec["n_groups"]), reserve=reserve,
+               pooled=float(res["pooled"]), b_d=float(rec["budgets"]["b_d"]),
+               b_p=float(rec["budgets"]["b_p"]), sink=int(rec["sink"]), window=int(rec["window"]),
+               adapter=rec.get("adapter", ""), thresholds=rec.get("thresholds"),
+               reserve_k=int(res.get("k", 8)), reserve_beta=float(res.get("beta", 0.8)),
+               extra=rec.get("extra"))
