@@ -15,7 +15,8 @@ Steps (one model load; runners and compilations shared by all runs):
    ``OUT/all_summary.csv`` (every run's summary rows), ``OUT/timing.json``.
 
 ``--policy DIR``: either one policy directory (``DIR/policy.json``) used at every budget, or a
-directory holding one per budget as ``DIR/B0.33`` (also ``b0.33``, ``0.33``).  A budget without a
+directory holding one per budget as ``DIR/B0.33`` (also ``b0.33``, ``0.33``); a per-budget
+directory wins over ``DIR/policy.json``.  A budget without a
 policy skips PASK there (logged).  Example (H200)::
 
     python scripts/eval_h200.py --model qwen2.5-coder-0.5b-instruct --policy policies/qwen05 \\
@@ -45,13 +46,14 @@ def policy_for(where: str | None, b: float) -> str | None:
   """The policy for budget ``b`` under ``where`` (see module doc); None if there is none."""
   if not where:
     return None
-  if where in ("demo", "all-high") or os.path.exists(os.path.join(where, "policy.json")):
+  if where in ("demo", "all-high"):
     return where
+  # A per-budget variant wins over a policy at the top of the directory.
   for name in (f"B{b:.2f}", f"b{b:.2f}", f"{b:.2f}", f"B{b:g}", f"{b:g}"):
     d = os.path.join(where, name)
     if os.path.exists(os.path.join(d, "policy.json")):
       return d
-  return None
+  return where if os.path.exists(os.path.join(where, "policy.json")) else None
 
 
 def main(argv=None) -> int:
