@@ -470,8 +470,10 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
   fmt = (style or style_for(runner.cfg.arch))[0]
   if tracker is None:
     if pask and constrained:
+      from pask_jax import policy as P
       from pask_jax.grammar.fc_adapter import FCAdapter
-      tracker = lambda g, c: Tracker(g, FCAdapter(g, tokenizer))
+      vocab = P.state_vocab(runner.policy)       # parser-state ids of the calibrated reserve Γ
+      tracker = lambda g, c: Tracker(g, FCAdapter(g, tokenizer, vocab=vocab))
     else:
       tracker = lambda g, c: Tracker(g)
   sampling = sampling or Sampling(max_tokens=max_tokens)

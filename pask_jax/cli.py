@@ -93,8 +93,9 @@ def cmd_generate(args) -> int:
   try:
     tracker = Tracker(grammar)
     if args.policy and tools:  # structural tags of the tool-call output (§3.3)
+      from pask_jax import policy as P
       from pask_jax.grammar.fc_adapter import FCAdapter
-      tracker = Tracker(grammar, FCAdapter(grammar, tok))
+      tracker = Tracker(grammar, FCAdapter(grammar, tok, vocab=P.state_vocab(pol)))
     res = generate(runner, tok, [ids], trackers=[tracker], prompt_tags=[prompt_tags],
                    sampling=Sampling(max_tokens=args.max_tokens, temperature=args.temperature,
                                      top_p=args.top_p, seed=args.seed))[0]

@@ -240,8 +240,10 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = T
   s.ensure_capacity(preps, rc.max_tokens)
   runner, used = _setup(s, rc, preps)
   if pask:
+    from pask_jax import policy as P
     from pask_jax.grammar.fc_adapter import FCAdapter
-    tracker = lambda g: Tracker(g, FCAdapter(g, s.tok))
+    vocab = P.state_vocab(runner.policy)        # parser-state ids of the calibrated reserve Γ
+    tracker = lambda g: Tracker(g, FCAdapter(g, s.tok, vocab=vocab))
   else:
     tracker = lambda g: Tracker(g)
   sampling = Sampling(max_tokens=rc.max_tokens)

@@ -415,3 +415,14 @@ def from_record(rec: Mapping[str, Any]) -> FrozenPolicy:
                adapter=rec.get("adapter", ""), thresholds=rec.get("thresholds"),
                reserve_k=int(res.get("k", 8)), reserve_beta=float(res.get("beta", 0.8)),
                extra=rec.get("extra"))
+
+
+def state_vocab(pol: FrozenPolicy):
+  """The parser-state vocabulary a calibrated policy's reserve Γ is indexed by (a frozen
+  :class:`~pask_jax.grammar.frontier.StateVocab`), or None (then every state is "unseen" and the
+  pooled reserve applies)."""
+  keys = pol.record.get("extra", {}).get("state_vocab")
+  if not keys:
+    return None
+  from pask_jax.grammar.frontier import StateVocab
+  return StateVocab(keys)

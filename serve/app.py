@@ -121,6 +121,8 @@ class Preparer:
 
   def __init__(self, engine: Engine, tokenizer, cfg, default_max_tokens: int = 256):
     self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+    from pask_jax import policy as P
+    self.state_vocab = P.state_vocab(engine.policy)   # parser-state ids of the reserve Γ
     self.default_max_tokens = default_max_tokens
     self.lock = threading.Lock()
     self._gc = None
@@ -210,7 +212,7 @@ class Preparer:
     tracker = Tracker(grammar)
     if tools and grammar is not None:
       from pask_jax.grammar.fc_adapter import FCAdapter
-      tracker = Tracker(grammar, FCAdapter(grammar, self.tok))
+      tracker = Tracker(grammar, FCAdapter(grammar, self.tok, vocab=self.state_vocab))
     req = Request(ids=ids, tags=tags, max_tokens=max_tokens, tracker=tracker,
                   temperature=temperature, top_p=top_p, seed=seed)
     return req, {"stream": stream, "tools": bool(tools), "fmt": fmt,
