@@ -41,25 +41,22 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
   import jax
-  import jax.numpy as jnp
   from tqdm import tqdm
 
   from calibrate import alg1, bfcl, stack, tasks
-  from models import load
   from pask_jax.decode import capacity_for
   from pask_jax.grammar import GrammarCompiler
 
-  on_cpu = jax.default_backend() == "cpu"
-  dtype = {"auto": jnp.float32 if on_cpu else jnp.bfloat16, "float32": jnp.float32,
-           "bfloat16": jnp.bfloat16}[args.dtype]
-  try:
-    m = load(args.model, dtype=dtype)
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"error: {e}")
   unknown = [c for c in args.categories if c not in bfcl.NONLIVE + bfcl.LIVE]
   if unknown:
     raise SystemExit(f"error: unknown BFCL categories {unknown}; choose from "
                      f"{', '.join(bfcl.NONLIVE + bfcl.LIVE)}")
+  if args.max_cases is not None and args.max_cases < 2:
+    raise SystemExit("error: --max-cases must be at least 2 (calibration and development need cases)")
+  if args.rows < 1 or args.max_tokens < 1:
+    raise SystemExit("error: --rows and --max-tokens must be positive")
+  from pask_jax.cli import _load_model
+  m = _load_model(args.model, args.dtype)
   tok = m.tokenizer
   t0 = time.perf_counter()
 

@@ -33,23 +33,13 @@ def _read_json(path: str, what: str):
 
 def cmd_generate(args) -> int:
   import jax
-  import jax.numpy as jnp
 
-  from models import load
   from pask_jax.decode import CapacityError, Runner, Sampling, Tracker, capacity_for, generate
   from pask_jax.grammar import (DEFAULT_STYLE, GrammarCompiler, GrammarError, parse_calls,
                                 tool_call_grammar, tools_system_prompt)
 
-  on_cpu = jax.default_backend() == "cpu"
-  dtype = {"auto": jnp.float32 if on_cpu else jnp.bfloat16, "float32": jnp.float32,
-           "bfloat16": jnp.bfloat16}[args.dtype]
-  try:
-    m = load(args.model, dtype=dtype)
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"error: {e}")
+  m = _load_model(args.model, args.dtype)
   tok = m.tokenizer
-  if tok is None:
-    raise SystemExit("error: this checkpoint has no tokenizer.json; cannot take a text prompt")
   messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
       {"role": "user", "content": args.prompt}]
   grammar, tools, fmt = None, None, None
@@ -153,7 +143,7 @@ def _load_model(name, dtype_name):
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   if m.tokenizer is None:
-    raise SystemExit("error: this checkpoint has no tokenizer; evaluation needs one")
+    raise SystemExit("error: this checkpoint has no tokenizer.json; this command needs one")
   return m
 
 

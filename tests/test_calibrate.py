@@ -213,3 +213,14 @@ def test_policy_stack_sharded_over_four_cpu_devices():
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "SHARDED-OK" in r.stdout
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--categories", "simple_java"], "unknown BFCL categories"),
+    (["--max-cases", "1"], "--max-cases must be at least 2"),
+    (["--rows", "0"], "--rows and --max-tokens must be positive"),
+])
+def test_calibrate_cli_rejects_bad_input(tmp_path, argv, msg):
+  from pask_jax.cli import main
+  with pytest.raises(SystemExit, match=msg):
+    main(["calibrate", "--out", str(tmp_path / "o")] + argv)
