@@ -37,24 +37,29 @@ def resolve_backend(backend: str = "auto") -> str:
 
 
 def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
-                     scale: float | None = None, backend: str = "auto", **knobs) -> jax.Array:
+                     layer: jax.Array | int | None = None, scale: float | None = None,
+                     backend: str = "auto", **knobs) -> jax.Array:
   """q [B, Hq, D] (RoPE applied) -> out [B, Hq, D] bf16 for ONE layer.
 
+  ``layer=None``: window and pools are one layer's arrays (the shapes of ``types``).  Otherwise
+  ``window.k/v`` and every pool array carry a leading layer axis (the cache's stacked
+  ``[L, ...]`` arrays) and ``layer`` (an int or a traced int32 scalar) picks the layer inside the
+  kernel, so a decode step never copies a layer's pools out of the stack.
   Hq must be a multiple of the KV head count; ``scale`` (a Python float) defaults to 1/sqrt(D).
   ``knobs`` are backend tuning parameters (block and chunk sizes, ``num_warps``/``num_stages`` on
   GPU, ``splits`` on TPU, ``interpret``); the defaults are the tuned ones.  Jittable.
   """
-  hq, hkv = q.shape[1], window.k.shape[2]
+  hq, hkv = q.shape[1], window.k.shape[-2]
   if hq % hkv:
     raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
   which = resolve_backend(backend)
   if which == "reference":
-    return decode_attention_reference(q, window, hi, lo, maps, scale=scale)
+    return decode_attention_reference(q, window, hi, lo, maps, layer, scale=scale)
   if which == "gpu":
     from pallas_kernels.gpu import decode_attention_gpu
-    return decode_attention_gpu(q, window, hi, lo, maps, scale=scale, **knobs)
+    return decode_attention_gpu(q, window, hi, lo, maps, layer, scale=scale, **knobs)
   from pallas_kernels.tpu import decode_attention_tpu
-  return decode_attention_tpu(q, window, hi, lo, maps, scale=scale, **knobs)
+  return decode_attention_tpu(q, window, hi, lo, maps, layer, scale=scale, **knobs)
 
 
 __all__ = ["BACKENDS", "HighPool", "LowPool", "PageMaps", "Window", "decode_attention",

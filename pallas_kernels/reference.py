@@ -18,11 +18,15 @@ from pallas_kernels import common
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 
-def _gather_pages(x: jax.Array, pages: jax.Array) -> jax.Array:
-  """x [P, page, ...], pages [B, n] -> [B, n*page, ...]; garbage ids clipped into range."""
-  if x.shape[0] == 0 or pages.shape[1] == 0:
-    return jnp.zeros((pages.shape[0], 0, *x.shape[2:]), x.dtype)
-  g = x[jnp.clip(pages, 0, x.shape[0] - 1)]                     # [B, n, page, ...]
+def _gather_pages(x: jax.Array, pages: jax.Array, layer=None) -> jax.Array:
+  """x [P, page, ...] (or [L, P, page, ...] with ``layer``), pages [B, n] -> [B, n*page, ...];
+  garbage ids clipped into range.  The stacked form gathers straight from layer ``layer``'s pages
+  (no copy of the layer's pool)."""
+  x_pool = x.shape if layer is None else x.shape[1:]
+  if x_pool[0] == 0 or pages.shape[1] == 0:
+    return jnp.zeros((pages.shape[0], 0, *x_pool[2:]), x.dtype)
+  ids = jnp.clip(pages, 0, x_pool[0] - 1)
+  g = x[ids] if layer is None else x[layer, ids]                # [B, n, page, ...]
   return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
@@ -40,29 +44,33 @@ def _partial(q, k, v, valid, c):
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def partials(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, scale=None):
-  """The three per-partition partials stacked on axis 2: o [B,Hkv,3,g,D], m, l [B,Hkv,3,g]."""
+def partials(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
+             scale=None):
+  """The three per-partition partials stacked on axis 2: o [B,Hkv,3,g,D], m, l [B,Hkv,3,g].
+
+  ``layer``: None, or the (traced) index into pools and window stacked on a leading layer axis.
+  """
   b, hq, d = q.shape
-  hkv = window.k.shape[2]
+  hkv = window.k.shape[-2]
   g = hq // hkv
   c = common.default_scale(d, scale) * common.LOG2E
   qf = q.astype(jnp.float32).reshape(b, hkv, g, d)
 
   # INT4 pool: dequantize (codes * fp16 scale) in FP32.
-  klo = _gather_pages(lo.k, maps.lo_pages)                      # [B, S_lo, Hkv, D/2] u8
-  vlo = _gather_pages(lo.v, maps.lo_pages)
-  slo = _gather_pages(lo.scale, maps.lo_pages)                  # [B, S_lo, Hkv, 2] f16
+  klo = _gather_pages(lo.k, maps.lo_pages, layer)               # [B, S_lo, Hkv, D/2] u8
+  vlo = _gather_pages(lo.v, maps.lo_pages, layer)
+  slo = _gather_pages(lo.scale, maps.lo_pages, layer)           # [B, S_lo, Hkv, 2] f16
   vis_lo = jnp.arange(klo.shape[1])[None] < maps.lo_len[:, None]
   slo = jnp.where(vis_lo[..., None, None], slo, jnp.float16(0))  # garbage scales may be NaN
   klo = quant.dequantize(klo, slo[..., 0])
   vlo = quant.dequantize(vlo, slo[..., 1])
 
-  khi = _gather_pages(hi.k, maps.hi_pages).astype(jnp.float32)  # [B, S_hi, Hkv, D]
-  vhi = _gather_pages(hi.v, maps.hi_pages).astype(jnp.float32)
+  khi = _gather_pages(hi.k, maps.hi_pages, layer).astype(jnp.float32)  # [B, S_hi, Hkv, D]
+  vhi = _gather_pages(hi.v, maps.hi_pages, layer).astype(jnp.float32)
   vis_hi = jnp.arange(khi.shape[1])[None] < maps.hi_len[:, None]
 
-  kw = window.k.astype(jnp.float32)
-  vw = window.v.astype(jnp.float32)
+  kw, vw = (window.k, window.v) if layer is None else (window.k[layer], window.v[layer])
+  kw, vw = kw.astype(jnp.float32), vw.astype(jnp.float32)
   vis_w = jnp.arange(kw.shape[1])[None] < window.length[:, None]
 
   parts = [_partial(qf, k, v, vis, c) for k, v, vis in
@@ -72,10 +80,10 @@ def partials(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, sc
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def decode_attention_reference(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
-                               scale: float | None = None) -> jax.Array:
+def decode_attention_reference(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps,
+                               layer=None, *, scale: float | None = None) -> jax.Array:
   """q [B, Hq, D] -> out [B, Hq, D] bf16; FP32 math throughout, Eq. 15 merge of the partitions."""
   b, hq, d = q.shape
-  o, m, l = partials(q, window, hi, lo, maps, scale=scale)
+  o, m, l = partials(q, window, hi, lo, maps, layer, scale=scale)
   out, _ = common.merge(o, m, l, axis=2)                        # [B, Hkv, g, D]
   return out.reshape(b, hq, d).astype(jnp.bfloat16)

@@ -174,6 +174,27 @@ def reference_f32(q, window, hi, lo, maps, *, scale=None):
   return merged_f32(o, m, l, axis=2, hq=q.shape[1])
 
 
+def stack_layers(args):
+  """One layer's inputs -> (q, window, hi, lo, maps) stacked on a leading axis of 3 layers that
+  share the maps (as the layers of a group do) but hold different K/V: layer 0 as given, layer 1
+  with K negated and the INT4 K/V codes and scales swapped, layer 2 with K and V swapped.  The
+  poisoned (invisible) slots stay where they were."""
+  q, win, hi, lo, maps = args
+  swap = LowPool(lo.v, lo.k, lo.scale[..., ::-1])
+  layers = [(win.k, win.v, hi, lo), (-win.k, win.v, HighPool(-hi.k, hi.v), swap),
+            (win.v, win.k, HighPool(hi.v, hi.k), swap)]
+  st = lambda *xs: jnp.stack(xs)
+  wk, wv, shi, slo = jax.tree.map(st, *layers)
+  return q, Window(wk, wv, win.length), shi, slo, maps
+
+
+def layer_of(stacked, layer: int):
+  """Layer ``layer`` of ``stack_layers``'s output as one layer's inputs."""
+  q, win, hi, lo, maps = stacked
+  pick = lambda t: type(t)(*(x[layer] for x in t))
+  return q, Window(win.k[layer], win.v[layer], win.length), pick(hi), pick(lo), maps
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
   """A kernel test case: a shape and per-sequence lengths (lo, hi, win)."""

@@ -31,14 +31,16 @@ functions only ever go through ``*_pages``.
 once per step):
 
   cache, plan = begin_step(cache, actions[B, G], active[B])   # once, before the layers
-  for each layer ℓ (Python loop, or lax.scan over ``cache.layers`` with ``group_of_layer``):
-    lkv = write_layer(layer_slice(cache, ℓ), plan, g(ℓ), k_ℓ[B, Hkv, D], v_ℓ[B, Hkv, D])
-    window, hi, lo, maps = kernel_inputs(lkv, cache, g(ℓ))      # pallas_kernels.types
-    out = pallas_kernels.decode_attention(q_ℓ, window, hi, lo, maps)
-  cache = cache.replace(layers=stacked lkv's)                   # or set_layer(cache, ℓ, lkv)
+  for each layer ℓ (ℓ may be traced, e.g. a lax.scan over layers carrying the cache):
+    cache = write_step(cache, plan, ℓ, k_ℓ[B, Hkv, D], v_ℓ[B, Hkv, D])   # scatters, in place
+    window, hi, lo, maps = kernel_inputs(cache.layers, cache, g(ℓ))      # stacked [L, ...]
+    out = pallas_kernels.decode_attention(q_ℓ, window, hi, lo, maps, layer=ℓ)
+
+(``write_layer(layer_slice(cache, ℓ), ...)`` + ``set_layer`` is the same update on a copy of
+one layer's arrays: simpler to test, but a copy of the layer's pools per layer and step.)
 
 ``begin_step`` moves the evicted token's bookkeeping (lengths, positions, overflow) and records the
-new token's position and pending actions; ``write_layer`` copies/quantizes the evicted token's
+new token's position and pending actions; ``write_step`` / ``write_layer`` copies/quantizes the evicted token's
 K/V into the pools of that layer (it must read the window slot before overwriting it, so both
 happen there) and writes the new K/V into the window.  ``append`` does the whole thing for
 K/V of all layers at once (tests, prefill-free tools).
@@ -334,6 +336,51 @@ def write_layer(lkv: LayerKV, plan: StepPlan, g, k: jax.Array, v: jax.Array) -> 
   return LayerKV(win_k=win_k, win_v=win_v, hi_k=hi_k, hi_v=hi_v, lo_k=lo_k, lo_v=lo_v, lo_s=lo_s)
 
 
+def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array) -> Cache:
+  """``write_layer`` for layer ``layer`` (may be traced) on the stacked arrays: scatters only the
+  rows that change (the evicted token's pool row, the new window row).  In a jitted step whose
+  cache is donated, or a ``lax.scan`` carry, XLA does these in place, so a step costs O(rows
+  written) rather than a copy of every layer's pools (``layer_slice`` + ``set_layer``)."""
+  lay = cache.layers
+  B, W = lay.win_k.shape[1:3]
+  chex.assert_shape(k, (B,) + lay.win_k.shape[3:])
+  g = group_array(cache)[layer]
+  bi = jnp.arange(B)
+  read = jnp.minimum(plan.slot, W - 1)
+  old_k, old_v = lay.win_k[layer, bi, read], lay.win_v[layer, bi, read]   # [B, Hkv, D]
+  dh, dl = plan.dest_hi[g], plan.dest_lo[g]                                # [B]
+
+  def put(x, rows, val):   # [L, P, page, ...] pool: row ``rows`` of layer ``layer`` <- val
+    return _put_rows(_flat(x), layer, rows, val).reshape(x.shape)
+
+  def win(x, val):         # [L, B, W, ...]: slot ``plan.slot[b]`` of sequence b (W: none)
+    rows = jnp.where(plan.slot < W, bi * W + plan.slot, B * W)
+    flat = x.reshape((x.shape[0], B * W) + x.shape[3:])
+    return _put_rows(flat, layer, rows, val).reshape(x.shape)
+
+  kq, vq, s = _quant_kv(old_k, old_v)
+  return cache.replace(layers=LayerKV(
+      win_k=win(lay.win_k, k), win_v=win(lay.win_v, v),
+      hi_k=put(lay.hi_k, dh, old_k), hi_v=put(lay.hi_v, dh, old_v),
+      lo_k=put(lay.lo_k, dl, kq), lo_v=put(lay.lo_v, dl, vq), lo_s=put(lay.lo_s, dl, s)))
+
+
+def _put_rows(x: jax.Array, layer, rows: jax.Array, val: jax.Array) -> jax.Array:
+  """x [L, R, ...]: row ``rows[b]`` of layer ``layer`` <- ``val[b]``; rows >= R are dropped."""
+  val = val.astype(x.dtype)
+  if jax.default_backend() != "cpu":
+    return x.at[layer, rows].set(val, mode="drop")
+  # XLA's CPU backend runs a bf16/f16 scatter by widening the WHOLE operand to f32 and back (a
+  # bitcast to u16 is a copy there too): two copies of every layer's pool per layer.  B clamped
+  # row updates stay in place (a dropped row rewrites what it read).
+  n = x.shape[1]
+  for b in range(rows.shape[0]):
+    start = (layer, jnp.minimum(rows[b], n - 1)) + (0,) * (x.ndim - 2)
+    cur = jax.lax.dynamic_slice(x, start, (1, 1) + x.shape[2:])
+    x = jax.lax.dynamic_update_slice(x, jnp.where(rows[b] < n, val[b][None, None], cur), start)
+  return x
+
+
 def layer_slice(cache: Cache, layer) -> LayerKV:
   """Layer ``layer``'s arrays (``layer`` may be traced)."""
   return jax.tree.map(lambda x: x[layer], cache.layers)
@@ -350,7 +397,8 @@ def group_array(cache: Cache) -> jax.Array:
 
 def kernel_inputs(lkv: LayerKV, cache: Cache, g) -> tuple[Window, HighPool, LowPool, PageMaps]:
   """The ``pallas_kernels.types`` inputs of one layer whose group is ``g`` (may be traced);
-  ``cache`` supplies the shared maps (use the cache returned by ``begin_step``)."""
+  ``cache`` supplies the shared maps (use the cache returned by ``begin_step``).  With
+  ``lkv = cache.layers`` (stacked) they are the inputs of ``decode_attention(..., layer=ℓ)``."""
   return (Window(lkv.win_k, lkv.win_v, cache.win_len),
           HighPool(lkv.hi_k, lkv.hi_v),
           LowPool(lkv.lo_k, lkv.lo_v, lkv.lo_s),

@@ -205,12 +205,15 @@ class PaskRunner:
     return controller.control_batch(policy, tag_ids, state_ids, budget, stop)
 
   def _attend(self, carry, layer, q, k, v, positions):
+    # The kernel reads layer ``layer`` of the stacked pools in place and the update scatters only
+    # the new rows: slicing a layer out and writing it back copied every layer's pools per step.
     cache, plan = carry
     g = pcache.group_array(cache)[layer]
-    lkv = pcache.write_layer(pcache.layer_slice(cache, layer), plan, g, k[:, 0], v[:, 0])
-    window, hi, lo, maps = pcache.kernel_inputs(lkv, cache, g)
-    out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, backend=self.backend)
-    return out[:, None].astype(q.dtype), (pcache.set_layer(cache, layer, lkv), plan)
+    cache = pcache.write_step(cache, plan, layer, k[:, 0], v[:, 0])
+    window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
+    out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
+                                          backend=self.backend)
+    return out[:, None].astype(q.dtype), (cache, plan)
 
   def _decode_step(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
     self.traces["step"] += 1

@@ -216,6 +216,18 @@ def test_per_layer_split_equals_append():
     c2 = KC.set_layer(c2, l, lkv)
   for x, y in zip(jax.tree.leaves(c2), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # The in-place form: write_step on the stacked arrays (traced layer, as in a scan over layers)
+  # and attention on the stacked inputs with ``layer=``.
+  c3, plan = KC.begin_step(cache, act)
+  step = jax.jit(KC.write_step)
+  for l in range(NL):
+    c3 = step(c3, plan, jnp.int32(l), kn[l], kn[l])
+    got = reference.decode_attention_reference(q, *KC.kernel_inputs(c3.layers, c3, c3.group_of[l]),
+                                               jnp.int32(l))
+    one = reference.decode_attention_reference(q, *KC.layer_inputs(c3, l))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32))
+  for x, y in zip(jax.tree.leaves(c3), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_attention_sees_exactly_the_stored_keys():

@@ -44,3 +44,14 @@ def test_gpu_kernel_compiles_to_sm90a_within_limits(shape):
     assert ".target sm_90a" in r.ptx
     assert r.ok(), r.summary()
     assert r.registers <= gpu_aot.SM90_MAX_REGS and r.smem_bytes <= gpu_aot.SM90_MAX_SMEM
+
+
+def test_stacked_layer_kernels_compile():
+  """The decode step's form (pools and window stacked over 4 layers, traced layer index)
+  compiles for sm_90a within limits and for one TPU generation."""
+  import jax.numpy as jnp
+  args = synth.stack_layers(SHAPES["32q8kv_d128"].make(poison=False)) + (jnp.int32(2),)
+  reps = gpu_aot.report(decode_attention_gpu, *args)
+  assert reps and all(r.ok() for r in reps), [r.summary() for r in reps]
+  comp = tpu_aot.compile_for("v5e", decode_attention_tpu, *args, splits=2)
+  assert "pask_decode_attention_tpu" in comp.as_text()

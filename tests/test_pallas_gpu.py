@@ -9,6 +9,7 @@ import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -92,3 +93,17 @@ def test_gpu_large_int4_pool_gets_its_own_launch_within_sm90a_limits():
     assert r.ok(), (r.name, r.summary())
   int4 = next(r for r in reps if r.name.endswith("int4"))
   assert "prmt.b32" in int4.ptx and "lop3.b32" in int4.ptx     # the inline-PTX unpack is there
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_gpu_stacked_layers_match_single_layer(fuse):
+  """Pools and window stacked over layers with a traced layer index: the kernel offsets its
+  row gathers by the layer and reads that layer only (the other layers differ)."""
+  case = synth.CASES[5]   # page 12, 3 KV heads
+  args = synth.stack_layers(case.make(seed=15))
+  kn = dict(SMALL, fuse=fuse)
+  f = jax.jit(lambda l, *a: partials_gpu(*a, l, interpret=True, **kn))
+  for layer in (1, 2):
+    want = synth.reference_f32(*synth.layer_of(args, layer))
+    got = synth.merged_f32(*f(layer, *args), axis=2, hq=args[0].shape[1], g=case.shape.g)
+    assert synth.rel_err(got, want) < 3e-5, layer

@@ -98,3 +98,14 @@ def test_reference_is_jittable_and_vmappable_over_layers():
   out = jax.vmap(lambda *a: pk.decode_attention(*a, backend="reference"))(*stacked)
   for i, a in enumerate((a0, a1)):
     assert synth.rel_err(out[i], synth.naive(*a)) < 6e-3
+
+
+def test_stacked_layers_with_traced_layer_index():
+  """``layer=``: pools and window stacked [L, ...], the layer a traced index, equals the same
+  layer's arrays passed alone (the decode step's no-copy form)."""
+  args = synth.stack_layers(synth.CASES[2].make(seed=31))
+  f = jax.jit(lambda l, *a: pk.decode_attention(*a, layer=l, backend="reference"))
+  for layer in (0, 2):
+    want = pk.decode_attention(*synth.layer_of(args, layer), backend="reference")
+    np.testing.assert_array_equal(np.asarray(f(layer, *args), np.float32),
+                                  np.asarray(want, np.float32))

@@ -9,6 +9,7 @@ import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
@@ -50,3 +51,14 @@ def test_tpu_single_bf16_pv_and_output():
   out = decode_attention_tpu(*args, interpret=True, scale=0.05)
   assert out.dtype.name == "bfloat16"
   assert synth.rel_err(out, synth.naive(*args, scale=0.05)) < 6e-3
+
+
+def test_tpu_stacked_layers_match_single_layer():
+  """Stacked pools and window with the layer as a scalar prefetch (index maps pick its blocks)."""
+  case = synth.CASES[1]
+  args = synth.stack_layers(case.make(seed=24))
+  f = jax.jit(lambda l, *a: partials_tpu(*a, l, interpret=True, splits=2))
+  for layer in (1, 2):
+    want = synth.reference_f32(*synth.layer_of(args, layer))
+    got = synth.merged_f32(*f(layer, *args), axis=1, hq=args[0].shape[1])
+    assert synth.rel_err(got, want) < 3e-5, layer

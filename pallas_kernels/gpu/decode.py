@@ -70,16 +70,18 @@ def _pv(p, v, exact, with_sum=False):
 
 def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, int4_prefetch, page_lo, page_hi, n_lo,
             n_hi, chunk_lo, chunk_hi, chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi, has_w):
-  # lens_ref [4] i32 (lo, hi, win, -); q_ref [M, D] bf16.
+  # lens_ref [8] i32 (lo, hi, win lengths; lo and window row bases of this layer and sequence,
+  # -, -, -); q_ref [M, D] bf16.  Pools and window hold every layer, scales only this layer's;
+  # the BF16 page table arrives with the layer's page offset already added.
   refs = list(refs)
   if has_lo:
-    tlo_ref, klo_ref, vlo_ref, sc_ref = refs[:4]   # [n_pages], [P*page, D/2] u8 x2, [P*page] u32
+    tlo_ref, klo_ref, vlo_ref, sc_ref = refs[:4]   # [n_pages], [L*P*page, D/2] u8 x2, [P*page] u32
     refs = refs[4:]
   if has_hi:
-    thi_ref, khi_ref, vhi_ref = refs[:3]           # [n_pages], [P*page, D] bf16 x2
+    thi_ref, khi_ref, vhi_ref = refs[:3]           # [n_pages], [L*P*page, D] bf16 x2
     refs = refs[3:]
   if has_w:
-    kw_ref, vw_ref = refs[:2]                      # [W, D] x2
+    kw_ref, vw_ref = refs[:2]                      # [L*B*W, D] x2
     refs = refs[2:]
   o_ref, m_ref, l_ref = refs                       # [M, D], [M], [M]
   m_rows, d = q_ref.shape
@@ -138,10 +140,12 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, int4_prefetch, pa
       pos, valid = where(i)
       return _paged_rows(tlo_ref, page_lo, pos, valid)
 
+    base = lens_ref[3]
+
     def fetch(i, rows):
       """Issue the loads of block i (raw codes and the packed K|V fp16 scales)."""
       valid = where(i)[1]
-      return (_gather(klo_ref, rows, valid, 0), _gather(vlo_ref, rows, valid, 0),
+      return (_gather(klo_ref, rows + base, valid, 0), _gather(vlo_ref, rows + base, valid, 0),
               plgpu.load(sc_ref.at[rows], mask=valid, other=0))
 
     def step(i, kraw, vraw, sc, carry):
@@ -196,8 +200,9 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, int4_prefetch, pa
   if has_w:
     @pl.when(sp >= n_lo + n_hi)
     def _():
-      bf16_part(kw_ref, vw_ref, lambda pos, ok: pos, sp - n_lo - n_hi, chunk_w, lens_ref[_WIN],
-                bk_w)
+      base = lens_ref[4]
+      bf16_part(kw_ref, vw_ref, lambda pos, ok: pos + base, sp - n_lo - n_hi, chunk_w,
+                lens_ref[_WIN], bk_w)
 
 
 # $0, $1 <- four bytes of $2 (byte j -> 16-bit lane j): bf16 bits ((nibble ^ 8) | 0x4300).
@@ -276,8 +281,17 @@ _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "n
           "num_stages_lo", "interpret")
 
 
+def stack_inputs(window: Window, hi: HighPool, lo: LowPool, layer):
+  """(window, hi, lo, layer) with a leading layer axis: one layer's arrays get a size-1 axis
+  (a free reshape) and layer 0."""
+  if layer is not None:
+    return window, hi, lo, jnp.asarray(layer, jnp.int32)
+  add = lambda t: type(t)(*(x[None] for x in t))
+  return window._replace(k=window.k[None], v=window.v[None]), add(hi), add(lo), jnp.int32(0)
+
+
 @functools.partial(jax.jit, static_argnames=_KNOBS)
-def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
+def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
                  num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
@@ -285,6 +299,10 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten).
+
+  ``layer`` (see ``pallas_kernels.decode_attention``): the kernel gets the whole stacked pools
+  and window and adds the layer's row offset to every gathered row, so nothing is copied per
+  layer except that layer's fp16 scales (4 B a row, repacked to one u32).
 
   ``fuse=False`` runs the INT4 partition as its own launch (``num_warps_lo`` warps,
   ``num_stages_lo`` stages, ``block_lo`` keys) and the BF16 pool + window as another; the
@@ -295,13 +313,14 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
   "bits" / False in the fused kernel (which must stay within 128 registers at 8 warps).
   ``int4_dequant="asm"`` falls back to "bits" in interpret mode (no inline PTX on the CPU).
   """
+  window, hi, lo, layer = stack_inputs(window, hi, lo, layer)
   b, hq, d = q.shape
-  w, hkv = window.k.shape[1], window.k.shape[2]
+  n_l, _, w, hkv = window.k.shape[:4]
   g = hq // hkv
   m_rows = max(16, common.next_pow2(g))              # tl.dot needs M >= 16
   c = common.default_scale(d, scale) * common.LOG2E
-  p_lo, page_lo = lo.k.shape[:2]
-  p_hi, page_hi = hi.k.shape[:2]
+  p_lo, page_lo = lo.k.shape[1:3]
+  p_hi, page_hi = hi.k.shape[1:3]
   cap_lo = maps.lo_pages.shape[1] * page_lo if p_lo else 0
   cap_hi = maps.hi_pages.shape[1] * page_hi if p_hi else 0
 
@@ -325,29 +344,36 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
 
   qp = q.reshape(b, hkv, g, d)
   qp = jnp.pad(qp, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
-  lens = jnp.stack([maps.lo_len, maps.hi_len, window.length, jnp.zeros_like(window.length)], 1)
-  lens = lens.astype(jnp.int32)
+  # Row bases computed in XLA; the BF16 pool's goes into its page table (one more add per block in
+  # the fused kernel made ptxas spill).
+  bases = [layer * p_lo * page_lo, (layer * b + jnp.arange(b)) * w]
+  lens = jnp.stack([maps.lo_len, maps.hi_len, window.length]
+                   + [jnp.broadcast_to(x, (b,)) for x in bases]
+                   + [jnp.zeros((b,), jnp.int32)] * 3, 1).astype(jnp.int32)
 
   lo_args, lo_specs, hi_args, hi_specs = [], [], [], []
   if n_lo:
     rows = p_lo * page_lo
     # (K, V) fp16 scales of a row as one u32 (K in the low half): one 4-byte load per row.
-    sc = lax.bitcast_convert_type(lo.scale, jnp.uint32).reshape(rows, hkv)
-    lo_args = [maps.lo_pages.astype(jnp.int32), lo.k.reshape(rows, hkv, d // 2),
-               lo.v.reshape(rows, hkv, d // 2), sc]
+    # Only this layer's are repacked (a size-changing bitcast may not be free).
+    sc = lax.dynamic_index_in_dim(lo.scale, layer, 0, keepdims=False)
+    sc = lax.bitcast_convert_type(sc, jnp.uint32).reshape(rows, hkv)
+    lo_args = [maps.lo_pages.astype(jnp.int32), lo.k.reshape(n_l * rows, hkv, d // 2),
+               lo.v.reshape(n_l * rows, hkv, d // 2), sc]
     lo_specs = [pl.BlockSpec((None, maps.lo_pages.shape[1]), lambda h, s, i: (i, 0)),
-                pl.BlockSpec((rows, None, d // 2), lambda h, s, i: (0, h, 0)),
-                pl.BlockSpec((rows, None, d // 2), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((n_l * rows, None, d // 2), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((n_l * rows, None, d // 2), lambda h, s, i: (0, h, 0)),
                 pl.BlockSpec((rows, None), lambda h, s, i: (0, h))]
   if n_hi:
     rows = p_hi * page_hi
-    hi_args = [maps.hi_pages.astype(jnp.int32), hi.k.reshape(rows, hkv, d),
-               hi.v.reshape(rows, hkv, d)]
+    hi_args = [maps.hi_pages.astype(jnp.int32) + layer * p_hi, hi.k.reshape(n_l * rows, hkv, d),
+               hi.v.reshape(n_l * rows, hkv, d)]
     hi_specs = [pl.BlockSpec((None, maps.hi_pages.shape[1]), lambda h, s, i: (i, 0)),
-                pl.BlockSpec((rows, None, d), lambda h, s, i: (0, h, 0)),
-                pl.BlockSpec((rows, None, d), lambda h, s, i: (0, h, 0))]
-  w_args = [window.k, window.v]
-  w_specs = [pl.BlockSpec((None, w, None, d), lambda h, s, i: (i, 0, h, 0))] * 2
+                pl.BlockSpec((n_l * rows, None, d), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((n_l * rows, None, d), lambda h, s, i: (0, h, 0))]
+  w_rows = n_l * b * w
+  w_args = [window.k.reshape(w_rows, hkv, d), window.v.reshape(w_rows, hkv, d)]
+  w_specs = [pl.BlockSpec((w_rows, None, d), lambda h, s, i: (0, h, 0))] * 2
 
   if interpret and int4_dequant == "asm":
     int4_dequant = "bits"
@@ -362,7 +388,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
     return pl.pallas_call(
         kernel,
         grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages
-        in_specs=[pl.BlockSpec((None, 4), lambda h, s, i: (i, 0)),
+        in_specs=[pl.BlockSpec((None, 8), lambda h, s, i: (i, 0)),
                   pl.BlockSpec((None, None, m_rows, d), lambda h, s, i: (i, h, 0, 0))] + specs,
         out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda h, s, i: (i, h, s, 0, 0)),
                    pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0)),
@@ -386,11 +412,12 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
 
 
 @functools.partial(jax.jit, static_argnames=_KNOBS)
-def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, **kw):
+def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None,
+                         **kw):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
   b, hq, d = q.shape
-  g = hq // window.k.shape[2]
-  o, m, l = partials_gpu(q, window, hi, lo, maps, **kw)
+  g = hq // window.k.shape[-2]
+  o, m, l = partials_gpu(q, window, hi, lo, maps, layer, **kw)
   o, m, l = o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]   # drop padded query rows
   out, _ = common.merge(o, m, l, axis=2)
   return out.reshape(b, hq, d).astype(jnp.bfloat16)

@@ -44,9 +44,10 @@ def _pv(p, v, exact):
   return f(hi) + f((p - hi.astype(jnp.float32)).astype(jnp.bfloat16))
 
 
-def _kernel(lens_ref, tlo_ref, thi_ref, *refs, exact_pv, hkv, g, page_lo, page_hi, n_lo, n_hi, steps, c,
+def _kernel(lens_ref, tlo_ref, thi_ref, lay_ref, *refs, exact_pv, hkv, g, page_lo, page_hi, n_lo, n_hi, steps, c,
             has_lo, has_hi):
-  # Scalar prefetch (SMEM): lens [3*B] (lo, hi, win per sequence), tlo [B*n_lo], thi [B*n_hi].
+  # Scalar prefetch (SMEM): lens [3*B] (lo, hi, win per sequence), tlo [B*n_lo], thi [B*n_hi],
+  # lay [1] (the layer; only the index maps use it).
   refs = list(refs)
   q_ref = refs.pop(0)                                   # [1, H, D] bf16
   if has_lo:
@@ -166,17 +167,26 @@ def _page_index(t, b, lens_ref, tbl_ref, which, page, n_pages, n_pool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "exact_pv", "interpret"))
-def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
+def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
                  scale: float | None = None, splits: int = 1, exact_pv: bool = True,
                  interpret=False):
-  """Unmerged partials: o [B, NS, H, D] f32 (INT4 halves already joined), m, l [B, NS, H]."""
+  """Unmerged partials: o [B, NS, H, D] f32 (INT4 halves already joined), m, l [B, NS, H].
+
+  ``layer`` (see ``pallas_kernels.decode_attention``) is one more scalar prefetch: the index
+  maps pick the layer's blocks from the stacked pools and window, so no layer is copied except
+  its scales (repacked to int32 bits, 4 B a row).
+  """
+  if layer is None:
+    add = lambda t: type(t)(*(x[None] for x in t))
+    window, hi, lo, layer = window._replace(k=window.k[None], v=window.v[None]), add(hi), add(lo), 0
+  lay = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   b, hq, d = q.shape
-  w, hkv = window.k.shape[1], window.k.shape[2]
+  n_l, _, w, hkv = window.k.shape[:4]
   g = hq // hkv
   nh = common.cdiv(hq, 8) * 8                        # sublane-aligned query rows
   c = common.default_scale(d, scale) * common.LOG2E
-  p_lo, page_lo = lo.k.shape[:2]
-  p_hi, page_hi = hi.k.shape[:2]
+  p_lo, page_lo = lo.k.shape[1:3]
+  p_hi, page_hi = hi.k.shape[1:3]
   n_lo = maps.lo_pages.shape[1] if p_lo else 0
   n_hi = maps.hi_pages.shape[1] if p_hi else 0
   has_lo, has_hi = n_lo > 0, n_hi > 0
@@ -189,29 +199,31 @@ def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
   thi = maps.hi_pages.reshape(-1).astype(jnp.int32) if has_hi else jnp.zeros((1,), jnp.int32)
   qp = jnp.pad(q, ((0, 0), (0, nh - hq), (0, 0)))    # padded heads match no KV head
 
-  def lo_map(bi, s, i, lens_ref, tlo_ref, thi_ref):
+  def lo_map(bi, s, i, lens_ref, tlo_ref, thi_ref, lay_ref):
     return _page_index(s * steps + i, bi, lens_ref, tlo_ref, 0, page_lo, n_lo, p_lo), 0, 0
 
-  def hi_map(bi, s, i, lens_ref, tlo_ref, thi_ref):
+  def hi_map(bi, s, i, lens_ref, tlo_ref, thi_ref, lay_ref):
     return _page_index(s * steps + i - n_lo, bi, lens_ref, thi_ref, 1, page_hi, n_hi, p_hi), 0, 0
 
+  in_layer = lambda f: lambda *a: (a[-1][0],) + f(*a)   # (layer, *f's block index)
   per_b = lambda bi, s, i, *_: (bi, 0, 0)
   args, specs = [qp], [pl.BlockSpec((1, nh, d), per_b)]
   if has_lo:
     r_lo = page_lo * hkv
-    args += [qp[..., : d // 2], qp[..., d // 2:],
-             lax.bitcast_convert_type(lo.k, jnp.int8).reshape(p_lo, r_lo, d // 2),
-             lax.bitcast_convert_type(lo.v, jnp.int8).reshape(p_lo, r_lo, d // 2),
-             common.scale_bits(lo.scale).reshape(p_lo, 1, r_lo)]
+    codes = lambda x: lax.bitcast_convert_type(x, jnp.int8).reshape(n_l, p_lo, r_lo, d // 2)
+    sc = lax.dynamic_index_in_dim(lo.scale, lay[0], 0, keepdims=False)
+    args += [qp[..., : d // 2], qp[..., d // 2:], codes(lo.k), codes(lo.v),
+             common.scale_bits(sc).reshape(p_lo, 1, r_lo)]
     specs += [pl.BlockSpec((1, nh, d // 2), per_b), pl.BlockSpec((1, nh, d // 2), per_b),
-              pl.BlockSpec((1, r_lo, d // 2), lo_map), pl.BlockSpec((1, r_lo, d // 2), lo_map),
+              pl.BlockSpec((None, 1, r_lo, d // 2), in_layer(lo_map)),
+              pl.BlockSpec((None, 1, r_lo, d // 2), in_layer(lo_map)),
               pl.BlockSpec((1, 1, r_lo), lo_map)]
   if has_hi:
     r_hi = page_hi * hkv
-    args += [hi.k.reshape(p_hi, r_hi, d), hi.v.reshape(p_hi, r_hi, d)]
-    specs += [pl.BlockSpec((1, r_hi, d), hi_map)] * 2
-  args += [window.k.reshape(b, w * hkv, d), window.v.reshape(b, w * hkv, d)]
-  specs += [pl.BlockSpec((1, w * hkv, d), per_b)] * 2
+    args += [hi.k.reshape(n_l, p_hi, r_hi, d), hi.v.reshape(n_l, p_hi, r_hi, d)]
+    specs += [pl.BlockSpec((None, 1, r_hi, d), in_layer(hi_map))] * 2
+  args += [window.k.reshape(n_l, b, w * hkv, d), window.v.reshape(n_l, b, w * hkv, d)]
+  specs += [pl.BlockSpec((None, 1, w * hkv, d), in_layer(per_b))] * 2
 
   out_map = lambda bi, s, i, *_: (bi, s, 0, 0)
   o_spec = pl.BlockSpec((1, 1, nh, d), out_map)
@@ -232,14 +244,14 @@ def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
   outs = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(b, ns, steps), in_specs=specs, out_specs=out_specs,
+          num_scalar_prefetch=4, grid=(b, ns, steps), in_specs=specs, out_specs=out_specs,
           scratch_shapes=scratch),
       out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name="pask_decode_attention_tpu",
-  )(lens, tlo, thi, *args)
+  )(lens, tlo, thi, lay, *args)
   if has_lo:
     o, o4l, o4h, m, l = outs
     o = o + jnp.concatenate([o4l, o4h], axis=-1)
@@ -249,12 +261,12 @@ def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "exact_pv", "interpret"))
-def decode_attention_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
-                         scale: float | None = None, splits: int = 1, exact_pv: bool = True,
+def decode_attention_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None,
+                         *, scale: float | None = None, splits: int = 1, exact_pv: bool = True,
                          interpret=False):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
   hq = q.shape[1]
-  o, m, l = partials_tpu(q, window, hi, lo, maps, scale=scale, splits=splits, exact_pv=exact_pv,
+  o, m, l = partials_tpu(q, window, hi, lo, maps, layer, scale=scale, splits=splits, exact_pv=exact_pv,
                          interpret=interpret)
   out, _ = common.merge(o, m, l, axis=1)
   return out[:, :hq].astype(jnp.bfloat16)
