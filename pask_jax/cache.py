@@ -347,7 +347,10 @@ def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array) 
   g = group_array(cache)[layer]
   bi = jnp.arange(B)
   read = jnp.minimum(plan.slot, W - 1)
-  old_k, old_v = lay.win_k[layer, bi, read], lay.win_v[layer, bi, read]   # [B, Hkv, D]
+  # The barrier materializes the evicted rows before the window is written: without it XLA GPU
+  # copied the whole stacked window (twice) to scatter into it in place.
+  old_k, old_v = jax.lax.optimization_barrier(
+      (lay.win_k[layer, bi, read], lay.win_v[layer, bi, read]))     # [B, Hkv, D]
   dh, dl = plan.dest_hi[g], plan.dest_lo[g]                                # [B]
 
   def put(x, rows, val):   # [L, P, page, ...] pool: row ``rows`` of layer ``layer`` <- val
@@ -368,17 +371,21 @@ def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array) 
 def _put_rows(x: jax.Array, layer, rows: jax.Array, val: jax.Array) -> jax.Array:
   """x [L, R, ...]: row ``rows[b]`` of layer ``layer`` <- ``val[b]``; rows >= R are dropped."""
   val = val.astype(x.dtype)
-  if jax.default_backend() != "cpu":
-    return x.at[layer, rows].set(val, mode="drop")
-  # XLA's CPU backend runs a bf16/f16 scatter by widening the WHOLE operand to f32 and back (a
-  # bitcast to u16 is a copy there too): two copies of every layer's pool per layer.  B clamped
-  # row updates stay in place (a dropped row rewrites what it read).
-  n = x.shape[1]
-  for b in range(rows.shape[0]):
-    start = (layer, jnp.minimum(rows[b], n - 1)) + (0,) * (x.ndim - 2)
-    cur = jax.lax.dynamic_slice(x, start, (1, 1) + x.shape[2:])
-    x = jax.lax.dynamic_update_slice(x, jnp.where(rows[b] < n, val[b][None, None], cur), start)
-  return x
+
+  def rowwise(x, layer, rows, val):
+    # XLA's CPU backend runs a bf16/f16 scatter by widening the WHOLE operand to f32 and back (a
+    # bitcast to u16 is a copy there too): two copies of every layer's pool per layer.  B clamped
+    # row updates stay in place (a dropped row rewrites what it read).
+    n = x.shape[1]
+    for b in range(rows.shape[0]):
+      start = (layer, jnp.minimum(rows[b], n - 1)) + (0,) * (x.ndim - 2)
+      cur = jax.lax.dynamic_slice(x, start, (1, 1) + x.shape[2:])
+      x = jax.lax.dynamic_update_slice(x, jnp.where(rows[b] < n, val[b][None, None], cur), start)
+    return x
+
+  scatter = lambda x, layer, rows, val: x.at[layer, rows].set(val, mode="drop")
+  # By the platform the step is lowered for (not the default backend: AOT lowers across).
+  return jax.lax.platform_dependent(x, layer, rows, val, cpu=rowwise, default=scatter)
 
 
 def layer_slice(cache: Cache, layer) -> LayerKV:
