@@ -55,3 +55,45 @@ def test_stacked_layer_kernels_compile():
   assert reps and all(r.ok() for r in reps), [r.summary() for r in reps]
   comp = tpu_aot.compile_for("v5e", decode_attention_tpu, *args, splits=2)
   assert "pask_decode_attention_tpu" in comp.as_text()
+
+
+def test_pask_decode_step_updates_the_stacked_cache_in_place_on_gpu():
+  """The whole jitted PASK step compiled for sm_90 without a GPU: the cache update is scatters
+  into the stacked [L, ...] pools and window (no copy of them, no per-layer slice or write-back)
+  and the Pallas kernel reads the stack."""
+  import re
+  import jax
+  import jax.numpy as jnp
+  from models import ModelConfig, random_model
+  from pask_jax import ledger, policy as P
+  from pask_jax.decode import FREE_TAG, PaskRunner
+  cfg = ModelConfig(arch="qwen3", vocab_size=512, hidden=256, intermediate=512, n_layers=3,
+                    n_heads=8, n_kv_heads=2, head_dim=64, rope_theta=1e6, tie_embeddings=True,
+                    max_position=4096, name="tiny")
+  pol = P.demo(cfg)
+  B = 2
+  r = PaskRunner(random_model(cfg, dtype=jnp.bfloat16), pol, batch=B, capacity=1000,
+                 backend="gpu")
+  cache = jax.eval_shape(r.new_cache)
+  z = jnp.zeros((B,), jnp.int32)
+  txt = gpu_aot.compile_hlo(r.decode_step, r.params, pol, cache, jnp.zeros((B,), jnp.float32),
+                            ledger.init(B, pol.n_groups), z,
+                            jnp.broadcast_to(jnp.asarray(FREE_TAG), (B, 4)), z - 1,
+                            jnp.ones((B,), bool))
+  # Every op whose output is as large as a stacked array or one layer of it, by (dtype, size);
+  # the fp16 scales are left out (one layer of them is repacked per layer, on purpose).
+  sizes = set()
+  for x in jax.tree.leaves(cache.layers.replace(lo_s=cache.layers.lo_k)):
+    dt = {"bfloat16": "bf16", "uint8": "u8"}[x.dtype.name]
+    sizes |= {(dt, x.size), (dt, x.size // x.shape[0])}
+  ops = set()
+  for m in re.finditer(r"= (\w+)\[([\d,]+)\]\{[^}]*\} ([\w-]+)\((.*)", txt):
+    n = 1
+    for d in m.group(2).split(","):
+      n *= int(d)
+    if (m.group(1), n) in sizes and m.group(3) not in ("parameter", "get-tuple-element",
+                                                        "bitcast", "tuple"):
+      calls = re.search(r"calls=%([a-z_]+)", m.group(4))
+      ops.add(m.group(3) + (":" + calls.group(1) if calls else ""))
+  assert ops and all("scatter" in o for o in ops), ops
+  assert "pask_decode_attention" in txt

@@ -43,6 +43,38 @@ class GpuReport:
             f"{self.spill_loads} stack={self.stack_bytes}B")
 
 
+# XLA's GPU target description of an H100 SXM (xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb): with
+# it XLA compiles for sm_90 on a host without a GPU.  The H200 differs in memory size and bandwidth.
+H100_TARGET = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+@functools.cache
+def compile_only_device():
+  """A compile-only sm_90 device (deviceless XLA GPU compile: whole programs, HLO inspectable)."""
+  from jax.experimental import topologies
+  return topologies.get_topology_desc("cuda", "cuda", target_config=H100_TARGET,
+                                      topology="1x1x1").devices[0]
+
+
+def compile_hlo(fn, *args) -> str:
+  """Optimized HLO text of ``fn(*args)`` (arrays or ShapeDtypeStructs) compiled for sm_90."""
+  from jax.sharding import SingleDeviceSharding
+  sh = SingleDeviceSharding(compile_only_device())
+  sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), args)
+  return fn.trace(*sds).lower().compile().as_text()
+
+
 def triton_modules(fn, *args, **kwargs) -> list[tuple[str, bytes, dict]]:
   """(name, Triton IR bytecode, launch params) of every Pallas-Triton call in ``fn(*args)``."""
   from jax._src.interpreters import mlir  # noqa: F401  (registers the dialects)
