@@ -35,7 +35,7 @@ from flax import nnx
 
 from pask_jax import quant
 from pask_jax.baselines import budget, h2o, mikv, snapkv
-from pask_jax.decode import PREFILL_CHUNK
+from pask_jax.decode import Runner
 from pask_jax.sample import apply_bitmask, sample
 
 KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2}
@@ -203,15 +203,8 @@ class MaskedRunner:
     return st._replace(k=k, v=v, keep=keep, low=low)
 
   def prefill_all(self, st: State, tokens: np.ndarray, lengths: np.ndarray):
-    T = tokens.shape[1]
-    chunk = min(T, PREFILL_CHUNK)
-    lengths_d = jnp.asarray(lengths)
-    logits = None
-    for start in range(0, T, chunk):
-      part, st = self.prefill(self.params, st, jnp.asarray(tokens[:, start:start + chunk]),
-                              jnp.int32(start), lengths_d)
-      mine = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + chunk))[:, None]
-      logits = part if logits is None else jnp.where(mine, part, logits)
+    # The Full-KV runner's chunk loop (it only calls self.prefill), then the prompt compression.
+    logits, st = Runner.prefill_all(self, st, tokens, lengths)
     return logits, self.compress(st)
 
   # --- decode ----------------------------------------------------------------------------------
