@@ -120,19 +120,9 @@ class StackRunner(dec.PaskRunner):
 
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     # generate() hands us V copies of the N prompts: prefill the first copy only.
-    N, Tn = self.N, tokens.shape[1]
-    tok, lens = tokens[:N], lengths[:N]
-    from pask_jax import kv_dense
-    dense = kv_dense.init(self.cfg.n_layers, N, Tn, self.cfg.n_kv_heads, self.cfg.head_dim,
-                          jnp.bfloat16)
-    logits, dense = self._dense.prefill_all(dense, tok, lens)
-    cands = np.broadcast_to(dec.PROMPT_TAG, (N, Tn, T.N_CAND)).copy()
-    for b, tg in enumerate((prompt_tags or [])[:N]):
-      if tg is not None:
-        cands[b, :len(tg)] = tg
-    cands[np.arange(Tn)[None, :] >= lens[:, None]] = T.PAD
-    state = self.commit(self.policy, self.new_cache(), dense.k, dense.v, jnp.asarray(cands),
-                        jnp.asarray(lens))
+    # (commit/_plan tile the N requests' K/V and plans over the V policies).
+    N = self.N
+    logits, state = super().begin(tokens[:N], lengths[:N], list(prompt_tags or [])[:N])
     return jnp.tile(logits, (self.V, 1)), state
 
   def report(self, state) -> list[dict]:

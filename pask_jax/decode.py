@@ -242,11 +242,7 @@ class PaskRunner:
     dense = kv_dense.init(self.cfg.n_layers, B, Tn, self.cfg.n_kv_heads, self.cfg.head_dim,
                           jnp.bfloat16)
     logits, dense = self._dense.prefill_all(dense, tokens, lengths)
-    cands = np.broadcast_to(PROMPT_TAG, (B, Tn, T.N_CAND)).copy()
-    for b, tg in enumerate(prompt_tags or []):
-      if tg is not None:
-        cands[b, :len(tg)] = tg
-    cands[np.arange(Tn)[None, :] >= lengths[:, None]] = T.PAD
+    cands = prompt_candidates(prompt_tags, lengths, Tn)
     state = self.commit(self.policy, self.new_cache(), dense.k, dense.v, jnp.asarray(cands),
                         jnp.asarray(lengths))
     return logits, state
@@ -258,6 +254,18 @@ class PaskRunner:
 
   def report(self, state) -> list[dict]:
     return ledger.summary(state[2], self.policy)
+
+
+def prompt_candidates(prompt_tags, lengths: np.ndarray, Tn: int) -> np.ndarray:
+  """Per prompt label candidates ``int32[B, Tn, N_CAND]`` for the prefill plan: each prompt's
+  tags (or :data:`PROMPT_TAG` where it has none), ``PAD`` past its length."""
+  B = len(lengths)
+  cands = np.broadcast_to(PROMPT_TAG, (B, Tn, T.N_CAND)).copy()
+  for b, tg in enumerate(list(prompt_tags or [])[:B]):
+    if tg is not None:
+      cands[b, :len(tg)] = tg
+  cands[np.arange(Tn)[None, :] >= np.asarray(lengths)[:, None]] = T.PAD
+  return cands
 
 
 class Tracker:

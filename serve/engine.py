@@ -52,7 +52,7 @@ import numpy as np
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
 from pask_jax import tags as T
-from pask_jax.decode import PROMPT_TAG, FREE_TAG, PREFILL_CHUNK, PaskRunner, Runner, Tracker
+from pask_jax.decode import FREE_TAG, PREFILL_CHUNK, PaskRunner, Runner, Tracker, prompt_candidates
 from pask_jax.grammar.matcher import new_bitmask
 from pask_jax.sample import _nucleus, apply_bitmask
 
@@ -322,10 +322,7 @@ class Engine:
     c = self.cfg
     dense = kv_dense.init(c.n_layers, 1, Tn, c.n_kv_heads, c.head_dim, jnp.bfloat16)
     logits, dense = self.dense.prefill_all(dense, toks, np.array([n], np.int32))
-    cands = np.broadcast_to(PROMPT_TAG, (1, Tn, T.N_CAND)).copy()
-    if r.tags is not None:
-      cands[0, :len(r.tags)] = r.tags
-    cands[0, n:] = T.PAD
+    cands = prompt_candidates([r.tags], np.array([n]), Tn)
     self.state = self._insert(self.policy, self.state, dense.k, dense.v, jnp.asarray(cands),
                               jnp.asarray([n], jnp.int32), jnp.int32(r.slot),
                               self._row(r.hi, self.hi_total), self._row(r.lo, self.lo_total))
