@@ -143,6 +143,11 @@ class Recorder(dec.Tracker):
     self.states.append(int(s))
     return t, s
 
+  def fork(self) -> "Recorder":
+    new = super().fork()
+    new.tags, new.states = list(self.tags), list(self.states)
+    return new
+
 
 @dataclasses.dataclass
 class Outcome:

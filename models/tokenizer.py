@@ -120,13 +120,13 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-  def token_bytes(self) -> list[bytes]:
+  def token_bytes(self) -> tuple[bytes, ...]:
     """Raw bytes of every token id (for the grammar engine and tag adapters; computed once).
 
     Control tokens map to b"" (no grammar can match them); added tokens to their text."""
     if getattr(self, "_token_bytes", None) is None:
-      self._token_bytes = self._compute_token_bytes()
-    return list(self._token_bytes)
+      self._token_bytes = tuple(self._compute_token_bytes())
+    return self._token_bytes   # an immutable tuple: no copy per caller (trackers are many)
 
   def _compute_token_bytes(self) -> list[bytes]:
     vocab = self.tok.get_vocab(with_added_tokens=True)

@@ -372,20 +372,19 @@ def _put_rows(x: jax.Array, layer, rows: jax.Array, val: jax.Array) -> jax.Array
   """x [L, R, ...]: row ``rows[b]`` of layer ``layer`` <- ``val[b]``; rows >= R are dropped."""
   val = val.astype(x.dtype)
 
-  def rowwise(x, layer, rows, val):
-    # XLA's CPU backend runs a bf16/f16 scatter by widening the WHOLE operand to f32 and back (a
-    # bitcast to u16 is a copy there too): two copies of every layer's pool per layer.  B clamped
-    # row updates stay in place (a dropped row rewrites what it read).
-    n = x.shape[1]
-    for b in range(rows.shape[0]):
-      start = (layer, jnp.minimum(rows[b], n - 1)) + (0,) * (x.ndim - 2)
-      cur = jax.lax.dynamic_slice(x, start, (1, 1) + x.shape[2:])
-      x = jax.lax.dynamic_update_slice(x, jnp.where(rows[b] < n, val[b][None, None], cur), start)
-    return x
+  def bits_scatter(x, layer, rows, val):
+    # XLA's CPU backend runs a bf16/f16 scatter (or dynamic-update-slice) by widening the WHOLE
+    # operand to f32 and back, per update: O(B x pool) per step.  On the same bits as uint16 the
+    # scatter is an integer scatter; the two bitcasts cost at most one pass over the pool.
+    if jnp.dtype(x.dtype).itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+      return x.at[layer, rows].set(val, mode="drop")
+    u = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    u = u.at[layer, rows].set(jax.lax.bitcast_convert_type(val, jnp.uint16), mode="drop")
+    return jax.lax.bitcast_convert_type(u, x.dtype)
 
   scatter = lambda x, layer, rows, val: x.at[layer, rows].set(val, mode="drop")
   # By the platform the step is lowered for (not the default backend: AOT lowers across).
-  return jax.lax.platform_dependent(x, layer, rows, val, cpu=rowwise, default=scatter)
+  return jax.lax.platform_dependent(x, layer, rows, val, cpu=bits_scatter, default=scatter)
 
 
 def layer_slice(cache: Cache, layer) -> LayerKV:

@@ -280,8 +280,19 @@ class Tracker:
     self.adapter = adapter
 
   def fill(self, bits: np.ndarray, row: int) -> None:
+    """Write row ``row`` of the next-token bitmask (every word: all ones when unconstrained)."""
     if self.matcher is not None:
       self.matcher.fill(bits, row)
+    else:
+      bits[row] = -1
+
+  def fork(self) -> "Tracker":
+    """An independent tracker in the same parser and adapter state."""
+    new = object.__new__(type(self))
+    new.__dict__.update(self.__dict__)
+    new.matcher = self.matcher.fork() if self.matcher is not None else None
+    new.adapter = self.adapter.fork(new.matcher) if self.adapter is not None else None
+    return new
 
   def accept(self, token: int) -> tuple[np.ndarray, int]:
     if self.adapter is not None:
@@ -362,7 +373,10 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
   state_ids = np.full((B,), -1, np.int32)
 
   def fill(active):
-    bits[:] = -1
+    # an active row's tracker writes its whole row; only finished / padding rows are reset
+    idle = [b for b in range(B) if b >= n or not active[b]]
+    if idle:
+      bits[idle] = -1
     for b in range(n):
       if active[b]:
         trackers[b].fill(bits, b)

@@ -237,11 +237,16 @@ def test_streaming_and_int4_policies_on_the_pask_cache():
 def test_budget_matching_within_tolerance():
   lengths = [(int(p), int(g)) for p, g in zip(RNG.integers(200, 600, 40), RNG.integers(20, 90, 40))]
   q = BU.low_ratio(64)
-  for target in RNG.uniform(0.3, 0.7, 3):
+  floor = mikv.predict_b(0.0, lengths, 4, 32, q)   # sinks + recent in BF16, the rest INT4
+  assert q < floor < 0.45
+  for target in RNG.uniform(floor + 0.005, 0.7, 3):
     r = plan("h2o", target, lengths, sink=4, recent=32)
     assert abs(h2o.predict_b(r, lengths, 4, 32) - target) <= 0.01
     h = plan("mikv", target, lengths, sink=4, recent=32, q=q)
     assert abs(mikv.predict_b(h, lengths, 4, 32, q) - target) <= 0.01
+  # between q and the floor MiKV cannot reach the target: knob 0 with a warning naming the floor
+  with pytest.warns(UserWarning, match="below the floor"):
+    assert plan("mikv", 0.5 * (q + floor), lengths, sink=4, recent=32, q=q) == 0.0
     w = streaming.window_for(target, lengths, 4)
     got = np.mean([streaming.measured(p, g, 4, w)["total_B"] for p, g in lengths])
     assert abs(got - target) <= 0.01

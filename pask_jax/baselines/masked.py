@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -299,10 +300,20 @@ def plan(method: str, target: float, lengths, *, sink: int = 4, recent: int = 32
   included); SnapKV needs none (its per-request capacity comes from the target) -> ``target``."""
   target = budget.check_target(target)
   if method == "h2o":
-    return budget.bisect(lambda r: h2o.predict_b(r, lengths, sink, recent), target)
-  if method == "mikv":
+    f = lambda r: h2o.predict_b(r, lengths, sink, recent)
+  elif method == "mikv":
     mikv.high_ratio(target, q)  # raises below q
-    return budget.bisect(lambda r: mikv.predict_b(r, lengths, sink, recent, q), target)
-  if method == "snapkv":
+    f = lambda r: mikv.predict_b(r, lengths, sink, recent, q)
+  elif method == "snapkv":
     return target
-  raise ValueError(f"unknown masked method {method!r}")
+  else:
+    raise ValueError(f"unknown masked method {method!r}")
+  floor = f(0.0)
+  if target < floor - 1e-3:
+    # the protected sink/recent entries alone cost more than the target on these lengths: the
+    # closest reachable budget is the floor (knob 0), and the caller is told so
+    warnings.warn(f"{method}: target B {target:.3f} is below the floor {floor:.3f} set by the "
+                  f"{sink} sink + {recent} recent protected entries on these lengths; using knob 0 "
+                  f"(B {floor:.3f})", stacklevel=2)
+    return 0.0
+  return budget.bisect(f, target)

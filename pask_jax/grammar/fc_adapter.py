@@ -41,6 +41,7 @@ Choices (Table 5 vocabulary, per byte of the token):
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence
 
 import numpy as np
@@ -63,11 +64,12 @@ class Adapter:
   def __init__(self, grammar, tokenizer: Any, *, vocab: StateVocab | None = None,
                stop_ids: Sequence[int] | None = None):
     self.grammar = grammar
-    self.tb = tokenizer if isinstance(tokenizer, list) else tokenizer.token_bytes()
+    self.tb = tokenizer if isinstance(tokenizer, (list, tuple)) else tokenizer.token_bytes()
     self.stop_ids = frozenset(stop_ids if stop_ids is not None else tokenizer.stop_ids)
     self.vocab = vocab
     self.frontier = _frontier(grammar) if vocab is not None else None
     self.last_key: str | None = None
+    self._after: tuple | None = None   # (matcher, jump-forward string) after the last accept
 
   def accept(self, matcher, token: int) -> tuple[np.ndarray, int]:
     """Accept ``token`` on ``matcher`` and return (tag candidates int32[4], parser-state id)."""
@@ -75,14 +77,35 @@ class Adapter:
     if token in self.stop_ids:
       if not matcher.accept(token):
         raise RuntimeError(f"grammar rejected stop token {token}")
+      self._after = None
       return T.candidates(T.STOP), self._state_id(matcher)
-    before = matcher.m.find_jump_forward_string().encode()
+    # the forced string before this token is the one read after the previous accept, when this
+    # adapter saw that accept on this very matcher (saves one XGrammar call per token)
+    prev = self._after
+    before = (prev[1] if prev is not None and prev[0] is matcher
+              else matcher.m.find_jump_forward_string()).encode()
     if not matcher.accept(token):
+      self._after = None
       raise RuntimeError(f"grammar rejected token {token} ({self.tb[token]!r})")
     after = matcher.m.find_jump_forward_string()
+    self._after = (matcher, after)
     nxt = T.Next.LOOKAHEAD_CRITICAL if not after and not matcher.m.is_terminated() \
         else T.Next.NO_LOOKAHEAD
     return self._tag(self.tb[token], before, nxt), self._state_id(matcher)
+
+  def fork(self, matcher=None) -> "Adapter":
+    """An independent adapter in the same scan state (for a forked ``matcher``, if given).
+
+    Heavy shared parts (token bytes, grammar, tool schemas, state vocabulary) are shared; the
+    per-request scan state is copied by :meth:`_copy_state`."""
+    new = copy.copy(self)
+    self._copy_state(new)
+    if self._after is not None:
+      new._after = (matcher, self._after[1]) if matcher is not None else None
+    return new
+
+  def _copy_state(self, new: "Adapter") -> None:
+    raise NotImplementedError(f"{type(self).__name__} cannot fork")
 
   def tag_bytes(self, data: bytes, forced: bytes = b"",
                 nxt: T.Next = T.Next.NO_LOOKAHEAD) -> np.ndarray:
@@ -189,6 +212,12 @@ class _Frame:
     self.tool = None
     self.props, self.req = _merged(schema) if ctx == "args" else ({}, set())
 
+  def copy(self) -> "_Frame":
+    new = object.__new__(_Frame)
+    for k in _Frame.__slots__:   # props/req/schema are never mutated after construction
+      setattr(new, k, getattr(self, k))
+    return new
+
 
 class FCAdapter(Adapter):
   """Tags of tool-call outputs in every format of :mod:`pask_jax.grammar.toolcall`.
@@ -207,12 +236,17 @@ class FCAdapter(Adapter):
     self.reset()
 
   def reset(self) -> None:
+    self._after = None
     self.stack: list[_Frame] = []
     self.instr = None        # None, "key" or "value"
     self.esc = False
     self.buf = bytearray()   # the current string's bytes
     self.str_tag: Any = SCAF
     self.scalar = None       # tag of the number/literal being scanned
+
+  def _copy_state(self, new: "FCAdapter") -> None:
+    new.stack = [f.copy() for f in self.stack]
+    new.buf = bytearray(self.buf)
 
   def _pack(self, c, r, crit, nxt):
     return T.fc(c, r, T.FCState.CRITICAL if crit else T.FCState.BOUNDARY, nxt)

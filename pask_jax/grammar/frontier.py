@@ -30,6 +30,7 @@ SUPPORTED = ("0.2.8", "0.2.9")
 UNSEEN = -1
 
 _HEAD = re.compile(r"There are \d+ steps in history\. Last step: \[")
+_PAIR = re.compile(r"rule_id=(-?\d+), sequence_id=-?\d+, element_id=(-?\d+),")
 _STATE = re.compile(r"ParserState\(rule_id=(-?\d+), sequence_id=(-?\d+), element_id=(-?\d+), "
                     r"rule_start_pos=(-?\d+), sub_element_id=(-?\d+)\)")
 
@@ -92,16 +93,30 @@ class Frontier:
   def __init__(self, compiled):
     check_version()
     self.names = rule_names(compiled)
+    self._keys: dict[frozenset, str] = {}   # frontier (rule id, element id) pairs -> key
 
   def states(self, xm) -> list[ParserState]:
     return parse(xm._debug_print_internal_state())
 
   def key(self, xm) -> str:
     """The state key: sorted unique ``name:element`` pairs joined by ``|`` ("" when empty)."""
-    names = self.names
-    pairs = {(names[s.rule_id] if 0 <= s.rule_id < len(names) else f"#{s.rule_id}", s.element_id)
-             for s in self.states(xm)}
-    return "|".join(f"{n}:{e}" for n, e in sorted(pairs))
+    # Hot path (once per accepted token): read only the (rule, element) pairs and memoize the
+    # key per distinct pair set; parse() does the full, checked read of the same string.
+    text = xm._debug_print_internal_state()
+    head = _HEAD.search(text)
+    end = text.find("]", head.end()) if head is not None else -1
+    if end < 0:
+      parse(text)   # raises the descriptive FrontierError
+    ids = frozenset(_PAIR.findall(text, head.end(), end))
+    key = self._keys.get(ids)
+    if key is None:
+      if not ids and "ParserState" in text[head.end():end]:
+        parse(text)
+      names = self.names
+      pairs = {(names[r] if 0 <= r < len(names) else f"#{r}", int(e))
+               for r, e in ((int(r), e) for r, e in ids)}
+      key = self._keys[ids] = "|".join(f"{n}:{e}" for n, e in sorted(pairs))
+    return key
 
 
 def key_hash(key: str) -> int:

@@ -27,7 +27,7 @@ class GrammarCompiler:
 
   def __init__(self, tokenizer, vocab_size: int):
     xgr = _xgr()
-    vocab = tokenizer.token_bytes()
+    vocab = list(tokenizer.token_bytes())
     vocab += [b""] * (vocab_size - len(vocab))  # padding rows of the lm_head: never allowed
     self.vocab_size = vocab_size
     self.stop_ids = list(tokenizer.stop_ids)
@@ -77,6 +77,12 @@ class Matcher:
 
   def accept(self, token: int) -> bool:
     return self.m.accept_token(int(token))
+
+  def fork(self) -> "Matcher":
+    """An independent matcher in the same state (XGrammar copies the parser state)."""
+    new = object.__new__(Matcher)
+    new.grammar, new.m = self.grammar, self.m.fork()
+    return new
 
   def rollback(self, n: int) -> None:
     self.m.rollback(n)

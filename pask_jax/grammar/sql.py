@@ -177,12 +177,21 @@ class SQLAdapter(Adapter):
     self.reset()
 
   def reset(self) -> None:
+    self._after = None
     self.clauses: list[str | None] = [None]  # clause per parenthesis level
     self.word: _Word | None = None
     self.quote: str | None = None   # "'" in a string literal, '"' in a quoted identifier
     self.quote_end = False          # just saw a quote that may close (or double) the literal
     self.number = False
     self.prev_word = ""             # last closed word (for AS)
+
+  def _copy_state(self, new: "SQLAdapter") -> None:
+    new.clauses = list(self.clauses)
+    if self.word is not None:
+      w = new.word = object.__new__(_Word)
+      for k in _Word.__slots__:
+        setattr(w, k, getattr(self.word, k))
+      w.ad = new
 
   def _pack(self, c, r, crit, nxt):
     if not crit:
