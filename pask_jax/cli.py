@@ -153,7 +153,7 @@ def cmd_eval(args) -> int:
   rc = E.RunConfig(args.method, args.budget, args.split,
                    tuple(args.categories) if args.categories else None, args.max_cases,
                    args.max_tokens, args.policy,
-                   E.read_knobs(args.knobs) if args.knobs else None)
+                   E.read_knobs(args.knobs) if args.knobs else None, args.skip_cases)
   try:
     E.check_config(rc)
   except ValueError as e:
@@ -197,6 +197,20 @@ def cmd_report(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   print(f"wrote {args.out}/report.md and {args.out}/accuracy_vs_B.png", file=sys.stderr)
+  return 0
+
+
+def cmd_merge(args) -> int:
+  """``pask-jax merge``: one run directory from runs of one configuration over disjoint slices."""
+  from pask_jax import evaluate as E
+  try:
+    meta = E.merge(args.runs, args.out)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
+  o = meta["categories"]["overall"]
+  print(f"{meta['method']} B={meta['budget']:g}: {o['n']} cases, accuracy "
+        f"{100 * o['accuracy']:.2f}%, measured B {o['total_B']:.3f}; wrote {args.out}",
+        file=sys.stderr)
   return 0
 
 
@@ -251,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument("--policy", default=None, help="PASK policy directory (--method pask)")
   e.add_argument("--knobs", default=None, help="knobs.json from pask-jax tune (dev-tuned)")
   e.add_argument("--max-cases", type=int, default=None, help="at most N cases per category")
+  e.add_argument("--skip-cases", type=int, default=0,
+                 help="leave out the first N cases per category (run a later slice; pool the "
+                      "slices with pask-jax merge)")
   e.add_argument("--categories", nargs="+", default=None,
                  help="BFCL categories (default: the four non-live ones)")
   e.add_argument("--max-tokens", type=int, default=128)
@@ -272,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
   t.add_argument("--out", required=True, help="output directory (knobs.json, tune.csv)")
   from calibrate import cli as calibrate_cli
   calibrate_cli.add_parser(sub)
+  mg = sub.add_parser("merge", help="pool eval runs of one configuration over disjoint slices")
+  mg.add_argument("runs", nargs="+", help="eval output directories (same method, budget, split)")
+  mg.add_argument("--out", required=True)
   r = sub.add_parser("report", help="markdown table + accuracy-vs-B plot of eval runs")
   r.add_argument("runs", nargs="+", help="eval output directories")
   r.add_argument("--out", required=True)
@@ -284,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_serve(args)
   if args.cmd == "report":
     return cmd_report(args)
+  if args.cmd == "merge":
+    return cmd_merge(args)
   if args.cmd == "calibrate":
     return calibrate_cli.run(args)
   if args.cmd in ("eval", "tune"):

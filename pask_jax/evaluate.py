@@ -72,10 +72,10 @@ class BFCLTask:
     self.grammars = bfcl.Grammars(compiler, self.fmt, indent) if compiler is not None else None
 
   def cases(self, split: str, categories: Sequence[str] | None = None,
-            max_cases: int | None = None) -> list:
+            max_cases: int | None = None, skip: int = 0) -> list:
     cats = tuple(categories) if categories else self.bfcl.NONLIVE
     cs = self.bfcl.load(cats, split=SPLIT_NAMES.get(split, split), seed=self.seed)
-    return _cap_per_category(cs, max_cases)
+    return _cap_per_category(cs, max_cases, skip)
 
   def prepare(self, cases, prompt_labels: bool) -> list[Prepared]:
     ps = self.bfcl.prepare(cases, self.tok, arch=self.arch, prompt_labels=prompt_labels,
@@ -86,15 +86,16 @@ class BFCLTask:
     return self.bfcl.score(case, text, complete=complete, fmt=self.fmt)
 
 
-def _cap_per_category(cases: list, max_cases: int | None) -> list:
-  """At most ``max_cases`` per category, in order (a deterministic cut)."""
-  if not max_cases:
-    return list(cases)
+def _cap_per_category(cases: list, max_cases: int | None, skip: int = 0) -> list:
+  """Per category, in order, the cases after the first ``skip``, at most ``max_cases`` of them (a
+  deterministic cut: runs over disjoint slices of one split can be pooled by :func:`merge`)."""
+  if skip < 0:
+    raise ValueError(f"skip must be >= 0, got {skip}")
   seen: dict[str, int] = {}
   out = []
   for c in cases:
-    if seen.get(c.category, 0) < max_cases:
-      seen[c.category] = seen.get(c.category, 0) + 1
+    k = seen[c.category] = seen.get(c.category, 0) + 1
+    if k > skip and (not max_cases or k <= skip + max_cases):
       out.append(c)
   return out
 
@@ -111,6 +112,7 @@ class RunConfig:
   max_tokens: int = 128
   policy: str | None = None          # pask: a policy directory (or all-high / demo)
   knobs: dict | None = None           # see DEFAULT_KNOBS; merged over it
+  skip_cases: int = 0                 # per category: leave out the first N (run a later slice)
 
 
 def check_config(rc: RunConfig) -> None:
@@ -124,6 +126,8 @@ def check_config(rc: RunConfig) -> None:
     raise ValueError(f"unknown split {rc.split!r}; choose from cal, dev, test")
   if rc.max_tokens <= 0:
     raise ValueError("max_tokens must be positive")
+  if rc.skip_cases < 0:
+    raise ValueError("skip_cases must be >= 0")
 
 
 def merged_knobs(knobs: dict | None) -> dict:
@@ -232,7 +236,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = T
   from pask_jax.decode import Sampling, Tracker, generate
   check_config(rc)
   if cases is None:
-    cases = s.task.cases(rc.split, rc.categories, rc.max_cases)
+    kw = {"skip": rc.skip_cases} if rc.skip_cases else {}
+    cases = s.task.cases(rc.split, rc.categories, rc.max_cases, **kw)
   if not cases:
     raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
   pask = rc.method == "pask"
@@ -404,6 +409,60 @@ def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "smal
       for row in log:
         w.writerow(row)
   return res
+
+
+def read_cases(d: str) -> list[dict]:
+  """The per-case rows of a run directory (``cases.jsonl`` or ``cases.jsonl.gz``)."""
+  import gzip
+  for name, opener in (("cases.jsonl", open), ("cases.jsonl.gz", gzip.open)):
+    p = os.path.join(d, name)
+    if os.path.exists(p):
+      with opener(p, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+  raise ValueError(f"{d}: no cases.jsonl(.gz) (not a pask-jax eval run directory)")
+
+
+# What must agree for runs to be pooled (one method at one operating point).  Settings solved
+# from a slice's own prompt lengths to meet the target B (H2O/MiKV ratio, StreamingLLM window, the
+# ĝ a rerun re-estimates) may differ between slices; they are kept per slice.
+_SAME = ("method", "budget", "split", "model_identity", "task", "max_tokens")
+_SOLVED = ("ratio", "window", "gen")
+
+
+def _fixed(settings: dict) -> dict:
+  return {k: v for k, v in (settings or {}).items() if k not in _SOLVED}
+
+
+def merge(dirs: Sequence[str], out: str) -> dict:
+  """Pool runs of ONE configuration over disjoint case slices (e.g. ``--max-cases 80`` and
+  ``--skip-cases 80`` on the same split) into one run directory: cases concatenated, summary
+  recomputed from them.  Refuses runs whose method, budget, split, model, task, max_tokens or
+  resolved settings differ, and cases that occur twice."""
+  metas = load_runs(dirs)
+  first = metas[0]
+  for m in metas[1:]:
+    bad = [k for k in _SAME if m.get(k) != first.get(k)]
+    if _fixed(m.get("settings")) != _fixed(first.get("settings")):
+      bad.append("settings")
+    if bad:
+      raise ValueError(f"{m['dir']} differs from {first['dir']} in {', '.join(bad)}: "
+                       "only runs of one configuration can be merged")
+  rows: list[dict] = []
+  seen: dict[tuple, str] = {}
+  for m in metas:
+    for r in read_cases(m["dir"]):
+      key = (r["category"], r["id"])
+      if key in seen:
+        raise ValueError(f"case {r['id']} ({r['category']}) is in both {seen[key]} and "
+                         f"{m['dir']}: merge disjoint slices only")
+      seen[key] = m["dir"]
+      rows.append(r)
+  meta = {k: v for k, v in first.items() if k != "dir"}
+  meta.update(n_cases=len(rows), wall_s=float(sum(m.get("wall_s", 0.0) for m in metas)),
+              merged_from=[m["dir"] for m in metas],
+              settings_by_slice=[m.get("settings") for m in metas], categories=summarize(rows))
+  write(out, rows, meta)
+  return meta
 
 
 def read_knobs(path: str) -> dict:

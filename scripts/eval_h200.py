@@ -66,6 +66,9 @@ def main(argv=None) -> int:
   ap.add_argument("--methods", nargs="+",
                   default=["pask", "streaming", "h2o", "snapkv", "mikv", "int4"])
   ap.add_argument("--max-cases", type=int, default=None, help="test cases per category (all)")
+  ap.add_argument("--skip-cases", type=int, default=0,
+                  help="leave out the first N test cases per category (a later slice; pool the "
+                       "slices' run directories with `pask-jax merge`)")
   ap.add_argument("--tune-cases", type=int, default=20, help="dev cases per category for tuning")
   ap.add_argument("--tune-budget", type=float, default=0.33)
   ap.add_argument("--grid", choices=["small", "paper"], default="small")
@@ -106,14 +109,15 @@ def main(argv=None) -> int:
   timing["tune"] = time.perf_counter() - t
   print("frozen knobs:", json.dumps(knobs), flush=True)
 
-  test = s.task.cases("test", cats, a.max_cases)
+  test = s.task.cases("test", cats, a.max_cases, skip=a.skip_cases)
   dirs = []
 
   def one(method, budget, policy=None):
     name = method if method in ("full", "int4") else f"{method}_B{budget:.2f}"
     out = os.path.join(a.out, name)
     t = time.perf_counter()
-    rc = E.RunConfig(method, budget, "test", cats, a.max_cases, a.max_tokens, policy, knobs)
+    rc = E.RunConfig(method, budget, "test", cats, a.max_cases, a.max_tokens, policy, knobs,
+                     a.skip_cases)
     meta = E.run(s, rc, out, progress=prog, cases=test)
     o = meta["categories"]["overall"]
     if method in ("streaming", "snapkv") and abs(o["total_B"] - budget) > a.tolerance:

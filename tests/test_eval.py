@@ -44,16 +44,16 @@ class EnumTask:
     self.grammar = tool_call_grammar(compiler, [TOOL], "json_list", max_calls=1)
     self.seed = int(RNG.integers(1 << 30))
 
-  def cases(self, split, categories=None, max_cases=None):
+  def cases(self, split, categories=None, max_cases=None, skip=0):
     rng = np.random.default_rng([self.seed, len(split)])
     cats = ["simple_python", "multiple", "parallel"]
     out = []
-    for i in range(max_cases or 6):
+    for i in range(6):
       c = COLORS[int(rng.integers(4))]
       filler = " ".join(rng.choice(["please", "the", "wall", "now", "colour", "room"],
                                    int(rng.integers(60, 100))))
       out.append(Case(f"{split}_{i}", cats[i % 3], c, f"{filler}. Paint it {c}."))
-    return out
+    return E._cap_per_category(out, max_cases, skip)   # the harness's own per-category cut
 
   def prepare(self, cases, prompt_labels):
     from pask_jax.grammar.prompt_spans import label_prompt
@@ -192,3 +192,32 @@ def test_bad_input(session, tmp_path):
   with pytest.raises(ValueError, match="not found"):
     E.run(session, E.RunConfig("pask", 0.5, "test", policy=str(tmp_path / "missing"),
                                max_tokens=8), None, progress=False)
+
+
+def test_slices_merge_into_the_whole_run(session, runs, tmp_path):
+  root, out = runs
+  a = E.run(session, E.RunConfig("h2o", 0.5, "test", max_cases=1, max_tokens=48,
+                                 knobs={"h2o": {"sink": 2, "recent": 8}}),
+            str(tmp_path / "a"), progress=False)
+  b = E.run(session, E.RunConfig("h2o", 0.5, "test", max_tokens=48, skip_cases=1,
+                                 knobs={"h2o": {"sink": 2, "recent": 8}}),
+            str(tmp_path / "b"), progress=False)
+  ra, rb = E.read_cases(str(tmp_path / "a")), E.read_cases(str(tmp_path / "b"))
+  assert len(ra) == 3 and len(rb) == 3 and not {r["id"] for r in ra} & {r["id"] for r in rb}
+  from pask_jax import cli
+  assert cli.main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out",
+                   str(tmp_path / "m")]) == 0
+  m = json.load(open(tmp_path / "m" / "summary.json"))
+  rows = E.read_cases(str(tmp_path / "m"))
+  assert m["n_cases"] == 6 and {r["id"] for r in rows} == {c.id for c in session.task.cases("test")}
+  assert m["categories"] == json.loads(json.dumps(E.summarize(ra + rb)))
+  n = lambda d: d["categories"]["overall"]["n"]
+  acc = lambda d: d["categories"]["overall"]["accuracy"]
+  assert acc(m) == pytest.approx((n(a) * acc(a) + n(b) * acc(b)) / 6)
+  assert len(m["settings_by_slice"]) == 2
+  with pytest.raises(ValueError, match="in both"):
+    E.merge([str(tmp_path / "a"), str(tmp_path / "a")], str(tmp_path / "x"))
+  with pytest.raises(ValueError, match="method"):
+    E.merge([str(tmp_path / "a"), str(root / "full")], str(tmp_path / "x"))
+  with pytest.raises(SystemExit, match="no summary.json"):
+    cli.main(["merge", str(tmp_path / "nope"), "--out", str(tmp_path / "x")])
