@@ -424,9 +424,10 @@ def read_cases(d: str) -> list[dict]:
 
 # What must agree for runs to be pooled (one method at one operating point).  Settings solved
 # from a slice's own prompt lengths to meet the target B (H2O/MiKV ratio, StreamingLLM window, the
-# ĝ a rerun re-estimates) may differ between slices; they are kept per slice.
+# ĝ a rerun re-estimates) may differ between slices, and so may the policy's directory (a path,
+# not the policy: its B_D and B_P must agree); they are kept per slice.
 _SAME = ("method", "budget", "split", "model_identity", "task", "max_tokens")
-_SOLVED = ("ratio", "window", "gen")
+_SOLVED = ("ratio", "window", "gen", "policy")
 
 
 def _fixed(settings: dict) -> dict:
