@@ -291,7 +291,7 @@ class Tracker:
     new = object.__new__(type(self))
     new.__dict__.update(self.__dict__)
     new.matcher = self.matcher.fork() if self.matcher is not None else None
-    new.adapter = self.adapter.fork(new.matcher) if self.adapter is not None else None
+    new.adapter = self.adapter.fork() if self.adapter is not None else None
     return new
 
   def accept(self, token: int) -> tuple[np.ndarray, int]:

@@ -236,8 +236,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = T
   from pask_jax.decode import Sampling, Tracker, generate
   check_config(rc)
   if cases is None:
-    kw = {"skip": rc.skip_cases} if rc.skip_cases else {}
-    cases = s.task.cases(rc.split, rc.categories, rc.max_cases, **kw)
+    cases = s.task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
   if not cases:
     raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
   pask = rc.method == "pask"

@@ -37,7 +37,8 @@ Choices (Table 5 vocabulary, per byte of the token):
 * A stop token gets ``[STOP, PAD, PAD, PAD]`` (it charges nothing, B.7).
 * Schemas: ``properties``/``required``/``items``, with ``anyOf``/``oneOf``/``allOf`` branches
   merged; ``$ref`` is not followed (such values count as free, keys as optional).
-* Rollback is not supported: the scan is forward-only (fork a fresh adapter after a rollback).
+* Rollback is not supported: the scan is forward-only (build a fresh adapter after a rollback).
+  ``fork()`` copies the scan state, for a matcher forked at the same point.
 """
 from __future__ import annotations
 
@@ -69,7 +70,6 @@ class Adapter:
     self.vocab = vocab
     self.frontier = _frontier(grammar) if vocab is not None else None
     self.last_key: str | None = None
-    self._after: tuple | None = None   # (matcher, jump-forward string) after the last accept
 
   def accept(self, matcher, token: int) -> tuple[np.ndarray, int]:
     """Accept ``token`` on ``matcher`` and return (tag candidates int32[4], parser-state id)."""
@@ -77,31 +77,22 @@ class Adapter:
     if token in self.stop_ids:
       if not matcher.accept(token):
         raise RuntimeError(f"grammar rejected stop token {token}")
-      self._after = None
       return T.candidates(T.STOP), self._state_id(matcher)
-    # the forced string before this token is the one read after the previous accept, when this
-    # adapter saw that accept on this very matcher (saves one XGrammar call per token)
-    prev = self._after
-    before = (prev[1] if prev is not None and prev[0] is matcher
-              else matcher.m.find_jump_forward_string()).encode()
+    before = matcher.m.find_jump_forward_string().encode()
     if not matcher.accept(token):
-      self._after = None
       raise RuntimeError(f"grammar rejected token {token} ({self.tb[token]!r})")
     after = matcher.m.find_jump_forward_string()
-    self._after = (matcher, after)
     nxt = T.Next.LOOKAHEAD_CRITICAL if not after and not matcher.m.is_terminated() \
         else T.Next.NO_LOOKAHEAD
     return self._tag(self.tb[token], before, nxt), self._state_id(matcher)
 
-  def fork(self, matcher=None) -> "Adapter":
-    """An independent adapter in the same scan state (for a forked ``matcher``, if given).
+  def fork(self) -> "Adapter":
+    """An independent adapter in the same scan state (to pair with a forked matcher).
 
     Heavy shared parts (token bytes, grammar, tool schemas, state vocabulary) are shared; the
     per-request scan state is copied by :meth:`_copy_state`."""
     new = copy.copy(self)
     self._copy_state(new)
-    if self._after is not None:
-      new._after = (matcher, self._after[1]) if matcher is not None else None
     return new
 
   def _copy_state(self, new: "Adapter") -> None:
@@ -236,7 +227,6 @@ class FCAdapter(Adapter):
     self.reset()
 
   def reset(self) -> None:
-    self._after = None
     self.stack: list[_Frame] = []
     self.instr = None        # None, "key" or "value"
     self.esc = False

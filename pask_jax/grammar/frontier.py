@@ -100,22 +100,21 @@ class Frontier:
 
   def key(self, xm) -> str:
     """The state key: sorted unique ``name:element`` pairs joined by ``|`` ("" when empty)."""
-    # Hot path (once per accepted token): read only the (rule, element) pairs and memoize the
-    # key per distinct pair set; parse() does the full, checked read of the same string.
+    # Hot path (once per accepted token): the key depends only on the (rule, element) pairs, so
+    # read just those and memoize; a new pair set (or a malformed string) takes the full,
+    # checked parse().
     text = xm._debug_print_internal_state()
     head = _HEAD.search(text)
     end = text.find("]", head.end()) if head is not None else -1
-    if end < 0:
-      parse(text)   # raises the descriptive FrontierError
-    ids = frozenset(_PAIR.findall(text, head.end(), end))
+    ids = frozenset(_PAIR.findall(text, head.end(), end)) if end >= 0 else None
     key = self._keys.get(ids)
     if key is None:
-      if not ids and "ParserState" in text[head.end():end]:
-        parse(text)
       names = self.names
-      pairs = {(names[r] if 0 <= r < len(names) else f"#{r}", int(e))
-               for r, e in ((int(r), e) for r, e in ids)}
-      key = self._keys[ids] = "|".join(f"{n}:{e}" for n, e in sorted(pairs))
+      pairs = {(names[s.rule_id] if 0 <= s.rule_id < len(names) else f"#{s.rule_id}",
+                s.element_id) for s in parse(text)}
+      key = "|".join(f"{n}:{e}" for n, e in sorted(pairs))
+      if ids:   # not the empty set: an unrecognized state format must keep reaching parse()
+        self._keys[ids] = key
     return key
 
 

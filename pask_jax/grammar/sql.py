@@ -177,7 +177,6 @@ class SQLAdapter(Adapter):
     self.reset()
 
   def reset(self) -> None:
-    self._after = None
     self.clauses: list[str | None] = [None]  # clause per parenthesis level
     self.word: _Word | None = None
     self.quote: str | None = None   # "'" in a string literal, '"' in a quoted identifier
