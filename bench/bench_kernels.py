@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pask_jax import quant  # noqa: E402
+from pallas_kernels import int4  # noqa: E402
 from pallas_kernels import synth  # noqa: E402
 from pallas_kernels.gpu import decode_attention_gpu  # noqa: E402
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window  # noqa: E402
@@ -52,7 +52,7 @@ def build(key, b, hq, hkv, d, lo_len, hi_len, win_len):
     return jax.random.normal(k, shape, jnp.float32).astype(bf)
   kw, vw = normal(ks[0], (b, WIN, hkv, d)), normal(ks[1], (b, WIN, hkv, d))
   hi = HighPool(normal(ks[2], (max(p_hi, 0), PAGE, hkv, d)), normal(ks[3], (max(p_hi, 0), PAGE, hkv, d)))
-  qz = jax.jit(quant.quantize_packed)
+  qz = jax.jit(int4.quantize_packed)
   kc, ksc = qz(jax.random.normal(ks[4], (p_lo, PAGE, hkv, d), jnp.float32))
   vc, vsc = qz(jax.random.normal(ks[5], (p_lo, PAGE, hkv, d), jnp.float32))
   lo = LowPool(kc, vc, jnp.stack([ksc, vsc], -1))

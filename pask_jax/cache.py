@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
-from pask_jax import quant
+from pallas_kernels import int4
 from pask_jax import tags as T
 
 
@@ -187,8 +187,8 @@ def _flat(x: jax.Array) -> jax.Array:
 
 def _quant_kv(k: jax.Array, v: jax.Array):
   """K/V rows [..., D] -> (k codes [..., D/2], v codes, scales [..., 2]) per (token, head) row."""
-  kq, ks = quant.quantize_packed(k)
-  vq, vs = quant.quantize_packed(v)
+  kq, ks = int4.quantize_packed(k)
+  vq, vs = int4.quantize_packed(v)
   return kq, vq, jnp.stack([ks, vs], axis=-1)
 
 
