@@ -474,13 +474,14 @@ def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, cap
 
 
 def _slot_state(cache: Cache, hi_row: jax.Array, lo_row: jax.Array) -> dict:
-  """The per-sequence fields of an empty batch-1 sequence with page rows ``[n_pages]``."""
+  """The per-sequence fields of an empty batch-1 sequence with page rows ``[n_pages]`` (the same
+  for every layer group) or ``[G, n_pages]``."""
   G, W = cache.n_groups, cache.window
+  rows = lambda r, n: jnp.broadcast_to(jnp.asarray(r, jnp.int32), (G, n))[:, None]
   return dict(
       win_pos=jnp.full((1, W), -1, jnp.int32), win_act=jnp.zeros((1, W, G), jnp.int8),
       count=jnp.zeros((1,), jnp.int32),
-      hi_pages=jnp.broadcast_to(jnp.asarray(hi_row, jnp.int32), (G, 1, cache.hi_pages.shape[2])),
-      lo_pages=jnp.broadcast_to(jnp.asarray(lo_row, jnp.int32), (G, 1, cache.lo_pages.shape[2])),
+      hi_pages=rows(hi_row, cache.hi_pages.shape[2]), lo_pages=rows(lo_row, cache.lo_pages.shape[2]),
       hi_len=jnp.zeros((G, 1), jnp.int32), lo_len=jnp.zeros((G, 1), jnp.int32),
       hi_pos=jnp.full((G, 1, cache.hi_pos.shape[2]), -1, jnp.int32),
       lo_pos=jnp.full((G, 1, cache.lo_pos.shape[2]), -1, jnp.int32),
@@ -503,8 +504,10 @@ def insert_slot(cache: Cache, slot, k: jax.Array, v: jax.Array, plan: jax.Array,
   """Reset sequence ``slot`` (may be traced) and store one prompt's full-precision prefill there.
 
   k, v: [L, 1, T, Hkv, D]; plan: int [1, T, G]; length: int [1]; hi_row/lo_row: int32
-  [n_pages] the slot's page tables (the same pages for every layer group: a page id names one
-  page in each layer's pool, so one free list per pool serves all groups).  Exactly
+  ``[G, n_pages]`` the slot's page table per layer group, or ``[n_pages]`` for the same pages in
+  every group.  A page id names one page in each layer of the pool and layer groups own
+  disjoint layers, so groups may reuse each other's ids: the engine keeps one free list per
+  (pool, group).  Exactly
   :func:`materialize_prefill` on a batch-1 view that shares the pools, written back into the
   slot; other slots are untouched (their pages are disjoint, which the engine guarantees).
   """
@@ -528,3 +531,20 @@ def release_slot(cache: Cache, slot) -> Cache:
   part = _slot_state(cache, jnp.full((cache.hi_pages.shape[2],), n_hi, jnp.int32),
                      jnp.full((cache.lo_pages.shape[2],), n_lo, jnp.int32))
   return cache.replace(**_put_slot(cache, slot, part))
+
+
+def assign_pages(cache: Cache, hi_new: jax.Array, lo_new: jax.Array) -> Cache:
+  """Give sequences new pages on demand, inside the jitted step (traced ids: no recompile).
+
+  hi_new/lo_new: int32 ``[G, B]``, the id of a fresh page for the next entry of (group g,
+  sequence b) — the page that entry ``*_len[g, b]`` starts, written at table index
+  ``*_len // page`` — or -1 for none.  The engine passes an id exactly when the token leaving
+  the window at this step starts a new page of that pool (it mirrors the pending actions).
+  """
+  def put(pages, length, new):
+    G, B, n = pages.shape
+    idx = jnp.where(new >= 0, length // cache.page, n)              # n: dropped
+    return pages.at[jnp.arange(G)[:, None], jnp.arange(B)[None], idx].set(new, mode="drop")
+
+  return cache.replace(hi_pages=put(cache.hi_pages, cache.hi_len, jnp.asarray(hi_new, jnp.int32)),
+                       lo_pages=put(cache.lo_pages, cache.lo_len, jnp.asarray(lo_new, jnp.int32)))

@@ -113,11 +113,15 @@ def cmd_serve(args) -> int:
   try:
     app, engine = build(args.model, args.policy, slots=args.slots, context=args.context,
                         page=args.page, hi_pages=args.hi_pages, lo_pages=args.lo_pages,
+                        kv_memory_gb=args.kv_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_mix=args.kv_mix, preemption=args.preemption,
                         dtype=args.dtype, default_max_tokens=args.default_max_tokens)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
-  print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, context "
+  print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
         f"{args.context}, policy {args.policy})", file=sys.stderr)
+  print(f"pask-jax serve: {engine.sizing.describe()}", file=sys.stderr)
   try:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
   finally:
@@ -214,6 +218,36 @@ def cmd_merge(args) -> int:
   return 0
 
 
+def _positive(text: str) -> int:
+  try:
+    v = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+  return v
+
+
+def _positive_float(text: str) -> float:
+  try:
+    v = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+  if not v > 0:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+  return v
+
+
+def _fraction(text: str) -> float:
+  try:
+    v = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+  if not 0 <= v <= 1:
+    raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+  return v
+
+
 def main(argv: list[str] | None = None) -> int:
   _pick_platform()
   ap = argparse.ArgumentParser(prog="pask-jax", description="PASK structured-generation KV tools")
@@ -243,14 +277,31 @@ def main(argv: list[str] | None = None) -> int:
   s.add_argument("--policy", default="all-high", help="all-high (default), demo, or a policy dir")
   s.add_argument("--host", default="127.0.0.1")
   s.add_argument("--port", type=int, default=8000)
-  s.add_argument("--slots", type=int, default=4, help="decode batch size")
-  s.add_argument("--context", type=int, default=2048,
-                 help="most tokens (prompt + max_tokens) per request")
-  s.add_argument("--page", type=int, default=16, help="tokens per KV page")
-  s.add_argument("--hi-pages", type=int, default=None,
-                 help="BF16 pool size in pages (default: every slot at full context)")
-  s.add_argument("--lo-pages", type=int, default=None,
-                 help="INT4 pool size in pages (default: as --hi-pages if the policy emits L)")
+  s.add_argument("--max-num-seqs", "--slots", dest="slots", type=_positive, default=4,
+                 metavar="N",
+                 help="decode batch: requests decoded together (alias --slots)")
+  s.add_argument("--max-model-len", "--context", dest="context", type=_positive, default=2048,
+                 metavar="N",
+                 help="most tokens (prompt + max_tokens) per request (alias --context)")
+  s.add_argument("--page", type=_positive, default=16, help="tokens per KV page")
+  mem = s.add_mutually_exclusive_group()
+  mem.add_argument("--kv-memory", type=_positive_float, default=None, metavar="GB",
+                   help="KV cache memory budget in GB: both pools sized from it and the "
+                        "policy's expected H/L mix (default: every slot at full context)")
+  mem.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
+                   metavar="FRACTION", help="KV budget as this fraction of the device's free "
+                                            "memory after loading the weights (like vLLM)")
+  s.add_argument("--kv-mix", type=_fraction, nargs=2, default=None, metavar=("H", "L"),
+                 help="expected fractions of window-leaving entries stored H and L, for "
+                      "sizing (default: from the policy; e.g. from pask_actions_total)")
+  s.add_argument("--hi-pages", type=_positive, default=None,
+                 help="BF16 pool size in pages (overrides the budget's)")
+  s.add_argument("--lo-pages", type=_positive, default=None,
+                 help="INT4 pool size in pages (overrides the budget's)")
+  s.add_argument("--preemption", choices=["recompute", "replay"], default="recompute",
+                 help="when a pool runs dry the youngest request is preempted and later "
+                      "re-prefilled: with its generated tokens (recompute, one prefill) or by "
+                      "re-feeding them through the decode step (replay, bit-exact output)")
   s.add_argument("--default-max-tokens", type=int, default=256)
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   s.add_argument("--log-level", default="info")

@@ -435,6 +435,9 @@ def _prometheus(engine: Engine, http: dict) -> str:
   metric("decode_step_seconds_total", "counter", "time in decode steps", [({}, g("decode_step_s"))])
   metric("decode_rows_total", "counter", "active rows summed over decode steps", [({}, g("decode_rows"))])
   metric("prefill_seconds_total", "counter", "time in prefills", [({}, g("prefill_s"))])
+  metric("preemptions_total", "counter",
+         "running requests preempted because a KV pool ran dry (re-prefilled later)",
+         [({}, g("preemptions"))])
   metric("admission_blocked_total", "counter",
          "engine iterations where the queue head waited for pages while a slot was free",
          [({"reason": "pages"}, g("admission_blocked_pages"))])
@@ -443,7 +446,8 @@ def _prometheus(engine: Engine, http: dict) -> str:
   metric("slots", "gauge", "decode batch slots", [({}, g("slots"))])
   for tier, key in (("bf16", "hi"), ("int4", "lo")):
     total, free = g(key + "_total"), g(key + "_free")
-    metric(f"pages_used_{tier}", "gauge", f"{tier} pool pages reserved by requests",
+    metric(f"pages_used_{tier}", "gauge",
+           f"{tier} pool pages held by requests (its scarcest layer group)",
            [({"pool": tier}, total - free)])
     metric(f"pages_free_{tier}", "gauge", f"{tier} pool pages free", [({"pool": tier}, free)])
   full = g("full_kv_bits")
@@ -462,9 +466,12 @@ def _prometheus(engine: Engine, http: dict) -> str:
 
 def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           context: int = 1024, page: int = 16, hi_pages: int | None = None,
-          lo_pages: int | None = None, dtype: str = "auto", default_max_tokens: int = 256,
+          lo_pages: int | None = None, kv_memory_gb: float | None = None,
+          gpu_memory_utilization: float | None = None, kv_mix=None,
+          preemption: str = "recompute", dtype: str = "auto", default_max_tokens: int = 256,
           warmup: bool = True):
-  """Load a model, resolve a policy, start an engine; -> (app, engine)."""
+  """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
+  :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen)."""
   import jax
   import jax.numpy as jnp
 
@@ -477,7 +484,10 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
     raise ValueError("this checkpoint has no tokenizer.json; the server needs one")
   pol = pol_mod.resolve(policy, m.cfg, tokenizer_hash=m.tokenizer.hash())
   engine = Engine(m.model, m.tokenizer, pol, slots=slots, context=context, page=page,
-                  hi_pages=hi_pages, lo_pages=lo_pages)
+                  hi_pages=hi_pages, lo_pages=lo_pages,
+                  kv_bytes=None if kv_memory_gb is None else int(kv_memory_gb * 1e9),
+                  gpu_memory_utilization=gpu_memory_utilization,
+                  mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption)
   if warmup:
     engine.warmup()
   engine.start()
