@@ -298,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                  help="BF16 pool size in pages (overrides the budget's)")
   s.add_argument("--lo-pages", type=_positive, default=None,
                  help="INT4 pool size in pages (overrides the budget's)")
-  s.add_argument("--preemption", choices=["recompute", "replay"], default="recompute",
-                 help="when a pool runs dry the youngest request is preempted and later "
-                      "re-prefilled: with its generated tokens (recompute, one prefill) or by "
-                      "re-feeding them through the decode step (replay, bit-exact output)")
+  s.add_argument("--preemption", choices=["replay", "recompute"], default="replay",
+                 help="when a pool runs dry the youngest request is preempted; when readmitted "
+                      "its prompt is prefilled again and its generated tokens re-fed through "
+                      "the decode step (replay, default: output continues bit-exactly) or "
+                      "prefilled with the prompt (recompute: one prefill, numerically close)")
   s.add_argument("--default-max-tokens", type=int, default=256)
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   s.add_argument("--log-level", default="info")

@@ -468,7 +468,7 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           context: int = 1024, page: int = 16, hi_pages: int | None = None,
           lo_pages: int | None = None, kv_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, kv_mix=None,
-          preemption: str = "recompute", dtype: str = "auto", default_max_tokens: int = 256,
+          preemption: str = "replay", dtype: str = "auto", default_max_tokens: int = 256,
           warmup: bool = True):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen)."""

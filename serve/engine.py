@@ -329,7 +329,7 @@ class Engine:
                page: int = 16, hi_pages: int | None = None, lo_pages: int | None = None,
                kv_bytes: int | None = None, gpu_memory_utilization: float | None = None,
                mix: tuple[float, float] | None = None, watermark: float = 0.01,
-               preemption: str = "recompute", backend: str = "auto",
+               preemption: str = "replay", backend: str = "auto",
                prefiller: Runner | None = None):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or

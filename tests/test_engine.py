@@ -16,7 +16,7 @@ from models.tokenizer import Tokenizer
 from pask_jax import policy as P
 from pask_jax import tags as T
 from pask_jax.decode import PaskRunner, Runner, Sampling, Tracker, generate
-from pask_jax.grammar import FCAdapter, GrammarCompiler, parse_calls, tool_call_grammar
+from pask_jax.grammar import FCAdapter, GrammarCompiler, tool_call_grammar
 from pask_jax.grammar.prompt_spans import label_prompt
 from serve.engine import (DenseEngine, Engine, Request, expected_mix, page_bytes, reachable,
                           size_pools)
@@ -24,10 +24,13 @@ from serve.engine import (DenseEngine, Engine, Request, expected_mix, page_bytes
 CFG = ModelConfig(arch="llama", vocab_size=49152, hidden=64, intermediate=128, n_layers=3,
                   n_heads=4, n_kv_heads=2, head_dim=16, tie_embeddings=True)
 PAGE, CTX, SLOTS = 4, 192, 4
-TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1,
-                                                            "maximum": 9}},
-    "required": ["city", "days"]}}]
+# A tool whose call cannot end before max_tokens (64 rows at least): every request decodes to
+# its length, so page demand is known and the tight pools below must preempt.
+ROW = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                        "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+       "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"name": "log_weather", "parameters": {"type": "object", "properties": {
+    "rows": {"type": "array", "items": ROW, "minItems": 64}}, "required": ["rows"]}}]
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,27 +55,49 @@ def grammar():
   return tool_call_grammar(GrammarCompiler(tok(), CFG.vocab_size), TOOLS, "json_list")
 
 
+@functools.lru_cache(maxsize=None)
 def pol(name):
   if name == "all-high":
     return P.all_high(CFG, window=8, sink=2)
+  if name == "sparse":
+    # Prompt text R at its floor, promoted to L by the prefill budget (about 2/3 of it); free
+    # generation L or R: most entries need an INT4 page or none, few a BF16 page.
+    prio = [[1.0, 0.5]] * 3
+    ents = {T.prompt(T.PromptLabel.PROTECTED_CONTENT): P.Entry([T.L] * 3, [T.R] * 3, prio),
+            T.fc(T.Cls.FREE_GENERATION): P.Entry([T.L] * 3, [T.R] * 3, prio)}
+    return P.build(ents, CFG, b_d=0.2, b_p=0.2, window=8, sink=2)
   return P.build(P._demo_entries(3), CFG, b_d=0.5, b_p=0.5, window=8, sink=2)
 
 
-def requests(n=6, tools=True):
+@functools.lru_cache(maxsize=None)
+def engine(policy, hi=None, lo=None, dense=False):
+  """One engine per configuration, shared by the tests (each leaves it idle and clean)."""
+  cls = DenseEngine if dense else Engine
+  return cls(model(), tok(), pol(policy), slots=SLOTS, context=CTX, page=PAGE, hi_pages=hi,
+             lo_pages=lo, prefiller=prefiller())
+
+
+def tight(policy):
+  """The engine whose pools hold the largest request alone (its worst case: every token beyond
+  the window in that pool) but not all running ones at once."""
+  worst = max(-(-(len(r.ids) + r.max_tokens - pol(policy).window) // PAGE) for r in requests())
+  return engine(policy, worst + 1, worst + 1 if reachable(pol(policy))[1] else None)
+
+
+def requests(n=5, tools=True):
   out = []
   for i in range(n):
     text = tok().apply_chat_template(
-        [{"role": "user", "content": "Weather in Paris? " * (2 + 2 * i)}])
+        [{"role": "user", "content": "Weather in Paris? " * (1 + i % 3)}])
     ids, tags = label_prompt(tok(), text)
     tr = Tracker(grammar(), FCAdapter(grammar(), tok())) if tools else Tracker()
-    out.append(Request(ids=ids, tags=tags, max_tokens=20 + 3 * i, tracker=tr))
+    out.append(Request(ids=ids, tags=tags, max_tokens=28 + 4 * i, tracker=tr))
   return out
 
 
-def run(policy, reqs, **kw):
-  """-> (engine, results in submission order, streamed text per request)."""
-  e = Engine(model(), tok(), policy, slots=SLOTS, context=CTX, page=PAGE, prefiller=prefiller(),
-             **kw)
+def run(e, reqs):
+  """Submit ``reqs`` to engine ``e`` at once -> (results in order, streamed text per request)."""
+  e.reset_metrics()
   done, text = {}, {}
   for r in reqs:
     def emit(kind, payload, r=r):
@@ -84,7 +109,27 @@ def run(policy, reqs, **kw):
     r.emit = emit
     e.submit(r)
   e.run_until_idle(max_iterations=5000)
-  return e, [done[r.rid] for r in reqs], [text.get(r.rid, "") for r in reqs]
+  return [done[r.rid] for r in reqs], [text.get(r.rid, "") for r in reqs]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(policy):
+  """The unconstrained run: the same requests one at a time (each alone fits the pools: no
+  pressure, no preemption; and a batch composition unlike the preempted run's)."""
+  e = tight(policy)
+  res = []
+  for r in requests():
+    res.append(run(e, [r])[0][0])
+    assert e.m["preemptions"] == 0
+  check_clean(e)
+  return res
+
+
+def is_call(text):
+  """``text`` follows the tool-call grammar's forced prefix (as far as both go)."""
+  head = '[{"name": "log_weather", "arguments": {"rows": [{"city": "'
+  n = min(len(text), len(head))
+  return n >= 20 and text[:n] == head[:n]
 
 
 def check_clean(e):
@@ -99,10 +144,6 @@ def check_clean(e):
   assert e.traces["step"] == 1
 
 
-def tight(e_ref, results, policy):
-  """Pools (hi, lo) that hold the largest request alone but not every request at once."""
-  worst = max(e_ref.worst_case(r["prompt_tokens"], len(r["tokens"]) + 1) for r in results)
-  return worst[0] + 1, (worst[1] + 1 if reachable(policy)[1] else None)
 
 
 # ---- sizing -----------------------------------------------------------------------------------
@@ -161,52 +202,50 @@ def test_gpu_memory_utilization_needs_a_reporting_device():
 
 def test_pages_follow_the_prompt_plan_and_the_device_tables():
   """After admission a slot holds exactly the pages of its prompt plan's window-leaving
-  entries; during decode the host mirror (lengths, page tables) equals the device cache."""
-  p = pol("demo")
-  e = Engine(model(), tok(), p, slots=SLOTS, context=CTX, page=PAGE, prefiller=prefiller())
-  rs = requests(3)
+  entries; at every step (preemptions included) the host mirror — entries and page table per
+  pool, group and slot — equals the device cache, and a page is taken exactly when its first
+  entry is materialized."""
+  e = tight("demo")
+  e.reset_metrics()
+  rs = requests()
   for r in rs:
     e.submit(r)
-  e._iterate()   # admit + prefill all three, one decode step
-  for r in rs:
-    b = r.slot
+  e._iterate()   # admission + prefill, then one decode step (at most one eviction per slot)
+  for r in [r for r in e.running if r is not None]:
     done = r.prompt_plan[:len(r.ids) - e.window]
     for X, code in enumerate((T.H, T.L)):
-      assert (e.lens[X, :, b] >= (done == code).sum(0)).all()
-  for _ in range(12):
+      extra = e.lens[X, :, r.slot] - (done == code).sum(0)
+      assert ((extra == 0) | (extra == 1)).all()
+  for _ in range(2000):
+    if e.idle():
+      break
     e._iterate()
     cache = e.state[0]
     lens = np.stack([np.asarray(cache.hi_len), np.asarray(cache.lo_len)])
     tables = [np.asarray(cache.hi_pages), np.asarray(cache.lo_pages)]
-    for b in np.flatnonzero(e.active):
+    for b in range(SLOTS):
+      if e.running[b] is None:
+        assert (lens[:, :, b] == 0).all() and (e.npg[:, :, b] == 0).all()
+        continue
       assert (lens[:, :, b] == e.lens[:, :, b]).all()
       for X in range(2):
         for g in range(e.G):
           k = e.npg[X, g, b]
-          assert k == -(-e.lens[X, g, b] // PAGE)   # a page exactly when its first entry came
+          assert k == -(-e.lens[X, g, b] // PAGE)
           assert (tables[X][g, b, :k] == e.tbl[X, g, b, :k]).all()
           assert (tables[X][g, b, k:] == e.totals[X]).all()
-  e.run_until_idle(max_iterations=2000)
+  assert e.m["preemptions"] > 0
   check_clean(e)
-
-
-def sparse_policy():
-  """Prompt text R at its floor, promoted to L by the prefill budget (about 2/3 of it); free
-  generation L or R: most entries need an INT4 page or none, few a BF16 page."""
-  prio = [[1.0, 0.5]] * 3
-  ents = {T.prompt(T.PromptLabel.PROTECTED_CONTENT): P.Entry([T.L] * 3, [T.R] * 3, prio),
-          T.fc(T.Cls.FREE_GENERATION): P.Entry([T.L] * 3, [T.R] * 3, prio)}
-  return P.build(ents, CFG, b_d=0.2, b_p=0.2, window=8, sink=2)
 
 
 def test_admission_by_prompt_plan_admits_more_than_worst_case_reservation():
   """Pools where the old reservation (every token beyond the window, in BOTH pools) admits one
   request at a time: admission by the prompt plan + pages on demand run several at once."""
-  p = sparse_policy()
   rs = requests(4, tools=False)
   worst = max(-(-(len(r.ids) + r.max_tokens - 8) // PAGE) for r in rs)
   hi = lo = int(1.9 * worst)     # the old rule: 2 x worst > 1.9 x worst -> one at a time
-  e, res, _ = run(p, rs, hi_pages=hi, lo_pages=lo)
+  e = engine("sparse", hi, lo)
+  res, _ = run(e, rs)
   check_clean(e)
   assert all(x["finish"] in ("stop", "length") for x in res)
   assert e.m["decode_rows"] / e.m["decode_steps"] > 1.5   # they decoded side by side
@@ -214,56 +253,53 @@ def test_admission_by_prompt_plan_admits_more_than_worst_case_reservation():
 
 # ---- preemption -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy,mode", [("all-high", "recompute"), ("demo", "replay")])
-def test_pool_too_small_still_completes_with_the_same_greedy_text(policy, mode):
+@pytest.mark.parametrize("policy", ["all-high", "demo"])
+def test_pool_too_small_still_completes_with_the_same_greedy_text(policy):
   """A pool too small for all running requests: preemption happens, every request completes
   with the tokens of an unconstrained run (tool calls under the real grammar), its streamed
   text equals the final text (nothing re-sent), and every page comes back."""
-  p = pol(policy)
-  ref_e, ref, _ = run(p, requests())
-  check_clean(ref_e)
-  assert ref_e.m["preemptions"] == 0
-  hi, lo = tight(ref_e, ref, p)
-  e, res, streamed = run(p, requests(), hi_pages=hi, lo_pages=lo, preemption=mode)
+  ref = reference(policy)
+  e = tight(policy)   # preemption="replay", the default
+  res, streamed = run(e, requests())
   assert e.m["preemptions"] > 0 and e.m["resumed"] == e.m["preemptions"]
   assert sum(x["preemptions"] for x in res) == e.m["preemptions"]
-  if mode == "replay":
-    assert e.m["replay_steps"] > 0
+  assert e.m["replay_steps"] > 0
   check_clean(e)
   for a, b, s in zip(ref, res, streamed):
     assert b["tokens"] == a["tokens"] and b["finish"] == a["finish"]
     assert s == b["text"]
-  if mode == "replay" or policy == "all-high":   # decisions and payload exactly as unpreempted
-    for a, b in zip(ref, res):
-      assert b["ledger"]["measured_B"] == a["ledger"]["measured_B"]
-      assert b["ledger"]["decode_counts"] == a["ledger"]["decode_counts"]
-  calls = [x for x in res if x["finish"] == "stop"]
-  for x in calls:
-    assert parse_calls(x["text"], "json_list")[0]["name"] == "get_weather"
+  for a, b in zip(ref, res):   # decisions and payload exactly as unpreempted
+    assert b["ledger"]["measured_B"] == a["ledger"]["measured_B"]
+    assert b["ledger"]["decode_counts"] == a["ledger"]["decode_counts"]
+  assert all(x["finish"] == "length" for x in res)
+  assert all(is_call(x["text"]) for x in res)
 
 
 def test_recompute_keeps_decisions_and_budget_under_a_compressing_policy():
-  """Recompute re-prefills prompt + generated tokens with the actions they were given and
-  restores balance and ledger: every request completes, nothing is re-sent, and the prefix a
-  request had generated before its preemption is kept."""
-  p = pol("demo")
-  ref_e, ref, _ = run(p, requests(tools=False))
-  hi, lo = tight(ref_e, ref, p)
-  e, res, streamed = run(p, requests(tools=False), hi_pages=hi, lo_pages=lo)
-  assert e.m["preemptions"] > 0 and e.traces["restore"] == 1
+  """preemption="recompute": prompt + generated tokens are re-prefilled with the actions they
+  were given, balance and ledger restored.  Every request completes under its grammar, nothing
+  is re-sent, the tokens generated before a preemption are kept, the ledger counts every token
+  once; only the continuation may differ (the generated tokens' K/V are recomputed at full
+  precision instead of through the compressed cache)."""
+  ref = reference("demo")
+  e = tight("demo")
+  e.preemption = "recompute"   # a host-side rule: the same compiled engine
+  try:
+    res, streamed = run(e, requests())
+  finally:
+    e.preemption = "replay"
+  assert e.m["preemptions"] > 0 and e.traces["restore"] == 1 and e.m["replay_steps"] == 0
   check_clean(e)
   for a, b, s in zip(ref, res, streamed):
-    assert s == b["text"] and b["finish"] in ("stop", "length")
+    assert s == b["text"] and b["finish"] == "length" and len(b["tokens"]) == len(a["tokens"])
+    assert is_call(b["text"])
     assert b["ledger"]["n_prompt"] == a["ledger"]["n_prompt"]
-    assert b["ledger"]["n_gen"] == len(b["tokens"]) - (b["finish"] == "length")
+    assert b["ledger"]["n_gen"] == a["ledger"]["n_gen"] == len(b["tokens"]) - 1
 
 
 def test_cancel_a_preempted_request_in_the_queue():
-  p = pol("all-high")
-  ref_e, ref, _ = run(p, requests(tools=False))
-  hi, _ = tight(ref_e, ref, p)
-  e = Engine(model(), tok(), p, slots=SLOTS, context=CTX, page=PAGE, hi_pages=hi,
-             prefiller=prefiller())
+  e = tight("all-high")
+  e.reset_metrics()
   rs, seen = requests(tools=False), {}
   for r in rs:
     r.emit = lambda kind, payload, r=r: seen.setdefault(r.rid, []).append(kind)
@@ -283,8 +319,8 @@ def test_cancel_a_preempted_request_in_the_queue():
 
 def test_allocation_overhead_per_step_is_small():
   """Host admission + page bookkeeping per decode step: well under the step itself."""
-  p = pol("demo")
-  e, _, _ = run(p, requests(tools=False), hi_pages=200, lo_pages=200)
+  e = tight("demo")
+  run(e, requests())
   steps = e.m["decode_steps"]
   over = (e.m["alloc_s"] + e.m["admit_s"]) / steps
   assert over < 1e-3, over                            # < 1 ms per step on this CPU
@@ -294,19 +330,13 @@ def test_allocation_overhead_per_step_is_small():
 # ---- the plain-XLA dense engine -----------------------------------------------------------------
 
 def test_dense_engine_matches_dense_generate():
-  rs = requests(3, tools=False)
-  e = DenseEngine(model(), tok(), pol("all-high"), slots=SLOTS, context=CTX, page=PAGE,
-                  prefiller=prefiller())
-  done = {}
-  for r in rs:
-    r.emit = lambda kind, payload, r=r: done.__setitem__(r.rid, payload) if kind == "done" else 0
-    e.submit(r)
-  e.run_until_idle(max_iterations=2000)
+  rs = requests(2, tools=False)
+  e = engine("all-high", dense=True)
+  res, _ = run(e, rs)
   assert e.traces["step"] == 1 and e.idle()
-  runner = Runner(model(), batch=1, capacity=CTX, cache_dtype=jax.numpy.bfloat16)
-  for r in rs:
-    ref = generate(runner, tok(), [r.ids], sampling=Sampling(max_tokens=r.max_tokens))[0]
-    assert done[r.rid]["tokens"] == ref.tokens and done[r.rid]["ledger"] is None
+  for r, x in zip(rs, res):
+    ref = generate(prefiller(), tok(), [r.ids], sampling=Sampling(max_tokens=r.max_tokens))[0]
+    assert x["tokens"] == ref.tokens and x["ledger"] is None
   with pytest.raises(ValueError, match="over the KV budget"):
     DenseEngine(model(), tok(), pol("all-high"), slots=SLOTS, context=CTX, page=PAGE,
                 kv_bytes=1000, prefiller=prefiller())
@@ -316,10 +346,8 @@ def test_pask_engine_matches_single_sequence_generate():
   """Paged, on-demand pages in a shared batch == ``decode.generate`` on a dense batch-1 PASK
   cache (tokens and measured B)."""
   p = pol("demo")
-  rs = requests(2)
-  e, res, _ = run(p, rs)
   runner = PaskRunner(model(), p, batch=1, capacity=CTX, page=PAGE)
-  for r, x in zip(requests(2), res):
+  for r, x in list(zip(requests(), reference("demo")))[:2]:
     ref = generate(runner, tok(), [r.ids], trackers=[r.tracker], prompt_tags=[r.tags],
                    sampling=Sampling(max_tokens=r.max_tokens))[0]
     assert x["tokens"] == ref.tokens
