@@ -103,3 +103,58 @@ def test_two_slots_then_decode_steps_and_release():
   assert (np.asarray(c.hi_pages[:, 2]) == P_HI).all() and (np.asarray(c.lo_pages[:, 2]) == P_LO).all()
   for g in range(G):   # slot 0 unaffected by releasing slot 2
     assert C.stored_positions(c, g, 0) == C.stored_positions(refs[0], g, 0)
+
+
+def test_per_group_pages_assigned_on_demand_match_dense_layout():
+  """Each layer group with its own page rows (the same ids reused across groups: groups own
+  disjoint layers), prompt pages only for what the plan stores, and every later page handed in
+  by ``assign_pages`` exactly when its first entry is materialized: the same stored positions
+  and attention as the dense layout, no overflow."""
+  k, v, plan, n = _prompt(5, 12)
+  plan_np = np.asarray(plan)[0].copy()
+  plan_np[:1] = 2   # the sink (position 0) is stored H whatever its plan says
+  done = plan_np[:12 - W]
+  c = _paged()
+  free = {X: [list(range(P))[::-1] for _ in range(G)] for X, P in (("hi", P_HI), ("lo", P_LO))}
+  held = {X: np.zeros(G, int) for X in free}
+  length = {X: (done == code).sum(0) for X, code in (("hi", 2), ("lo", 1))}
+  rows = {}
+  for X, P in (("hi", P_HI), ("lo", P_LO)):
+    tbl = np.full((G, CAP // PAGE), P, np.int32)
+    for g in range(G):
+      held[X][g] = -(-length[X][g] // PAGE)
+      for j in range(held[X][g]):
+        tbl[g, j] = free[X][g].pop()
+    rows[X] = jnp.asarray(tbl)
+  c = jax.jit(C.insert_slot)(c, jnp.int32(1), k, v, plan, n, rows["hi"], rows["lo"])
+  ref = materialize(C.init(L, 1, Hkv, D, capacity=CAP, window=W, sink=1, n_groups=G,
+                           page=PAGE), k, v, plan, n)
+  acts = list(plan_np[:12])
+  r = np.random.default_rng(6)
+  active = jnp.asarray([False, True, False])
+  assign = jax.jit(C.assign_pages)
+  assigned = 0
+  for t in range(12, CAP - 1):
+    new = {X: np.full((G, 3), -1, np.int32) for X in free}
+    if t >= W:   # the token leaving the window at this step
+      for X, code in (("hi", 2), ("lo", 1)):
+        for g in range(G):
+          if acts[t - W][g] == code:
+            if length[X][g] % PAGE == 0:
+              new[X][g, 1] = free[X][g].pop()
+              assigned += 1
+            length[X][g] += 1
+    c = assign(c, jnp.asarray(new["hi"]), jnp.asarray(new["lo"]))
+    kk = jnp.asarray(r.normal(size=(L, 3, Hkv, D)), jnp.float32)
+    vv = jnp.asarray(r.normal(size=(L, 3, Hkv, D)), jnp.float32)
+    act = np.asarray(r.integers(0, 3, size=(3, G)), np.int8)
+    acts.append(act[1])
+    c = append(c, kk, vv, jnp.asarray(act), active)
+    ref = append(ref, kk[:, 1:2], vv[:, 1:2], jnp.asarray(act[1:2]))
+  assert assigned > 0 and not bool(c.overflow.any())
+  for g in range(G):
+    assert C.stored_positions(c, g, 1) == C.stored_positions(ref, g, 0)
+  assert (np.asarray(c.hi_len[:, 1]) == length["hi"]).all()
+  assert (np.asarray(c.lo_len[:, 1]) == length["lo"]).all()
+  q = jnp.asarray(r.normal(size=(1, 2 * Hkv, D)), jnp.float32)
+  np.testing.assert_allclose(_attend(c, 1, q), _attend(ref, 0, q), rtol=1e-5, atol=1e-5)

@@ -91,15 +91,16 @@ def test_models_health_and_metrics(server):
 
 
 def test_all_high_reserves_no_int4_pages(server):
-  """The default policy stores everything H: INT4 reservations are zero and its pool one page."""
+  """The default policy stores everything H: it never needs INT4 pages and its pool is one
+  page; the worst case of a request is every token beyond the window in one pool."""
   from pask_jax import policy as P
   from serve.engine import Engine
   _, engine = server
   pol = P.resolve("all-high", engine.cfg, tokenizer_hash=engine.tok.hash())
   e = Engine(engine.model, engine.tok, pol, slots=2, context=256)
   assert (e.hi_total, e.lo_total) == (2 * 16, 1)
-  assert e.demand(100, 20) == (6, 0) and e.demand(10, 5) == (0, 0)
-  assert engine.demand(100, 20) == (6, 6)   # demo can emit L: both pools reserved
+  assert e.worst_case(100, 20) == (6, 0) and e.worst_case(10, 5) == (0, 0)
+  assert engine.worst_case(100, 20) == (6, 6)   # demo can emit L: either pool
 
 
 def test_tool_call(server, client):
@@ -255,15 +256,15 @@ def test_bad_input_through_openai_client_then_still_serving(server, client):
 
 
 def test_admission_waits_for_pages(server):
-  """Three long prompts of d pages each and a 20-page pool with 3·d > 20: with four slots free,
-  at least one of them must wait in the queue for pages; all complete and every page comes
-  back."""
+  """Three long prompts whose prompt plans need more than the 20-page pools hold together (the
+  demo policy keeps prompt text H in the upper layer groups): with four slots free, at least
+  one of them must wait in the queue for pages; all complete and every page comes back."""
   base, engine = server
   before = _metrics(base)['pask_admission_blocked_total{reason="pages"}']
   long = "Tell me about the sea. " * 28
   body = {"model": "x", "max_tokens": 6, "messages": [{"role": "user", "content": long}]}
   n = len(engine.tok.encode(engine.tok.apply_chat_template(body["messages"])))
-  d, d_lo = engine.demand(n, 6)
+  d, d_lo = engine.worst_case(n, 6)
   assert HI_PAGES // 3 < d <= HI_PAGES and d_lo == d
   with cf.ThreadPoolExecutor(3) as ex:
     rs = list(ex.map(lambda _: httpx.post(base + "/v1/chat/completions", json=body,
