@@ -898,9 +898,11 @@ class Engine:
       row, overflow = self._ledger_row(b)
       n = len(r.out)
       tpot = (r.t_last - r.t_first) / (n - 1) if n > 1 else None
+      # pages held at the end (the most of any layer group) = its peak: pools are append-only
+      pages = [int(self.npg[HI, :, b].max()), int(self.npg[LO, :, b].max())]
       result = {"tokens": list(r.out), "text": self.tok.decode(r.out), "finish": finish,
                 "prompt_tokens": len(r.ids), "ledger": row, "overflow": overflow, "tpot_s": tpot,
-                "preemptions": r.preemptions}
+                "ttft_s": r.t_first - r.t_submit, "preemptions": r.preemptions, "pages": pages}
       self.m["requests_" + finish] += 1
       self.m["prompt_tokens"] += len(r.ids)
       self.m["completion_tokens"] += n
