@@ -19,7 +19,10 @@ order a request meets them:
   page).  Without a budget the pools hold every slot at full context (the old default);
   ``hi_pages``/``lo_pages`` override either pool.  Page ids are per layer group: a page id names
   one page in each layer of the pool, and layer groups own disjoint layers, so each group has
-  its own free list over the same ids (a group's demand never blocks another's).
+  its own free list over the same ids (a group's demand never blocks another's).  The pools are
+  ``[L, P]`` arrays, so a pool must give every group as many ids as its heaviest group needs:
+  ``h`` and ``l`` are the fractions of the heaviest group (a policy whose mix differs between
+  groups leaves the lighter groups' share of the pool unused).
 * **Admission** is strict FIFO (no overtaking, so a large request is never starved): the queue
   head is admitted when a slot is free and both pools hold, for every layer group, the pages of
   its *prompt plan* — known exactly before prefill, because the prefill plan depends only on the
@@ -37,19 +40,30 @@ order a request meets them:
   is materialized, and the step receives the new page ids as a traced ``int32[G, B]`` input per
   pool (``cache.assign_pages``): the decode step compiles once.  Free lists are numpy stacks
   (one per pool and layer group); a step's allocation is a few vector ops, no per-page loops.
-* **Preemption (recompute).**  When a pool (of some group) cannot give the pages this step
-  needs, the youngest running request (latest arrival) is preempted — repeatedly, until the
-  step fits: its slot and pages are freed and it goes back to the head of the queue.  It keeps
-  its grammar matcher and adapter (they are host objects that already accepted every generated
-  token), its streamed text, its sampling step counter, the R/L/H actions of every position
-  (prompt plan + the controller's decode actions), its controller balance and ledger row.  When
-  it is admitted again, its prompt + generated tokens (all but the last, which the next step
-  feeds as usual) are prefilled and materialized with *those* actions, and balance and ledger
-  are restored: decisions, budget and measured B continue exactly; the KV values of the
-  generated tokens are recomputed by the full-precision prefill (as any recompute preemption
-  does), so greedy text matches an unpreempted run up to that numerical difference.  No text
-  is re-sent, no request fails for lack of pages (the oldest request can always finish alone),
-  and every page comes back.
+* **Preemption.**  When a pool (of some group) cannot give the pages this step needs, the
+  youngest running request (latest arrival) is preempted — repeatedly, until the step fits:
+  its slot and pages are freed and it goes back to the head of the queue; admission then pauses
+  until a request ends (else the request just preempted would be readmitted and preempted again
+  at every step).  A preempted request keeps its grammar matcher and adapter (host objects that
+  already accepted every generated token), its streamed text (nothing is re-sent), its sampling
+  step counter and, per position, the R/L/H actions it was given.  Its KV is recomputed, in one
+  of two ways (``preemption=``):
+
+  - ``"replay"`` (default): the prompt is prefilled again (same plan, fresh ledger and balance)
+    and the generated tokens are re-fed through the decode step with the tags and parser states
+    they had, their samples ignored; the last one's step samples the next new token.  The cache,
+    controller balance and ledger are rebuilt by the very computation that built them, so the
+    output continues bit for bit as in an unpreempted run, under any policy.  Cost: the
+    request's slot re-runs its generated steps (other requests keep decoding meanwhile).
+  - ``"recompute"`` (vLLM-style): prompt + generated tokens (all but the last, which the next
+    step feeds) are prefilled in one go and materialized with their recorded actions; balance
+    and ledger are restored.  Decisions and measured B continue exactly, but the generated
+    tokens' K/V now come from a full-precision prefill instead of attention over the compressed
+    cache (and unrounded attention outputs), so a greedy continuation can differ after a near
+    tie, even under Full KV.
+
+  No request fails for lack of pages (the oldest running request can always finish alone:
+  :meth:`Engine.worst_case`) and every page comes back.
 * **Interleaving**: each engine iteration admits requests into free slots, then runs one decode
   step for all running slots.  While other requests are decoding, admission stops once this
   iteration's prefills took about one decode step (a moving average; at least one prefill).
@@ -384,6 +398,9 @@ class Engine:
     self.crashed: BaseException | None = None
     self.step_ema = 0.0   # seconds per decode step (moving average): the prefill budget
     self._seq = itertools.count()
+    # After a preemption nothing is admitted until a request ends (and frees pages): otherwise
+    # the request just preempted would be readmitted at once and preempted again every step.
+    self.pressure = False
     # Metrics, written by the engine thread and read by the app's: every key exists from the
     # start (a dict that grows while another thread iterates it raises).
     self.m = collections.Counter(dict.fromkeys(METRIC_KEYS, 0))
@@ -609,6 +626,12 @@ class Engine:
         r.emit("done", None)
       self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
     busy = bool(self.active.any())
+    running = any(x is not None for x in self.running)
+    if self.pressure and running:
+      if self.waiting and None in self.running:
+        self.m["admission_blocked_pages"] += 1
+      return
+    self.pressure = False
     spent = 0.0
     while self.waiting and None in self.running:
       r = self.waiting[0]
@@ -626,9 +649,15 @@ class Engine:
           self.m["plan_s"] += time.perf_counter() - t1
           t0 += time.perf_counter() - t1   # admission overhead is host bookkeeping only
         need = self._need(r.plan)
-        if not self._fits(need, busy or any(x is not None for x in self.running)):
-          self.m["admission_blocked_pages"] += 1   # a slot is free, the pages are not
+        running = any(x is not None for x in self.running)
+        if not self._fits(need, running):
           self.m["admit_s"] += time.perf_counter() - t0
+          if not running:   # cannot happen after fits_ever; never wait forever on it
+            self.waiting.popleft()
+            self.m["requests_error"] += 1
+            r.emit("error", "the KV pools are too small for this request")
+            continue
+          self.m["admission_blocked_pages"] += 1   # a slot is free, the pages are not
           return   # strict FIFO: wait for pages
       self.waiting.popleft()
       r.slot = b = self.running.index(None)
@@ -742,6 +771,7 @@ class Engine:
     r.replay = None
     r.preemptions += 1
     self.m["preemptions"] += 1
+    self.pressure = True
     self._vacate(b)
     r.slot = None
     self.waiting.appendleft(r)
@@ -921,6 +951,7 @@ class Engine:
     else:
       self.m["requests_" + finish] += 1
     self._vacate(b)
+    self.pressure = False   # pages came back: admission may resume
     r.slot = None
     if error is not None:
       r.emit("error", error)
