@@ -764,8 +764,8 @@ class Engine:
     return new[HI], new[LO]
 
   def _preempt(self, r: Request) -> None:
-    """Recompute preemption: free ``r``'s slot and pages, keep what it needs to continue, and
-    put it back at the head of the queue."""
+    """Free ``r``'s slot and pages, keep what it needs to continue (per ``self.preemption``),
+    and put it back at the head of the queue."""
     b = r.slot
     if self.preemption == "recompute" and r.replay is None:
       cache, budget, led = self.state
@@ -912,8 +912,7 @@ class Engine:
       return self._finish(r, "stop")
     if len(r.out) >= r.max_tokens:
       return self._finish(r, "length")
-    if self.preemption == "replay":
-      r.fed.append((np.array(tag, np.int32), int(sid)))
+    r.fed.append((np.array(tag, np.int32), int(sid)))   # what a replay feeds with it
     self.tokens[b], self.tag_ids[b], self.state_ids[b] = tok, tag, sid
     self.active[b] = True
 
@@ -1029,12 +1028,6 @@ class DenseEngine(Engine):
     return self._step(self.dense.params, self.state, jnp.asarray(self.tokens),
                       jnp.asarray(self.active), jnp.asarray(self.bits), jnp.asarray(self.seeds),
                       jnp.asarray(steps), jnp.asarray(self.temp), jnp.asarray(self.top_p))
-
-  def _vacate(self, b: int) -> None:
-    self.active[b] = False
-    self.running[b] = None
-    self.state = self._release(self.state, jnp.int32(b))
-    self._give_back(b)
 
   def _ledger_row(self, b: int):
     return None, False
