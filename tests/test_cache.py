@@ -263,3 +263,20 @@ def test_attention_sees_exactly_the_stored_keys():
       pr /= pr.sum(-1, keepdims=True)
       ref = np.einsum("hgs,shd->hgd", pr, vv).reshape(2 * HKV, D)
       np.testing.assert_allclose(out[b], ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_in_layer_chunks_equals_whole():
+  """prefill_rows + write_prefill a chunk of layers at a time (long prompts, bounded temporaries)
+  stores exactly what materialize_prefill stores."""
+  rng = np.random.default_rng(5)
+  k = jnp.asarray(rng.standard_normal((NL, B, TP, HKV, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((NL, B, TP, HKV, D)), jnp.float32)
+  plan = jnp.asarray(rng.integers(0, 3, (B, TP, G)), jnp.int8)
+  lens = jnp.asarray([TP, TP - 3, 5], jnp.int32)
+  want = _prefill(_fresh(), k, v, plan, lens)
+  got, rows = jax.jit(KC.prefill_rows, static_argnums=2)(_fresh(), plan, TP, lens)
+  write = jax.jit(KC.write_prefill, static_argnums=4)
+  for start, stop in ((0, 1), (1, 3), (3, 4)):
+    got = write(got, rows, k[start:stop], v[start:stop], start)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
