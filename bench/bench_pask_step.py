@@ -97,13 +97,15 @@ def main(argv=None) -> int:
     cache, rows = jax.jit(pc.prefill_rows, static_argnums=2)(cache, jnp.asarray(plan), C, lengths)
     shape = (B, C, cfg.n_kv_heads, cfg.head_dim)
 
-    write = jax.jit(lambda c, key, start, n: pc.write_prefill(
+    # rows travel as an argument: closed over, they became a constant of the jitted function.
+    write = jax.jit(lambda c, rows, key, start, n: pc.write_prefill(
         c, rows, jax.random.normal(key, (n,) + shape, jnp.bfloat16),
         jax.random.normal(jax.random.fold_in(key, 1), (n,) + shape, jnp.bfloat16), start),
-        static_argnums=(2, 3), donate_argnums=(0,))
+        static_argnums=(3, 4), donate_argnums=(0,))
     for start in range(0, cfg.n_layers, a.chunk_layers):
       n = min(a.chunk_layers, cfg.n_layers - start)
-      cache = write(cache, jax.random.key(seed * 1000 + start), start, n)
+      cache = write(cache, rows, jax.random.key(seed * 1000 + start), start, n)
+    del rows
     return cache.replace(count=jnp.full((B,), C, jnp.int32))
 
   rows_out = []
