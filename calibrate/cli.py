@@ -56,7 +56,8 @@ def run(args) -> int:
     raise SystemExit("error: --max-cases must be at least 2 (calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
-  from pask_jax.cli import _load_model
+  from pask_jax.cli import _load_model, _need_bfcl
+  _need_bfcl()
   m = _load_model(args.model, args.dtype)
   tok = m.tokenizer
   t0 = time.perf_counter()

@@ -89,6 +89,15 @@ def _load_model(name, dtype_name):
     raise SystemExit(f"error: {e}")
 
 
+def _need_bfcl() -> None:
+  """The BFCL task's data and checker, or a one-line error naming the install (before loading)."""
+  from calibrate import bfcl
+  try:
+    bfcl.require()
+  except bfcl.BFCLMissing as e:
+    raise SystemExit(f"error: {e}")
+
+
 def cmd_eval(args) -> int:
   """``pask-jax eval``: one method at one budget on a BFCL split (see pask_jax.evaluate)."""
   from pask_jax import evaluate as E
@@ -100,6 +109,7 @@ def cmd_eval(args) -> int:
     E.check_config(rc)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  _need_bfcl()
   m = _load_model(args.model, args.dtype)
   try:
     s = E.Session(m, batch=args.batch)
@@ -119,6 +129,7 @@ def cmd_eval(args) -> int:
 def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
   from pask_jax import evaluate as E
+  _need_bfcl()
   m = _load_model(args.model, args.dtype)
   try:
     s = E.Session(m, batch=args.batch)
@@ -213,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument("--categories", nargs="+", default=None,
                  help="BFCL categories (default: the four non-live ones)")
   e.add_argument("--max-tokens", type=int, default=128)
-  e.add_argument("--batch", type=int, default=64, help="sequences per generation batch")
+  e.add_argument("--batch", type=int, default=64,
+                 help="most sequences per generation batch (fewer cases: fewer rows, no padding)")
   e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   e.add_argument("--out", required=True, help="output directory")
   t = sub.add_parser("tune", help="tune baseline knobs on the development split (paper C.3)")
