@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax import kv_dense, quant
+from pask_jax import kv_dense
+from pallas_kernels import int4
 from pask_jax import tags as T
 
 
@@ -82,8 +83,8 @@ def _distortion(q, k, v, act, u_lo, u_hi, n, *, sink, window, group_of, n_groups
     ql, kl, vl, gi = xs
     qf = ql.astype(jnp.float32).reshape(U, Hkv, g, D) * scale
     kf, vf = kl.astype(jnp.float32), vl.astype(jnp.float32)
-    kq = quant.dequantize(*quant.quantize_packed(kf))
-    vq = quant.dequantize(*quant.quantize_packed(vf))
+    kq = int4.dequantize(*int4.quantize_packed(kf))
+    vq = int4.dequantize(*int4.quantize_packed(vf))
     se = jnp.einsum("ukgd,tkd->kgut", qf, kf)
     sq = jnp.einsum("ukgd,tkd->kgut", qf, kq)
 

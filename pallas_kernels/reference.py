@@ -1,7 +1,7 @@
 """Plain-jnp decode attention over {INT4 pool, BF16 pool, window}: the numerical reference.
 
 Each partition is gathered densely through its page table, INT4 rows are dequantized with
-``pask_jax.quant.dequantize``, and a per-partition partial (unnormalized value sum, score max,
+``pallas_kernels.int4.dequantize``, and a per-partition partial (unnormalized value sum, score max,
 exponential sum; all FP32) is formed and merged with the shared-normalization rule (Eq. 15).
 Invisible entries (beyond a length) are masked *before* any arithmetic touches them, since the
 contract lets them hold garbage, NaN included.  Memory is O(B * capacity), fine for tests and CPU.
@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pask_jax import quant
+from pallas_kernels import int4
 from pallas_kernels import common
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
@@ -62,8 +62,8 @@ def partials(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer
   slo = _gather_pages(lo.scale, maps.lo_pages, layer)           # [B, S_lo, Hkv, 2] f16
   vis_lo = jnp.arange(klo.shape[1])[None] < maps.lo_len[:, None]
   slo = jnp.where(vis_lo[..., None, None], slo, jnp.float16(0))  # garbage scales may be NaN
-  klo = quant.dequantize(klo, slo[..., 0])
-  vlo = quant.dequantize(vlo, slo[..., 1])
+  klo = int4.dequantize(klo, slo[..., 0])
+  vlo = int4.dequantize(vlo, slo[..., 1])
 
   khi = _gather_pages(hi.k, maps.hi_pages, layer).astype(jnp.float32)  # [B, S_hi, Hkv, D]
   vhi = _gather_pages(hi.v, maps.hi_pages, layer).astype(jnp.float32)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax import quant
+from pallas_kernels import int4
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 
@@ -108,7 +108,7 @@ def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool =
   return bf(q), window, hi, lo, maps
 
 
-_quantize = jax.jit(quant.quantize_packed)
+_quantize = jax.jit(int4.quantize_packed)
 
 
 def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, scale=None):
@@ -121,8 +121,8 @@ def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, scale
   f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
   kw, vw, khi, vhi = f(window.k), f(window.v), f(hi.k), f(hi.v)
   sc = np.asarray(lo.scale.astype(jnp.float32), np.float64)
-  kcodes = np.asarray(quant.unpack(lo.k), np.float64)
-  vcodes = np.asarray(quant.unpack(lo.v), np.float64)
+  kcodes = np.asarray(int4.unpack(lo.k), np.float64)
+  vcodes = np.asarray(int4.unpack(lo.v), np.float64)
   page_lo, page_hi = lo.k.shape[1], hi.k.shape[1]
   out = np.zeros((b_, hq, d))
   for b in range(b_):

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
-from pask_jax import quant
+from pallas_kernels import int4
 from pask_jax import tags as T
 
 
@@ -187,8 +187,8 @@ def _flat(x: jax.Array) -> jax.Array:
 
 def _quant_kv(k: jax.Array, v: jax.Array):
   """K/V rows [..., D] -> (k codes [..., D/2], v codes, scales [..., 2]) per (token, head) row."""
-  kq, ks = quant.quantize_packed(k)
-  vq, vs = quant.quantize_packed(v)
+  kq, ks = int4.quantize_packed(k)
+  vq, vs = int4.quantize_packed(v)
   return kq, vq, jnp.stack([ks, vs], axis=-1)
 
 
@@ -199,6 +199,13 @@ def _force_sink(actions: jax.Array, pos: jax.Array, sink: int) -> jax.Array:
 
 # ---- prefill ----------------------------------------------------------------------------------
 
+class PrefillRows(NamedTuple):
+  """Where a prefill's tokens go (:func:`prefill_rows`), shared by every layer chunk."""
+  dest_h: jax.Array   # [G, B, T] flat BF16-pool row per token (rows = drop)
+  dest_l: jax.Array   # [G, B, T] flat INT4-pool row per token
+  slot: jax.Array     # [B, T] window slot per token (W = drop)
+
+
 def materialize_prefill(cache: Cache, k: jax.Array, v: jax.Array, plan: jax.Array,
                         lengths: jax.Array | None = None) -> Cache:
   """Store a full-precision prefill into a fresh cache (B.4: retain H, quantize L, release R).
@@ -207,21 +214,28 @@ def materialize_prefill(cache: Cache, k: jax.Array, v: jax.Array, plan: jax.Arra
   token; lengths: [B] prompt lengths (default T; rows t >= lengths[b] are padding and ignored).
   The last min(n, W) tokens of each prompt go to the window with their plan as pending actions;
   earlier ones are materialized now.  Sink positions are forced H.  ``cache`` must be empty.
+  Equal to :func:`prefill_rows` followed by :func:`write_prefill` of all layers at once; a long
+  prefill can be written a chunk of layers at a time with those two (bounded temporaries).
   """
-  Lyr, B, Tn, Hkv, D = k.shape
-  G, W = cache.n_groups, cache.window
   chex.assert_shape(v, k.shape)
+  chex.assert_shape(cache.layers.win_k, (k.shape[0],) + k.shape[1:2] + cache.layers.win_k.shape[2:])
+  cache, rows = prefill_rows(cache, plan, k.shape[2], lengths)
+  return write_prefill(cache, rows, k, v, 0)
+
+
+def prefill_rows(cache: Cache, plan: jax.Array, n_tokens: int,
+                 lengths: jax.Array | None = None) -> tuple[Cache, PrefillRows]:
+  """The layer-independent half of :func:`materialize_prefill`: every map, position, length and
+  window entry of the prefill, and the rows its K/V go to (no K/V needed)."""
+  B, G, W, Tn = cache.batch, cache.n_groups, cache.window, n_tokens
   chex.assert_shape(plan, (B, Tn, G))
-  chex.assert_shape(cache.layers.win_k, (Lyr, B, W, Hkv, D))
   n = jnp.full((B,), Tn, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
   t = jnp.arange(Tn, dtype=jnp.int32)[None, :]                       # [1, T]
   real = t < n[:, None]                                              # [B, T]
   in_win = real & (t >= n[:, None] - W)
   done = real & ~in_win                                              # materialized now
   act = _force_sink(plan, jnp.broadcast_to(t, (B, Tn)), cache.sink)  # [B, T, G]
-  gl = jnp.asarray(cache.group_of, jnp.int32)                        # [L]
   lay = cache.layers
-  li = jnp.arange(Lyr)[:, None, None]
 
   def pool(which, pages, length, pool_k):
     sel = done[None] & (jnp.moveaxis(act, -1, 0) == which)           # [G, B, T]
@@ -230,18 +244,8 @@ def materialize_prefill(cache: Cache, k: jax.Array, v: jax.Array, plan: jax.Arra
     dest = jnp.where(sel, _flat_row(pages, j, cache.page, rows), rows)
     return sel, j, dest, rows
 
-  # High pool: BF16 copies.
   sel_h, j_h, dest_h, rows_h = pool(T.H, cache.hi_pages, cache.hi_len, lay.hi_k)
-  d = dest_h[gl]                                                     # [L, B, T]
-  hi_k = _flat(lay.hi_k).at[li, d].set(k.astype(jnp.bfloat16), mode="drop")
-  hi_v = _flat(lay.hi_v).at[li, d].set(v.astype(jnp.bfloat16), mode="drop")
-  # Low pool: quantized from the BF16 values (what the window would have held).
   sel_l, j_l, dest_l, rows_l = pool(T.L, cache.lo_pages, cache.lo_len, lay.lo_k)
-  d = dest_l[gl]
-  kq, vq, s = _quant_kv(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-  lo_k = _flat(lay.lo_k).at[li, d].set(kq, mode="drop")
-  lo_v = _flat(lay.lo_v).at[li, d].set(vq, mode="drop")
-  lo_s = _flat(lay.lo_s).at[li, d].set(s, mode="drop")
   # Positions and lengths per group.
   gi, bi = jnp.arange(G)[:, None, None], jnp.arange(B)[None, :, None]
   tt = jnp.broadcast_to(t[None], (G, B, Tn))
@@ -253,21 +257,42 @@ def materialize_prefill(cache: Cache, k: jax.Array, v: jax.Array, plan: jax.Arra
   lo_len = cache.lo_len + jnp.sum(sel_l, axis=-1)
   overflow = cache.overflow | jnp.any((dest_h == rows_h) & sel_h, axis=(0, 2)) | jnp.any(
       (dest_l == rows_l) & sel_l, axis=(0, 2))
-  # Window.
+  # Window bookkeeping.
   slot = jnp.where(in_win, t % W, W)                                 # [B, T]; W = drop
   bj = jnp.arange(B)[:, None]
-  win_k = lay.win_k.at[:, bj, slot].set(jnp.asarray(k, jnp.bfloat16), mode="drop")
-  win_v = lay.win_v.at[:, bj, slot].set(jnp.asarray(v, jnp.bfloat16), mode="drop")
   win_pos = cache.win_pos.at[bj, slot].set(jnp.broadcast_to(t, (B, Tn)), mode="drop")
   win_act = cache.win_act.at[bj, slot].set(act, mode="drop")
+  cache = cache.replace(win_pos=win_pos, win_act=win_act, count=cache.count + n, hi_len=hi_len,
+                        lo_len=lo_len, hi_pos=hi_pos, lo_pos=lo_pos, overflow=overflow)
+  return cache, PrefillRows(dest_h, dest_l, slot)
 
+
+def write_prefill(cache: Cache, rows: PrefillRows, k: jax.Array, v: jax.Array,
+                  start: int = 0) -> Cache:
+  """Write the K/V of layers ``[start, start + k.shape[0])`` (k, v: [Lc, B, T, Hkv, D]) of a
+  prefill placed by :func:`prefill_rows`: BF16 copies of H rows, INT4 of L rows (quantized from
+  the BF16 values the window would have held), the window's share.  ``start`` is static."""
+  Lc, B = k.shape[:2]
+  chex.assert_shape(v, k.shape)
+  gl = jnp.asarray(cache.group_of, jnp.int32)[start:start + Lc]     # [Lc]
+  lay = cache.layers
+  li = start + jnp.arange(Lc)[:, None, None]
+  d = rows.dest_h[gl]                                                # [Lc, B, T]
+  hi_k = _flat(lay.hi_k).at[li, d].set(k.astype(jnp.bfloat16), mode="drop")
+  hi_v = _flat(lay.hi_v).at[li, d].set(v.astype(jnp.bfloat16), mode="drop")
+  d = rows.dest_l[gl]
+  kq, vq, s = _quant_kv(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+  lo_k = _flat(lay.lo_k).at[li, d].set(kq, mode="drop")
+  lo_v = _flat(lay.lo_v).at[li, d].set(vq, mode="drop")
+  lo_s = _flat(lay.lo_s).at[li, d].set(s, mode="drop")
+  bj = jnp.arange(B)[:, None]
+  win_k = lay.win_k.at[li[:, :, :1], bj, rows.slot].set(jnp.asarray(k, jnp.bfloat16), mode="drop")
+  win_v = lay.win_v.at[li[:, :, :1], bj, rows.slot].set(jnp.asarray(v, jnp.bfloat16), mode="drop")
   unflat = lambda x, ref: x.reshape(ref.shape)
   layers = LayerKV(win_k=win_k, win_v=win_v, hi_k=unflat(hi_k, lay.hi_k),
                    hi_v=unflat(hi_v, lay.hi_v), lo_k=unflat(lo_k, lay.lo_k),
                    lo_v=unflat(lo_v, lay.lo_v), lo_s=unflat(lo_s, lay.lo_s))
-  return cache.replace(layers=layers, win_pos=win_pos, win_act=win_act, count=cache.count + n,
-                       hi_len=hi_len, lo_len=lo_len, hi_pos=hi_pos, lo_pos=lo_pos,
-                       overflow=overflow)
+  return cache.replace(layers=layers)
 
 
 # ---- decode: the per-step split ---------------------------------------------------------------

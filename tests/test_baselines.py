@@ -10,7 +10,8 @@ import pytest
 from helpers import TINY
 from models import random_model
 from pask_jax import cache as pc
-from pask_jax import ledger, quant
+from pask_jax import ledger
+from pallas_kernels import int4
 from pask_jax import tags as T
 from pask_jax.baselines import budget as BU
 from pask_jax.baselines import h2o, int4, mikv, snapkv, streaming

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from pallas_kernels import reference
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pask_jax import cache as KC
-from pask_jax import quant
+from pallas_kernels import int4
 from pask_jax import tags as T
 
 # 4 layers -> groups [0,2), [2,3), [3,4): group 0 has two layers sharing maps.
@@ -78,11 +78,11 @@ def _check(cache, brute):
           pg = int(maps.lo_pages[b, j // PAGE])
           for which, kv in ((0, lp.k), (1, lp.v)):
             x = _bf16(brute.toks[b][p][which][l])
-            codes, s = quant.quantize_packed(jnp.asarray(x, jnp.bfloat16))
+            codes, s = int4.quantize_packed(jnp.asarray(x, jnp.bfloat16))
             np.testing.assert_array_equal(np.asarray(kv[pg, j % PAGE]), np.asarray(codes))
             np.testing.assert_array_equal(np.asarray(lp.scale[pg, j % PAGE, :, which]),
                                           np.asarray(s))
-            deq = np.asarray(quant.dequantize(kv[pg, j % PAGE], lp.scale[pg, j % PAGE, :, which]))
+            deq = np.asarray(int4.dequantize(kv[pg, j % PAGE], lp.scale[pg, j % PAGE, :, which]))
             sc = np.asarray(lp.scale[pg, j % PAGE, :, which], np.float32)[:, None]
             assert np.all(np.abs(deq - x) <= sc / 2 * (1 + 1e-6))
         for p in win:
@@ -254,7 +254,7 @@ def test_attention_sees_exactly_the_stored_keys():
         ks.append(_bf16(brute.toks[b][p][0][l])); vs.append(_bf16(brute.toks[b][p][1][l]))
       for p in lo:
         for lst, x in ((ks, brute.toks[b][p][0][l]), (vs, brute.toks[b][p][1][l])):
-          lst.append(np.asarray(quant.dequantize(*quant.quantize_packed(
+          lst.append(np.asarray(int4.dequantize(*int4.quantize_packed(
               jnp.asarray(x, jnp.bfloat16)))))
       kk, vv = np.stack(ks), np.stack(vs)                      # [S, HKV, D]
       qq = q[b].reshape(HKV, 2, D)
@@ -263,3 +263,20 @@ def test_attention_sees_exactly_the_stored_keys():
       pr /= pr.sum(-1, keepdims=True)
       ref = np.einsum("hgs,shd->hgd", pr, vv).reshape(2 * HKV, D)
       np.testing.assert_allclose(out[b], ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_in_layer_chunks_equals_whole():
+  """prefill_rows + write_prefill a chunk of layers at a time (long prompts, bounded temporaries)
+  stores exactly what materialize_prefill stores."""
+  rng = np.random.default_rng(5)
+  k = jnp.asarray(rng.standard_normal((NL, B, TP, HKV, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((NL, B, TP, HKV, D)), jnp.float32)
+  plan = jnp.asarray(rng.integers(0, 3, (B, TP, G)), jnp.int8)
+  lens = jnp.asarray([TP, TP - 3, 5], jnp.int32)
+  want = _prefill(_fresh(), k, v, plan, lens)
+  got, rows = jax.jit(KC.prefill_rows, static_argnums=2)(_fresh(), plan, TP, lens)
+  write = jax.jit(KC.write_prefill, static_argnums=4)
+  for start, stop in ((0, 1), (1, 3), (3, 4)):
+    got = write(got, rows, k[start:stop], v[start:stop], start)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -12,7 +12,8 @@ from helpers import TINY, relerr, smollm2
 from models import random_model
 from pallas_kernels import decode_attention_reference
 from pask_jax import cache as pc
-from pask_jax import kv_dense, quant
+from pask_jax import kv_dense
+from pallas_kernels import int4
 from pask_jax import policy as P
 from pask_jax import tags as T
 from pask_jax.decode import FREE_TAG, PaskRunner, Runner, Sampling, generate, pad_prompts
@@ -139,8 +140,8 @@ def test_low_tokens_match_dequantized_values():
   got = _attend_all_layers(c, q).astype(jnp.float32)
   for l in range(L):
     kk, vv = k[:, l], v[:, l]                                   # [N, B, Hkv, D]
-    kq = jnp.concatenate([quant.dequantize(*quant.quantize_packed(kk[:N - W])), kk[N - W:]])
-    vq = jnp.concatenate([quant.dequantize(*quant.quantize_packed(vv[:N - W])), vv[N - W:]])
+    kq = jnp.concatenate([int4.dequantize(*int4.quantize_packed(kk[:N - W])), kk[N - W:]])
+    vq = jnp.concatenate([int4.dequantize(*int4.quantize_packed(vv[:N - W])), vv[N - W:]])
     dense = lambda a, b: kv_dense.attention(q[:, None], jnp.moveaxis(a, 0, 1), jnp.moveaxis(b, 0, 1),
                                             jnp.array([[N - 1]] * B), jnp.array([N] * B))[:, 0]
     want = dense(kq, vq)

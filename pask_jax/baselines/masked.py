@@ -18,7 +18,7 @@ float32 so that INT4-simulated rows hold the dequantized values exactly.  Wall t
 is therefore not comparable with PASK's kernels; accuracy and measured B are.
 
 Evicted entries are masked out of attention (their slots stay allocated); INT4 entries hold
-``dequant(quant(x))`` with :func:`pask_jax.quant.quantize` (per (token, head) row, fp16 scale).  The
+``dequant(quant(x))`` with :func:`pallas_kernels.int4.quantize` (per (token, head) row, fp16 scale).  The
 method and all its knobs are traced arrays (:class:`Rule`), so one compilation serves every method,
 budget and tuning configuration of a run.
 """
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pask_jax import quant
+from models import decoder
+from pallas_kernels import int4
 from pask_jax.baselines import budget, h2o, mikv, snapkv
 from pask_jax.decode import Runner
 from pask_jax.sample import apply_bitmask, sample
@@ -94,7 +95,7 @@ class State(NamedTuple):
 
 def qdq(x):
   """quantize -> dequantize with PASK's INT4 quantizer (float32 out)."""
-  codes, s = quant.quantize(x)
+  codes, s = int4.quantize(x)
   return codes.astype(jnp.float32) * s[..., None].astype(jnp.float32)
 
 
@@ -123,6 +124,7 @@ class MaskedRunner:
 
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int):
     self.cfg = model.cfg
+    decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity = batch, capacity
     self.config: Config | None = None
