@@ -252,8 +252,17 @@ def fingerprint(model) -> dict[str, Any]:
   """What identifies a model's numbers: its full config, the parameter dtype and a digest of the
   weights (every parameter's shape and dtype, a strided sample of up to 4096 values of each and
   its sum — cheap on a multi-GB model, and different for any two checkpoints that are not
-  copies).  Calibration keys its saved stages on it."""
+  copies), the same in either layer layout.  Calibration keys its saved stages on it."""
   import hashlib
+
+  from models import decoder
+  layout = getattr(model, "layout", "stacked")
+  if layout != "stacked":   # a runner converted it (GPU/TPU): digest the loaders' layout
+    decoder.set_layout(model, "stacked")
+    try:
+      return fingerprint(model)
+    finally:
+      decoder.set_layout(model, layout)
   h = hashlib.sha256()
   _, state = nnx.split(model)
   flat = sorted(nnx.to_pure_dict(state).items())
