@@ -294,7 +294,10 @@ def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
   (prepared exactly as :func:`generate` prepares it; the engine always decodes under its policy,
   so the result carries the ledger).  Thread-safe."""
   from serve.engine import Request
-  model = engine.loaded
+  model = getattr(engine, "loaded", None)
+  if model is None:
+    raise ValueError("submit() needs an engine started by pask_jax.start_engine (it keeps the "
+                     "model's tokenizer and config for preparing requests)")
   if max_tokens <= 0:
     raise ValueError(f"max_tokens must be positive, got {max_tokens}")
   p = prepare(model, prompt, system=system, tools=tools, json_schema=json_schema,
