@@ -62,7 +62,7 @@ def main(argv=None) -> int:
   pol = P.demo(cfg)
   G, W, S = pol.n_groups, pol.window, a.steps
   mixes = [tuple(float(x) for x in m.split(",")) for m in a.mixes]
-  mixes = [tuple(np.asarray(m) / sum(m)) for m in mixes]
+  mixes = [tuple(float(x) / sum(m) for x in m) for m in mixes]
   dev = jax.devices()[0].device_kind
   print(f"# {cfg.name}, {jnp.dtype(dt).name}, {dev}, jax {jax.__version__}", flush=True)
 
@@ -75,11 +75,11 @@ def main(argv=None) -> int:
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / n
 
-  def prof(name, step):
+  def prof(name, step, hlo=None):
     if not a.profile:
       return None
     from bench import profile_step
-    t = profile_step.profile(step, 3, a.profile, name)
+    t = profile_step.profile(step, 3, a.profile, name, hlo)
     print(profile_step.format_table(name, t), flush=True)
     return {k: v for k, v in t.items() if not k.startswith("_")} | {"top": t["_top_kernels"]}
 
@@ -136,8 +136,14 @@ def main(argv=None) -> int:
             state["s"] = (c, bud, led)
             return logits
           t = timed(step, S)
+          hlo = None
+          if a.profile:
+            c_, b_, l_ = state["s"]
+            hlo = runner.decode_step.lower(runner.params, pol, c_, b_, l_, tok, tags, sid,
+                                           act).compile().as_text()
+          name = f"pask_{layout}_b{B}_c{C}_mix{'-'.join(f'{m:.2f}' for m in mix)}"
           res[mix] = dict(ms=t * 1e3, live_B=live_b, traces=runner.traces["step"],
-                          profile=prof(f"pask_{layout}_b{B}_c{C}_mix{'-'.join(f'{m:.2f}' for m in mix)}", step))
+                          profile=prof(name, step, hlo))
           print(f"  {layout} b{B} c{C} mix {tuple(round(m, 2) for m in mix)}: {t * 1e3:.2f} ms "
                 f"(live B {live_b:.3f})", flush=True)
           del state, runner
@@ -152,7 +158,9 @@ def main(argv=None) -> int:
             nxt, _, fc["c"] = full.step(full.params, fc["c"], tok, bits, key, z, o)
             return nxt
           t_full = timed(fstep, S)
-          prof_full = prof(f"full_{layout}_b{B}_c{C}", fstep)
+          hlo = full.step.lower(full.params, fc["c"], tok, bits, key, z, o).compile().as_text() \
+              if a.profile else None
+          prof_full = prof(f"full_{layout}_b{B}_c{C}", fstep, hlo)
           print(f"  {layout} b{B} c{C} plain-XLA Full KV: {t_full * 1e3:.2f} ms", flush=True)
           del fc, full
         allbf = res.get((0.0, 0.0, 1.0), {}).get("ms", float("nan"))

@@ -36,8 +36,18 @@ _NAME_RULES = (
 )
 
 
-def classify(name: str, args: dict) -> str:
+def scopes_from_hlo(hlo_text: str) -> dict[str, str]:
+  """Kernel name (HLO instruction name, '.' -> '_') -> its op_name metadata (named scopes)."""
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", hlo_text, re.M):
+    out[m.group(1).replace(".", "_").replace("-", "_")] = m.group(2)
+  return out
+
+
+def classify(name: str, args: dict, op_names: dict | None = None) -> str:
   text = " ".join(str(v) for v in args.values()) if args else ""
+  if op_names:
+    text += " " + op_names.get(name, op_names.get(re.sub(r"_\d+$", "", name), ""))
   for scope in SCOPES:   # the innermost scope wins: attention/cache_write before attend
     if re.search(rf"(^|/){scope}(/|$|\b)", text):
       return scope
@@ -57,7 +67,8 @@ def _device_pids(meta: list[dict]) -> set:
   return pids
 
 
-def table(trace_dir: str, n_steps: int | None = None, wall_s: float | None = None) -> dict:
+def table(trace_dir: str, n_steps: int | None = None, wall_s: float | None = None,
+          op_names: dict | None = None) -> dict:
   """{class: device µs per step} (+ "device busy", "host gap" when wall time is known)."""
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"),
                            recursive=True))
@@ -75,7 +86,7 @@ def table(trace_dir: str, n_steps: int | None = None, wall_s: float | None = Non
     if e.get("ph") != "X" or e.get("pid") not in dev:
       continue
     dur = float(e.get("dur", 0.0))
-    cls = classify(e.get("name", ""), e.get("args") or {})
+    cls = classify(e.get("name", ""), e.get("args") or {}, op_names)
     per[cls] += dur
     names[(cls, e.get("name", "")[:60])] += dur
     spans.append((float(e["ts"]), float(e["ts"]) + dur))
@@ -96,17 +107,20 @@ def table(trace_dir: str, n_steps: int | None = None, wall_s: float | None = Non
   return out
 
 
-def profile(fn, n_steps: int, out_dir: str, name: str) -> dict:
-  """Trace ``n_steps`` calls of ``fn`` (already compiled and warm) -> :func:`table`."""
+def profile(fn, n_steps: int, out_dir: str, name: str, hlo_text: str | None = None) -> dict:
+  """Trace ``n_steps`` calls of ``fn`` (already compiled and warm; returns what to block on)
+  -> :func:`table`.  ``hlo_text``: the compiled step's HLO, to label kernels by named scope."""
   import jax
   d = os.path.join(out_dir, name)
   os.makedirs(d, exist_ok=True)
   with jax.profiler.trace(d, create_perfetto_trace=True):
     t0 = time.perf_counter()
+    out = None
     for _ in range(n_steps):
-      fn()
+      out = fn()
+    jax.block_until_ready(out)
     wall = (time.perf_counter() - t0) / n_steps
-  return table(d, n_steps, wall)
+  return table(d, n_steps, wall, scopes_from_hlo(hlo_text) if hlo_text else None)
 
 
 def format_table(name: str, t: dict) -> str:

@@ -110,6 +110,7 @@ class Decoder(nnx.Module):
     self.inv_freq = Buffer(jnp.asarray(rope_inv_freq(cfg)))
 
   layout = "stacked"
+  layout_chosen = False   # set by set_layout: runners keep an explicit choice
 
   def layer_params(self) -> dict[str, jax.Array]:
     """Stacked layout: the stacked per-layer weights, by name."""
@@ -204,6 +205,7 @@ def set_layout(model: Decoder, layout: str) -> Decoder:
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   if model.layout == layout:
+    model.layout_chosen = True
     return model
   cfg, L = model.cfg, model.cfg.n_layers
   if layout == "unrolled":
@@ -242,6 +244,7 @@ def set_layout(model: Decoder, layout: str) -> Decoder:
       del w
     del model.layers
   model.layout = layout
+  model.layout_chosen = True
   return model
 
 
@@ -258,5 +261,10 @@ def default_layout(backend: str | None = None) -> str:
 
 
 def prepare(model: Decoder, layout: str = "auto") -> Decoder:
-  """The layout a runner should execute: :func:`default_layout` for "auto" (in place)."""
-  return set_layout(model, default_layout() if layout == "auto" else layout)
+  """The layout a runner executes (in place).  "auto": a layout chosen earlier with
+  :func:`set_layout` stays; otherwise :func:`default_layout`."""
+  if layout == "auto":
+    if getattr(model, "layout_chosen", False):
+      return model
+    layout = default_layout()
+  return set_layout(model, layout)

@@ -361,16 +361,51 @@ def write_layer(lkv: LayerKV, plan: StepPlan, g, k: jax.Array, v: jax.Array) -> 
   return LayerKV(win_k=win_k, win_v=win_v, hi_k=hi_k, hi_v=hi_v, lo_k=lo_k, lo_v=lo_v, lo_s=lo_s)
 
 
-def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array) -> Cache:
+def evict_step(cache: Cache, plan: StepPlan) -> Cache:
+  """Materialize the token leaving the window, in every layer at once (one scatter per pool
+  array for the whole stack), before any layer writes its new K/V.  Then ``write_step(...,
+  evict=False)`` only writes the window row: 2 small scatters per layer instead of 7 (on the
+  H200 each is a launch-bound ~3 µs kernel; 36 layers x 5 saved ~ 0.5 ms per step)."""
+  lay = cache.layers
+  Lyr, B, W = lay.win_k.shape[:3]
+  bi = jnp.arange(B)
+  read = jnp.minimum(plan.slot, W - 1)
+  # The barrier materializes the evicted rows before the window is written (see write_step).
+  old_k, old_v = jax.lax.optimization_barrier(
+      (lay.win_k[:, bi, read], lay.win_v[:, bi, read]))             # [L, B, Hkv, D]
+  gl = jnp.asarray(cache.group_of, jnp.int32)
+  dh, dl = plan.dest_hi[gl], plan.dest_lo[gl]                        # [L, B]
+  li = jnp.arange(Lyr)[:, None]
+
+  def put(x, rows, val):
+    return _put_rows(_flat(x), li, rows, val).reshape(x.shape)
+
+  kq, vq, sc = _quant_kv(old_k, old_v)
+  return cache.replace(layers=lay.replace(
+      hi_k=put(lay.hi_k, dh, old_k), hi_v=put(lay.hi_v, dh, old_v),
+      lo_k=put(lay.lo_k, dl, kq), lo_v=put(lay.lo_v, dl, vq), lo_s=put(lay.lo_s, dl, sc)))
+
+
+def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array, *,
+               evict: bool = True) -> Cache:
   """``write_layer`` for layer ``layer`` (may be traced) on the stacked arrays: scatters only the
   rows that change (the evicted token's pool row, the new window row).  In a jitted step whose
   cache is donated, or a ``lax.scan`` carry, XLA does these in place, so a step costs O(rows
-  written) rather than a copy of every layer's pools (``layer_slice`` + ``set_layer``)."""
+  written) rather than a copy of every layer's pools (``layer_slice`` + ``set_layer``).
+  ``evict=False``: :func:`evict_step` already moved the evicted token; write the window only."""
   lay = cache.layers
   B, W = lay.win_k.shape[1:3]
   chex.assert_shape(k, (B,) + lay.win_k.shape[3:])
-  g = group_array(cache)[layer]
   bi = jnp.arange(B)
+
+  def win(x, val):         # [L, B, W, ...]: slot ``plan.slot[b]`` of sequence b (W: none)
+    rows = jnp.where(plan.slot < W, bi * W + plan.slot, B * W)
+    flat = x.reshape((x.shape[0], B * W) + x.shape[3:])
+    return _put_rows(flat, layer, rows, val).reshape(x.shape)
+
+  if not evict:
+    return cache.replace(layers=lay.replace(win_k=win(lay.win_k, k), win_v=win(lay.win_v, v)))
+  g = group_array(cache)[layer]
   read = jnp.minimum(plan.slot, W - 1)
   # The barrier materializes the evicted rows before the window is written: without it XLA GPU
   # copied the whole stacked window (twice) to scatter into it in place.
@@ -381,11 +416,6 @@ def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array) 
   def put(x, rows, val):   # [L, P, page, ...] pool: row ``rows`` of layer ``layer`` <- val
     return _put_rows(_flat(x), layer, rows, val).reshape(x.shape)
 
-  def win(x, val):         # [L, B, W, ...]: slot ``plan.slot[b]`` of sequence b (W: none)
-    rows = jnp.where(plan.slot < W, bi * W + plan.slot, B * W)
-    flat = x.reshape((x.shape[0], B * W) + x.shape[3:])
-    return _put_rows(flat, layer, rows, val).reshape(x.shape)
-
   kq, vq, s = _quant_kv(old_k, old_v)
   return cache.replace(layers=LayerKV(
       win_k=win(lay.win_k, k), win_v=win(lay.win_v, v),
@@ -394,7 +424,8 @@ def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array) 
 
 
 def _put_rows(x: jax.Array, layer, rows: jax.Array, val: jax.Array) -> jax.Array:
-  """x [L, R, ...]: row ``rows[b]`` of layer ``layer`` <- ``val[b]``; rows >= R are dropped."""
+  """x [L, R, ...]: row ``rows[b]`` of layer ``layer`` <- ``val[b]``; rows >= R are dropped.
+  ``layer`` may also be an index array broadcast against ``rows`` (several layers at once)."""
   val = val.astype(x.dtype)
 
   def bits_scatter(x, layer, rows, val):

@@ -215,7 +215,7 @@ class PaskRunner:
     cache, plan = carry
     g = pcache.group_array(cache)[layer]
     with jax.named_scope("cache_write"):
-      cache = pcache.write_step(cache, plan, layer, k[:, 0], v[:, 0])
+      cache = pcache.write_step(cache, plan, layer, k[:, 0], v[:, 0], evict=False)
     window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
     with jax.named_scope("attention"):
       out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
@@ -230,6 +230,7 @@ class PaskRunner:
     pos = cache.count                                  # the new token's absolute position
     with jax.named_scope("cache_write"):
       cache, plan = pcache.begin_step(cache, actions, active)
+      cache = pcache.evict_step(cache, plan)     # every layer's evicted row at once
     logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
     tmpl = self._shared(policy)
     with jax.named_scope("ledger"):

@@ -228,6 +228,14 @@ def test_per_layer_split_equals_append():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32))
   for x, y in zip(jax.tree.leaves(c3), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # What the decode step does: every layer's evicted row at once, then window-only writes.
+  c4, plan = KC.begin_step(cache, act)
+  c4 = jax.jit(KC.evict_step)(c4, plan)
+  step = jax.jit(KC.write_step, static_argnames="evict")
+  for l in range(NL):
+    c4 = step(c4, plan, jnp.int32(l), kn[l], kn[l], evict=False)
+  for x, y in zip(jax.tree.leaves(c4), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_attention_sees_exactly_the_stored_keys():

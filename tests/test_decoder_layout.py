@@ -69,3 +69,15 @@ def test_layout_choice(monkeypatch):
     decoder.default_layout()
   with pytest.raises(ValueError, match="layout must be one of"):
     decoder.set_layout(random_model(ModelConfig(**_BASE, arch="llama", name="x")), "diagonal")
+
+
+def test_runner_keeps_an_explicit_layout(monkeypatch):
+  from pask_jax.decode import Runner
+  monkeypatch.setenv("PASK_LAYER_LAYOUT", "unrolled")
+  cfg = ModelConfig(**_BASE, arch="llama", name="x")
+  m = random_model(cfg)
+  Runner(m, batch=1, capacity=8)
+  assert m.layout == "unrolled"                      # auto: the default for this backend
+  decoder.set_layout(m, "stacked")
+  Runner(m, batch=1, capacity=8)
+  assert m.layout == "stacked"                       # an explicit choice is kept
