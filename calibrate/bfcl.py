@@ -245,6 +245,7 @@ def _family_splits(family: tuple[str, ...], seed: int) -> dict[str, str]:
 def load(categories: Iterable[str] = NONLIVE, *, split: str | Sequence[str] | None = None,
          seed: int = 0) -> list[Case]:
   """BFCL cases of ``categories`` (in file order) with their partition; optionally only ``split``."""
+  require()   # before the cached readers: a missing install is named even after a cached read
   want = None if split is None else ({split} if isinstance(split, str) else set(split))
   if want is not None and not want <= set(SPLITS):
     raise ValueError(f"unknown split {want - set(SPLITS)}; choose from {SPLITS}")
