@@ -25,6 +25,10 @@ SHAPES = {  # random-weight configs for speed runs (weights' values do not chang
                          n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, rope_theta=1e6,
                          tie_embeddings=False, max_position=32768,
                          name="Qwen2.5-0.5B shape (random weights)"),
+    # CPU smoke tests of the benchmarks
+    "tiny": dict(arch="qwen3", vocab_size=512, hidden=64, intermediate=128, n_layers=3, n_heads=4,
+                 n_kv_heads=2, head_dim=32, rope_theta=1e4, tie_embeddings=True, max_position=4096,
+                 name="tiny qwen3 (random weights)"),
 }
 
 

@@ -109,16 +109,23 @@ def n_copies(nbytes, inner=10):
   return max(1, min(inner, int(12e9 // max(nbytes, 1))))
 
 
-# --int4-sweep variants (run 3; runs 1-2 are recorded in bench/RESULTS.md, "## Kernels").  The
-# defaults now run a large INT4 pool as its own launch: 2 warps, 64-key blocks, "asm" dequant,
-# register prefetch, 1 stage.
+# --int4-sweep variants (runs 1-3 are recorded in bench/RESULTS.md, "## Kernels"; this is run 4).
+_FUSED2 = dict(fuse=True, num_warps=2, num_stages=1, block_hi=64, int4_dequant="asm",
+               int4_prefetch=True)
 INT4_SWEEP = {
     "b_mix": [
-        {}, dict(fuse=True), dict(exact_pv=False), dict(block_lo=32),
-        dict(num_warps_lo=1, block_lo=16), dict(num_warps_lo=4, block_lo=128),
+        {}, dict(exact_pv_lo=False), _FUSED2, {**_FUSED2, "num_warps": 4, "num_stages": 2},
+        dict(chunk_hi=1024), dict(chunk_hi=2048),
+        dict(int4_prefetch=False, num_stages_lo=3),
+        dict(int4_prefetch=False, num_stages_lo=3, num_warps_lo=4, block_lo=64),
+        dict(exact_pv_lo=False, num_warps_lo=4, block_lo=128),
     ],
-    "b_int4_part": [{}],
-    "b_bf16_part": [{}],
+    "b_int4_part": [
+        {}, dict(exact_pv_lo=False), dict(int4_prefetch=False, num_stages_lo=3),
+        dict(int4_prefetch=False, num_stages_lo=4, num_warps_lo=4, block_lo=64),
+        dict(exact_pv_lo=False, block_lo=32),
+    ],
+    "b_bf16_part": [{}, dict(chunk_hi=1024), dict(chunk_hi=2048), dict(num_warps=4, block_hi=64)],
 }
 
 

@@ -1,23 +1,27 @@
-"""PASK decode step vs Full-KV decode step at the same shape (random weights, synthetic cache).
+"""Whole decode step: PASK mix vs all-BF16 PASK vs plain-XLA Full KV, in one process (issues 11, 12).
 
-The PASK cache is filled by ``materialize_prefill`` from random K/V with a random per-token plan
-(fractions ``--mix R L H`` of released / INT4 / BF16 tokens beyond the window), then the whole
-jitted PASK decode step (controller, cache update, per-layer mixed-precision attention through
-``pallas_kernels.decode_attention`` with backend auto) is timed against the Full-KV step of
-``pask_jax.decode.Runner`` with a dense cache of the same context.
+Random weights; the PASK cache is filled layer chunk by layer chunk (``cache.prefill_rows`` +
+``cache.write_prefill``, random K/V drawn on the device per chunk, so 32K contexts at batch 16 fit)
+from a random per-token plan with fractions ``R,L,H`` of released / INT4 / BF16 tokens beyond the
+sinks and the window.  Pools are sized to the plan (what a memory-sized server allocates): the
+kernel grid follows the stored bytes, not the logical context.  Every row of the output holds, for
+one (layout, batch, context, mix): the PASK step, the all-BF16 PASK step (mix 0,0,1: our best
+Full KV, same kernel) and the plain-XLA Full-KV step (``pask_jax.decode.Runner``, dense cache),
+all timed in the same process, plus the measured live B.
 
-    python bench/bench_pask_step.py --shape qwen3-4b --batch 8 --context 8192 --mix 0.2 0.7 0.1
+    python bench/bench_pask_step.py --shape qwen3-4b --batch 8 --context 8192 32768 \
+        --mixes 0.2,0.65,0.15 0.5,0.4,0.1 --layouts unrolled --json out.jsonl [--profile DIR]
 
-``--updates copy scatter`` times the step with each per-layer cache update in the same process:
-``scatter`` is ``PaskRunner._attend`` as it is (the kernel reads the stacked pools at a layer
-index; only the new rows are scattered), ``copy`` the earlier form that sliced each layer's
-arrays out of the stack and wrote the whole layer back (``layer_slice`` + ``set_layer``).
+``--layouts stacked unrolled`` times both layer layouts of ``models.decoder`` (the model is
+converted in place between them).  ``--profile DIR`` also writes a device trace of each timed step
+and its per-op table (``bench/profile_step.py``).  ``--time-limit S`` skips what would start after
+S seconds (rows already measured are kept).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -28,11 +32,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shape", default="qwen2.5-0.5b")
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--context", type=int, default=8192)
-  ap.add_argument("--mix", type=float, nargs=3, default=[0.2, 0.7, 0.1], metavar=("R", "L", "H"))
+  ap.add_argument("--batch", type=int, nargs="+", default=[8])
+  ap.add_argument("--context", type=int, nargs="+", default=[8192])
+  ap.add_argument("--mixes", nargs="+", default=["0.2,0.65,0.15"], help="R,L,H fractions")
+  ap.add_argument("--layouts", nargs="+", default=["auto"], choices=["auto", "stacked", "unrolled"])
   ap.add_argument("--steps", type=int, default=16)
-  ap.add_argument("--updates", nargs="+", default=["scatter"], choices=["scatter", "copy"])
+  ap.add_argument("--chunk-layers", type=int, default=4)
+  ap.add_argument("--no-full", action="store_true", help="skip the plain-XLA Full-KV step")
+  ap.add_argument("--profile", default=None)
+  ap.add_argument("--time-limit", type=float, default=1e9)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidia0"):
@@ -42,80 +50,145 @@ def main(argv=None) -> int:
   import numpy as np
   from bench.bench_decode import SHAPES
   from models import ModelConfig, random_model
+  from models import decoder
   from pask_jax import cache as pc, controller, ledger, policy as P
   from pask_jax.decode import FREE_TAG, PaskRunner, Runner
 
+  t_start = time.perf_counter()
+  over = lambda: time.perf_counter() - t_start > a.time_limit
   cfg = ModelConfig(**SHAPES[a.shape])
   dt = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
   model = random_model(cfg, dtype=dt)
-  B, C, S = a.batch, a.context, a.steps
   pol = P.demo(cfg)
-  G, W = pol.n_groups, pol.window
-  key = jax.random.key(0)
-  shape = (cfg.n_layers, B, C, cfg.n_kv_heads, cfg.head_dim)
-  k = jax.random.normal(key, shape, jnp.bfloat16)
-  v = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
-  probs = np.asarray(a.mix) / np.sum(a.mix)
-  plan = jnp.asarray(np.random.default_rng(0).choice(3, size=(B, C, G), p=probs), jnp.int8)
-  lengths = jnp.full((B,), C, jnp.int32)
-  tags = jnp.broadcast_to(jnp.asarray(FREE_TAG), (B, 4))
-  sid, act = jnp.full((B,), -1, jnp.int32), jnp.ones((B,), bool)
-  tok = jnp.zeros((B,), jnp.int32)
+  G, W, S = pol.n_groups, pol.window, a.steps
+  mixes = [tuple(float(x) for x in m.split(",")) for m in a.mixes]
+  mixes = [tuple(float(x) / sum(m) for x in m) for m in mixes]
+  dev = jax.devices()[0].device_kind
+  print(f"# {cfg.name}, {jnp.dtype(dt).name}, {dev}, jax {jax.__version__}", flush=True)
 
-  def copy_attend(runner):
-    """The per-layer update before the stacked-kernel form: slice, write, write back."""
-    import pallas_kernels
-
-    def attend(carry, layer, q, k_, v_, positions):
-      cache, plan = carry
-      g = pc.group_array(cache)[layer]
-      lkv = pc.write_layer(pc.layer_slice(cache, layer), plan, g, k_[:, 0], v_[:, 0])
-      out = pallas_kernels.decode_attention(q[:, 0], *pc.kernel_inputs(lkv, cache, g),
-                                            backend=runner.backend)
-      return out[:, None].astype(q.dtype), (pc.set_layer(cache, layer, lkv), plan)
-    return attend
-
-  t_pask, stored_b = {}, None
-  for upd in a.updates:
-    runner = PaskRunner(model, pol, batch=B, capacity=C + S + 1)
-    if upd == "copy":
-      runner._attend = copy_attend(runner)
-    cache = jax.jit(pc.materialize_prefill)(runner.new_cache(), k, v, plan, lengths)
-    cache = cache.replace(count=jnp.full((B,), C, jnp.int32))
-    stored_b = float(np.asarray(ledger.live_payload(cache, pol.cost, pol.c_full)).mean()) / (
-        C * float(pol.c_full))
-    budget = jnp.full((B,), controller.initial_balance(pol), jnp.float32)
-    led = ledger.init(B, G)
-    out = runner.decode_step(runner.params, pol, cache, budget, led, tok, tags, sid, act)
-    jax.block_until_ready(out)
-    _, cache, budget, led, _ = out
+  def timed(step, n):
+    """Median-free mean over n chained steps after a warm-up; step() returns what to block on."""
+    jax.block_until_ready(step())
     t0 = time.perf_counter()
-    for _ in range(S):
-      logits, cache, budget, led, _ = runner.decode_step(runner.params, pol, cache, budget, led,
-                                                         tok, tags, sid, act)
-    logits.block_until_ready()
-    t_pask[upd] = (time.perf_counter() - t0) / S
-    del cache, out, runner
-  del k, v
-  full = Runner(model, batch=B, capacity=C + S + 1, cache_dtype=jnp.bfloat16)
-  fc = full.new_cache()._replace(length=jnp.full((B,), C, jnp.int32))
-  bits = jnp.full((B, -(-cfg.vocab_size // 32)), -1, jnp.int32)
-  z, o = jnp.zeros((B,)), jnp.ones((B,))
-  nxt, _, fc = full.step(full.params, fc, tok, bits, key, z, o)
-  nxt.block_until_ready()
-  t0 = time.perf_counter()
-  for _ in range(S):
-    nxt, _, fc = full.step(full.params, fc, nxt, bits, key, z, o)
-  nxt.block_until_ready()
-  t_full = (time.perf_counter() - t0) / S
-  for upd, t in t_pask.items():
-    row = {"shape": a.shape, "batch": B, "context": C, "mix_RLH": list(map(float, probs)),
-           "update": upd, "live_B": stored_b, "pask_ms": t * 1e3, "full_ms": t_full * 1e3,
-           "speedup": t_full / t, "device": jax.devices()[0].device_kind}
-    print(json.dumps(row), flush=True)
-    if a.json:
-      with open(a.json, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    for _ in range(n):
+      out = step()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / n
+
+  def prof(name, step, hlo=None):
+    if not a.profile:
+      return None
+    from bench import profile_step
+    t = profile_step.profile(step, 3, a.profile, name, hlo)
+    print(profile_step.format_table(name, t), flush=True)
+    return {k: v for k, v in t.items() if not k.startswith("_")} | {"top": t["_top_kernels"]}
+
+  def pask_cache(runner, B, C, mix, seed):
+    """A filled PASK cache whose pools hold exactly the plan's H / L rows (+ decode headroom)."""
+    rng = np.random.default_rng(seed)
+    plan = rng.choice(3, size=(B, C, G), p=mix).astype(np.int8)
+    past = plan[:, :max(0, C - W)]
+    n_h = int((past == 2).sum(axis=1).max()) + pol.sink + S + 1
+    n_l = int((past == 1).sum(axis=1).max()) + S + 1
+    page = runner.page
+    cache = pc.init_for(cfg, B, pol, capacity=C + S + 1, page=page,
+                        hi_capacity=max(page, n_h), lo_capacity=max(page, n_l) if mix[1] else page)
+    lengths = jnp.full((B,), C, jnp.int32)
+    cache, rows = jax.jit(pc.prefill_rows, static_argnums=2)(cache, jnp.asarray(plan), C, lengths)
+    shape = (B, C, cfg.n_kv_heads, cfg.head_dim)
+
+    # rows travel as an argument: closed over, they became a constant of the jitted function.
+    write = jax.jit(lambda c, rows, key, start, n: pc.write_prefill(
+        c, rows, jax.random.normal(key, (n,) + shape, jnp.bfloat16),
+        jax.random.normal(jax.random.fold_in(key, 1), (n,) + shape, jnp.bfloat16), start),
+        static_argnums=(3, 4), donate_argnums=(0,))
+    for start in range(0, cfg.n_layers, a.chunk_layers):
+      n = min(a.chunk_layers, cfg.n_layers - start)
+      cache = write(cache, rows, jax.random.key(seed * 1000 + start), start, n)
+    del rows
+    return cache.replace(count=jnp.full((B,), C, jnp.int32))
+
+  rows_out = []
+  for layout in a.layouts:
+    decoder.prepare(model, layout)
+    for B in a.batch:
+      for C in a.context:
+        if over():
+          print(f"# time limit: skipping {layout} batch {B} context {C}", flush=True)
+          continue
+        tags = jnp.broadcast_to(jnp.asarray(FREE_TAG), (B, 4))
+        sid, act = jnp.full((B,), -1, jnp.int32), jnp.ones((B,), bool)
+        tok = jnp.zeros((B,), jnp.int32)
+        res = {}
+        for mix in list(mixes) + [(0.0, 0.0, 1.0)]:
+          if over():
+            break
+          runner = PaskRunner(model, pol, batch=B, capacity=C + S + 1)
+          cache = pask_cache(runner, B, C, mix, seed=len(res) + 1)
+          live_b = float(np.asarray(ledger.live_payload(cache, pol.cost, pol.c_full)).mean()) / (
+              C * float(pol.c_full))
+          budget = jnp.full((B,), controller.initial_balance(pol), jnp.float32)
+          state = {"s": (cache, budget, ledger.init(B, G))}
+          del cache
+
+          def step():
+            c, bud, led = state["s"]
+            logits, c, bud, led, _ = runner.decode_step(runner.params, pol, c, bud, led, tok,
+                                                        tags, sid, act)
+            state["s"] = (c, bud, led)
+            return logits
+          t = timed(step, S)
+          hlo = None
+          if a.profile:
+            c_, b_, l_ = state["s"]
+            hlo = runner.decode_step.lower(runner.params, pol, c_, b_, l_, tok, tags, sid,
+                                           act).compile().as_text()
+          name = f"pask_{layout}_b{B}_c{C}_mix{'-'.join(f'{m:.2f}' for m in mix)}"
+          res[mix] = dict(ms=t * 1e3, live_B=live_b, traces=runner.traces["step"],
+                          profile=prof(name, step, hlo))
+          print(f"  {layout} b{B} c{C} mix {tuple(round(m, 2) for m in mix)}: {t * 1e3:.2f} ms "
+                f"(live B {live_b:.3f})", flush=True)
+          del state, runner
+        t_full, prof_full = float("nan"), None
+        if not a.no_full and not over():
+          full = Runner(model, batch=B, capacity=C + S + 1, cache_dtype=jnp.bfloat16)
+          fc = {"c": full.new_cache()._replace(length=jnp.full((B,), C, jnp.int32))}
+          bits = jnp.full((B, -(-cfg.vocab_size // 32)), -1, jnp.int32)
+          z, o, key = jnp.zeros((B,)), jnp.ones((B,)), jax.random.key(0)
+
+          def fstep():
+            nxt, _, fc["c"] = full.step(full.params, fc["c"], tok, bits, key, z, o)
+            return nxt
+          t_full = timed(fstep, S)
+          hlo = full.step.lower(full.params, fc["c"], tok, bits, key, z, o).compile().as_text() \
+              if a.profile else None
+          prof_full = prof(f"full_{layout}_b{B}_c{C}", fstep, hlo)
+          print(f"  {layout} b{B} c{C} plain-XLA Full KV: {t_full * 1e3:.2f} ms", flush=True)
+          del fc, full
+        allbf = res.get((0.0, 0.0, 1.0), {}).get("ms", float("nan"))
+        for mix in mixes:
+          if mix not in res:
+            continue
+          r = res[mix]
+          row = {"shape": a.shape, "layout": layout, "batch": B, "context": C,
+                 "mix_RLH": [round(float(m), 4) for m in mix], "live_B": r["live_B"],
+                 "pask_ms": r["ms"], "all_bf16_ms": allbf, "full_xla_ms": t_full * 1e3,
+                 "vs_all_bf16": allbf / r["ms"], "vs_full_xla": t_full * 1e3 / r["ms"],
+                 "step_traces": r["traces"], "device": dev, "jax": jax.__version__,
+                 "profile": r["profile"],
+                 "profile_all_bf16": res.get((0.0, 0.0, 1.0), {}).get("profile"),
+                 "profile_full": prof_full}
+          rows_out.append(row)
+          if a.json:
+            with open(a.json, "a") as f:
+              f.write(json.dumps(row) + "\n")
+  print(f"\n{'layout':9s} {'B':>3s} {'ctx':>6s} {'mix R/L/H':16s} {'live B':>6s} {'PASK ms':>8s} "
+        f"{'allBF16':>8s} {'XLA full':>8s} {'x allBF16':>9s} {'x XLA':>6s}")
+  for r in rows_out:
+    print(f"{r['layout']:9s} {r['batch']:3d} {r['context']:6d} "
+          f"{'/'.join(f'{m:.2f}' for m in r['mix_RLH']):16s} {r['live_B']:6.3f} {r['pask_ms']:8.2f} "
+          f"{r['all_bf16_ms']:8.2f} {r['full_xla_ms']:8.2f} {r['vs_all_bf16']:9.2f} "
+          f"{r['vs_full_xla']:6.2f}")
   return 0
 
 

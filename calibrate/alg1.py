@@ -2,6 +2,11 @@
 
 Stages (each saved under ``work/`` as it completes, so an interrupted run resumes):
 
+Each stage file is keyed by a fingerprint of the model, the tokenizer, the split's task and the
+arguments that change its numbers (:mod:`calibrate.stages`; no pickles); resuming with anything
+different is refused, naming what differs.  ``rows`` (the stacked chunk size) and the kernel
+backend are not part of it: stacked and sequential interventions give the same outcomes.
+
 1. **Reference** — π_ref (all-high, B_D = 1) generates the calibration split; its trajectories
    (tokens, structural tag candidates, parser states) are the fixed reference of Runtime-D, the
    bucket counts N̄_q, the nominal costs and the reserve.
@@ -37,7 +42,6 @@ import functools
 import json
 import math
 import os
-import pickle
 import time
 from typing import Any, Callable, Sequence
 
@@ -47,6 +51,7 @@ import numpy as np
 
 from calibrate import distortion as dist
 from calibrate import stack as S
+from calibrate import stages
 from pask_jax import controller
 from pask_jax import policy as P
 from pask_jax import tags as T
@@ -242,33 +247,53 @@ class Calibration:
     self.progress = progress
     self.log = log
     self.timings: dict[str, float] = {}
-    self._restore_vocab()
+    self.keys = self._fingerprints()
+    self._check_work()
 
-  # --- persistence ---
+  # --- persistence (calibrate.stages: fingerprinted .npz, no pickles) ---
+  STAGES = ("reference", "runtime_v", "runtime_d", "dev", "dev_composed")
+
+  def _fingerprints(self) -> dict[str, dict]:
+    """Per stage, what its saved numbers depend on (each later stage adds to the earlier)."""
+    from models import fingerprint
+    from pask_jax.grammar.frontier import xgrammar_version
+    c = dataclasses.asdict(self.cfg)
+    arg = lambda *names: {n: (list(map(list, c[n])) if n.endswith("thresholds") else
+                              list(c[n]) if isinstance(c[n], (tuple, list)) else c[n])
+                          for n in names}
+    ref = {"model": fingerprint(self.model), "tokenizer": self.thash,
+           "xgrammar": xgrammar_version(), "calibration_split": stages.task_fingerprint(self.cal),
+           "args": arg("max_tokens", "sink", "window", "n_groups")}
+    runtime = {**ref, "args": {**ref["args"], **arg("min_count")}}
+    dev = {**runtime, "development_split": stages.task_fingerprint(self.dev),
+           "args": {**runtime["args"], **arg("thresholds", "prefill_thresholds", "b_p_grid",
+                                             "path_points", "reserve_k", "reserve_beta")}}
+    composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p")}}
+    return {"reference": ref, "runtime_v": runtime, "runtime_d": runtime, "dev": dev,
+            "dev_composed": composed}
+
+  def _check_work(self) -> None:
+    """Before any work: refuse unkeyed pickles of older versions and every saved stage whose
+    fingerprint differs from this run's."""
+    old = sorted(f for f in os.listdir(self.work) if f.endswith(".pkl"))
+    if old:
+      raise stages.StageMismatch(
+          f"{self.work} holds unkeyed stage pickles of an older pask-jax ({', '.join(old)}): "
+          f"they cannot be checked against this model and task; delete {self.work} or use "
+          "another --out")
+    for name in self.STAGES:
+      f = stages.path(self.work, name)
+      if os.path.exists(f):
+        stages.check(f, name, self.keys[name])
+
   def _path(self, name):
     return os.path.join(self.work, name)
 
   def _load(self, name):
-    p = self._path(name)
-    if os.path.exists(p):
-      with open(p, "rb") as f:
-        return pickle.load(f)
-    return None
+    return stages.load(self.work, name, self.keys[name])
 
   def _save(self, name, obj):
-    tmp = self._path(name + ".tmp")
-    with open(tmp, "wb") as f:
-      pickle.dump(obj, f)
-    os.replace(tmp, self._path(name))
-
-  def _restore_vocab(self):
-    keys = self._load("state_vocab.pkl")
-    if keys is not None:
-      for k in keys:
-        self.cal.vocab(k)
-
-  def _save_vocab(self):
-    self._save("state_vocab.pkl", self.cal.vocab.keys())
+    stages.save(self.work, name, self.keys[name], obj)
 
   def _run(self, task, policies, label):
     bar = self.progress(label, len(policies) * len(task.requests)) if self.progress else None
@@ -284,13 +309,16 @@ class Calibration:
   def error(outcomes) -> float:
     return 1.0 - float(np.mean([o.passed for o in outcomes]))
 
-  # --- stage 1: reference ---
+  # --- stage 1: reference (saved with the parser-state vocabulary it grew) ---
   def reference(self):
-    ref = self._load("reference.pkl")
-    if ref is None:
+    got = self._load("reference")
+    if got is None:
       ref = self._run(self.cal, [self.ref_policy], "reference (cal)")[0]
-      self._save("reference.pkl", ref)
-      self._save_vocab()
+      self._save("reference", {"outcomes": ref, "state_vocab": self.cal.vocab.keys()})
+    else:
+      ref = got["outcomes"]
+      for k in got["state_vocab"]:
+        self.cal.vocab(k)
     self.ref = ref
     return ref
 
@@ -335,7 +363,7 @@ class Calibration:
 
   # --- stage 3: Runtime-V ---
   def runtime_v(self):
-    done = self._load("runtime_v.pkl") or {}
+    done = self._load("runtime_v") or {}
     todo = [k for k in self.interventions() if k not in done]
     if todo:
       pols = [self.intervention_policy(*k) for k in todo]
@@ -345,7 +373,7 @@ class Calibration:
       def save(idx, outs):
         for j, o in zip(idx, outs):
           done[todo[j]] = [x.passed for x in o]
-        self._save("runtime_v.pkl", done)
+        self._save("runtime_v", done)
 
       S.run_stack(self.runner_for, self.cal, pols, rows=self.cfg.rows,
                   max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None,
@@ -362,7 +390,7 @@ class Calibration:
 
   # --- stage 4: Runtime-D ---
   def runtime_d(self):
-    got = self._load("runtime_d.pkl")
+    got = self._load("runtime_d")
     if got is None:
       t0 = time.perf_counter()
       keys = [(kind, i, a) for kind, nb in (("decode", self.nbar_dec), ("prefill", self.nbar_pre))
@@ -409,7 +437,7 @@ class Calibration:
       for (kind, i, a), row in zip(keys, total):
         for g in range(G):
           got[(kind, i, g, a)] = float(row[g])
-      self._save("runtime_d.pkl", got)
+      self._save("runtime_d", got)
       self.timings["Runtime-D"] = time.perf_counter() - t0
     self.D = got
     dd = {(i, g, a): got[("decode", i, g, a)] for (i, g) in self.dec_buckets for a in (T.R, T.L)}
@@ -527,7 +555,7 @@ class Calibration:
     pre = self.prefill_candidates()
     # Development: π_ref, decode candidates, prefill candidates (one stacked evaluation).
     pols = [self.ref_policy] + [c["policy"] for c in dec] + [c["policy"] for c in pre]
-    res = self._dev_eval("dev.pkl", pols)
+    res = self._dev_eval("dev", pols)
     ref_dev, dec_res, pre_res = res[0], res[1:1 + len(dec)], res[1 + len(dec):]
     di, drows, e_ref = self.select("decode", dec, dec_res, ref_dev, cfg.alpha_d)
     pi, prows, _ = self.select("prefill", pre, pre_res, ref_dev, cfg.alpha_p)
@@ -554,7 +582,7 @@ class Calibration:
                     reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
                     extra={"name": "calibrated", "state_vocab": self.cal.vocab.keys(),
                            "alpha_d": cfg.alpha_d, "alpha_p": cfg.alpha_p})
-    comp = self._dev_eval("dev_composed.pkl", [final])[0]
+    comp = self._dev_eval("dev_composed", [final])[0]
     record["composed"] = {"dev_accuracy": 1 - self.error(comp),
                           "dev_reference_accuracy": 1 - e_ref,
                           "measured_B_total": total_b(comp),

@@ -101,12 +101,28 @@ class Record:
 
 # --- data ----------------------------------------------------------------------------------------
 
-def data_dir() -> str:
-  """``bfcl_eval/data`` of the installed wheel (located, not imported)."""
+# bfcl-eval pins numpy==1.26.4, which jax does not accept, so no pyproject extra can install it;
+# scripts/setup.sh installs it --no-deps (its checker and data need nothing beyond the stdlib).
+INSTALL = "pip install --no-deps bfcl-eval==2026.3.23"
+
+
+class BFCLMissing(ImportError):
+  """bfcl-eval (the BFCL data and the official checker) is not installed."""
+
+
+def require() -> str:
+  """The installed bfcl_eval package directory, or a one-line error naming the install command
+  (called before any model work by ``pask-jax eval``, ``tune`` and ``calibrate``)."""
   spec = importlib.util.find_spec("bfcl_eval")
   if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError("bfcl-eval is not installed: pip install --no-deps bfcl-eval==2026.3.23")
-  return os.path.join(list(spec.submodule_search_locations)[0], "data")
+    raise BFCLMissing(f"the BFCL task needs bfcl-eval, which is not installed: run `{INSTALL}` "
+                      "(--no-deps: its numpy pin conflicts with jax; scripts/setup.sh does this)")
+  return list(spec.submodule_search_locations)[0]
+
+
+def data_dir() -> str:
+  """``bfcl_eval/data`` of the installed wheel (located, not imported)."""
+  return os.path.join(require(), "data")
 
 
 def _lines(path: str) -> list[dict]:
@@ -229,6 +245,7 @@ def _family_splits(family: tuple[str, ...], seed: int) -> dict[str, str]:
 def load(categories: Iterable[str] = NONLIVE, *, split: str | Sequence[str] | None = None,
          seed: int = 0) -> list[Case]:
   """BFCL cases of ``categories`` (in file order) with their partition; optionally only ``split``."""
+  require()   # before the cached readers: a missing install is named even after a cached read
   want = None if split is None else ({split} if isinstance(split, str) else set(split))
   if want is not None and not want <= set(SPLITS):
     raise ValueError(f"unknown split {want - set(SPLITS)}; choose from {SPLITS}")
@@ -295,7 +312,12 @@ def checker() -> types.ModuleType:
     stub.__doc__ = "pask-jax stand-in: the checker only reads underscore_to_dot."
     stub.MODEL_CONFIG_MAPPING = {MODEL_NAME: types.SimpleNamespace(underscore_to_dot=False)}
     sys.modules[name] = stub
-  from bfcl_eval.eval_checker.ast_eval import ast_checker
+  require()
+  try:
+    from bfcl_eval.eval_checker.ast_eval import ast_checker
+  except ImportError as e:   # a bfcl-eval whose checker now imports more than ours did
+    raise BFCLMissing(f"bfcl-eval's AST checker cannot be imported ({e}); install the version "
+                      f"this project pins: `{INSTALL}`") from None
   return ast_checker
 
 

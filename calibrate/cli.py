@@ -5,7 +5,8 @@
 
 Writes ``OUT/policy`` (the frozen policy: orbax arrays + policy.json), ``OUT/calibration.json``
 (V, D, N̄, ρ, candidates with their nominal and measured costs, the selection, timings) and
-``OUT/work/`` (stages saved as they complete: rerunning the same command resumes).
+``OUT/work/`` (stages saved as they complete, keyed by a fingerprint of model, task, splits and
+arguments: rerunning the same command resumes; a different one is refused, naming what differs).
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def run(args) -> int:
     raise SystemExit("error: --max-cases must be at least 2 (calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
-  from pask_jax.cli import _load_model
+  from pask_jax.cli import _load_model, _need_bfcl
+  _need_bfcl()
   m = _load_model(args.model, args.dtype)
   tok = m.tokenizer
   t0 = time.perf_counter()
@@ -82,9 +84,13 @@ def run(args) -> int:
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
                     window=args.window)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
-  C = alg1.Calibration(m.model, tok.hash(), cal, dev, args.out, cfg, capacity=cap,
-                       backend=args.backend, progress=bar,
-                       log=lambda s: print(s, flush=True))
+  from calibrate.stages import StageMismatch
+  try:
+    C = alg1.Calibration(m.model, tok.hash(), cal, dev, args.out, cfg, capacity=cap,
+                         backend=args.backend, progress=bar,
+                         log=lambda s: print(s, flush=True))
+  except StageMismatch as e:   # resuming another model's / task's / arguments' stages
+    raise SystemExit(f"error: {e}")
   sp = None
   if args.speedup:       # measured first (needs only the reference and the buckets)
     C.reference()

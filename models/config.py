@@ -9,6 +9,13 @@ qwen2      yes         no         rotate-half, theta from ckpt
 qwen3      no          yes        rotate-half
 llama      no          no         rotate-half (+ llama3 scaling)
 =========  ==========  =========  ===========================
+
+HF ``model_type: mistral`` is the llama family (same blocks, no biases); its sliding window is
+exact full attention for every context up to the window, so a finite ``sliding_window`` smaller
+than ``max_position_embeddings`` becomes the model's context limit (``max_position``) rather than
+being refused (Qwen2 with ``use_sliding_window: true`` alike).  Variants this decoder does not
+implement (llama ``attention_bias`` / ``mlp_bias``, another ``hidden_act``) are refused by name
+instead of loading into a silently different model.
 """
 from __future__ import annotations
 
@@ -21,13 +28,18 @@ ARCHS = ("llama", "qwen2", "qwen3")
 
 # HF ``model_type`` / ``architectures`` spellings -> our family name.
 _HF_TYPES = {
-    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama",
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "llama",
 }
 
 
 class UnknownArchitectureError(ValueError):
   """The checkpoint's architecture is not one of :data:`ARCHS`."""
+
+
+class UnsupportedConfigError(ValueError):
+  """A known architecture with a setting this decoder does not implement."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,22 +97,41 @@ class ModelConfig:
   @classmethod
   def from_hf(cls, cfg: dict | str | os.PathLike) -> "ModelConfig":
     """From an HF ``config.json`` (path, directory or parsed dict)."""
+    where = "config.json"
     if not isinstance(cfg, dict):
       path = os.fspath(cfg)
       if os.path.isdir(path):
         path = os.path.join(path, "config.json")
       if not os.path.exists(path):
         raise FileNotFoundError(f"model config not found: {path}")
-      with open(path) as f:
-        cfg = json.load(f)
+      try:
+        with open(path) as f:
+          cfg = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+      where = path
     kind = cfg.get("model_type") or next(iter(cfg.get("architectures") or []), None)
     arch = _HF_TYPES.get(kind) or next(
         (_HF_TYPES[a] for a in cfg.get("architectures") or [] if a in _HF_TYPES), None)
     if arch is None:
       raise UnknownArchitectureError(
           f"unknown model architecture {kind!r} (model_type/architectures in config.json); "
-          f"supported: {', '.join(ARCHS)}")
-    heads = cfg["num_attention_heads"]
+          f"supported: {', '.join(ARCHS)} (and mistral, as llama)")
+
+    def need(key):
+      if cfg.get(key) is None:
+        raise ValueError(f"{where} has no {key!r} (needed for a {kind} model)")
+      return cfg[key]
+
+    if arch in ("llama", "qwen3"):
+      for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+          raise UnsupportedConfigError(f"{where}: {key}=true is not supported for {kind} models "
+                                       "(this decoder has no such biases)")
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+      raise UnsupportedConfigError(f"{where}: hidden_act={act!r} is not supported (only silu)")
+    heads = need("num_attention_heads")
     # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older: `rope_scaling`.
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") else None)
@@ -111,17 +142,22 @@ class ModelConfig:
       if rtype in (None, "default"):
         scaling = None
       elif rtype != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3)")
+        raise UnsupportedConfigError(f"unsupported rope_scaling type {rtype!r} (supported: llama3)")
+    max_pos = int(cfg.get("max_position_embeddings", 32768))
+    window = cfg.get("sliding_window")
+    windowed = kind == "mistral" or (arch == "qwen2" and cfg.get("use_sliding_window"))
+    if windowed and window is not None and int(window) < max_pos:
+      max_pos = int(window)   # full attention == sliding-window attention up to the window
     return cls(
-        arch=arch, vocab_size=cfg["vocab_size"], hidden=cfg["hidden_size"],
-        intermediate=cfg["intermediate_size"], n_layers=cfg["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        arch=arch, vocab_size=need("vocab_size"), hidden=need("hidden_size"),
+        intermediate=need("intermediate_size"), n_layers=need("num_hidden_layers"),
+        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
         rope_theta=float(theta), rope_scaling=scaling,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position=int(cfg.get("max_position_embeddings", 32768)),
-        name=cfg.get("_name_or_path") or arch)
+        max_position=max_pos,
+        name=cfg.get("_name_or_path") or kind or arch)
 
   @classmethod
   def from_gguf_fields(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":

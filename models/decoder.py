@@ -1,18 +1,31 @@
 """One Flax NNX decoder for the Qwen2/2.5, Qwen3 and Llama-3/SmolLM2 families.
 
-Layer weights are stacked on a leading layer axis and the forward pass is a ``lax.scan`` over
-layers, so compile time does not grow with depth.  The KV cache is *not* part of the module: the
+Two layouts of the same weights (``Decoder.layout``):
+
+* ``"stacked"`` (what loaders build): every layer weight stacked on a leading layer axis, the
+  forward pass a ``lax.scan`` over layers, so compile time does not grow with depth.  What CPU
+  runs (tests compile many shapes).
+* ``"unrolled"`` (:func:`set_layout`; the default on GPU/TPU, see :func:`prepare`): one array per
+  layer and weight, the Q|K|V and gate|up projections fused into one matmul each, and a Python
+  loop over layers.  Inside a scan XLA materializes each layer's slice of every stacked weight
+  before its matmul (a ``dynamic-slice`` copy fusion per weight: the weights are read twice and
+  written once per step); per-layer arrays are read once, in place, and the fused projections
+  halve the small launches of a decode step.
+
+The KV cache is *not* part of the module: the
 caller passes a cache pytree and an ``attend`` function, which is how the same decoder runs with
 the dense Full-KV cache and with the PASK mixed-precision cache::
 
     attend(cache, layer, q[B,T,Hq,D], k[B,T,Hkv,D], v[B,T,Hkv,D], positions[B,T])
         -> (out[B,T,Hq,D], cache)
 
-``q`` and ``k`` arrive with RoPE applied; ``layer`` is a traced int32 scalar.
+``q`` and ``k`` arrive with RoPE applied; ``layer`` is a traced int32 scalar (stacked layout) or
+a Python int (unrolled layout).
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 import jax
@@ -23,6 +36,9 @@ from flax import nnx
 from models.config import ModelConfig
 
 Attend = Callable[..., tuple[jax.Array, Any]]
+LAYOUTS = ("stacked", "unrolled")
+_LAYER_NAMES = ("attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+                "bq", "bk", "bv", "q_norm", "k_norm")
 
 
 class Buffer(nnx.Variable):
@@ -93,11 +109,12 @@ class Decoder(nnx.Module):
       self.lm_head = init(d, cfg.vocab_size, fan_in=d)
     self.inv_freq = Buffer(jnp.asarray(rope_inv_freq(cfg)))
 
+  layout = "stacked"
+  layout_chosen = False   # set by set_layout: runners keep an explicit choice
+
   def layer_params(self) -> dict[str, jax.Array]:
-    names = ["attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"]
-    names += ["bq", "bk", "bv"] if self.cfg.qkv_bias else []
-    names += ["q_norm", "k_norm"] if self.cfg.qk_norm else []
-    return {n: getattr(self, n)[...] for n in names}
+    """Stacked layout: the stacked per-layer weights, by name."""
+    return {n: getattr(self, n)[...] for n in _LAYER_NAMES if hasattr(self, n)}
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Any, attend: Attend,
                *, last_only: jax.Array | None = None) -> tuple[jax.Array, Any]:
@@ -111,30 +128,143 @@ class Decoder(nnx.Module):
     x = jnp.take(self.embed[...], tokens, axis=0)
     inv_freq = self.inv_freq[...]
 
+    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
     def layer(carry, xs):
+      # Named scopes label the ops in device profiles (bench/profile_step.py groups by them).
       x, cache = carry
       p, idx = xs
-      h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
-      q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
-      if cfg.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+      with jax.named_scope("norm"):
+        h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+      with jax.named_scope("qkv"):
+        if "w_qkv" in p:                                 # unrolled layout: one fused matmul
+          qkv = h @ p["w_qkv"]
+          if cfg.qkv_bias:
+            qkv = qkv + p["b_qkv"]
+          q, k, v = qkv[..., :hq], qkv[..., hq:hq + hkv], qkv[..., hq + hkv:]
+        else:
+          q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+          if cfg.qkv_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
       q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
       k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
       v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-      if cfg.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
-      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-      o, cache = attend(cache, idx, q, k, v, positions)
-      x = x + o.reshape(B, T, -1).astype(x.dtype) @ p["wo"]
-      h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-      x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+      with jax.named_scope("rope"):
+        if cfg.qk_norm:
+          q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+      with jax.named_scope("attend"):
+        o, cache = attend(cache, idx, q, k, v, positions)
+      with jax.named_scope("out_proj"):
+        x = x + o.reshape(B, T, -1).astype(x.dtype) @ p["wo"]
+      with jax.named_scope("norm"):
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+      with jax.named_scope("mlp"):
+        if "w_gu" in p:
+          gu = h @ p["w_gu"]
+          gate, up = gu[..., :cfg.intermediate], gu[..., cfg.intermediate:]
+        else:
+          gate, up = h @ p["w_gate"], h @ p["w_up"]
+        x = x + (jax.nn.silu(gate) * up) @ p["w_down"]
       return (x, cache), None
 
-    idx = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(layer, (x, cache), (self.layer_params(), idx))
+    if self.layout == "unrolled":
+      carry = (x, cache)
+      for i, blk in enumerate(self.layers):
+        carry, _ = layer(carry, ({n: w[...] for n, w in vars(blk).items()
+                                  if isinstance(w, nnx.Variable)}, i))
+      x, cache = carry
+    else:
+      idx = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+      (x, cache), _ = jax.lax.scan(layer, (x, cache), (self.layer_params(), idx))
     if last_only is not None:
       x = jnp.take_along_axis(x, last_only[:, None, None].astype(jnp.int32), axis=1)
-    x = rms_norm(x, self.norm[...], cfg.rms_eps)
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+      x = rms_norm(x, self.norm[...], cfg.rms_eps)
+      head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+      logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
     return logits, cache
+
+
+class Block(nnx.Module):
+  """One layer's weights in the unrolled layout (fused ``w_qkv`` / ``b_qkv`` and ``w_gu``)."""
+
+  def __init__(self, **weights: jax.Array):
+    for name, w in weights.items():
+      setattr(self, name, nnx.Param(w))
+
+
+def set_layout(model: Decoder, layout: str) -> Decoder:
+  """Convert ``model`` to ``layout`` in place (same weights, bit for bit) and return it.
+
+  Stacked -> unrolled splits every stacked weight into per-layer arrays and concatenates
+  ``wq|wk|wv`` (and biases) into ``w_qkv`` and ``w_gate|w_up`` into ``w_gu`` along the output
+  axis; unrolled -> stacked undoes it.  Weights are converted one name at a time and the old
+  arrays dropped, so peak memory is the model plus its largest stacked weight.
+  """
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if model.layout == layout:
+    model.layout_chosen = True
+    return model
+  cfg, L = model.cfg, model.cfg.n_layers
+  if layout == "unrolled":
+    blocks: list[dict[str, jax.Array]] = [{} for _ in range(L)]
+    fused = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gu": ("w_gate", "w_up")}
+    parts = {p for ps in fused.values() for p in ps}
+    for name in _LAYER_NAMES:
+      if hasattr(model, name) and name not in parts:
+        w = getattr(model, name)[...]
+        for i in range(L):
+          blocks[i][name] = w[i]
+        delattr(model, name)
+    for name, ps in fused.items():
+      if not all(hasattr(model, p) for p in ps):
+        continue
+      ws = [getattr(model, p)[...] for p in ps]
+      for i in range(L):
+        blocks[i][name] = jnp.concatenate([w[i] for w in ws], axis=-1)
+      for p in ps:
+        delattr(model, p)
+    model.layers = nnx.List([Block(**b) for b in blocks])
+  else:
+    blocks = [{n: w[...] for n, w in vars(b).items() if isinstance(w, nnx.Variable)}
+              for b in model.layers]
+    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    split = {"w_qkv": (("wq", "wk", "wv"), (hq, hq + hkv)), "b_qkv": (("bq", "bk", "bv"), (hq, hq + hkv)),
+             "w_gu": (("w_gate", "w_up"), (cfg.intermediate,))}
+    for name in list(blocks[0]):
+      w = jnp.stack([b.pop(name) for b in blocks])
+      if name in split:
+        names, cuts = split[name]
+        for n, part in zip(names, jnp.split(w, cuts, axis=-1)):
+          setattr(model, n, nnx.Param(part))
+      else:
+        setattr(model, name, nnx.Param(w))
+      del w
+    del model.layers
+  model.layout = layout
+  model.layout_chosen = True
+  return model
+
+
+def default_layout(backend: str | None = None) -> str:
+  """``$PASK_LAYER_LAYOUT`` if set, else "unrolled" on GPU/TPU and "stacked" on CPU (where tests
+  compile many shapes and a scan keeps compiles short)."""
+  env = os.environ.get("PASK_LAYER_LAYOUT")
+  if env:
+    if env not in LAYOUTS:
+      raise ValueError(f"PASK_LAYER_LAYOUT must be one of {LAYOUTS}, got {env!r}")
+    return env
+  backend = backend or jax.default_backend()
+  return "stacked" if backend == "cpu" else "unrolled"
+
+
+def prepare(model: Decoder, layout: str = "auto") -> Decoder:
+  """The layout a runner executes (in place).  "auto": a layout chosen earlier with
+  :func:`set_layout` stays; otherwise :func:`default_layout`."""
+  if layout == "auto":
+    if getattr(model, "layout_chosen", False):
+      return model
+    layout = default_layout()
+  return set_layout(model, layout)

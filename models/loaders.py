@@ -3,6 +3,13 @@
 Each loader returns a :class:`Loaded` bundle ``(cfg, model, tokenizer)``; ``tokenizer`` is None
 for random models.  Weights are converted to the ``[in, out]`` layout of :mod:`models.decoder`
 and stacked over layers.
+
+Everything that can be wrong with a checkpoint is reported, by name, before any weight is read:
+a missing directory or ``config.json``, an unknown architecture or unsupported setting, no
+``*.safetensors`` (or shards named by the index that are absent), a missing or unreadable
+``tokenizer.json`` (when a tokenizer is needed: ``need_tokenizer=True``, as the CLI, the server
+and :mod:`pask_jax` ask).  After loading, a checkpoint tensor the decoder did not use (a bias of
+an unsupported variant, say) is an error too: it would otherwise be a silently different model.
 """
 from __future__ import annotations
 
@@ -109,6 +116,7 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
   meta = gguf_io.metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
   cfg = ModelConfig.from_gguf_fields(meta, set(tensors))
+  tok = Tokenizer.from_gguf_metadata(meta)   # before the weights: a bad tokenizer fails fast
 
   def get(name: str) -> np.ndarray:
     if name not in tensors:
@@ -130,35 +138,75 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
                        f"the {cfg.arch} architecture") from None
 
   model = _assemble(cfg, get_checked, 1, dtype, f"loading {os.path.basename(os.fspath(path))}")
-  return Loaded(cfg, model, Tokenizer.from_gguf_metadata(meta))
+  return Loaded(cfg, model, tok)
 
 
 # --- HF checkpoint directory ------------------------------------------------------------------
 
-def load_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
+def _safetensor_files(path: str) -> list[str]:
+  """The checkpoint's weight files; the shards an index names must all be there."""
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    try:
+      with open(index) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, AttributeError) as e:
+      raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+    missing = [s for s in shards if not os.path.exists(os.path.join(path, s))]
+    if missing:
+      raise FileNotFoundError(f"{path}: shards named by model.safetensors.index.json are missing: "
+                              f"{', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
+    return [os.path.join(path, s) for s in shards]
+  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors files in {path} (an HF checkpoint directory needs "
+                            "config.json, *.safetensors and tokenizer.json)")
+  return files
+
+
+# Checkpoint tensors that carry no weights of ours (rotary caches some exports keep).
+_IGNORED = ("rotary_emb.inv_freq",)
+
+
+def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, need_tokenizer: bool = False) -> Loaded:
+  """An HF checkpoint directory (``config.json``, ``*.safetensors``, ``tokenizer.json``)."""
   from safetensors import safe_open
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise FileNotFoundError(f"HF checkpoint directory not found: {path}")
   cfg = ModelConfig.from_hf(path)
-  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-  if not files:
-    raise FileNotFoundError(f"no *.safetensors files in {path}")
+  files = _safetensor_files(path)
+  tok = None
+  if os.path.exists(os.path.join(path, "tokenizer.json")):
+    tok = Tokenizer.from_hf_dir(path)
+  elif need_tokenizer:
+    raise FileNotFoundError(f"no tokenizer.json in {path}: generation needs the checkpoint's "
+                            "tokenizer (config.json, *.safetensors and tokenizer.json)")
   where: dict[str, str] = {}
   for f in files:
-    with safe_open(f, framework="numpy") as h:
-      for k in h.keys():
-        where[k] = f
+    try:
+      with safe_open(f, framework="numpy") as h:
+        for k in h.keys():
+          where[k] = f
+    except Exception as e:  # noqa: BLE001 — a truncated or foreign file: say which
+      raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
+  used: set[str] = set()
 
   def get(name: str) -> np.ndarray:
     if name not in where:
       if name == "lm_head.weight" and cfg.tie_embeddings:
         raise KeyError(name)
       raise ValueError(f"checkpoint {path} has no tensor {name!r}")
+    used.add(name)
     return _read_safetensor(where[name], name)
 
   model = _assemble(cfg, get, 0, dtype, f"loading {os.path.basename(path)}")
-  tok = Tokenizer.from_hf_dir(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+  extra = sorted(n for n in where if n not in used and not n.endswith(_IGNORED)
+                 and not (n == "lm_head.weight" and cfg.tie_embeddings))
+  if extra:
+    raise ValueError(f"checkpoint {path} has tensors the {cfg.arch} decoder does not use "
+                     f"(an unsupported variant?): {', '.join(extra[:4])}"
+                     f"{f' and {len(extra) - 4} more' if len(extra) > 4 else ''}")
   return Loaded(cfg, model, tok)
 
 
@@ -181,12 +229,15 @@ def _read_safetensor(file: str, name: str) -> np.ndarray:
   return np.frombuffer(raw, np_dt).astype(np.float32).reshape(shape)
 
 
-def load(path_or_name: str | os.PathLike | None = None, *, dtype=jnp.float32) -> Loaded:
-  """A registered model name, a GGUF file, or an HF checkpoint directory."""
+def load(path_or_name: str | os.PathLike | None = None, *, dtype=jnp.float32,
+         need_tokenizer: bool = False) -> Loaded:
+  """A registered model name, a GGUF file, or an HF checkpoint directory.
+
+  ``need_tokenizer``: refuse, before any weight loads, a checkpoint without a tokenizer."""
   from models import registry
   path = registry.resolve(path_or_name)
   if os.path.isdir(path):
-    return load_hf(path, dtype=dtype)
+    return load_hf(path, dtype=dtype, need_tokenizer=need_tokenizer)
   if not os.path.exists(path):
     raise FileNotFoundError(f"model not found: {path} (not a file, a directory, nor one of the "
                             f"registered names: {', '.join(registry.NAMES)})")
@@ -195,3 +246,35 @@ def load(path_or_name: str | os.PathLike | None = None, *, dtype=jnp.float32) ->
   if magic != b"GGUF":
     raise ValueError(f"{path} is neither a GGUF file nor an HF checkpoint directory")
   return load_gguf(path, dtype=dtype)
+
+
+def fingerprint(model) -> dict[str, Any]:
+  """What identifies a model's numbers: its full config, the parameter dtype and a digest of the
+  weights (every parameter's shape and dtype, a strided sample of up to 4096 values of each and
+  its sum — cheap on a multi-GB model, and different for any two checkpoints that are not
+  copies), the same in either layer layout.  Calibration keys its saved stages on it."""
+  import hashlib
+
+  from models import decoder
+  layout = getattr(model, "layout", "stacked")
+  if layout != "stacked":   # a runner converted it (GPU/TPU): digest the loaders' layout
+    decoder.set_layout(model, "stacked")
+    try:
+      return fingerprint(model)
+    finally:
+      decoder.set_layout(model, layout)
+  h = hashlib.sha256()
+  _, state = nnx.split(model)
+  flat = sorted(nnx.to_pure_dict(state).items())
+  dtype = None
+  for name, x in flat:
+    x = jnp.asarray(x)
+    dtype = dtype or str(x.dtype)
+    flat_x = x.reshape(-1)
+    step = max(1, flat_x.size // 4096)
+    sample = np.asarray(flat_x[::step][:4096], np.float32)
+    h.update(f"{name}:{x.shape}:{x.dtype}:".encode())
+    h.update(sample.tobytes())
+    h.update(np.float64(jnp.sum(x.astype(jnp.float32))).tobytes())
+  return {"config": json.loads(model.cfg.to_json()), "dtype": dtype,
+          "weights": h.hexdigest()[:20]}

@@ -4,8 +4,11 @@ For every shape it reports, per backend: relative error norm against the jnp ref
 run where that accelerator is present, Pallas interpret mode otherwise), whether the kernel
 compiles (TPU: libtpu AOT per generation; GPU: PTX for sm_90a + ptxas), the compiler's resource
 report (TPU: memory analysis; GPU: registers, shared memory, spills), the measured time and
-effective bandwidth on a GPU when one is present, and per TPU generation a roofline ESTIMATE
-(K/V bytes / that chip's HBM bandwidth).  Writes ``compare_kernels.csv`` and ``.png`` to --out.
+effective bandwidth of a kernel on its own accelerator when present (``time_us``), the measured
+wall time of a kernel in Pallas interpret mode otherwise (``interp_us``), the jnp reference
+(XLA) on this host (``host_ref_us``), and per TPU generation a roofline ESTIMATE (K/V bytes / that
+chip's HBM bandwidth; CSV and table only).  Writes ``compare_kernels.csv`` and ``.png`` to --out;
+the picture shows only what was measured on the host it ran on, labelled with that host.
 
 Shapes: ``B:Hq:Hkv:D:CTX`` separated by commas, e.g. ``--shapes 2:32:8:128:2048,1:14:2:64:4096``.
 Each context is split as the B ~ 0.33 mix of the benchmark: 79.5% INT4, 12% BF16 pool incl. a
@@ -65,8 +68,15 @@ def run(shapes, out_dir, *, gens=None, log=print):
   from pallas_kernels.tpu import aot as tpu_aot
   from pallas_kernels.tpu import decode_attention_tpu
 
+  import functools
+
+  from pallas_kernels import decode_attention
+
   gens = gens or sorted(tpu_aot.TOPOLOGIES)
   plat = jax.default_backend()
+  kind = jax.devices()[0].device_kind
+  host = plat if kind.lower() == plat else f"{plat} ({kind})"
+  xla_ref = jax.jit(functools.partial(decode_attention, backend="reference"))
   rows = []
   for b, hq, hkv, d, ctx in shapes:
     lo, hi, win = _lengths(ctx)
@@ -76,7 +86,8 @@ def run(shapes, out_dir, *, gens=None, log=print):
     nbytes = _kv_bytes(b, hkv, d, lo, hi, win)
     name = f"B{b} {hq}q/{hkv}kv d{d} ctx{ctx}"
     ref = synth.reference_f32(*args)
-    base = dict(shape=name, kv_bytes=nbytes)
+    base = dict(shape=name, kv_bytes=nbytes, host=host,
+                host_ref_us=_time(xla_ref, args, reps=5) * 1e6)
 
     # GPU.
     row = dict(base, backend="gpu (pallas triton)")
@@ -88,6 +99,9 @@ def run(shapes, out_dir, *, gens=None, log=print):
       if native:
         t = _time(decode_attention_gpu, args)
         row.update(time_us=t * 1e6, tbps=nbytes / t / 1e12)
+      else:
+        interp = functools.partial(decode_attention_gpu, interpret=True)
+        row["interp_us"] = _time(interp, args, reps=5) * 1e6
     except Exception as e:
       row["rel_err"] = None
       row["error"] = f"{type(e).__name__}: {e}"[:200]
@@ -102,15 +116,22 @@ def run(shapes, out_dir, *, gens=None, log=print):
     log(_fmt(row))
 
     # TPU: numerics once (native or interpret), AOT compile and roofline estimate per generation.
+    timed: dict = {}
     try:
       native = plat == "tpu"
       out = decode_attention_tpu(*args, interpret=not native)
       tpu_err, tpu_num = synth.rel_err(out, ref), "native" if native else "interpret"
+      if native:
+        t = _time(decode_attention_tpu, args)
+        timed = dict(time_us=t * 1e6, tbps=nbytes / t / 1e12)
+      else:
+        interp = functools.partial(decode_attention_tpu, interpret=True)
+        timed = dict(interp_us=_time(interp, args, reps=5) * 1e6)
     except Exception as e:
       tpu_err, tpu_num = None, f"failed: {type(e).__name__}"
     for gen in gens:
       row = dict(base, backend=f"tpu {gen} (pallas mosaic)", rel_err=tpu_err, numerics=tpu_num,
-                 estimate_us=nbytes / tpu_aot.HBM_BW[gen] * 1e6)
+                 estimate_us=nbytes / tpu_aot.HBM_BW[gen] * 1e6, **timed)
       try:
         comp = tpu_aot.compile_for(gen, decode_attention_tpu, *args)
         mem = tpu_aot.memory_report(comp)
@@ -125,7 +146,7 @@ def run(shapes, out_dir, *, gens=None, log=print):
 
   os.makedirs(out_dir, exist_ok=True)
   cols = ["shape", "backend", "numerics", "rel_err", "compiled", "resources", "time_us", "tbps",
-          "estimate_us", "kv_bytes", "error"]
+          "interp_us", "host_ref_us", "host", "estimate_us", "kv_bytes", "error"]
   with open(os.path.join(out_dir, "compare_kernels.csv"), "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=cols)
     w.writeheader()
@@ -137,7 +158,8 @@ def run(shapes, out_dir, *, gens=None, log=print):
 
 def _fmt(r):
   err = "-" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
-  t = f"{r['time_us']:.1f}us {r['tbps']:.2f}TB/s" if "time_us" in r else "-"
+  t = (f"{r['time_us']:.1f}us {r['tbps']:.2f}TB/s" if "time_us" in r else
+       f"{r['interp_us']:.0f}us interpret on {r['host']}" if "interp_us" in r else "-")
   est = f"~{r['estimate_us']:.2f}us (roofline estimate)" if "estimate_us" in r else "-"
   return (f"{r['shape']:28s} {r['backend']:24s} err {err:>8s} ({r.get('numerics', '-')}) "
           f"compiled {'yes' if r.get('compiled') else 'NO':3s} | {t} | {est} | "
@@ -145,37 +167,50 @@ def _fmt(r):
 
 
 def _plot(rows, path):
+  """Bars of what was MEASURED on this host, per shape: each kernel natively on its own
+  accelerator, or its wall time in Pallas interpret mode (on a CPU host: an emulation, not
+  kernel speed), and the jnp reference under XLA.  Roofline estimates for other chips are not
+  drawn (they stay in the CSV and the table).  Returns the series drawn: {label: [µs per shape]}."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
-  backends = list(dict.fromkeys(r["backend"] for r in rows))
-  fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(shapes)), 4))
-  width = 0.8 / max(1, len(backends))
-  for j, be in enumerate(backends):
-    xs, ys, hatch = [], [], []
-    for i, sh in enumerate(shapes):
-      r = next((r for r in rows if r["shape"] == sh and r["backend"] == be), None)
-      if r is None:
-        continue
-      v = r.get("time_us", r.get("estimate_us"))
-      if v:
-        xs.append(i + j * width)
-        ys.append(v)
-        hatch.append("time_us" not in r)
-    bars = ax.bar(xs, ys, width, label=be + (" (roofline estimate)" if any(hatch) else ""))
-    for bar, h in zip(bars, hatch):
-      if h:
-        bar.set_hatch("//")
+  host = rows[0].get("host", "this host") if rows else "this host"
+  series: dict[str, list] = {}
+
+  def put(label, i, v):
+    series.setdefault(label, [None] * len(shapes))
+    if series[label][i] is None:
+      series[label][i] = v
+
+  for r in rows:
+    i = shapes.index(r["shape"])
+    kernel = ("tpu kernel (pallas mosaic)" if r["backend"].startswith("tpu") else
+              f"{r['backend'].split(' (')[0]} kernel ({r['backend'].split(' (')[-1]}")
+    if r.get("time_us"):
+      put(f"{kernel}, native on {host}", i, r["time_us"])
+    elif r.get("interp_us"):
+      put(f"{kernel}, Pallas interpret mode on {host}", i, r["interp_us"])
+    if r.get("host_ref_us"):
+      put(f"jnp reference (XLA) on {host}", i, r["host_ref_us"])
+  fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(shapes)), 4.2))
+  width = 0.8 / max(1, len(series))
+  for j, (label, ys) in enumerate(series.items()):
+    xs = [i + j * width for i, y in enumerate(ys) if y]
+    ax.bar(xs, [y for y in ys if y], width, label=label,
+           hatch="//" if "interpret" in label else None)
   ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
   ax.set_xticklabels(shapes, fontsize=7)
-  ax.set_ylabel("microseconds per call (log)")
+  ax.set_ylabel("measured microseconds per call (log)")
   ax.set_yscale("log")
-  ax.set_title("decode attention: measured (solid) vs HBM-roofline estimate (hatched)")
+  ax.set_title(f"decode attention, measured on {host}"
+               + (" (interpret mode: CPU emulation, not kernel speed)"
+                  if any("interpret" in k for k in series) else ""), fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+  return series
 
 
 def main(argv: list[str] | None = None) -> int:

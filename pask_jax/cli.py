@@ -32,76 +32,27 @@ def _read_json(path: str, what: str):
 
 
 def cmd_generate(args) -> int:
+  """``pask-jax generate``: one answer through the Python API (:func:`pask_jax.api.generate`)."""
   import jax
 
-  from pask_jax.decode import CapacityError, Runner, Sampling, Tracker, capacity_for, generate
-  from pask_jax.grammar import (DEFAULT_STYLE, GrammarCompiler, GrammarError, parse_calls,
-                                tool_call_grammar, tools_system_prompt)
-
+  from pask_jax import api, ledger
+  schema = _read_json(args.json_schema, "JSON schema") if args.json_schema else None
+  tools = _read_json(args.tools, "tools") if args.tools else None
   m = _load_model(args.model, args.dtype)
-  tok = m.tokenizer
-  messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-      {"role": "user", "content": args.prompt}]
-  grammar, tools, fmt = None, None, None
   try:
-    gc = GrammarCompiler(tok, m.cfg.vocab_size) if (args.json_schema or args.tools) else None
-    if args.json_schema:
-      grammar = gc.json_schema(_read_json(args.json_schema, "JSON schema"))
-    elif args.tools:
-      tools = _read_json(args.tools, "tools")
-      tools = tools if isinstance(tools, list) else [tools]
-      fmt, indent = DEFAULT_STYLE.get(m.cfg.arch, ("json_list", None))
-      if args.tool_format and args.tool_format != fmt:
-        fmt, indent = args.tool_format, None
-      grammar = tool_call_grammar(gc, tools, fmt, indent=indent)
-  except GrammarError as e:
+    g = api.generate(m, args.prompt, system=args.system or None, tools=tools, json_schema=schema,
+                     tool_format=args.tool_format, policy=args.policy,
+                     max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                     seed=args.seed, chat_template=not args.raw)
+  except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
-  template_takes_tools = tok.chat_template and "tools" in tok.chat_template
-  if tools and not template_takes_tools:
-    messages.insert(0, {"role": "system", "content": tools_system_prompt(tools, fmt)})
-  text = tok.apply_chat_template(messages, tools=tools if template_takes_tools else None) \
-      if tok.chat_template and not args.raw else args.prompt
-  if args.policy:  # PASK: prompt-span labels for the prefill plan (§3.6)
-    from pask_jax.grammar.prompt_spans import label_prompt
-    ids, prompt_tags = label_prompt(tok, text)
-  else:
-    ids, prompt_tags = tok.encode(text), None
-  capacity = capacity_for(len(ids), args.max_tokens)
-  if capacity > m.cfg.max_position:
-    raise SystemExit(f"error: prompt of {len(ids)} tokens + max_tokens {args.max_tokens} exceeds "
-                     f"the model's context of {m.cfg.max_position} tokens")
-  if args.policy:
-    from pask_jax import ledger, policy as pol_mod
-    from pask_jax.decode import PaskRunner
-    try:
-      pol = pol_mod.resolve(args.policy, m.cfg, tokenizer_hash=tok.hash())
-    except (FileNotFoundError, ValueError) as e:
-      raise SystemExit(f"error: policy {args.policy!r}: {e}")
-    runner = PaskRunner(m.model, pol, batch=1, capacity=capacity)
-  else:
-    runner = Runner(m.model, batch=1, capacity=capacity)
-  try:
-    tracker = Tracker(grammar)
-    if args.policy and tools:  # structural tags of the tool-call output (§3.3)
-      from pask_jax import policy as P
-      from pask_jax.grammar.fc_adapter import FCAdapter
-      tracker = Tracker(grammar, FCAdapter(grammar, tok, vocab=P.state_vocab(pol)))
-    res = generate(runner, tok, [ids], trackers=[tracker], prompt_tags=[prompt_tags],
-                   sampling=Sampling(max_tokens=args.max_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, seed=args.seed))[0]
-  except CapacityError as e:
-    raise SystemExit(f"error: {e}")
-  print(res.text)
-  if tools:
-    try:
-      print("tool calls:", json.dumps(parse_calls(res.text, fmt)))
-    except ValueError as e:
-      print(f"tool calls: none parsed ({e})")
-  if res.ledger is not None:
-    print("ledger: " + ledger.format_summary([res.ledger]), file=sys.stderr)
-  print(f"[{len(ids)} prompt tokens, {len(res.tokens)} generated, finish={res.finish}, "
-        f"prefill {res.prefill_s:.2f}s (incl. compile), decode {res.tokens_per_s:.1f} tokens/s "
-        f"(incl. first-step compile), backend={jax.default_backend()}]", file=sys.stderr)
+  print(g.text)
+  if tools is not None:
+    print("tool calls: " + (json.dumps(g.tool_calls) if g.tool_calls is not None else
+                            f"none parsed ({g.tool_call_error})"))
+  if g.ledger is not None:
+    print("ledger: " + ledger.format_summary([g.ledger]), file=sys.stderr)
+  print(f"[{api.describe_result(g)}, backend={jax.default_backend()}]", file=sys.stderr)
   return 0
 
 
@@ -135,20 +86,20 @@ def cmd_compare_kernels(args, rest) -> int:
 
 
 def _load_model(name, dtype_name):
-  import jax
-  import jax.numpy as jnp
-
-  from models import load
-  on_cpu = jax.default_backend() == "cpu"
-  dtype = {"auto": jnp.float32 if on_cpu else jnp.bfloat16, "float32": jnp.float32,
-           "bfloat16": jnp.bfloat16}[dtype_name]
+  from pask_jax import api
   try:
-    m = load(name, dtype=dtype)
+    return api.load_model(name, dtype=dtype_name)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
-  if m.tokenizer is None:
-    raise SystemExit("error: this checkpoint has no tokenizer.json; this command needs one")
-  return m
+
+
+def _need_bfcl() -> None:
+  """The BFCL task's data and checker, or a one-line error naming the install (before loading)."""
+  from calibrate import bfcl
+  try:
+    bfcl.require()
+  except bfcl.BFCLMissing as e:
+    raise SystemExit(f"error: {e}")
 
 
 def cmd_eval(args) -> int:
@@ -162,6 +113,7 @@ def cmd_eval(args) -> int:
     E.check_config(rc)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  _need_bfcl()
   m = _load_model(args.model, args.dtype)
   try:
     s = E.Session(m, batch=args.batch)
@@ -181,6 +133,7 @@ def cmd_eval(args) -> int:
 def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
   from pask_jax import evaluate as E
+  _need_bfcl()
   m = _load_model(args.model, args.dtype)
   try:
     s = E.Session(m, batch=args.batch)
@@ -323,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument("--categories", nargs="+", default=None,
                  help="BFCL categories (default: the four non-live ones)")
   e.add_argument("--max-tokens", type=int, default=128)
-  e.add_argument("--batch", type=int, default=64, help="sequences per generation batch")
+  e.add_argument("--batch", type=int, default=64,
+                 help="most sequences per generation batch (fewer cases: fewer rows, no padding)")
   e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   e.add_argument("--out", required=True, help="output directory")
   t = sub.add_parser("tune", help="tune baseline knobs on the development split (paper C.3)")

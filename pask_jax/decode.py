@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
+from models import decoder
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
 from pask_jax import tags as T
@@ -80,6 +81,7 @@ class Runner:
     PASK decode kernels do; prefill stays at full precision in both) — for numerics-matched
     comparisons of the two caches."""
     self.cfg = model.cfg
+    decoder.prepare(model)     # the layer layout for this backend (in place; see models.decoder)
     self.attend = kv_dense.attend if attn_out_dtype is None else (
         lambda *a: _round_out(kv_dense.attend(*a), attn_out_dtype))
     self.graphdef, self.params = nnx.split(model)
@@ -129,7 +131,9 @@ class Runner:
     cache = cache._replace(length=cache.length + 1)
     logits, cache = model(tokens[:, None], pos, cache, self.attend)
     logits = logits[:, 0]
-    return sample(apply_bitmask(logits, bits), key, temperature, top_p), logits, cache
+    with jax.named_scope("sample"):
+      nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+    return nxt, logits, cache
 
   def _select(self, logits, bits, key, temperature, top_p):
     return sample(apply_bitmask(logits, bits), key, temperature, top_p)
@@ -164,6 +168,7 @@ class PaskRunner:
                backend: str = "auto"):
     self.cfg = model.cfg
     self.policy = policy
+    decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
     self.traces: collections.Counter = collections.Counter()
@@ -209,22 +214,28 @@ class PaskRunner:
     # the new rows: slicing a layer out and writing it back copied every layer's pools per step.
     cache, plan = carry
     g = pcache.group_array(cache)[layer]
-    cache = pcache.write_step(cache, plan, layer, k[:, 0], v[:, 0])
+    with jax.named_scope("cache_write"):
+      cache = pcache.write_step(cache, plan, layer, k[:, 0], v[:, 0], evict=False)
     window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
-    out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
-                                          backend=self.backend)
+    with jax.named_scope("attention"):
+      out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
+                                            backend=self.backend)
     return out[:, None].astype(q.dtype), (cache, plan)
 
   def _decode_step(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
     self.traces["step"] += 1
     model = nnx.merge(self.graphdef, params)
-    actions, budget = self._control(policy, tag_ids, state_ids, budget, ~active)
+    with jax.named_scope("controller"):
+      actions, budget = self._control(policy, tag_ids, state_ids, budget, ~active)
     pos = cache.count                                  # the new token's absolute position
-    cache, plan = pcache.begin_step(cache, actions, active)
+    with jax.named_scope("cache_write"):
+      cache, plan = pcache.begin_step(cache, actions, active)
+      cache = pcache.evict_step(cache, plan)     # every layer's evicted row at once
     logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
     tmpl = self._shared(policy)
-    led = ledger.record_decode(led, actions, active, pos, sink=tmpl.sink)
-    led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
+    with jax.named_scope("ledger"):
+      led = ledger.record_decode(led, actions, active, pos, sink=tmpl.sink)
+      led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
     return logits[:, 0], cache, budget, led, actions
 
   def _step(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, key,
@@ -232,7 +243,8 @@ class PaskRunner:
     cache, budget, led = state
     logits, cache, budget, led, _ = self._decode_step(params, policy, cache, budget, led, tokens,
                                                       tag_ids, state_ids, active)
-    nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+    with jax.named_scope("sample"):
+      nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
     return nxt, logits, (cache, budget, led)
 
   # --- the session protocol used by generate() ----------------------------------------------

@@ -67,6 +67,7 @@ class BFCLTask:
 
   def __init__(self, tokenizer, arch: str, compiler, seed: int = 0):
     from calibrate import bfcl
+    bfcl.require()   # a one-line error naming the install command, before any work
     self.bfcl, self.tok, self.arch, self.seed = bfcl, tokenizer, arch, seed
     self.fmt, indent = bfcl.style_for(arch)
     self.grammars = bfcl.Grammars(compiler, self.fmt, indent) if compiler is not None else None
@@ -161,20 +162,22 @@ class Session:
     if need > self.capacity:
       self.capacity, self.runners = need, {}
 
-  def runner(self, kind: str):
-    """'full' | 'pask' (PaskRunner, policy swapped per run) | 'masked'."""
-    r = self.runners.get(kind)
+  def runner(self, kind: str, batch: int | None = None):
+    """'full' | 'pask' (PaskRunner, policy swapped per run) | 'masked', of ``batch`` rows
+    (default: the session's); one per (kind, batch), shared by the runs that use it."""
+    batch = batch or self.batch
+    r = self.runners.get((kind, batch))
     if r is None:
       from pask_jax import policy as P
       from pask_jax.decode import PaskRunner, Runner
-      kw = dict(batch=self.batch, capacity=self.capacity)
+      kw = dict(batch=batch, capacity=self.capacity)
       if kind == "full":
         r = Runner(self.m.model, **kw)
       elif kind == "pask":
         r = PaskRunner(self.m.model, P.all_high(self.cfg), **kw)
       else:
         r = BL.MaskedRunner(self.m.model, **kw)
-      self.runners[kind] = r
+      self.runners[(kind, batch)] = r
     return r
 
   def load_policy(self, where: str):
@@ -187,8 +190,50 @@ class Session:
     return self.policies[where]
 
 
-def _setup(s: Session, rc: RunConfig, preps: list[Prepared]) -> tuple[Any, dict]:
-  """Runner for the method, configured for the target; and the settings actually used."""
+def batch_size(n: int, most: int) -> int:
+  """Rows per generation batch for ``n`` cases and at most ``most`` rows: as few batches as
+  ``most`` allows, balanced (70 cases at 64 -> 2 × 35), so no batch is padded beyond its cases
+  by more than one row and a small run never pads to ``most``."""
+  if n <= 0 or most <= 0:
+    raise ValueError(f"need cases and a positive batch, got {n} cases, batch {most}")
+  k = -(-n // most)
+  return -(-n // k)
+
+
+class _Counted:
+  """Wraps a request's tracker to call ``done()`` once when :func:`pask_jax.decode.generate`
+  finishes the row — by its own rules: a stop token, a terminated grammar, or ``max_tokens``
+  tokens accepted — so a progress bar advances per case as cases finish, not per batch."""
+
+  def __init__(self, inner, stops, max_tokens: int, done):
+    self.inner, self.stops, self.left, self.done = inner, stops, max_tokens, done
+
+  def fill(self, bits, row):
+    self.inner.fill(bits, row)
+
+  def fork(self):
+    return _Counted(self.inner.fork(), self.stops, self.left, None)
+
+  def accept(self, token: int):
+    out = self.inner.accept(token)
+    self.left -= 1
+    if self.done is not None and (token in self.stops or self.inner.terminated or self.left <= 0):
+      self.done, done = None, self.done
+      done()
+    return out
+
+  @property
+  def terminated(self) -> bool:
+    return self.inner.terminated
+
+  def __getattr__(self, name):   # matcher, adapter, ... of the wrapped tracker
+    return getattr(self.inner, name)
+
+
+def _setup(s: Session, rc: RunConfig, preps: list[Prepared],
+           batch: int | None = None) -> tuple[Any, dict]:
+  """Runner for the method (``batch`` rows), configured for the target; and the settings
+  actually used."""
   kn = merged_knobs(rc.knobs)
   # ĝ: the method's own dev estimate when tuning recorded one, else the Full-KV dev mean.
   gen = float(kn.get(rc.method, {}).get("gen", kn["gen"]))
@@ -196,9 +241,9 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prepared]) -> tuple[Any, dict]
   m = rc.method
   used: dict[str, Any] = {"gen": gen}
   if m == "full":
-    return s.runner("full"), used
+    return s.runner("full", batch), used
   if m in ("pask", "streaming", "int4"):
-    r = s.runner("pask")
+    r = s.runner("pask", batch)
     if m == "pask":
       r.policy = s.load_policy(rc.policy)
       used.update(policy=rc.policy, b_d=float(r.policy.b_d), b_p=float(r.policy.b_p))
@@ -218,7 +263,7 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prepared]) -> tuple[Any, dict]
                   recent=int(k.get("recent", 32)), q=q, obs=int(k.get("obs", 32)), gen=gen)
   conf = BL.Config(m, ratio=ratio, target=rc.budget, gen=gen, **k)
   used.update(dataclasses.asdict(conf))
-  return s.runner("masked").configure(conf), used
+  return s.runner("masked", batch).configure(conf), used
 
 
 def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | None) -> dict:
@@ -230,9 +275,14 @@ def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | 
           "total_B": led["measured_B"]}
 
 
-def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = True,
+def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = True,
         cases: list | None = None) -> dict:
-  """Evaluate one (method, budget, split); returns the summary dict (and writes ``out``)."""
+  """Evaluate one (method, budget, split); returns the summary dict (and writes ``out``).
+
+  Batches hold at most ``s.batch`` cases and never more rows than the run has cases
+  (:func:`batch_size`).  ``progress``: True for a tqdm bar that advances as each case finishes,
+  False for none, or a factory ``progress(total=, desc=)`` of an object with ``update(n)`` and
+  ``close()``."""
   from pask_jax.decode import Sampling, Tracker, generate
   check_config(rc)
   if cases is None:
@@ -242,7 +292,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = T
   pask = rc.method == "pask"
   preps = s.task.prepare(cases, prompt_labels=pask)
   s.ensure_capacity(preps, rc.max_tokens)
-  runner, used = _setup(s, rc, preps)
+  batch = batch_size(len(preps), s.batch)
+  runner, used = _setup(s, rc, preps, batch)
   if pask:
     from pask_jax import policy as P
     from pask_jax.grammar.fc_adapter import FCAdapter
@@ -254,19 +305,30 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = T
   order = sorted(range(len(preps)), key=lambda i: len(preps[i].ids))
   rows: list[dict | None] = [None] * len(preps)
   bar = None
+  if progress is True:
+    import functools
+
+    from tqdm.auto import tqdm
+    progress = functools.partial(tqdm, unit="case")
   if progress:
-    try:
-      from tqdm import tqdm
-    except ImportError:  # a bare accelerator image: no bar, same results
-      tqdm = None
-  if progress and tqdm is not None:
-    bar = tqdm(total=len(preps), desc=f"{rc.method} B={rc.budget:g} {rc.split}", unit="case")
+    bar = progress(total=len(preps), desc=f"{rc.method} B={rc.budget:g} {rc.split}")
+  stops = set(s.tok.stop_ids)
   t0 = time.perf_counter()
-  for st in range(0, len(order), s.batch):
-    idx = order[st:st + s.batch]
+  for st in range(0, len(order), batch):
+    idx = order[st:st + batch]
     ps = [preps[i] for i in idx]
-    res = generate(runner, s.tok, [p.ids for p in ps], trackers=[tracker(p.grammar) for p in ps],
+    told = [0]
+
+    def done():
+      told[0] += 1
+      if bar is not None:
+        bar.update(1)
+
+    trackers = [_Counted(tracker(p.grammar), stops, rc.max_tokens, done) for p in ps]
+    res = generate(runner, s.tok, [p.ids for p in ps], trackers=trackers,
                    prompt_tags=[p.prompt_tags for p in ps] if pask else None, sampling=sampling)
+    if bar is not None and told[0] < len(idx):   # a row generate() ended by another rule
+      bar.update(len(idx) - told[0])
     for i, p, r in zip(idx, ps, res):
       sc = s.task.score(p.case, r.text, r.finish == "stop")
       b = _measured(rc, used, r.prompt_len, len(r.tokens), r.ledger)
@@ -277,15 +339,13 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: bool = T
                  "error": sc["error"], "finish": r.finish, "prompt_len": r.prompt_len,
                  "gen_len": len(r.tokens), "kv_gen_len": int(n_gen), **b,
                  "prefill_s": r.prefill_s, "decode_s": r.decode_s}
-    if bar is not None:
-      bar.update(len(idx))
   if bar is not None:
     bar.close()
   wall = time.perf_counter() - t0
   summ = summarize(rows)
   meta = {"method": rc.method, "budget": rc.budget, "split": rc.split, "model": s.cfg.arch,
           "model_identity": _ident(s), "task": s.task.name, "n_cases": len(rows),
-          "max_tokens": rc.max_tokens, "batch": s.batch, "capacity": s.capacity,
+          "max_tokens": rc.max_tokens, "batch": batch, "capacity": s.capacity,
           "settings": used, "wall_s": wall, "categories": summ}
   if out:
     write(out, rows, meta)
@@ -512,32 +572,66 @@ def report(dirs: Sequence[str], out: str) -> str:
   return md
 
 
-def _plot(runs: list[dict], path: str) -> None:
+def binomial_se(p: float, n: int) -> float:
+  """Standard error of an accuracy ``p`` measured on ``n`` cases: sqrt(p (1 - p) / n)."""
+  return float(np.sqrt(p * (1 - p) / n)) if n else float("nan")
+
+
+def _fit(lo: float, hi: float, pad: float, floor: float, bounds: tuple[float, float]):
+  """Axis limits around [lo, hi]: ``pad`` of the span on each side (at least ``floor``), clipped
+  to ``bounds``."""
+  m = max((hi - lo) * pad, floor)
+  return max(bounds[0], lo - m), min(bounds[1], hi + m)
+
+
+def _plot(runs: list[dict], path: str) -> dict | None:
+  """Headline accuracy (simple + multiple; overall when absent) against measured total B, with
+  binomial standard-error bars (sqrt(p (1 - p) / n), n the headline cases of that run) and axes
+  fitted to the data (Full KV is a line with its ±1 s.e. band).  Returns what it drew."""
   try:
     import matplotlib
   except ImportError:  # the table and CSVs are still written; plot later where matplotlib is
     print(f"matplotlib is not installed: {path} not written")
-    return
+    return None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.4, 4.4))
   by: dict[str, list] = {}
   for r in runs:
     c = r["categories"]
-    acc = c.get("simple+multiple", c["overall"])["accuracy"]
-    by.setdefault(r["method"], []).append((c["overall"]["total_B"], 100 * acc))
+    h = c.get("simple+multiple", c["overall"])
+    by.setdefault(r["method"], []).append(
+        (c["overall"]["total_B"], 100 * h["accuracy"], 100 * binomial_se(h["accuracy"], h["n"])))
+  drawn: dict[str, Any] = {"series": {}}
+  xs_all, lo_y, hi_y = [], [], []
   for m, pts in by.items():
     pts.sort()
-    xs, ys = zip(*pts)
+    xs, ys, es = (list(v) for v in zip(*pts))
     if m == "full":
-      ax.axhline(ys[0], color="k", ls="--", lw=1, label="Full KV")
+      y, e = ys[0], es[0]
+      ax.axhline(y, color="k", ls="--", lw=1, label="Full KV (±1 s.e.)")
+      ax.axhspan(y - e, y + e, color="k", alpha=0.08, lw=0)
+      lo_y.append(y - e)
+      hi_y.append(y + e)
+      drawn["series"]["Full KV"] = ([], [y], [e])
       continue
-    ax.plot(xs, ys, marker="o", label={"pask": "PASK"}.get(m, m))
+    label = {"pask": "PASK"}.get(m, m)
+    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+    drawn["series"][label] = (xs, ys, es)
+    xs_all += xs
+    lo_y += [y - e for y, e in zip(ys, es)]
+    hi_y += [y + e for y, e in zip(ys, es)]
+  if xs_all:
+    ax.set_xlim(*_fit(min(xs_all), max(xs_all), 0.08, 0.02, (0.0, 1.05)))
+  if lo_y:
+    ax.set_ylim(*_fit(min(lo_y), max(hi_y), 0.06, 1.0, (0.0, 100.0)))
+  drawn["xlim"], drawn["ylim"] = ax.get_xlim(), ax.get_ylim()
   ax.set_xlabel("measured relative total KV cost B")
   ax.set_ylabel("accuracy, simple + multiple (%)")
-  ax.set_xlim(0, 1.05)
+  ax.set_title("error bars: ±1 binomial standard error", fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=130)
   plt.close(fig)
+  return drawn

@@ -35,9 +35,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len
   Hkv = k.shape[2]
   scale = D ** -0.5 if scale is None else scale
   qg = q.reshape(B, T, Hkv, Hq // Hkv, D).astype(jnp.float32) * scale
-  s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
   slot = jnp.arange(k.shape[1])
   vis = (slot[None, None, :] <= q_pos[:, :, None]) & (slot[None, None, :] < kv_len[:, None, None])
+  if T == 1 and jax.default_backend() != "cpu":
+    # Decode on an accelerator: multiply-and-reduce reads the cache once, in its own [B, S, H, D]
+    # layout, converting to f32 in registers.  As einsums, XLA transposed the WHOLE stacked
+    # cache to [.., H, S, D] and back around every step and materialized f32 copies of it.
+    # (CPU keeps the einsum form: same numerics as always in the tests.)
+    s = jnp.sum(qg[:, 0, None] * k[:, :, :, None].astype(jnp.float32), axis=-1)   # [B,S,Hkv,g]
+    s = jnp.where(vis[:, 0, :, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=1)
+    o = jnp.sum(p[..., None] * v[:, :, :, None].astype(jnp.float32), axis=1)       # [B,Hkv,g,D]
+    return o.reshape(B, T, Hq, D)
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
   s = jnp.where(vis[:, None, None], s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
@@ -49,7 +59,9 @@ def attend(cache: DenseCache, layer: jax.Array, q, k, v, positions):
   attend.  ``cache.length`` must already count the tokens of this step (see ``decode.py``)."""
   B, T = positions.shape
   b = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-  kc = cache.k.at[layer, b, positions].set(k.astype(cache.k.dtype), mode="drop")
-  vc = cache.v.at[layer, b, positions].set(v.astype(cache.v.dtype), mode="drop")
-  o = attention(q, kc[layer], vc[layer], positions, cache.length)
+  with jax.named_scope("cache_write"):
+    kc = cache.k.at[layer, b, positions].set(k.astype(cache.k.dtype), mode="drop")
+    vc = cache.v.at[layer, b, positions].set(v.astype(cache.v.dtype), mode="drop")
+  with jax.named_scope("attention"):
+    o = attention(q, kc[layer], vc[layer], positions, cache.length)
   return o.astype(q.dtype), cache._replace(k=kc, v=vc)

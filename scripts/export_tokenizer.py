@@ -24,7 +24,7 @@ def export(gguf_path: str, out: str) -> dict:
   tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(gguf_path)))
   rec = {"tokenizer": json.loads(tok.tok.to_str()), "chat_template": tok.chat_template,
          "stop_ids": list(tok.stop_ids), "bos_id": tok.bos_id, "add_bos": tok.add_bos,
-         "vocab_size": tok.vocab_size, "hash": tok.hash(), "source": os.path.basename(gguf_path)}
+         "vocab_size": tok.vocab_size, "special_tokens": tok.special_tokens, "hash": tok.hash(), "source": os.path.basename(gguf_path)}
   # Compact JSON and maximum compression: the file is committed.
   with gzip.GzipFile(out, "wb", compresslevel=9, mtime=0) as f:
     f.write(json.dumps(rec, separators=(",", ":"), ensure_ascii=False).encode())
@@ -39,7 +39,8 @@ def load(path: str):
     rec = json.loads(f.read())
   return Tokenizer(HFTokenizer.from_str(json.dumps(rec["tokenizer"])),
                    chat_template=rec["chat_template"], stop_ids=rec["stop_ids"],
-                   bos_id=rec["bos_id"], add_bos=rec["add_bos"], vocab_size=rec["vocab_size"])
+                   bos_id=rec["bos_id"], add_bos=rec["add_bos"], vocab_size=rec["vocab_size"],
+                   special_tokens=rec.get("special_tokens"))
 
 
 def main():

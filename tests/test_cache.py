@@ -228,6 +228,14 @@ def test_per_layer_split_equals_append():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32))
   for x, y in zip(jax.tree.leaves(c3), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # What the decode step does: every layer's evicted row at once, then window-only writes.
+  c4, plan = KC.begin_step(cache, act)
+  c4 = jax.jit(KC.evict_step)(c4, plan)
+  step = jax.jit(KC.write_step, static_argnames="evict")
+  for l in range(NL):
+    c4 = step(c4, plan, jnp.int32(l), kn[l], kn[l], evict=False)
+  for x, y in zip(jax.tree.leaves(c4), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_attention_sees_exactly_the_stored_keys():
@@ -263,3 +271,20 @@ def test_attention_sees_exactly_the_stored_keys():
       pr /= pr.sum(-1, keepdims=True)
       ref = np.einsum("hgs,shd->hgd", pr, vv).reshape(2 * HKV, D)
       np.testing.assert_allclose(out[b], ref, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_in_layer_chunks_equals_whole():
+  """prefill_rows + write_prefill a chunk of layers at a time (long prompts, bounded temporaries)
+  stores exactly what materialize_prefill stores."""
+  rng = np.random.default_rng(5)
+  k = jnp.asarray(rng.standard_normal((NL, B, TP, HKV, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((NL, B, TP, HKV, D)), jnp.float32)
+  plan = jnp.asarray(rng.integers(0, 3, (B, TP, G)), jnp.int8)
+  lens = jnp.asarray([TP, TP - 3, 5], jnp.int32)
+  want = _prefill(_fresh(), k, v, plan, lens)
+  got, rows = jax.jit(KC.prefill_rows, static_argnums=2)(_fresh(), plan, TP, lens)
+  write = jax.jit(KC.write_prefill, static_argnums=4)
+  for start, stop in ((0, 1), (1, 3), (3, 4)):
+    got = write(got, rows, k[start:stop], v[start:stop], start)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -224,3 +224,61 @@ def test_calibrate_cli_rejects_bad_input(tmp_path, argv, msg):
   from pask_jax.cli import main
   with pytest.raises(SystemExit, match=msg):
     main(["calibrate", "--out", str(tmp_path / "o")] + argv)
+
+
+def test_saved_stages_are_fingerprinted_npz_without_pickles(setup):
+  from calibrate import stages
+  C, rec, out, model, tok = setup
+  work = os.path.join(out, "work")
+  names = sorted(os.listdir(work))
+  assert names == sorted(f"{s}.npz" for s in alg1.Calibration.STAGES)
+  for n in names:
+    with np.load(os.path.join(work, n), allow_pickle=False) as z:   # no pickled object inside
+      meta = json.loads(bytes(z["__meta__"]).decode())
+      assert all(z[k].dtype != object for k in z.files)
+    assert meta["format"] == stages.FORMAT and meta["fingerprint"]["model"]["weights"]
+  ref = stages.load(work, "reference", C.keys["reference"])
+  assert [o.tokens for o in ref["outcomes"]] == [o.tokens for o in C.ref]
+  np.testing.assert_array_equal(ref["outcomes"][0].tags, C.ref[0].tags)
+  assert ref["outcomes"][0].ledger == C.ref[0].ledger   # int-keyed count dicts round-trip
+
+
+@pytest.mark.parametrize("change, names", [
+    ("weights", ["model.weights"]),
+    ("config", ["model.config.n_layers", "model.weights"]),
+    ("task", ["calibration_split.digest", "calibration_split.requests"]),
+    ("split", ["development_split.digest"]),
+    ("max_tokens", ["args.max_tokens"]),
+    ("alpha_d", ["args.alpha_d"]),
+])
+def test_resume_with_a_difference_is_refused_naming_it(setup, change, names, tmp_path):
+  import dataclasses
+  from calibrate.stages import StageMismatch
+  C, rec, out, model, tok = setup
+  m, cal, dev, cfg = model, C.cal, C.dev, CFG
+  if change == "weights":
+    m = random_model(model.cfg, seed=5)
+  elif change == "config":
+    m = random_model(dataclasses.replace(model.cfg, n_layers=4), seed=0)
+  elif change == "task":
+    cal = C.cal.subset(range(3))
+  elif change == "split":
+    dev = C.dev.subset([1, 0, 2, 3])
+  else:
+    cfg = dataclasses.replace(CFG, **{change: {"max_tokens": 32, "alpha_d": 0.5}[change]})
+  with pytest.raises(StageMismatch) as e:
+    alg1.Calibration(m, tok.hash(), cal, dev, out, cfg, capacity=CAP)
+  msg = str(e.value)
+  assert all(n in msg for n in names), msg
+  assert "Refusing to resume" in msg and "\n" not in msg
+  # nothing was overwritten: the original run still resumes
+  assert alg1.Calibration(model, tok.hash(), C.cal, C.dev, out, CFG, capacity=CAP).keys == C.keys
+
+
+def test_unkeyed_pickles_are_refused(tmp_path, setup):
+  from calibrate.stages import StageMismatch
+  C, rec, out, model, tok = setup
+  (tmp_path / "work").mkdir()
+  (tmp_path / "work" / "reference.pkl").write_bytes(b"\x80\x04N.")
+  with pytest.raises(StageMismatch, match="unkeyed stage pickles"):
+    alg1.Calibration(model, tok.hash(), C.cal, C.dev, str(tmp_path), CFG, capacity=CAP)

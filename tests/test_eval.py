@@ -221,3 +221,78 @@ def test_slices_merge_into_the_whole_run(session, runs, tmp_path):
     E.merge([str(tmp_path / "a"), str(root / "full")], str(tmp_path / "x"))
   with pytest.raises(SystemExit, match="no summary.json"):
     cli.main(["merge", str(tmp_path / "nope"), "--out", str(tmp_path / "x")])
+
+
+def test_batches_fit_the_cases_and_progress_is_per_case(session, runs, monkeypatch):
+  import pask_jax.decode as D
+  assert [E.batch_size(n, 64) for n in (4, 64, 65, 70, 200)] == [4, 64, 33, 35, 50]
+  assert E.batch_size(6, 4) == 3
+  inside = {"now": False}
+  real = D.generate
+
+  def spy(*a, **k):
+    inside["now"] = True
+    try:
+      return real(*a, **k)
+    finally:
+      inside["now"] = False
+
+  monkeypatch.setattr(D, "generate", spy)
+
+  class Bar:
+    def __init__(self, total, desc):
+      self.total, self.steps, self.closed = total, [], False
+
+    def update(self, n):
+      self.steps.append((n, inside["now"]))
+
+    def close(self):
+      self.closed = True
+
+  bars = []
+  monkeypatch.setattr(session, "batch", 64)
+  meta = E.run(session, E.RunConfig("full", 1.0, "test", max_tokens=48), None,
+               progress=lambda **kw: bars.append(Bar(**kw)) or bars[-1])
+  assert meta["batch"] == 6 == meta["n_cases"]          # not padded to --batch 64
+  assert session.runners[("full", 6)].batch == 6
+  bar, = bars
+  assert bar.total == 6 and bar.closed
+  assert bar.steps == [(1, True)] * 6                   # one case at a time, while decoding
+  # the answers do not depend on the batching (the fixture's runs used 2 batches of 3)
+  assert runs[1]["full"]["batch"] == 3 and meta["categories"] == runs[1]["full"]["categories"]
+
+
+def test_missing_bfcl_eval_is_one_line_naming_the_install(tmp_path, monkeypatch):
+  import importlib.util
+  from pask_jax import cli
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "bfcl_eval" else real(name, *a))
+  monkeypatch.setattr(cli, "_load_model", lambda *a: pytest.fail("model loaded before the check"))
+  for argv in (["eval", "--method", "full", "--out", str(tmp_path)],
+               ["tune", "--out", str(tmp_path)], ["calibrate", "--out", str(tmp_path)]):
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv)
+    msg = str(e.value.code)
+    assert "pip install --no-deps bfcl-eval==2026.3.23" in msg and "\n" not in msg
+  from calibrate import bfcl
+  with pytest.raises(bfcl.BFCLMissing, match="not installed"):
+    bfcl.load(["simple_python"])
+
+
+def test_plot_has_binomial_error_bars_and_fitted_axes(tmp_path):
+  mk = lambda m, b, acc, n, tb: {"method": m, "budget": b, "categories": {
+      "simple+multiple": {"accuracy": acc, "n": n}, "overall": {"total_B": tb}}}
+  runs = [mk("full", 1.0, 0.6, 160, 1.0), mk("h2o", 0.33, 0.3, 160, 0.27),
+          mk("h2o", 0.5, 0.45, 160, 0.5), mk("pask", 0.33, 0.55, 80, 0.31),
+          mk("pask", 0.6, 0.58, 80, 0.6)]
+  drawn = E._plot(runs, str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").stat().st_size > 1000
+  xs, ys, es = drawn["series"]["PASK"]
+  assert ys == pytest.approx([55.0, 58.0]) and xs == [0.31, 0.6]
+  assert es == pytest.approx([100 * np.sqrt(0.55 * 0.45 / 80), 100 * np.sqrt(0.58 * 0.42 / 80)])
+  assert drawn["series"]["Full KV"][2] == [pytest.approx(100 * np.sqrt(0.24 / 160))]
+  lo, hi = drawn["xlim"]
+  assert 0.2 < lo < 0.27 and 0.6 < hi < 0.7                 # fitted to 0.27..0.6, not 0..1.05
+  ylo, yhi = drawn["ylim"]
+  assert 20 < ylo < 30 - 100 * np.sqrt(0.21 / 160) and 60 + 100 * np.sqrt(0.24 / 160) < yhi < 70

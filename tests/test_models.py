@@ -170,3 +170,103 @@ def test_prompt_over_capacity():
 
   with pytest.raises(CapacityError, match="capacity 16"):
     generate(runner, Tok(), [list(range(12))], sampling=Sampling(max_tokens=8))
+
+
+# --- Mistral (the llama family), early and named checkpoint errors ----------------------------
+
+def _mistral_dir(tmp_path, **over):
+  import torch
+  import transformers
+  kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None)
+  kw.update(over)
+  torch.manual_seed(1)
+  ref = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(**kw)).eval()
+  with torch.no_grad():
+    for name, p in ref.named_parameters():
+      if "norm" in name:
+        p.add_(0.1 * torch.randn_like(p))
+  ref.save_pretrained(tmp_path)
+  assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mistral"
+  return ref
+
+
+@pytest.mark.parametrize("window, context", [(None, 128), (4096, 128), (16, 16)])
+def test_mistral_checkpoint_matches_transformers(tmp_path, window, context):
+  """model_type mistral loads as the llama family; a sliding window at or beyond the context is
+  full attention; a shorter one becomes the context limit (exact up to it)."""
+  import torch
+  ref = _mistral_dir(tmp_path, sliding_window=window)
+  ours = load_hf(tmp_path)
+  assert ours.cfg.arch == "llama" and ours.cfg.max_position == context
+  ids = np.random.default_rng(4).integers(0, 97, min(context, 20)).tolist()
+  with torch.no_grad():
+    want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1).numpy()
+  assert relerr(full_logprobs(ours.model, ids), want) < 1e-5
+
+
+def test_unsupported_variants_are_refused_by_name(tmp_path):
+  from models import UnsupportedConfigError
+  base = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 2, "num_attention_heads": 4}
+  for extra, msg in (({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
+                     ({"hidden_act": "gelu"}, "hidden_act")):
+    with pytest.raises(UnsupportedConfigError, match=msg):
+      ModelConfig.from_hf(dict(base, **extra))
+  with pytest.raises(ValueError, match="no 'hidden_size'"):
+    ModelConfig.from_hf({k: v for k, v in base.items() if k != "hidden_size"})
+  # A tensor the decoder would not use (here: a llama checkpoint with q/k/v biases whose config
+  # does not say so) is an error, not a silently different model.
+  import torch
+  import transformers
+  cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4, attention_bias=True)
+  transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+  conf = json.loads((tmp_path / "config.json").read_text())
+  conf["attention_bias"] = False
+  (tmp_path / "config.json").write_text(json.dumps(conf))
+  with pytest.raises(ValueError, match="does not use.*q_proj.bias"):
+    load_hf(tmp_path)
+
+
+def test_checkpoint_errors_come_before_any_weight_loads(tmp_path, monkeypatch):
+  import models.loaders as L
+  def no_weights(*a, **k):
+    raise AssertionError("weights were read before the error")
+  monkeypatch.setattr(L, "_assemble", no_weights)
+  d = tmp_path / "ckpt"
+  d.mkdir()
+  (d / "config.json").write_text(json.dumps(_hf_config(TINY["llama"])))
+  with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+    load(d, need_tokenizer=True)
+  (d / "model.safetensors").write_bytes(b"\0" * 64)   # unreadable: never opened before the check
+  with pytest.raises(FileNotFoundError, match="no tokenizer.json in .*ckpt"):
+    load(d, need_tokenizer=True)
+  (d / "tokenizer.json").write_text("{not json")
+  with pytest.raises(ValueError, match="not a readable tokenizer.json"):
+    load(d)
+  (d / "tokenizer.json").unlink()
+  (d / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+  with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
+    load(d)
+  (d / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+  with pytest.raises(UnknownArchitectureError, match="mamba"):
+    load(d, need_tokenizer=True)
+  from pask_jax import cli
+  (d / "config.json").write_text(json.dumps(_hf_config(TINY["llama"])))
+  (d / "model.safetensors.index.json").unlink()
+  with pytest.raises(SystemExit, match="no tokenizer.json"):
+    cli.main(["generate", "--model", str(d), "--prompt", "hi", "--max-tokens", "2"])
+
+
+def test_fingerprint_tells_models_apart():
+  from models import fingerprint
+  a, b = random_model(TINY["llama"], seed=0), random_model(TINY["llama"], seed=0)
+  assert fingerprint(a) == fingerprint(b)
+  assert fingerprint(random_model(TINY["llama"], seed=1))["weights"] != fingerprint(a)["weights"]
+  assert fingerprint(random_model(TINY["llama"], seed=0, dtype=jnp.bfloat16))["dtype"] == "bfloat16"
+  from models import decoder
+  decoder.set_layout(b, "unrolled")   # what a GPU runner does in place: same weights, same print
+  assert fingerprint(b) == fingerprint(a) and b.layout == "unrolled"

@@ -68,7 +68,7 @@ def _pv(p, v, exact, with_sum=False):
   return (out, jnp.sum(fed, axis=1)) if with_sum else out
 
 
-def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, int4_prefetch, page_lo, page_hi, n_lo,
+def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4_prefetch, page_lo, page_hi, n_lo,
             n_hi, chunk_lo, chunk_hi, chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi, has_w):
   # lens_ref [8] i32 (lo, hi, win lengths; lo and window row bases of this layer and sequence,
   # -, -, -); q_ref [M, D] bf16.  Pools and window hold every layer, scales only this layer's;
@@ -159,8 +159,8 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, int4_dequant, int4_prefetch, pa
       pv = p * vs[None, :]
       vl, vh = _unpack(vraw, int4_dequant)
       # Same offset on the V side: p . (code + OFF) - OFF * sum(p), with the p actually fed.
-      ol_b, psum = _pv(pv, vl, exact_pv, with_sum=True)
-      oh_b = _pv(pv, vh, exact_pv)
+      ol_b, psum = _pv(pv, vl, exact_pv_lo, with_sum=True)
+      oh_b = _pv(pv, vh, exact_pv_lo)
       ol = ol * alpha[:, None] + (ol_b - off * psum[:, None])
       oh = oh * alpha[:, None] + (oh_b - off * psum[:, None])
       return ol, oh, m, l
@@ -277,7 +277,7 @@ def _plan(cap, bk, chunk):
 
 
 _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-          "num_stages", "exact_pv", "int4_dequant", "int4_prefetch", "fuse", "num_warps_lo",
+          "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse", "num_warps_lo",
           "num_stages_lo", "interpret")
 
 
@@ -295,7 +295,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
                  num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
-                 int4_dequant: str | None = None, int4_prefetch: bool | None = None,
+                 exact_pv_lo: bool | None = None, int4_dequant: str | None = None, int4_prefetch: bool | None = None,
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten).
@@ -312,6 +312,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   ``int4_dequant`` / ``int4_prefetch`` default to "asm" / True in the separate INT4 launch and to
   "bits" / False in the fused kernel (which must stay within 128 registers at 8 warps).
   ``int4_dequant="asm"`` falls back to "bits" in interpret mode (no inline PTX on the CPU).
+  ``exact_pv_lo`` (default: ``exact_pv``) sets the hi+lo p split for the INT4 partition alone.
   """
   window, hi, lo, layer = stack_inputs(window, hi, lo, layer)
   b, hq, d = q.shape
@@ -375,6 +376,8 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   w_args = [window.k.reshape(w_rows, hkv, d), window.v.reshape(w_rows, hkv, d)]
   w_specs = [pl.BlockSpec((w_rows, None, d), lambda h, s, i: (0, h, 0))] * 2
 
+  if exact_pv_lo is None:
+    exact_pv_lo = exact_pv
   if interpret and int4_dequant == "asm":
     int4_dequant = "bits"
 
@@ -384,7 +387,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
         _kernel, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo_, n_hi=n_hi_,
         chunk_lo=chunk_lo, chunk_hi=chunk_hi, chunk_w=chunk_w, bk_lo=block_lo, bk_hi=block_hi,
         bk_w=block_w, c=c, has_lo=bool(n_lo_), has_hi=bool(n_hi_), has_w=bool(n_w_),
-        exact_pv=exact_pv, int4_dequant=int4_dequant, int4_prefetch=int4_prefetch)
+        exact_pv=exact_pv, exact_pv_lo=exact_pv_lo, int4_dequant=int4_dequant, int4_prefetch=int4_prefetch)
     return pl.pallas_call(
         kernel,
         grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages

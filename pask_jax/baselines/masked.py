@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import decoder
 from pallas_kernels import int4
 from pask_jax.baselines import budget, h2o, mikv, snapkv
 from pask_jax.decode import Runner
@@ -123,6 +124,7 @@ class MaskedRunner:
 
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int):
     self.cfg = model.cfg
+    decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity = batch, capacity
     self.config: Config | None = None

@@ -312,6 +312,6 @@ def label_prompt(tokenizer, text: str) -> tuple[list[int], np.ndarray]:
   """``(ids, tags)``: ``ids == tokenizer.encode(text)``, ``tags`` int32[len(ids), 4]."""
   enc = tokenizer.tok.encode(text, add_special_tokens=False)
   ids, offsets = list(enc.ids), list(enc.offsets)
-  if tokenizer.add_bos and tokenizer.bos_id is not None:
+  if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
     ids, offsets = [tokenizer.bos_id] + ids, [(0, 0)] + offsets
   return ids, token_candidates(char_labels(text), offsets)
