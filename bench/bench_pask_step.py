@@ -148,7 +148,8 @@ def main(argv=None) -> int:
                           profile=prof(name, step, hlo))
           print(f"  {layout} b{B} c{C} mix {tuple(round(m, 2) for m in mix)}: {t * 1e3:.2f} ms "
                 f"(live B {live_b:.3f})", flush=True)
-          del state, runner
+          state.clear()     # the step closure holds the dict: drop the cache it refers to
+          del state, runner, step
         t_full, prof_full = float("nan"), None
         if not a.no_full and not over():
           full = Runner(model, batch=B, capacity=C + S + 1, cache_dtype=jnp.bfloat16)

@@ -125,8 +125,9 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
   def int4_part(split):
     ql = plgpu.load(q_ref.at[:, pl.ds(0, h2)])
     qh = plgpu.load(q_ref.at[:, pl.ds(h2, h2)])
-    start = split * chunk_lo
-    end = jnp.minimum(start + chunk_lo, lens_ref[_LO])
+    chunk = _spread(lens_ref[_LO], n_lo, bk_lo)
+    start = split * chunk
+    end = jnp.minimum(start + chunk, lens_ref[_LO])
     bk = bk_lo
     off = 0.0 if int4_dequant == "cvt" else _OFF
     # q . (code + OFF) = q . code + OFF * sum(q): subtract the second term (FP32, once).
@@ -195,7 +196,7 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
     @pl.when((sp >= n_lo) & (sp < n_lo + n_hi))
     def _():
       bf16_part(khi_ref, vhi_ref, lambda pos, ok: _paged_rows(thi_ref, page_hi, pos, ok),
-                sp - n_lo, chunk_hi, lens_ref[_HI], bk_hi)
+                sp - n_lo, _spread(lens_ref[_HI], n_hi, bk_hi), lens_ref[_HI], bk_hi)
 
   if has_w:
     @pl.when(sp >= n_lo + n_hi)
@@ -222,6 +223,15 @@ shr.u32 t1, t1, 4;
 lop3.b32 $0, t0, 0x000F000F, 0x43084308, 0x6A;
 lop3.b32 $1, t1, 0x000F000F, 0x43084308, 0x6A;
 }"""
+
+
+def _spread(length, n, bk):
+  """The traced chunk that spreads ``length`` entries over the ``n`` (static) splits of a pool,
+  in whole blocks: the grid is sized by the pool's capacity, the work by what is stored, so a
+  pool that is mostly empty (a server's page tables are sized for the longest request) still
+  keeps every split busy instead of one split walking the whole length."""
+  per = lax.div(length + (n - 1), n)
+  return lax.div(per + (bk - 1), bk) * bk
 
 
 def _unpack(x, mode):
