@@ -103,8 +103,8 @@ def _need_bfcl() -> None:
 
 
 def cmd_eval(args) -> int:
-  """``pask-jax eval``: one method at one budget on a BFCL split (see pask_jax.evaluate)."""
-  from pask_jax import evaluate as E
+  """``pask-jax eval``: one method at one budget on a BFCL split (see calibrate.evaluate)."""
+  from calibrate import evaluate as E
   rc = E.RunConfig(args.method, args.budget, args.split,
                    tuple(args.categories) if args.categories else None, args.max_cases,
                    args.max_tokens, args.policy,
@@ -132,7 +132,7 @@ def cmd_eval(args) -> int:
 
 def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
-  from pask_jax import evaluate as E
+  from calibrate import evaluate as E
   _need_bfcl()
   m = _load_model(args.model, args.dtype)
   try:
@@ -148,7 +148,7 @@ def cmd_tune(args) -> int:
 
 def cmd_report(args) -> int:
   """``pask-jax report``: markdown table + accuracy-vs-B plot from eval run directories."""
-  from pask_jax import evaluate as E
+  from calibrate import evaluate as E
   try:
     print(E.report(args.runs, args.out), end="")
   except ValueError as e:
@@ -159,7 +159,7 @@ def cmd_report(args) -> int:
 
 def cmd_merge(args) -> int:
   """``pask-jax merge``: one run directory from runs of one configuration over disjoint slices."""
-  from pask_jax import evaluate as E
+  from calibrate import evaluate as E
   try:
     meta = E.merge(args.runs, args.out)
   except ValueError as e:

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
   if "pask" in a.methods and not a.policy:
     ap.error("--policy is required when pask is among --methods")
 
-  from pask_jax import evaluate as E
+  from calibrate import evaluate as E
   from pask_jax.cli import _load_model
   t_all = time.perf_counter()
   timing: dict[str, float] = {}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from models import Loaded, ModelConfig, random_model
-from pask_jax import evaluate as E
+from calibrate import evaluate as E
 from pask_jax import policy as P
 from pask_jax.grammar import GrammarCompiler, tool_call_grammar
 
