@@ -27,6 +27,14 @@ are sized for the server, not ``slots × context``).  Choices, in the order a re
   index), so a seeded request samples the same tokens whatever else shares the batch.
 * **Per request**: its own grammar matcher + adapter (:class:`pask_jax.decode.Tracker`, with
   ``FCAdapter`` for tools) and its ledger row (reset on insert, read at completion).
+* **Stop sequences** (``Request.stop``) are matched on the decoded text after every accepted
+  token, so a sequence split across tokens is found; the text is cut before it (the tokens stay
+  counted) and the request finishes "stop".  Streamed text holds back the longest tail that could
+  still begin a stop sequence.
+* **Log-probabilities** (``Request.logprobs``: None, or how many alternatives): inside the jitted
+  sampling function, the log-softmax of the grammar-masked logits (before temperature) gives the
+  chosen token's log-prob and the top :data:`TOP_LOGPROBS`; computed only when some row asks
+  (``lax.cond``), one compile whatever the per-request count.
 * **Release**: on completion, cancellation (client disconnect) and error the slot is emptied
   (``cache.release_slot``: its page tables point nowhere) and its pages go back to the free
   lists.
@@ -57,6 +65,7 @@ from pask_jax.grammar.matcher import new_bitmask
 from pask_jax.sample import _nucleus, apply_bitmask
 
 _ids = itertools.count(1)
+TOP_LOGPROBS = 20   # alternatives computed per step when a request asks for logprobs
 METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_step_s",
                "decode_rows", "requests_stop", "requests_length", "requests_cancelled",
                "requests_error", "prompt_tokens", "completion_tokens", "tpot_s_sum", "tpot_count",
@@ -73,6 +82,8 @@ class Request:
   temperature: float = 0.0
   top_p: float = 1.0
   seed: int = 0
+  stop: tuple[str, ...] = ()        # stop sequences (text), matched across token boundaries
+  logprobs: int | None = None       # None, or the number of top alternatives to return (<= 20)
   emit: Callable[[str, Any], None] = lambda kind, payload: None
   rid: int = dataclasses.field(default_factory=lambda: next(_ids))
   cancelled: bool = False
@@ -82,7 +93,10 @@ class Request:
   lo: list[int] = dataclasses.field(default_factory=list)
   out: list[int] = dataclasses.field(default_factory=list)
   sent: str = ""
+  lps: list = dataclasses.field(default_factory=list)   # per token: (logprob, [(id, logprob)])
+  cut: int | None = None            # text length before the stop sequence that ended it
   t_submit: float = 0.0
+  t_admit: float | None = None
   t_first: float | None = None
   t_last: float | None = None
 
@@ -136,6 +150,7 @@ class Engine:
     self.seeds = np.zeros((B,), np.uint32)
     self.temp = np.zeros((B,), np.float32)
     self.top_p = np.ones((B,), np.float32)
+    self.want_lp = np.zeros((B,), bool)
     self.bits = new_bitmask(B, V)
     self.bits1 = new_bitmask(1, V)
     self.running: list[Request | None] = [None] * B
@@ -171,22 +186,35 @@ class Engine:
     cache, budget, led = state
     return pcache.release_slot(cache, slot), budget, led
 
-  def _pick(self, logits, bits, seeds, steps, temperature, top_p):
-    """Per-row sampling: row b uses key fold_in(key(seeds[b]), steps[b])."""
+  def _pick(self, logits, bits, seeds, steps, temperature, top_p, want_lp):
+    """Per-row sampling: row b uses key fold_in(key(seeds[b]), steps[b]).  -> (tokens [B],
+    (chosen log-prob [B], top ids [B, K], top log-probs [B, K])); the log-probs are of the
+    masked logits and are zeros unless some row wants them."""
     masked = apply_bitmask(logits, bits)
     greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
     row = lambda l, k, t, p, g: _nucleus(l[None], k, t[None], p[None], g[None])[0]
-    return jax.lax.cond(jnp.any(temperature > 0),
-                        lambda: jax.vmap(row)(masked, keys, temperature, top_p, greedy),
-                        lambda: greedy)
+    tok = jax.lax.cond(jnp.any(temperature > 0),
+                       lambda: jax.vmap(row)(masked, keys, temperature, top_p, greedy),
+                       lambda: greedy)
+    B, K = logits.shape[0], TOP_LOGPROBS
+
+    def lp():
+      ls = jax.nn.log_softmax(masked.astype(jnp.float32), axis=-1)
+      top, ids = jax.lax.top_k(ls, K)
+      return jnp.take_along_axis(ls, tok[:, None], axis=-1)[:, 0], ids.astype(jnp.int32), top
+
+    none = lambda: (jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32),
+                    jnp.zeros((B, K), jnp.float32))
+    return tok, jax.lax.cond(jnp.any(want_lp), lp, none)
 
   def _step_fn(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, seeds,
-               steps, temperature, top_p):
+               steps, temperature, top_p, want_lp):
     cache, budget, led = state
     logits, cache, budget, led, _ = self.runner._decode_step(
         params, policy, cache, budget, led, tokens, tag_ids, state_ids, active)
-    return self._pick(logits, bits, seeds, steps, temperature, top_p), (cache, budget, led)
+    return self._pick(logits, bits, seeds, steps, temperature, top_p, want_lp), \
+        (cache, budget, led)
 
   # --- public, thread-safe ------------------------------------------------------------------
 
@@ -298,7 +326,8 @@ class Engine:
       r.hi = [self.free_hi.popleft() for _ in range(h)]
       r.lo = [self.free_lo.popleft() for _ in range(l)]
       self.running[r.slot] = r
-      self.m["queue_wait_s"] += time.perf_counter() - r.t_submit
+      r.t_admit = time.perf_counter()
+      self.m["queue_wait_s"] += r.t_admit - r.t_submit
       t0 = time.perf_counter()
       try:
         self._prefill(r)
@@ -328,15 +357,17 @@ class Engine:
                               self._row(r.hi, self.hi_total), self._row(r.lo, self.lo_total))
     self.bits1[:] = -1
     r.tracker.fill(self.bits1, 0)
-    tok = int(self._first(logits, jnp.asarray(self.bits1), jnp.asarray([r.seed], jnp.uint32),
+    tok, lp = self._first(logits, jnp.asarray(self.bits1), jnp.asarray([r.seed], jnp.uint32),
                           jnp.asarray([0], jnp.int32),
                           jnp.asarray([r.temperature], jnp.float32),
-                          jnp.asarray([r.top_p], jnp.float32))[0])
+                          jnp.asarray([r.top_p], jnp.float32),
+                          jnp.asarray([r.logprobs is not None]))
     self.m["prefill_s"] += time.perf_counter() - t0
     self.m["prefills"] += 1
     b = r.slot
     self.seeds[b], self.temp[b], self.top_p[b] = r.seed, r.temperature, r.top_p
-    self._accept(r, tok)
+    lp = tuple(np.asarray(x) for x in lp) if r.logprobs is not None else None
+    self._accept(r, int(tok[0]), _row(lp, 0))
 
   def _decode(self) -> None:
     t0 = time.perf_counter()
@@ -350,8 +381,9 @@ class Engine:
                                  jnp.asarray(self.state_ids), jnp.asarray(self.active),
                                  jnp.asarray(self.bits), jnp.asarray(self.seeds),
                                  jnp.asarray(steps), jnp.asarray(self.temp),
-                                 jnp.asarray(self.top_p))
-    nxt = np.asarray(nxt)
+                                 jnp.asarray(self.top_p), jnp.asarray(self.want_lp & self.active))
+    lps = tuple(np.asarray(x) for x in nxt[1]) if (self.want_lp & self.active).any() else None
+    nxt = np.asarray(nxt[0])
     dt = time.perf_counter() - t0
     self.m["decode_steps"] += 1
     self.m["decode_step_s"] += dt
@@ -359,12 +391,14 @@ class Engine:
     self.m["decode_rows"] += int(self.active.sum())
     for b, r in enumerate(self.running):
       if r is not None and self.active[b]:
-        self._accept(r, int(nxt[b]))
+        self._accept(r, int(nxt[b]), _row(lps, b))
 
-  def _accept(self, r: Request, tok: int) -> None:
-    """The host half of a step for one request (as in ``decode.generate``)."""
+  def _accept(self, r: Request, tok: int, lp=None) -> None:
+    """The host half of a step for one request (as in ``decode.generate``), with stop
+    sequences and log-probs (module docstring)."""
     b = r.slot
     self.active[b] = False
+    self.want_lp[b] = r.logprobs is not None
     now = time.perf_counter()
     r.t_first = r.t_first or now
     r.t_last = now
@@ -375,6 +409,10 @@ class Engine:
     stop = tok in self.stops or r.tracker.terminated
     if tok not in self.stops:
       r.out.append(tok)
+      if r.logprobs is not None and lp is not None:
+        r.lps.append(_logprobs(lp, r.logprobs))
+      if r.stop:
+        stop = self._stop_text(r) or stop
       self._send(r)
     if stop:
       return self._finish(r, "stop")
@@ -383,8 +421,26 @@ class Engine:
     self.tokens[b], self.tag_ids[b], self.state_ids[b] = tok, tag, sid
     self.active[b] = True
 
+  def _stop_text(self, r: Request) -> bool:
+    """Cut the text at the first stop sequence that the newest token completed."""
+    text = self.tok.decode(r.out)
+    longest = max(len(x) for x in r.stop)
+    lo = max(0, len(r.sent) - longest)
+    hits = [i for i in (text.find(x, lo) for x in r.stop) if i >= 0]
+    if hits:
+      r.cut = min(hits)
+      return True
+    return False
+
   def _send(self, r: Request, final: bool = False) -> None:
     text = self.tok.decode(r.out)
+    if r.cut is not None:
+      text, final = text[:r.cut], True
+    elif r.stop and not final:
+      # Hold back the longest tail that could still begin a stop sequence.
+      hold = max((k for x in r.stop for k in range(min(len(x) - 1, len(text)), 0, -1)
+                  if text.endswith(x[:k])), default=0)
+      text = text[:len(text) - hold]
     # Hold back an incomplete UTF-8 sequence (decoded as U+FFFD) until its bytes arrive.
     if (final or not text.endswith("\ufffd")) and text.startswith(r.sent) and text != r.sent:
       r.emit("delta", text[len(r.sent):])
@@ -399,8 +455,12 @@ class Engine:
       overflow = bool(self.state[0].overflow[b])
       n = len(r.out)
       tpot = (r.t_last - r.t_first) / (n - 1) if n > 1 else None
-      result = {"tokens": list(r.out), "text": self.tok.decode(r.out), "finish": finish,
-                "prompt_tokens": len(r.ids), "ledger": row, "overflow": overflow, "tpot_s": tpot}
+      text = self.tok.decode(r.out)
+      result = {"tokens": list(r.out), "text": text if r.cut is None else text[:r.cut],
+                "finish": finish, "prompt_tokens": len(r.ids), "ledger": row,
+                "overflow": overflow, "tpot_s": tpot, "logprobs": r.lps,
+                "ttft_s": (r.t_first - r.t_submit) if r.t_first else None,
+                "queue_s": (r.t_admit - r.t_submit) if r.t_admit else None}
       self.m["requests_" + finish] += 1
       self.m["prompt_tokens"] += len(r.ids)
       self.m["completion_tokens"] += n
@@ -427,3 +487,17 @@ class Engine:
       r.emit("error", error)
     else:
       r.emit("done", result)
+
+
+def _row(lp, b: int):
+  """Row ``b`` of the sampler's log-prob outputs (host arrays), or None."""
+  if lp is None:
+    return None
+  return float(lp[0][b]), np.asarray(lp[1][b]), np.asarray(lp[2][b])
+
+
+def _logprobs(lp, k: int) -> tuple:
+  """(chosen log-prob, [(id, log-prob)] of the top ``k`` alternatives that the mask allows)."""
+  chosen, ids, top = lp
+  alts = [(int(i), float(v)) for i, v in zip(ids[:k], top[:k]) if np.isfinite(v)]
+  return chosen, alts
