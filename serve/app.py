@@ -130,21 +130,20 @@ class Preparer:
       if json_rf:
         raise BadRequest("'tools' and a JSON 'response_format' cannot be combined (use "
                          "tool_choice 'none' to answer in JSON)", "response_format")
-      tools = [t.function.model_dump(exclude_none=True) for t in body.tools]
-      names = [t["name"] for t in tools]
+      p.tools = [t.model_dump(exclude_none=True) for t in body.tools]
+      names = [t.function.name for t in body.tools]
       if len(set(names)) != len(names):
         raise BadRequest("tool names must be unique", "tools")
       mode = "auto" if choice in (None, "auto") else "required"
       max_calls = 1 if body.parallel_tool_calls is False else MAX_CALLS
+      only = None
       if choice not in (None, "auto", "required"):
-        name = choice.function.name
-        if name not in names:
-          raise BadRequest(f"tool_choice names an unknown tool {name!r}", "tool_choice")
-        tools = [t for t in tools if t["name"] == name]
+        only = choice.function.name
+        if only not in names:
+          raise BadRequest(f"tool_choice names an unknown tool {only!r}", "tool_choice")
         max_calls = 1
-      p.tools = [t.model_dump(exclude_none=True) for t in body.tools]
-      p.job = {"kind": "tools", "tools": tools, "fmt": p.fmt, "indent": p.indent,
-               "max_calls": max_calls, "choice": mode}
+      p.job = {"kind": "tools", "tools": p.tools, "only": only, "fmt": p.fmt,
+               "indent": p.indent, "max_calls": max_calls, "choice": mode}
       p.calls, p.whole = True, mode == "required"
     else:
       if body.tools:
@@ -201,7 +200,7 @@ class Preparer:
       out.append(d)
     if p.tools and p.job is not None and not self.takes_tools:
       mode = p.job["choice"]
-      shown = p.job["tools"]
+      shown = [t for t in p.job["tools"] if p.job["only"] in (None, t["function"]["name"])]
       out.insert(0, {"role": "system", "content": tools_system_prompt(shown, p.fmt, mode)})
     return out
 
