@@ -112,6 +112,9 @@ class Preparer:
     tpl = tokenizer.chat_template or ""
     self.takes_tools = "tools" in tpl
     self.takes_calls = "tool_calls" in tpl
+    # No token is longer than this many bytes: a text of n bytes has at least n / this tokens,
+    # so an obviously over-long prompt is refused before it is tokenized.
+    self.max_token_bytes = max(1, max(len(b) for b in tokenizer.token_bytes()))
 
   # --- 1. structure (cheap, on the event loop) --------------------------------------------
 
@@ -215,9 +218,13 @@ class Preparer:
     except Exception as e:  # noqa: BLE001 — a template may raise on odd role orders
       raise BadRequest(f"the chat template rejected these messages: {_one_line(e)}",
                        "messages") from None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    least = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+    if least + (max_tokens or 1) > self.engine.context:
+      raise BadRequest(f"the prompt has at least {least} tokens; this server's context is "
+                       f"{self.engine.context} tokens", "messages", "context_length_exceeded")
     ids, offsets = encode(self.tok, text)
     n = len(ids)
-    max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
       room = self.engine.context - n
       if room <= 0:

@@ -38,7 +38,6 @@ import concurrent.futures as cf
 import hashlib
 import json
 import math
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -80,8 +79,12 @@ class _Vocab:
     return self._tb
 
 
-def _worker_main(conn, token_bytes, stop_ids, vocab_size, nice):
+def _worker_main(fd: int) -> None:
+  """The worker process (``python -c``; see :class:`_Worker`): setup, then jobs, over ``fd``."""
   import resource
+  from multiprocessing.connection import Connection
+  conn = Connection(fd)
+  token_bytes, stop_ids, vocab_size, nice = conn.recv()
   try:
     os.nice(nice)
   except OSError:
@@ -94,7 +97,7 @@ def _worker_main(conn, token_bytes, stop_ids, vocab_size, nice):
   while True:
     try:
       job, limit = conn.recv()
-    except EOFError:
+    except (EOFError, OSError):   # the server went away
       return
     # The limit is CPU time (this process is niced: under load its wall time stretches): the
     # kernel ends the process with SIGXCPU when the job passes it, even inside XGrammar's C++.
@@ -115,18 +118,32 @@ def _worker_main(conn, token_bytes, stop_ids, vocab_size, nice):
 
 
 class _Worker:
-  def __init__(self, ctx, args, name: str):
-    self.ctx, self.args, self.name = ctx, args, name
+  """One compile process: ``python -c`` with this repository on its path (not
+  multiprocessing's spawn, which re-imports the caller's ``__main__`` and so fails in a script
+  without a ``__main__`` guard), talking over a socketpair."""
+
+  def __init__(self, args, name: str):
+    self.args, self.name = args, name
     self.proc = None
     self.restarts = -1
     self.start()
 
   def start(self) -> None:
-    self.conn, child = self.ctx.Pipe()
-    self.proc = self.ctx.Process(target=_worker_main, args=(child,) + self.args, daemon=True,
-                                 name=f"pask-grammar-{self.name}")
-    self.proc.start()
-    child.close()
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+    mine, theirs = socket.socketpair()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    self.proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from serve.grammars import _worker_main; "
+         "_worker_main(int(sys.argv[1]))", str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    theirs.close()
+    self.conn = Connection(mine.detach())
+    self.conn.send(self.args)
     self.ready = False
     self.restarts += 1
 
@@ -140,15 +157,17 @@ class _Worker:
   def run(self, job: dict, limit: float):
     """Blocking (a pool thread): ("ok", ...) / ("err", msg) / ("timeout",); ``limit`` in CPU
     seconds, with a wall-clock cap of WALL_FACTOR times that."""
-    self._wait_ready(180.0)
     t0 = time.monotonic()
     try:
+      self._wait_ready(180.0)
       self.conn.send((job, limit))
       if self.conn.poll(WALL_FACTOR * limit + 5):
         return self.conn.recv(), time.monotonic() - t0
     except (EOFError, OSError):   # the worker died: the CPU limit (SIGXCPU), memory, a crash
-      self.proc.join(5)
-      code = self.proc.exitcode
+      try:
+        code = self.proc.wait(5)
+      except Exception:  # noqa: BLE001
+        code = None
       self.kill()
       self.start()
       if code == -signal.SIGXCPU:
@@ -159,9 +178,12 @@ class _Worker:
     return ("timeout",), time.monotonic() - t0
 
   def kill(self) -> None:
-    if self.proc is not None and self.proc.is_alive():
+    if self.proc is not None and self.proc.poll() is None:
       self.proc.kill()
-      self.proc.join(5)
+      try:
+        self.proc.wait(5)
+      except Exception:  # noqa: BLE001
+        pass
     try:
       self.conn.close()
     except OSError:
@@ -188,18 +210,17 @@ class GrammarPool:
 
   def __init__(self, tokenizer, vocab_size: int, *, timeout_s: float = 10.0,
                small_workers: int = 1, large_workers: int = 1, queue_limit: int = 16,
-               cache_entries: int = 128, cache_bytes: int = 1 << 30, nice: int = 10):
+               cache_entries: int = 128, cache_bytes: int = 1 << 30, nice: int = 19):
     vocab = list(tokenizer.token_bytes())
     vocab += [b""] * (vocab_size - len(vocab))
     vocab = vocab[:vocab_size]
     stops = list(tokenizer.stop_ids)
     self.timeout_s, self.queue_limit = float(timeout_s), int(queue_limit)
-    ctx = mp.get_context("spawn")
     args = (tuple(vocab), tuple(stops), vocab_size, nice)
     self.lanes = {
-        "small": _Lane("small", [_Worker(ctx, args, f"small{i}") for i in range(small_workers)],
+        "small": _Lane("small", [_Worker(args, f"small{i}") for i in range(small_workers)],
                        min(SMALL_TIMEOUT_S, self.timeout_s)),
-        "large": _Lane("large", [_Worker(ctx, args, f"large{i}") for i in range(large_workers)],
+        "large": _Lane("large", [_Worker(args, f"large{i}") for i in range(large_workers)],
                        self.timeout_s)}
     self.threads = cf.ThreadPoolExecutor(small_workers + large_workers + 2,
                                          thread_name_prefix="pask-grammar-wait")

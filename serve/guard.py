@@ -1,8 +1,9 @@
 """ASGI middleware in front of the routes: body limits and a last-resort error boundary.
 
-* **Body size** (``max_body_bytes``): a ``Content-Length`` over the limit is refused before a
-  byte is read, a chunked body as soon as it passes the limit; 413, OpenAI-style body,
-  ``Connection: close`` (the rest of the body is not read, so the connection cannot be reused).
+* **Body size** (``max_body_bytes``): a larger body is read to its end and dropped (up to
+  ``max(8 x limit, 32 MiB)``; beyond that it is refused at once with ``Connection: close``), then
+  answered with a 413 with an OpenAI-style body on a connection that stays usable: answering
+  before the client has sent its body made the client's write fail with a reset.
   Starlette/FastAPI's own ``max_body_size`` answers with a plain-text body that cannot be made
   OpenAI-style, hence this.
 * **JSON nesting depth** (``max_json_depth``) of a JSON body, measured in linear time without
@@ -69,6 +70,7 @@ class Guard:
   def __init__(self, app, max_body_bytes: int = 2 << 20, max_json_depth: int = 64,
                on_error: Callable[[BaseException], Any] | None = None):
     self.app, self.max_body, self.max_depth = app, int(max_body_bytes), int(max_json_depth)
+    self.drain = max(8 * self.max_body, 32 << 20)
     self.on_error = on_error
 
   async def __call__(self, scope, receive, send):
@@ -106,8 +108,8 @@ class Guard:
           length = int(v)
         except ValueError:
           length = None
-    if length is not None and length > self.max_body:
-      await self._too_large(send, length)
+    if length is not None and length > self.drain:
+      await self._too_large(send, length, close=True)
       return None
     chunks, total = [], 0
     while True:
@@ -117,11 +119,17 @@ class Guard:
       body = msg.get("body", b"")
       total += len(body)
       if total > self.max_body:
-        await self._too_large(send, total)
-        return None
-      chunks.append(body)
+        if total > self.drain:
+          await self._too_large(send, total, close=True)
+          return None
+        chunks = []   # drained, not kept: the answer is a 413 on a reusable connection
+      else:
+        chunks.append(body)
       if not msg.get("more_body", False):
         break
+    if total > self.max_body:
+      await self._too_large(send, total, close=False)
+      return None
     raw = b"".join(chunks)
     ctype = b""
     for k, v in scope.get("headers") or ():
@@ -152,7 +160,7 @@ class Guard:
 
     return replay
 
-  async def _too_large(self, send, n: int) -> None:
+  async def _too_large(self, send, n: int, close: bool) -> None:
     await send_json(send, 413, error_body(
         f"the request body has {n} bytes or more; this server's limit is {self.max_body} bytes "
-        "(--max-body-bytes)", code="request_too_large"), close=True)
+        "(--max-body-bytes)", code="request_too_large"), close=close)

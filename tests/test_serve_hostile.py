@@ -77,10 +77,20 @@ def test_bracket_flood_in_a_message(base, client):
 
 
 def test_body_size_limit_is_a_413_and_says_so(base):
-  r = post(base, b'{"model": "x", "messages": "' + b"a" * (3 << 20) + b'"}')
-  e = err(r, 413, code="request_too_large")
+  big = b'{"model": "x", "messages": "' + b"a" * (3 << 20) + b'"}'
+  e = err(post(base, big), 413, code="request_too_large")
   assert "--max-body-bytes" in e["message"]
-  assert r.headers.get("connection") == "close"   # the unread rest: the socket is not reused
+  good = json.dumps({"model": MODEL, "max_tokens": 1, "messages": MSG}).encode()
+  (s1, _, sock1), (s2, _, sock2) = _same_socket_twice(base, big, good)
+  assert (s1, s2) == (413, 200) and sock1 is sock2   # drained: the connection stays usable
+  # A declared 1 GiB body is refused before it is read, and the connection closed.
+  import socket
+  host, port = base.removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port)), timeout=30) as sk:
+    sk.sendall(f"POST {URL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {1 << 30}\r\n\r\n{{".encode())
+    head = sk.recv(65536).decode("latin-1").lower()
+  assert head.startswith("http/1.1 413") and "connection: close" in head
 
 
 # ---- 2. keep-alive after an error --------------------------------------------------------------

@@ -212,8 +212,8 @@ def parse_calls(text: str, fmt: str | None = None) -> list[dict[str, Any]]:
 def split_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
   """``(content, calls)`` of an answer in ``fmt`` that may mix free text and call blocks (what
   :func:`tool_call_grammar` admits for either choice): every complete block whose JSON parses
-  into calls is taken out; the rest, stripped, is the content (None when empty).  A cut-off
-  block stays in the content."""
+  into calls is taken out; the rest is the content (None when only whitespace).  A cut-off
+  block stays in the content (as written: a stream sends the same text)."""
   begin, end, _, inner = BLOCKS[fmt]
   dec = json.JSONDecoder()
   calls: list[dict[str, Any]] = []
@@ -246,17 +246,16 @@ def split_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
     calls += [{"name": c["name"], "arguments": c.get("arguments", {})} for c in got]
     rest.append(text[i:j])
     i = k
-  content = "".join(rest).strip()
-  return (content or None), calls
+  content = "".join(rest)
+  return (content if content.strip() else None), calls
 
 
 def render_calls(calls: list[dict[str, Any]], fmt: str, indent: int | None = None) -> str:
   """Calls written in ``fmt`` as the grammar writes them (for transcripts of templates that
   cannot render ``tool_calls`` themselves)."""
   begin, end, between, inner = BLOCKS[fmt]
-  seps = (",", ": ") if indent is None else None
   one = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, indent=indent,
-                    separators=seps, ensure_ascii=False) for c in calls]
+                    ensure_ascii=False) for c in calls]
   if inner is not None:
     return begin + inner.join(one) + end
   return between.join(begin + c + end for c in one)
