@@ -428,3 +428,11 @@ def test_metrics_parse_in_both_formats(base, client):
   assert 0 < m["pask_measured_b"] < 1   # the demo policy compresses
   assert ofams["pask_pages_free"].type == "gauge" and ofams["pask_requests"].type == "counter"
   assert m['pask_http_requests_total{code="200"}'] >= 1
+
+
+def test_seeded_sampling_is_reproducible(client):
+  kw = dict(model=MODEL, max_tokens=6, temperature=1.0, top_p=0.9, seed=1234,
+            messages=[{"role": "user", "content": "Tell me a word."}])
+  a = client.chat.completions.create(**kw).choices[0].message.content
+  b = client.chat.completions.create(**kw).choices[0].message.content
+  assert a == b
