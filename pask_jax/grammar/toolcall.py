@@ -12,6 +12,17 @@ The format is a per-model choice (measure the model first):
 
 Each call object is constrained by the declared tools' JSON schemas (``anyOf`` over tools, the
 name as a ``const``), so every accepted output parses into calls naming declared tools.
+
+``tool_call_grammar(..., choice="required")`` makes the whole answer calls; ``choice="auto"``
+allows free text in which a call block starts at the format's trigger (XGrammar's triggered
+structural tags), scanned by :class:`AutoFCAdapter`.  ``check=True`` (the server) runs every
+``parameters`` schema through :mod:`pask_jax.grammar.schema_check` and resolves its ``$ref``s
+against the parameters themselves (:func:`call_schema` moves their ``$defs`` to the root under
+``tool{i}.NAME`` and rewrites the pointers; they used to resolve against the call wrapper).  The
+default ``check=False`` keeps the grammars the calibrated policies were made with byte for byte:
+of the 8,726 tool schemas in BFCL's data files (all categories, converted by calibrate.bfcl), the
+check leaves 8,624 unchanged, rewrites 99 (optional ``boolean`` properties whose ``enum`` lists
+strings admit no value and are dropped) and refuses 3 (the same flaw on a required property).
 """
 from __future__ import annotations
 
