@@ -38,12 +38,16 @@ PROMPTS = ["Hi!", "What is 3+5?", "Name a fruit.", "Say something nice.", "What 
 
 
 def metrics(base: str) -> dict:
+  from prometheus_client.parser import text_string_to_metric_families
   out = {}
-  for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-    if line and not line.startswith("#"):
-      k, v = line.rsplit(" ", 1)
-      out[k] = float(v)
+  for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+    for s in fam.samples:
+      lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+      out[s.name + (f"{{{lab}}}" if lab else "")] = s.value
   return out
+
+
+MODEL = "x"   # set from /v1/models at start
 
 
 def one(base: str, i: int, a, rng: random.Random) -> dict:
@@ -53,12 +57,13 @@ def one(base: str, i: int, a, rng: random.Random) -> dict:
   t0 = time.perf_counter()
   if r < a.malformed:
     bad = rng.choice([b'{"model": "x", "messages": [', b'{"model": "x"}', b"", json.dumps(
-        {"model": "x", "messages": msgs, "max_tokens": 0}).encode(), json.dumps(
-        {"model": "x", "messages": msgs, "tools": WEATHER,
+        {"model": MODEL, "messages": msgs, "max_tokens": 0}).encode(), json.dumps(
+        {"model": MODEL, "messages": msgs, "tools": WEATHER,
          "tool_choice": {"type": "function", "function": {"name": "nope"}}}).encode()])
-    s = httpx.post(url, content=bad, timeout=30).status_code
+    s = httpx.post(url, content=bad, timeout=30,
+                   headers={"content-type": "application/json"}).status_code
     return {"kind": "malformed", "status": s, "s": time.perf_counter() - t0}
-  body = {"model": "x", "messages": msgs, "max_tokens": rng.randint(1, a.max_tokens),
+  body = {"model": MODEL, "messages": msgs, "max_tokens": rng.randint(1, a.max_tokens),
           "seed": i, "temperature": rng.choice([0.0, 0.7])}
   kind = rng.choices(["text", "json_object", "json_schema", "tools"], [55, 15, 15, 15])[0]
   if kind == "json_object":
@@ -145,6 +150,8 @@ def main(argv=None) -> int:
   else:
     base = a.url.rstrip("/")
   startup_s = time.perf_counter() - t_start
+  global MODEL
+  MODEL = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
   before = metrics(base)
   rng = random.Random(a.seed)
   seeds = [random.Random(rng.random()) for _ in range(a.requests)]
@@ -177,19 +184,19 @@ def main(argv=None) -> int:
       "latency_p95_s": round(pct([r["s"] for r in ok], 0.95), 2),
       "ttft_p50_s": (round(pct([r["ttft"] for r in ok if r.get("ttft")], 0.5), 2)
                      if any(r.get("ttft") for r in ok) else None),
-      "tpot_ms_mean": round(1e3 * d("pask_tpot_seconds_sum") / max(1, d("pask_tpot_seconds_count")), 1),
+      "tpot_ms_mean": round(1e3 * d("pask_time_per_output_token_seconds_sum")
+                            / max(1, d("pask_time_per_output_token_seconds_count")), 1),
       "decode_step_ms_mean": round(1e3 * d("pask_decode_step_seconds_total")
                                    / max(1, d("pask_decode_steps_total")), 1),
       "mean_active_rows": round(d("pask_decode_rows_total") / max(1, d("pask_decode_steps_total")), 2),
       "engine_cancelled": int(d('pask_requests_total{outcome="cancelled"}')),
       "engine_errors": int(d('pask_requests_total{outcome="error"}')),
       "server_disconnects_seen": int(d("pask_client_disconnects_total")),
-      "admission_blocked_pages": int(d('pask_admission_blocked_total{reason="pages"}')),
-      "measured_B": m.get("pask_measured_B"),
-      "pages_used_after": {"bf16": m['pask_pages_used_bf16{pool="bf16"}'],
-                           "int4": m['pask_pages_used_int4{pool="int4"}']},
-      "pages_free_after": {"bf16": m['pask_pages_free_bf16{pool="bf16"}'],
-                           "int4": m['pask_pages_free_int4{pool="int4"}']},
+      "admission_blocked_pages": int(d("pask_admission_blocked_total")),
+      "measured_B": m.get("pask_measured_b"),
+      "pages_used_after": {p: m[f'pask_pages_total{{pool="{p}"}}'] - m[f'pask_pages_free{{pool="{p}"}}']
+                           for p in ("bf16", "int4")},
+      "pages_free_after": {p: m[f'pask_pages_free{{pool="{p}"}}'] for p in ("bf16", "int4")},
       "health_after": health,
   }
   if server is not None:

@@ -134,7 +134,8 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
   if head_dim % 2:
     raise ValueError(f"INT4 packing needs an even head_dim, got {head_dim}")
   if window < 1:
-    raise ValueError("the recent window needs at least one slot (it holds the current token)")
+    raise ValueError(f"the recent window needs at least one slot (it holds the current token), "
+                     f"got window={window}")
   G, B, W, Hkv, D = n_groups, batch, window, n_kv_heads, head_dim
   n_hi = math.ceil((capacity if hi_capacity is None else hi_capacity) / page)
   n_lo = math.ceil((capacity if lo_capacity is None else lo_capacity) / page)

@@ -31,11 +31,25 @@ def _read_json(path: str, what: str):
     raise SystemExit(f"error: {what} file {path} is not valid JSON: {e}")
 
 
+def _check_policy(name: str | None) -> None:
+  """A policy directory's record, checked before the model loads (one-line errors)."""
+  from pask_jax import policy as pol_mod
+  if name is None or name in pol_mod.BUILTIN:
+    return
+  try:
+    pol_mod.read_record(name)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: policy {name!r}: {e}")
+
+
 def cmd_generate(args) -> int:
   """``pask-jax generate``: one answer through the Python API (:func:`pask_jax.api.generate`)."""
   import jax
 
   from pask_jax import api, ledger
+  _check_policy(args.policy)
+  if args.raw and not args.prompt:
+    raise SystemExit("error: --prompt is empty (with --raw nothing else is sent to the model)")
   schema = _read_json(args.json_schema, "JSON schema") if args.json_schema else None
   tools = _read_json(args.tools, "tools") if args.tools else None
   m = _load_model(args.model, args.dtype)
@@ -61,13 +75,17 @@ def cmd_serve(args) -> int:
   import uvicorn
 
   from serve.app import build
+  _check_policy(args.policy)
   try:
     app, engine = build(args.model, args.policy, slots=args.slots, context=args.context,
                         page=args.page, hi_pages=args.hi_pages, lo_pages=args.lo_pages,
                         kv_memory_gb=args.kv_memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_mix=args.kv_mix, preemption=args.preemption,
-                        dtype=args.dtype, default_max_tokens=args.default_max_tokens)
+                        dtype=args.dtype, default_max_tokens=args.default_max_tokens,
+                        served_model_name=args.served_model_name,
+                        max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                        grammar_timeout_s=args.grammar_timeout)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
@@ -258,7 +276,17 @@ def main(argv: list[str] | None = None) -> int:
                       "prefilled with the prompt (recompute: one prefill, numerically close)")
   s.add_argument("--default-max-tokens", type=int, default=256)
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-  s.add_argument("--log-level", default="info")
+  s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                 help="model name(s) requests must use (default: --model, or "
+                      "smollm2-135m-instruct); responses carry the first")
+  s.add_argument("--max-body-bytes", type=int, default=2 << 20,
+                 help="largest request body (bytes); larger ones get a 413")
+  s.add_argument("--max-json-depth", type=int, default=64,
+                 help="deepest JSON nesting of a request body; deeper ones get a 400")
+  s.add_argument("--grammar-timeout", type=float, default=10.0,
+                 help="CPU seconds one grammar (schema or tool set) may take to compile")
+  s.add_argument("--log-level", default="info",
+                 choices=["critical", "error", "warning", "info", "debug", "trace"])
   sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels", add_help=False)
   from pask_jax.baselines import METHODS
   e = sub.add_parser("eval", help="accuracy and measured KV budget of one method on BFCL")
@@ -307,6 +335,17 @@ def main(argv: list[str] | None = None) -> int:
   if rest:
     ap.error(f"unrecognized arguments: {' '.join(rest)}")
   if args.cmd == "serve":
+    for name in ("slots", "context", "page", "default_max_tokens", "max_body_bytes",
+                 "max_json_depth"):
+      if getattr(args, name) <= 0:
+        ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("hi_pages", "lo_pages"):
+      if getattr(args, name) is not None and getattr(args, name) <= 0:
+        ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.port <= 65535:
+      ap.error(f"--port must be in [0, 65535], got {args.port}")
+    if not args.grammar_timeout > 0:
+      ap.error(f"--grammar-timeout must be positive, got {args.grammar_timeout}")
     return cmd_serve(args)
   if args.cmd == "report":
     return cmd_report(args)
@@ -324,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_eval(args)
   if args.max_tokens <= 0:
     ap.error("--max-tokens must be positive")
+  if not 0 <= args.temperature <= 2:   # NaN fails too
+    ap.error(f"--temperature must be in [0, 2] (0 = greedy), got {args.temperature}")
+  if not 0 < args.top_p <= 1:
+    ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+  if args.raw and not args.prompt:
+    ap.error("--prompt is empty (with --raw nothing else is sent to the model)")
   return cmd_generate(args)
 
 

@@ -290,13 +290,18 @@ def load(directory: str | os.PathLike, model: Any = None,
   """
   import orbax.checkpoint as ocp
   d = os.path.abspath(os.fspath(directory))
-  with open(os.path.join(d, "policy.json")) as f:
-    rec = json.load(f)
-  if rec.get("format") != FORMAT:
-    raise ValueError(f"{d}: not a {FORMAT} policy (format={rec.get('format')!r})")
+  rec = read_record(d)
   if model is not None and rec.get("model") is not None:
     check_identity(rec["model"], identity_of(model, tokenizer_hash), where=f"policy {d}")
-  arr = ocp.PyTreeCheckpointer().restore(os.path.join(d, "arrays"))
+  if not os.path.isdir(os.path.join(d, "arrays")):
+    raise FileNotFoundError(f"{d} has no arrays/ directory (a policy is policy.json + arrays/)")
+  try:
+    arr = ocp.PyTreeCheckpointer().restore(os.path.join(d, "arrays"))
+  except Exception as e:  # noqa: BLE001 — orbax raises many kinds; one line names the problem
+    raise ValueError(f"{d}/arrays cannot be read: {type(e).__name__}: "
+                     f"{' '.join(str(e).split())[:200]}") from None
+  if not isinstance(arr, dict) or any(k not in arr for k in _ARRAYS + ("gamma",)):
+    raise ValueError(f"{d}/arrays lacks the policy arrays {list(_ARRAYS) + ['gamma']}")
   G = int(rec["n_groups"])
   if np.asarray(arr["action"]).shape != (T.N_IDS, G):
     raise ValueError(f"{d}: table shape {np.asarray(arr['action']).shape} != {(T.N_IDS, G)}")
@@ -313,6 +318,45 @@ def load(directory: str | os.PathLike, model: Any = None,
   if model is not None:
     pol = bind(pol, model, tokenizer_hash)
   return pol
+
+
+def read_record(directory: str | os.PathLike) -> dict:
+  """``directory/policy.json`` checked: one-line errors (FileNotFoundError / ValueError) for a
+  missing or non-directory path, invalid JSON, a record that is not an object, and missing or
+  out-of-range fields (``n_groups`` >= 1, ``sink`` >= 0, ``window`` >= 1)."""
+  d = os.fspath(directory)
+  if not os.path.exists(d):
+    raise FileNotFoundError(f"policy directory not found: {d}")
+  if not os.path.isdir(d):
+    raise ValueError(f"{d} is a file, not a policy directory (policy.json + arrays/); the "
+                     f"built-in policies are {', '.join(BUILTIN)}")
+  path = os.path.join(d, "policy.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{d} has no policy.json")
+  try:
+    with open(path) as f:
+      rec = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from None
+  check_record(rec, path)
+  return rec
+
+
+def check_record(rec: Any, where: str = "policy record") -> None:
+  """Raise ValueError naming the first problem of a policy record (see :func:`read_record`)."""
+  if not isinstance(rec, dict):
+    raise ValueError(f"{where}: a policy record is a JSON object, not a {type(rec).__name__}")
+  if rec.get("format") != FORMAT:
+    raise ValueError(f"{where}: not a {FORMAT} policy (format={rec.get('format')!r})")
+  for key, lo in (("n_groups", 1), ("sink", 0), ("window", 1)):
+    if key not in rec:
+      raise ValueError(f"{where}: the record lacks {key!r}")
+    v = rec[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+      raise ValueError(f"{where}: {key!r} must be an integer >= {lo}, got {v!r}")
+  for key in ("entries", "reserve", "budgets"):
+    if key in rec and not isinstance(rec[key], dict):
+      raise ValueError(f"{where}: {key!r} must be an object, got {type(rec[key]).__name__}")
 
 
 # ---- shipped policies -------------------------------------------------------------------------
@@ -400,8 +444,7 @@ def describe(pol: FrozenPolicy, tag_id: int) -> str:
 def from_record(rec: Mapping[str, Any]) -> FrozenPolicy:
   """Rebuild a policy from its readable ``policy.json`` record alone (entries, reserve, budgets,
   sink/window, model identity): :func:`build` is deterministic, so this equals the saved arrays."""
-  if rec.get("format") != FORMAT:
-    raise ValueError(f"not a {FORMAT} record (format={rec.get('format')!r})")
+  check_record(rec)
   code = {n: i for i, n in enumerate(T.ACTION_NAMES)}
   ents = {int(e["id"]): Entry([code[a] for a in e["action"]], [code[a] for a in e["floor"]],
                               e["prio"]) for e in rec["entries"].values()}

@@ -1,63 +1,83 @@
 """The OpenAI-compatible ASGI app (FastAPI) over :class:`serve.engine.Engine`.
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text).
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /health``, ``GET /metrics`` (prometheus_client; :mod:`serve.metrics`).
+
+The request path, in order (nothing expensive before the length check):
+
+1. :class:`serve.guard.Guard`: body size, JSON nesting depth, lone surrogates, error boundary.
+2. FastAPI validates the body against :class:`serve.protocol.ChatCompletionRequest` (one
+   pydantic layer); every 4xx — validation, 404, 405, 413, 429 — has an OpenAI-style body
+   ``{"error": {"message", "type", "param", "code"}}``.
+3. ``model`` must be a served name (``--served-model-name``), else 404 ``model_not_found``.
+4. The transcript is rendered with the chat template and tokenized (worker threads); a prompt
+   that cannot fit (prompt + max_tokens > context, or more pages than the pools hold) is
+   refused here, before any grammar is compiled or the prompt labelled.
+5. The grammar (``response_format`` or the tool-call grammar) comes from
+   :class:`serve.grammars.GrammarPool`: cached, compiled in worker processes, time-limited.
+6. Prompt-span labels (linear time) and the request goes to the engine.
 
 Choices:
 
-* Bodies are validated by hand (not pydantic models) so every bad input gets an OpenAI-style
-  ``{"error": {"message", "type", "param", "code"}}`` body with status 400: malformed JSON, a
-  missing or mistyped field, an invalid or uncompilable schema, an unknown tool in tool_choice,
-  a prompt over capacity, max_tokens <= 0.  Only an engine failure is a 5xx.
 * ``temperature`` defaults to 0 (greedy), not OpenAI's 1: reproducible answers.
-* ``tools`` with ``tool_choice`` absent, "auto" or "required" constrain the answer to the
-  tool-call grammar (one to eight calls): a small model under a grammar that also allowed free
-  text would rarely call, so "auto" behaves like "required" here.  A named function restricts
-  the grammar to that tool; "none" decodes free text.  Chat templates that ignore ``tools`` get
-  the tools described in a system message (as ``pask-jax generate`` does).  The answer is parsed
-  with ``parse_calls`` into ``message.tool_calls`` (finish_reason "tool_calls").
-* ``response_format`` {type: json_schema} compiles the schema with XGrammar ({type: json_object}
-  uses the schema ``{"type": "object"}``); tools and response_format together are refused.
+* ``tools``: ``tool_choice`` "auto" (the default with tools) lets the model answer in text or call:
+  free text until the format's trigger (XGrammar's triggered structural tags), then the call
+  block is constrained by the tools' schemas; "required" constrains the whole answer to one or
+  more calls; a named function to exactly one call of it; "none" decodes free text (the tools
+  still reach a chat template that renders them, as vLLM does).  ``parallel_tool_calls: false``
+  allows at most one call.  Templates that ignore ``tools`` get them described in a system
+  message.  Calls come back in ``message.tool_calls`` (finish_reason "tool_calls"), the text
+  around them in ``content``.
+* Past turns: assistant ``tool_calls`` reach the template with ``arguments`` parsed into objects
+  (as vLLM does: tool templates expect mappings, so nothing is encoded twice; arguments that are
+  not a JSON object are a 400); a template that cannot render ``tool_calls`` gets the calls
+  written into the assistant text in the model's format.  A ``role: "tool"`` message must answer
+  an earlier call id (as OpenAI requires) and reaches the template with its ``tool_call_id``
+  (and the function ``name``).
+* ``stop`` works on the text (also across token boundaries), is not included in the output,
+  and ends with finish_reason "stop"; it is refused together with a grammar that constrains the
+  whole answer (``response_format``, ``tool_choice`` "required" or named), whose output it would
+  cut into something invalid.
+* ``logprobs`` / ``top_logprobs`` (<= 20): log-softmax of the grammar-masked logits before
+  temperature, computed on the device in the sampling step.  Entries cover the tokens of the
+  returned text (a stop sequence's tokens are dropped with it).
 * ``usage`` carries the OpenAI counts plus ``pask``: the request's ledger (prompt/decode KV
-  payload in bits, measured B, R/L/H action counts per layer group and in total).
-* Streaming (SSE): text deltas as they decode; with tools the call is sent as one
-  ``tool_calls`` delta at the end (the JSON is only parseable when complete); the final chunk
-  carries finish_reason and usage; then ``data: [DONE]``.
+  payload in bits, measured B, R/L/H action counts per layer group and in total).  Streams carry
+  usage only with ``stream_options.include_usage`` (a last chunk with empty ``choices``).
 * A client that disconnects (stream or not) cancels its request: the engine frees its slot and
   pages at the next iteration.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-import threading
 import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pask_jax import tags as T
 from pask_jax.decode import Tracker
 from serve.engine import Engine, Request
+from serve.guard import Guard
+from serve.metrics import Metrics
+from serve.protocol import ChatCompletionRequest, error_body, validation_error
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_CALLS = 8   # calls per answer with parallel_tool_calls (BFCL's parallel cases need a few)
 
 
 class BadRequest(Exception):
   def __init__(self, message: str, param: str | None = None, code: str | None = None,
-               status: int = 400):
+               status: int = 400, kind: str = "invalid_request_error"):
     super().__init__(message)
-    self.message, self.param, self.code, self.status = message, param, code, status
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
-  return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def _err(e: BadRequest) -> JSONResponse:
-  return JSONResponse(error_body(e.message, param=e.param, code=e.code), status_code=e.status)
+    self.message, self.param, self.code, self.status, self.kind = (message, param, code, status,
+                                                                   kind)
 
 
 def _finite(x):
@@ -69,184 +89,171 @@ def _finite(x):
   return x
 
 
-def _num(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
-  v = body.get(name)
-  if v is None:
-    return default
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-    raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-  if not lo <= v <= hi:
-    raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
-  return v
+class Plan:
+  """What a validated request turns into before the engine sees it."""
 
-
-def _text(content, where: str) -> str:
-  if content is None or isinstance(content, str):
-    return content or ""
-  if isinstance(content, list):
-    parts = []
-    for p in content:
-      if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-        raise BadRequest("only text content parts are supported", where)
-      parts.append(p["text"])
-    return "".join(parts)
-  raise BadRequest("'content' must be a string or a list of text parts", where)
-
-
-def _messages(body: dict) -> list[dict]:
-  msgs = body.get("messages")
-  if not isinstance(msgs, list) or not msgs:
-    raise BadRequest("'messages' must be a non-empty list", "messages",
-                     "missing_required_parameter" if msgs is None else None)
-  out = []
-  for i, m in enumerate(msgs):
-    where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in ROLES:
-      raise BadRequest(f"{where} needs a 'role' in {ROLES}", where)
-    text = _text(m.get("content"), where + ".content")
-    if m["role"] == "assistant" and m.get("tool_calls"):
-      # Earlier calls go back into the transcript as the JSON the model would have written.
-      if not isinstance(m["tool_calls"], list):
-        raise BadRequest("'tool_calls' must be a list", where + ".tool_calls")
-      calls = [{"name": c["function"].get("name"), "arguments": c["function"].get("arguments")}
-               for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
-      text = (text + "\n" if text else "") + json.dumps(calls)
-    out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": text})
-  return out
+  def __init__(self):
+    self.messages: list[dict] = []
+    self.tools: list[dict] | None = None     # OpenAI tools as the user sent them (for templates)
+    self.fmt, self.indent = None, None
+    self.job: dict | None = None              # the grammar job (serve.grammars)
+    self.calls = False                        # the answer is parsed for tool calls
+    self.whole = False                        # the grammar constrains the whole answer
 
 
 class Preparer:
-  """Validates a chat-completions body and builds the engine request (prompt ids and labels,
-  grammar matcher, adapter).  Runs in worker threads; grammar compilation is serialized."""
+  """Builds the engine request of a validated body (see the module docstring)."""
 
-  def __init__(self, engine: Engine, tokenizer, cfg, default_max_tokens: int = 256):
-    self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+  def __init__(self, engine: Engine, tokenizer, cfg, grammars, *, default_max_tokens: int = 256):
     from pask_jax import policy as P
+    self.engine, self.tok, self.cfg, self.grammars = engine, tokenizer, cfg, grammars
     self.state_vocab = P.state_vocab(engine.policy)   # parser-state ids of the reserve Γ
     self.default_max_tokens = default_max_tokens
-    self.lock = threading.Lock()
-    self._gc = None
+    tpl = tokenizer.chat_template or ""
+    self.takes_tools = "tools" in tpl
+    self.takes_calls = "tool_calls" in tpl
+    # No token is longer than this many bytes: a text of n bytes has at least n / this tokens,
+    # so an obviously over-long prompt is refused before it is tokenized.
+    self.max_token_bytes = max(1, max(len(b) for b in tokenizer.token_bytes()))
 
-  @property
-  def gc(self):
-    from pask_jax.grammar import GrammarCompiler
-    if self._gc is None:
-      self._gc = GrammarCompiler(self.tok, self.cfg.vocab_size)
-    return self._gc
+  # --- 1. structure (cheap, on the event loop) --------------------------------------------
 
-  def __call__(self, body: Any) -> tuple[Request, dict]:
-    from pask_jax.grammar import (DEFAULT_STYLE, GrammarError, normalize_tools, tool_call_grammar,
-                                  tools_system_prompt)
-    from pask_jax.grammar.prompt_spans import label_prompt
-    if not isinstance(body, dict):
-      raise BadRequest("the request body must be a JSON object")
-    if not isinstance(body.get("model"), str):
-      raise BadRequest("'model' must be a string", "model", "missing_required_parameter")
-    messages = _messages(body)
-    if body.get("n", 1) != 1:
-      raise BadRequest("only n=1 is supported", "n")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-      raise BadRequest("'stream' must be a boolean", "stream")
-    # Default greedy (OpenAI's default is 1): reproducible answers from a small model.
-    temperature = float(_num(body, "temperature", 0.0, 0, 2))
-    top_p = float(_num(body, "top_p", 1.0, 0, 1))
-    if top_p <= 0:
-      raise BadRequest("'top_p' must be > 0", "top_p")
-    seed = int(_num(body, "seed", 0, -2**63, 2**64 - 1, integer=True)) % 2**32
-    mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _num(body, mt_name, None, -2**31, 2**31, integer=True)
-    if max_tokens is not None and max_tokens <= 0:
-      raise BadRequest(f"'{mt_name}' must be positive, got {max_tokens}", mt_name)
-    tools, fmt, grammar = body.get("tools"), None, None
-    choice = body.get("tool_choice")
-    rf = body.get("response_format")
-    if tools is not None and choice != "none" and isinstance(rf, dict) \
-        and rf.get("type", "text") != "text":
-      raise BadRequest("tools and response_format cannot be combined", "response_format")
+  def plan(self, body: ChatCompletionRequest) -> Plan:
+    from pask_jax.grammar import DEFAULT_STYLE
+    p = Plan()
+    choice = body.tool_choice
+    rf = body.response_format
+    if body.tools is None and choice not in (None, "none"):
+      raise BadRequest("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
+    if body.tools is not None and not body.tools:
+      raise BadRequest("'tools' must not be empty (omit it instead)", "tools")
+    p.fmt, p.indent = DEFAULT_STYLE.get(self.cfg.arch, ("json_list", None))
+    json_rf = rf is not None and rf.type != "text"
+    if body.tools and choice != "none":
+      if json_rf:
+        raise BadRequest("'tools' and a JSON 'response_format' cannot be combined (use "
+                         "tool_choice 'none' to answer in JSON)", "response_format")
+      p.tools = [t.model_dump(exclude_none=True) for t in body.tools]
+      names = [t.function.name for t in body.tools]
+      if len(set(names)) != len(names):
+        raise BadRequest("tool names must be unique", "tools")
+      mode = "auto" if choice in (None, "auto") else "required"
+      max_calls = 1 if body.parallel_tool_calls is False else MAX_CALLS
+      only = None
+      if choice not in (None, "auto", "required"):
+        only = choice.function.name
+        if only not in names:
+          raise BadRequest(f"tool_choice names an unknown tool {only!r}", "tool_choice")
+        max_calls = 1
+      p.job = {"kind": "tools", "tools": p.tools, "only": only, "fmt": p.fmt,
+               "indent": p.indent, "max_calls": max_calls, "choice": mode}
+      p.calls, p.whole = True, mode == "required"
+    else:
+      if body.tools:
+        p.tools = [t.model_dump(exclude_none=True) for t in body.tools]   # choice "none"
+      if json_rf:
+        schema = {"type": "object"} if rf.type == "json_object" else rf.json_schema.schema_
+        p.job = {"kind": "json_schema", "schema": schema,
+                 "where": "response_format.json_schema.schema"}
+        p.whole = True
+    if body.stop and p.whole:
+      raise BadRequest("'stop' cannot be combined with a grammar that constrains the whole "
+                       "answer (response_format, or tool_choice 'required' / a function): a "
+                       "cut would break its schema", "stop")
+    p.messages = self.messages(body, p)
+    return p
+
+  def messages(self, body: ChatCompletionRequest, p: Plan) -> list[dict]:
+    from pask_jax.grammar.toolcall import render_calls, tools_system_prompt
+    out: list[dict] = []
+    ids: dict[str, str] = {}   # tool call id -> function name
+    for i, m in enumerate(body.messages):
+      where = f"messages[{i}]"
+      role = "system" if m.role == "developer" else m.role
+      d: dict[str, Any] = {"role": role, "content": m.content}
+      if getattr(m, "name", None) is not None:
+        d["name"] = m.name
+      if m.role == "assistant":
+        calls = []
+        for j, c in enumerate(m.tool_calls or ()):
+          w = f"{where}.tool_calls[{j}].function.arguments"
+          try:
+            args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
+          except json.JSONDecodeError as e:
+            raise BadRequest(f"{w} is not valid JSON: {e.msg}", w) from None
+          if not isinstance(args, dict):
+            raise BadRequest(f"{w} must encode a JSON object", w)
+          ids[c.id] = c.function.name
+          calls.append({"id": c.id, "type": "function",
+                        "function": {"name": c.function.name, "arguments": args}})
+        if calls and self.takes_calls:
+          d["tool_calls"] = calls
+        elif calls:   # the template cannot render calls: write them as the model would
+          text = render_calls([c["function"] for c in calls], p.fmt, p.indent)
+          d["content"] = (m.content + "\n" if m.content else "") + text
+        if d["content"] is None:
+          d["content"] = ""
+      elif m.role == "tool":
+        if m.tool_call_id not in ids:
+          raise BadRequest(f"{where}: a 'tool' message must answer a tool call of an earlier "
+                           f"assistant message; no call has id {m.tool_call_id!r}",
+                           f"{where}.tool_call_id")
+        d["tool_call_id"] = m.tool_call_id
+        d["name"] = ids[m.tool_call_id]
+      out.append(d)
+    if p.tools and p.job is not None and not self.takes_tools:
+      mode = p.job["choice"]
+      shown = [t for t in p.job["tools"] if p.job["only"] in (None, t["function"]["name"])]
+      out.insert(0, {"role": "system", "content": tools_system_prompt(shown, p.fmt, mode)})
+    return out
+
+  # --- 2. prompt (worker thread) ------------------------------------------------------------
+
+  def prompt(self, p: Plan, body: ChatCompletionRequest) -> tuple[str, list[int], list, int]:
+    """(text, ids, offsets, max_tokens); BadRequest when it cannot fit."""
+    from pask_jax.grammar.prompt_spans import encode
+    tools = p.tools if self.takes_tools else None
     try:
-      if tools is not None and choice != "none":
-        if not isinstance(tools, list) or not tools:
-          raise BadRequest("'tools' must be a non-empty list", "tools")
-        try:
-          tools = normalize_tools(tools)
-        except GrammarError as e:
-          raise BadRequest(str(e), "tools") from None
-        if isinstance(choice, dict):
-          name = (choice.get("function") or {}).get("name")
-          keep = [t for t in tools if t["name"] == name]
-          if not keep:
-            raise BadRequest(f"tool_choice names an unknown tool {name!r}", "tool_choice")
-          tools = keep
-        elif choice not in (None, "auto", "required"):
-          raise BadRequest("tool_choice must be 'none', 'auto', 'required' or a function",
-                           "tool_choice")
-        fmt, indent = DEFAULT_STYLE.get(self.cfg.arch, ("json_list", None))
-        with self.lock:
-          grammar = tool_call_grammar(self.gc, tools, fmt, indent=indent)
-      elif tools is not None:
-        tools = None   # tool_choice "none": free text, tools not shown
-      if rf is not None:
-        grammar = self._response_format(rf)
-    except GrammarError as e:
-      raise BadRequest(str(e), "response_format" if rf is not None else "tools",
-                       "invalid_schema") from None
-    takes_tools = bool(self.tok.chat_template) and "tools" in self.tok.chat_template
-    if tools and not takes_tools:
-      messages.insert(0, {"role": "system", "content": tools_system_prompt(tools, fmt)})
-    try:
-      text = self.tok.apply_chat_template(messages, tools=tools if takes_tools else None)
+      text = self.tok.apply_chat_template(p.messages, tools=tools)
     except Exception as e:  # noqa: BLE001 — a template may raise on odd role orders
-      raise BadRequest(f"the chat template rejected these messages: {e}", "messages") from None
-    ids, tags = label_prompt(self.tok, text)
+      raise BadRequest(f"the chat template rejected these messages: {_one_line(e)}",
+                       "messages") from None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    least = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+    if least + (max_tokens or 1) > self.engine.context:
+      raise BadRequest(f"the prompt has at least {least} tokens; this server's context is "
+                       f"{self.engine.context} tokens", "messages", "context_length_exceeded")
+    ids, offsets = encode(self.tok, text)
     n = len(ids)
-    room = self.engine.context - n
     if max_tokens is None:
+      room = self.engine.context - n
       if room <= 0:
-        raise BadRequest(f"the prompt has {n} tokens; the server's context is "
-                         f"{self.engine.context}", "messages", "context_length_exceeded")
+        raise BadRequest(f"the prompt has {n} tokens; this server's context is "
+                         f"{self.engine.context} tokens", "messages", "context_length_exceeded")
       max_tokens = min(self.default_max_tokens, room)
     why = self.engine.fits_ever(n, max_tokens)
     if why:
       raise BadRequest(why, "messages", "context_length_exceeded")
-    tracker = Tracker(grammar)
-    if tools and grammar is not None:
-      from pask_jax.grammar.fc_adapter import FCAdapter
-      tracker = Tracker(grammar, FCAdapter(grammar, self.tok, vocab=self.state_vocab))
-    req = Request(ids=ids, tags=tags, max_tokens=max_tokens, tracker=tracker,
-                  temperature=temperature, top_p=top_p, seed=seed)
-    return req, {"stream": stream, "tools": bool(tools), "fmt": fmt,
-                 "include_usage": bool((body.get("stream_options") or {}).get("include_usage",
-                                                                               True))}
+    return text, ids, offsets, max_tokens
 
-  def _response_format(self, rf):
-    if not isinstance(rf, dict):
-      raise BadRequest("'response_format' must be an object", "response_format")
-    kind = rf.get("type")
-    if kind == "text":
-      return None
-    if kind == "json_object":
-      schema = {"type": "object"}
-    elif kind == "json_schema":
-      js = rf.get("json_schema")
-      if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-        raise BadRequest("response_format.json_schema.schema must be an object",
-                         "response_format", "invalid_schema")
-      schema = js["schema"]
-      try:
-        import jsonschema   # a schema that is not a schema is refused before XGrammar sees it
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-      except ImportError:
-        pass
-      except Exception as e:  # noqa: BLE001 — jsonschema.SchemaError and friends
-        raise BadRequest(f"invalid JSON schema: {str(e).splitlines()[0]}", "response_format",
-                         "invalid_schema") from None
-    else:
-      raise BadRequest("response_format.type must be text, json_object or json_schema",
-                       "response_format")
-    with self.lock:
-      return self.gc.json_schema(schema)
+  def labels(self, text: str, offsets: list):
+    from pask_jax.grammar.prompt_spans import labels
+    return labels(text, offsets, self.tok)
 
+  def tracker(self, grammar, p: Plan) -> Tracker:
+    if grammar is None:
+      return Tracker(None)
+    if p.calls:
+      from pask_jax.grammar.toolcall import adapter_for
+      return Tracker(grammar, adapter_for(grammar, self.tok, vocab=self.state_vocab))
+    return Tracker(grammar)
+
+
+def _one_line(e: BaseException) -> str:
+  return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+# ---- responses ----------------------------------------------------------------------------
 
 def _usage(result: dict) -> dict:
   led = _finite(result["ledger"])
@@ -261,35 +268,101 @@ def _usage(result: dict) -> dict:
                    "decode_counts": led["decode_counts"], "overflow": result["overflow"]}}
 
 
-def _message(result: dict, meta: dict) -> tuple[dict, str]:
-  """(assistant message, finish_reason) of a finished request."""
-  from pask_jax.grammar import parse_calls
-  text, finish = result["text"], result["finish"]
-  if meta["tools"]:
-    try:
-      calls = parse_calls(text, meta["fmt"])
-    except ValueError:
-      calls = []   # cut by max_tokens: the text is returned as content
-    if calls:
-      tc = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-            for c in calls]
-      return {"role": "assistant", "content": None, "tool_calls": tc}, (
-          "tool_calls" if finish == "stop" else finish)
-  return {"role": "assistant", "content": text}, finish
+class Responder:
+  """Turns engine results into OpenAI messages, logprobs and stream chunks."""
+
+  def __init__(self, tok, fmt: str, calls: bool):
+    self.tok, self.fmt, self.calls = tok, fmt, calls
+
+  def message(self, result: dict) -> tuple[dict, str]:
+    """(assistant message, finish_reason) of a finished request."""
+    from pask_jax.grammar.toolcall import split_calls
+    text, finish = result["text"], result["finish"]
+    if self.calls:
+      content, calls = split_calls(text, self.fmt)
+      if calls:
+        tc = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+               "function": {"name": c["name"],
+                            "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+              for c in calls]
+        return ({"role": "assistant", "content": content, "tool_calls": tc, "refusal": None},
+                "tool_calls" if finish == "stop" else finish)
+    return {"role": "assistant", "content": text, "refusal": None}, finish
+
+  def logprobs(self, result: dict) -> dict | None:
+    lps = result.get("logprobs")
+    if lps is None or result.get("want_logprobs") is None:
+      return None
+    tb = self.tok.token_bytes()
+    toks = result["tokens"][:len(lps)]
+    # Keep the tokens that start inside the returned text (a stop sequence's go with it).
+    keep, n_text = [], len(result["text"])
+    for k in range(len(toks)):
+      if len(self.tok.decode(toks[:k])) >= n_text and k > 0:
+        break
+      keep.append(k)
+    entry = lambda i, lp: {"token": tb[i].decode("utf-8", "replace"), "logprob": lp,
+                           "bytes": list(tb[i])}
+    content = []
+    for k in keep:
+      lp, alts = lps[k]
+      content.append({**entry(toks[k], lp), "top_logprobs": [entry(i, v) for i, v in alts]})
+    return {"content": content, "refusal": None}
 
 
-def create_app(engine: Engine, tokenizer, cfg, *, model_name: str = "pask-jax",
-               default_max_tokens: int = 256) -> FastAPI:
-  app = FastAPI(title="pask-jax", docs_url=None, redoc_url=None)
-  prep = Preparer(engine, tokenizer, cfg, default_max_tokens)
-  http = {"requests": 0, "bad_requests": 0, "server_errors": 0, "disconnects": 0}
-  app.state.engine, app.state.http = engine, http
+# ---- the app ------------------------------------------------------------------------------
 
-  @app.exception_handler(Exception)
-  async def _unhandled(request, exc):   # a bug in a handler: 500 with an OpenAI body
-    http["server_errors"] += 1
-    return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
+def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = "pask-jax",
+               default_max_tokens: int = 256, grammars=None, max_body_bytes: int = 2 << 20,
+               max_json_depth: int = 64, grammar_timeout_s: float = 10.0) -> FastAPI:
+  """The app.  ``model_name``: the served name(s); responses use the first.  ``grammars``: a
+  :class:`serve.grammars.GrammarPool` (default: one is started here)."""
+  names = [model_name] if isinstance(model_name, str) else list(model_name)
+  if grammars is None:
+    from serve.grammars import GrammarPool
+    grammars = GrammarPool(tokenizer, cfg.vocab_size, timeout_s=grammar_timeout_s)
+  metrics = Metrics(engine, grammars)
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    yield
+    grammars.close()   # the compile workers go with the server
+
+  app = FastAPI(title="pask-jax", docs_url=None, redoc_url=None, openapi_url=None,
+                lifespan=lifespan)
+  app.add_middleware(Guard, max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
+                     on_error=lambda e: metrics.http.labels("500").inc())
+  prep = Preparer(engine, tokenizer, cfg, grammars, default_max_tokens=default_max_tokens)
+  app.state.engine, app.state.prep, app.state.grammars = engine, prep, grammars
+  app.state.metrics = metrics
+
+  def err(status: int, body: dict, headers=None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+  @app.exception_handler(RequestValidationError)
+  async def _invalid(request, exc):
+    body, status = validation_error(list(exc.errors()))
+    if request.url.path == "/v1/chat/completions":
+      metrics.http.labels(str(status)).inc()
+    return err(status, body)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http(request, exc):
+    if exc.status_code == 404:
+      msg = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+      msg = f"Method {request.method} is not allowed for {request.url.path}"
+    else:
+      msg = str(exc.detail)
+    return err(exc.status_code, error_body(msg, code={404: "not_found",
+                                                      405: "method_not_allowed"}.get(
+                                                          exc.status_code)),
+               getattr(exc, "headers", None))
+
+  @app.exception_handler(BadRequest)
+  async def _bad(request, exc: BadRequest):
+    metrics.http.labels(str(exc.status)).inc()
+    return err(exc.status, error_body(exc.message, exc.kind, exc.param, exc.code))
 
   @app.get("/health")
   async def health():
@@ -297,171 +370,183 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str = "pask-jax",
       return JSONResponse({"status": "error", "detail": repr(engine.crashed)}, status_code=503)
     return {"status": "ok"}
 
+  def card(name):
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pask-jax",
+            "max_model_len": engine.context}
+
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                        "owned_by": "pask-jax"}]}
+    return {"object": "list", "data": [card(n) for n in names]}
+
+  @app.get("/v1/models/{name:path}")
+  async def model(name: str):
+    if name not in names:
+      raise BadRequest(f"The model `{name}` does not exist.", "model", "model_not_found", 404)
+    return card(name)
 
   @app.get("/metrics")
-  async def metrics():
-    return PlainTextResponse(_prometheus(engine, http),
-                             media_type="text/plain; version=0.0.4; charset=utf-8")
+  async def metrics_route(request: HTTPRequest):
+    data, ctype = metrics.render(request.headers.get("accept", ""))
+    return Response(data, media_type=ctype)
 
   @app.post("/v1/chat/completions")
-  async def chat(request: HTTPRequest):
-    http["requests"] += 1
+  async def chat(body: ChatCompletionRequest, request: HTTPRequest):
+    t_arrive = time.perf_counter()
+    if body.model not in names:
+      raise BadRequest(f"The model `{body.model}` does not exist.", "model", "model_not_found",
+                       404)
+    if not engine.alive:
+      raise BadRequest("the engine is not running", None, None, 503, "server_error")
+    p = prep.plan(body)
+    text, ids, offsets, max_tokens = await asyncio.to_thread(prep.prompt, p, body)
+    grammar = None
+    if p.job is not None:
+      from serve.grammars import CompileBusy, CompileError
+      try:
+        grammar = await grammars.get(p.job)
+      except CompileError as e:
+        param = "tools" if p.job["kind"] == "tools" else "response_format"
+        raise BadRequest(str(e), param, "invalid_schema") from None
+      except CompileBusy as e:
+        raise BadRequest(str(e), None, "rate_limit_exceeded", 429, "rate_limit_error") from None
+    tags = await asyncio.to_thread(prep.labels, text, offsets)
+    req = Request(ids=ids, tags=tags, max_tokens=max_tokens, tracker=prep.tracker(grammar, p),
+                  temperature=float(body.temperature or 0.0),
+                  top_p=float(body.top_p if body.top_p is not None else 1.0),
+                  seed=int(body.seed or 0) % 2**32, stop=tuple(body.stop or ()),
+                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    req.emit = lambda kind, payload: loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
     try:
-      raw = await request.body()
-      try:
-        body = json.loads(raw)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON body: {e}") from None
-      try:
-        req, meta = await asyncio.to_thread(prep, body)
-      except (KeyError, TypeError, AttributeError, ValueError) as e:
-        # A shape the checks above did not foresee is still the client's input, not our 5xx.
-        raise BadRequest(f"invalid request: {e!r}") from None
-      if not engine.alive:
-        return JSONResponse(error_body("the engine is not running", "server_error"), 503)
-      loop = asyncio.get_running_loop()
-      q: asyncio.Queue = asyncio.Queue()
-      req.emit = lambda kind, payload: loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
-      try:
-        engine.submit(req)
-      except ValueError as e:
-        raise BadRequest(str(e), "messages", "context_length_exceeded") from None
-    except BadRequest as e:
-      http["bad_requests"] += 1
-      return _err(e)
-    cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
-    if meta["stream"]:
-      return StreamingResponse(_stream(req, q, meta, cid, created, model_name, http),
+      engine.submit(req)
+    except ValueError as e:
+      raise BadRequest(str(e), "messages", "context_length_exceeded") from None
+    resp = Responder(tokenizer, p.fmt, p.calls)
+    meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": names[0], "t_arrive": t_arrive, "logprobs": body.logprobs}
+    if body.stream:
+      usage = bool(body.stream_options and body.stream_options.include_usage)
+      metrics.http.labels("200").inc()
+      return StreamingResponse(_stream(req, q, resp, meta, usage, metrics),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
-    kind = None
+    kind, payload = None, None
     try:
       while True:
         try:
           kind, payload = await asyncio.wait_for(q.get(), timeout=0.25)
         except asyncio.TimeoutError:
           if await request.is_disconnected():
-            http["disconnects"] += 1
+            metrics.disconnects.inc()
             req.cancel()
-            return JSONResponse(error_body("client disconnected"), status_code=499)
+            return err(499, error_body("client disconnected"))
           continue
         if kind == "error":
-          http["server_errors"] += 1
-          return JSONResponse(error_body(payload, "server_error"), status_code=500)
+          metrics.http.labels("500").inc()
+          return err(500, error_body(payload, "server_error"))
         if kind == "done":
           break
     finally:
       if kind != "done":
         req.cancel()
-    msg, finish = _message(payload, meta)
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
+    _observe(metrics, payload, t_arrive)
+    metrics.http.labels("200").inc()
+    payload["want_logprobs"] = body.logprobs
+    msg, finish = resp.message(payload)
+    return {"id": meta["id"], "object": "chat.completion", "created": meta["created"],
+            "model": names[0], "system_fingerprint": None,
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish,
+                         "logprobs": resp.logprobs(payload)}],
             "usage": _usage(payload)}
 
   return app
 
 
-async def _stream(req: Request, q: asyncio.Queue, meta: dict, cid: str, created: int,
-                  model_name: str, http: dict):
-  def chunk(delta: dict, finish=None, usage=None) -> str:
-    c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-    if usage is not None:
-      c["usage"] = usage
-    return f"data: {json.dumps(c)}\n\n"
+def _observe(metrics: Metrics, result: dict, t_arrive: float) -> None:
+  now = time.perf_counter()
+  metrics.e2e.observe(now - t_arrive)
+  if result.get("ttft_s") is not None:
+    metrics.ttft.observe(result["ttft_s"])
+  if result.get("tpot_s") is not None:
+    metrics.tpot.observe(result["tpot_s"])
+  if result.get("queue_s") is not None:
+    metrics.queue.observe(result["queue_s"])
 
+
+async def _stream(req: Request, q: asyncio.Queue, resp: Responder, meta: dict, usage: bool,
+                  metrics: Metrics):
+  """SSE chunks.  Text deltas stream as they decode; with tools, the text before a call block
+  streams too (the tail that could begin the block's trigger is held back), the calls arrive
+  as ``tool_calls`` deltas once complete."""
+  from pask_jax.grammar.toolcall import BLOCKS, TRIGGERS
+
+  def chunk(delta: dict, finish=None, logprobs=None, choices=True, use=None) -> str:
+    c = {"id": meta["id"], "object": "chat.completion.chunk", "created": meta["created"],
+         "model": meta["model"], "system_fingerprint": None,
+         "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                      "logprobs": logprobs}] if choices else []}
+    if usage:
+      c["usage"] = use
+    return f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+
+  trigger = TRIGGERS[resp.fmt] if resp.calls else None
+  begin = BLOCKS[resp.fmt][0] if resp.calls else None
+  text, sent, held = "", 0, False   # held: a call block has begun, content streaming stopped
   finished = False
   try:
     yield chunk({"role": "assistant", "content": ""})
     while True:
       kind, payload = await q.get()
       if kind == "delta":
-        if not meta["tools"]:
+        text += payload
+        if not resp.calls:
           yield chunk({"content": payload})
+          sent = len(text)
+          continue
+        if held:
+          continue
+        j = min((i for i in (text.find(trigger, sent), text.find(begin, sent)) if i >= 0),
+                default=-1)
+        if j >= 0:
+          held = True
+          safe = j
+        else:
+          safe = len(text) - max((k for k in range(min(len(trigger) - 1, len(text)), 0, -1)
+                                  if text.endswith(trigger[:k])), default=0)
+        if safe > sent:
+          yield chunk({"content": text[sent:safe]})
+          sent = safe
       elif kind == "error":
         finished = True
-        http["server_errors"] += 1
+        metrics.http.labels("500").inc()
         yield f"data: {json.dumps(error_body(payload, 'server_error'))}\n\n"
         return
       else:   # done (a cancelled request never reaches here: its client is gone)
         finished = True
-        msg, finish = _message(payload, meta)
-        if meta["tools"]:
+        _observe(metrics, payload, meta["t_arrive"])
+        payload["want_logprobs"] = meta["logprobs"]
+        msg, finish = resp.message(payload)
+        lp = resp.logprobs(payload)
+        if resp.calls:
+          content = msg.get("content") or ""
+          streamed = text[:sent]
+          if content.startswith(streamed) and len(content) > len(streamed):
+            yield chunk({"content": content[len(streamed):]})
           if msg.get("tool_calls"):
-            yield chunk({"tool_calls": [dict(tc, index=i) for i, tc in enumerate(msg["tool_calls"])]})
-          else:
-            yield chunk({"content": msg["content"]})
-        yield chunk({}, finish, _usage(payload) if meta["include_usage"] else None)
+            yield chunk({"tool_calls": [dict(tc, index=i)
+                                        for i, tc in enumerate(msg["tool_calls"])]})
+        elif sent < len(payload["text"]):
+          yield chunk({"content": payload["text"][sent:]})
+        yield chunk({}, finish, lp)
+        if usage:
+          yield chunk({}, choices=False, use=_usage(payload))
         yield "data: [DONE]\n\n"
         return
   finally:
     if not finished:   # the client went away mid-stream (the generator was closed/cancelled)
-      http["disconnects"] += 1
+      metrics.disconnects.inc()
       req.cancel()
-
-
-def _prometheus(engine: Engine, http: dict) -> str:
-  s = engine.snapshot()
-  g = lambda k: s.get(k, 0)
-  lines = []
-
-  def metric(name, kind, help_, samples):
-    lines.append(f"# HELP pask_{name} {help_}")
-    lines.append(f"# TYPE pask_{name} {kind}")
-    for labels, v in samples:
-      lab = "{" + ",".join(f'{k}="{x}"' for k, x in labels.items()) + "}" if labels else ""
-      lines.append(f"pask_{name}{lab} {v}")
-
-  metric("http_requests_total", "counter", "chat completion requests received",
-         [({}, http["requests"])])
-  metric("http_bad_requests_total", "counter", "requests refused with 4xx", [({}, http["bad_requests"])])
-  metric("http_server_errors_total", "counter", "requests answered with 5xx",
-         [({}, http["server_errors"])])
-  metric("client_disconnects_total", "counter", "clients gone before their answer",
-         [({}, http["disconnects"])])
-  metric("requests_total", "counter", "requests finished by the engine, by outcome",
-         [({"outcome": o}, g("requests_" + o)) for o in ("stop", "length", "cancelled", "error")])
-  metric("prompt_tokens_total", "counter", "prompt tokens of finished requests", [({}, g("prompt_tokens"))])
-  metric("completion_tokens_total", "counter", "generated tokens of finished requests",
-         [({}, g("completion_tokens"))])
-  metric("tpot_seconds_sum", "counter", "sum of per-request mean time per output token",
-         [({}, g("tpot_s_sum"))])
-  metric("tpot_seconds_count", "counter", "requests in tpot_seconds_sum", [({}, g("tpot_count"))])
-  metric("decode_steps_total", "counter", "batched decode steps", [({}, g("decode_steps"))])
-  metric("decode_step_seconds_total", "counter", "time in decode steps", [({}, g("decode_step_s"))])
-  metric("decode_rows_total", "counter", "active rows summed over decode steps", [({}, g("decode_rows"))])
-  metric("prefill_seconds_total", "counter", "time in prefills", [({}, g("prefill_s"))])
-  metric("preemptions_total", "counter",
-         "running requests preempted because a KV pool ran dry (re-prefilled later)",
-         [({}, g("preemptions"))])
-  metric("admission_blocked_total", "counter",
-         "engine iterations where the queue head waited for pages while a slot was free",
-         [({"reason": "pages"}, g("admission_blocked_pages"))])
-  metric("queue_depth", "gauge", "requests waiting for a slot and pages", [({}, g("queue_depth"))])
-  metric("running", "gauge", "requests holding a slot", [({}, g("running"))])
-  metric("slots", "gauge", "decode batch slots", [({}, g("slots"))])
-  for tier, key in (("bf16", "hi"), ("int4", "lo")):
-    total, free = g(key + "_total"), g(key + "_free")
-    metric(f"pages_used_{tier}", "gauge",
-           f"{tier} pool pages held by requests (its scarcest layer group)",
-           [({"pool": tier}, total - free)])
-    metric(f"pages_free_{tier}", "gauge", f"{tier} pool pages free", [({"pool": tier}, free)])
-  full = g("full_kv_bits")
-  metric("measured_B", "gauge", "aggregate measured B of finished requests (payload / Full KV)",
-         [({}, g("payload_bits") / full if full else "NaN")])
-  metric("kv_payload_bits_total", "counter", "scheduled KV payload of finished requests",
-         [({}, g("payload_bits"))])
-  metric("kv_full_bits_total", "counter", "Full-KV payload for the same lengths", [({}, full)])
-  metric("actions_total", "counter", "R/L/H actions over prompt and decode tokens and groups",
-         [({"action": a}, g("actions_" + a)) for a in T.ACTION_NAMES])
-  metric("overflow_total", "counter", "requests whose cache dropped an entry (should be 0)",
-         [({}, g("overflow"))])
-  metric("engine_up", "gauge", "1 while the engine thread runs", [({}, int(engine.alive))])
-  return "\n".join(lines) + "\n"
 
 
 def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
@@ -469,7 +554,9 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           lo_pages: int | None = None, kv_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, kv_mix=None,
           preemption: str = "replay", dtype: str = "auto", default_max_tokens: int = 256,
-          warmup: bool = True):
+          warmup: bool = True, served_model_name: list[str] | None = None,
+          max_body_bytes: int = 2 << 20, max_json_depth: int = 64,
+          grammar_timeout_s: float = 10.0):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen)."""
   import jax
@@ -477,12 +564,15 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
 
   from models import load
   from pask_jax import policy as pol_mod
+  from serve.grammars import GrammarPool
   dt = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
         "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
   m = load(model, dtype=dt)
   if m.tokenizer is None:
     raise ValueError("this checkpoint has no tokenizer.json; the server needs one")
   pol = pol_mod.resolve(policy, m.cfg, tokenizer_hash=m.tokenizer.hash())
+  # The compile workers start (import XGrammar) while the engine compiles its step.
+  grammars = GrammarPool(m.tokenizer, m.cfg.vocab_size, timeout_s=grammar_timeout_s)
   engine = Engine(m.model, m.tokenizer, pol, slots=slots, context=context, page=page,
                   hi_pages=hi_pages, lo_pages=lo_pages,
                   kv_bytes=None if kv_memory_gb is None else int(kv_memory_gb * 1e9),
@@ -491,6 +581,8 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
   if warmup:
     engine.warmup()
   engine.start()
-  name = model or "smollm2-135m-instruct"
-  return create_app(engine, m.tokenizer, m.cfg, model_name=name,
-                    default_max_tokens=default_max_tokens), engine
+  names = served_model_name or [model or "smollm2-135m-instruct"]
+  app = create_app(engine, m.tokenizer, m.cfg, model_name=names,
+                   default_max_tokens=default_max_tokens, grammars=grammars,
+                   max_body_bytes=max_body_bytes, max_json_depth=max_json_depth)
+  return app, engine

@@ -68,8 +68,19 @@ order a request meets them:
   step for all running slots.  While other requests are decoding, admission stops once this
   iteration's prefills took about one decode step (a moving average; at least one prefill).
 * **Decode**: ONE jitted step for the whole batch (``PaskRunner._decode_step`` + per-row
-  sampling); inactive slots are masked by ``active`` (neither charged nor written).  Sampling
-  keys are per request: fold_in(key(seed), token index).
+  sampling); inactive slots are masked by ``active`` (neither charged nor written), so it
+  compiles once per batch shape.  Sampling keys are per request: fold_in(key(seed), token
+  index), so a seeded request samples the same tokens whatever else shares the batch.
+* **Per request**: its own grammar matcher + adapter (:class:`pask_jax.decode.Tracker`, with
+  ``FCAdapter`` for tools) and its ledger row (reset on insert, read at completion).
+* **Stop sequences** (``Request.stop``) are matched on the decoded text after every accepted
+  token, so a sequence split across tokens is found; the text is cut before it (the tokens stay
+  counted) and the request finishes "stop".  Streamed text holds back the longest tail that could
+  still begin a stop sequence.
+* **Log-probabilities** (``Request.logprobs``: None, or how many alternatives): inside the jitted
+  sampling function, the log-softmax of the grammar-masked logits (before temperature) gives the
+  chosen token's log-prob and the top :data:`TOP_LOGPROBS`; computed only when some row asks
+  (``lax.cond``), one compile whatever the per-request count.
 * **Release**: on completion, cancellation (client disconnect) and error the slot is emptied
   (``cache.release_slot``) and its pages go back to the free lists.
 
@@ -103,6 +114,7 @@ from pask_jax.grammar.matcher import new_bitmask
 from pask_jax.sample import _nucleus, apply_bitmask
 
 _ids = itertools.count(1)
+TOP_LOGPROBS = 20   # alternatives computed per step when a request asks for logprobs
 METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_step_s",
                "decode_rows", "requests_stop", "requests_length", "requests_cancelled",
                "requests_error", "prompt_tokens", "completion_tokens", "tpot_s_sum", "tpot_count",
@@ -123,6 +135,8 @@ class Request:
   temperature: float = 0.0
   top_p: float = 1.0
   seed: int = 0
+  stop: tuple[str, ...] = ()        # stop sequences (text), matched across token boundaries
+  logprobs: int | None = None       # None, or the number of top alternatives to return (<= 20)
   emit: Callable[[str, Any], None] = lambda kind, payload: None
   rid: int = dataclasses.field(default_factory=lambda: next(_ids))
   cancelled: bool = False
@@ -130,7 +144,10 @@ class Request:
   slot: int | None = None
   out: list[int] = dataclasses.field(default_factory=list)
   sent: str = ""
+  lps: list = dataclasses.field(default_factory=list)   # per token: (logprob, [(id, logprob)])
+  cut: int | None = None            # text length before the stop sequence that ended it
   t_submit: float = 0.0
+  t_admit: float | None = None
   t_first: float | None = None
   t_last: float | None = None
   seq: int = 0                      # arrival order (preemption takes the largest)
@@ -387,6 +404,7 @@ class Engine:
     self.seeds = np.zeros((B,), np.uint32)
     self.temp = np.zeros((B,), np.float32)
     self.top_p = np.ones((B,), np.float32)
+    self.want_lp = np.zeros((B,), bool)
     self.bits = new_bitmask(B, V)
     self.bits1 = new_bitmask(1, V)
     # Host mirror of the cache's bookkeeping: tokens written per slot, the action of every
@@ -468,26 +486,39 @@ class Engine:
     cache, budget, led = state
     return pcache.release_slot(cache, slot), budget, led
 
-  def _pick(self, logits, bits, seeds, steps, temperature, top_p):
-    """Per-row sampling: row b uses key fold_in(key(seeds[b]), steps[b])."""
+  def _pick(self, logits, bits, seeds, steps, temperature, top_p, want_lp):
+    """Per-row sampling: row b uses key fold_in(key(seeds[b]), steps[b]).  -> (tokens [B],
+    (chosen log-prob [B], top ids [B, K], top log-probs [B, K])); the log-probs are of the
+    masked logits and are zeros unless some row wants them."""
     masked = apply_bitmask(logits, bits)
     greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
     row = lambda l, k, t, p, g: _nucleus(l[None], k, t[None], p[None], g[None])[0]
-    return jax.lax.cond(jnp.any(temperature > 0),
-                        lambda: jax.vmap(row)(masked, keys, temperature, top_p, greedy),
-                        lambda: greedy)
+    tok = jax.lax.cond(jnp.any(temperature > 0),
+                       lambda: jax.vmap(row)(masked, keys, temperature, top_p, greedy),
+                       lambda: greedy)
+    B, K = logits.shape[0], TOP_LOGPROBS
+
+    def lp():
+      ls = jax.nn.log_softmax(masked.astype(jnp.float32), axis=-1)
+      top, ids = jax.lax.top_k(ls, K)
+      return jnp.take_along_axis(ls, tok[:, None], axis=-1)[:, 0], ids.astype(jnp.int32), top
+
+    none = lambda: (jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32),
+                    jnp.zeros((B, K), jnp.float32))
+    return tok, jax.lax.cond(jnp.any(want_lp), lp, none)
 
   def _step_fn(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, seeds,
-               steps, temperature, top_p, new_hi, new_lo):
-    """-> (int32 [B, 1 + G]: next token and the actions decided for the token fed, state)."""
+               steps, temperature, top_p, want_lp, new_hi, new_lo):
+    """-> ((int32 [B, 1 + G]: next token and the actions decided for the token fed, log-prob
+    outputs of the sampler), state)."""
     cache, budget, led = state
     cache = pcache.assign_pages(cache, new_hi, new_lo)
     logits, cache, budget, led, actions = self.runner._decode_step(
         params, policy, cache, budget, led, tokens, tag_ids, state_ids, active)
-    nxt = self._pick(logits, bits, seeds, steps, temperature, top_p)
+    nxt, lps = self._pick(logits, bits, seeds, steps, temperature, top_p, want_lp)
     out = jnp.concatenate([nxt[:, None], actions.astype(jnp.int32)], axis=1)
-    return out, (cache, budget, led)
+    return (out, lps), (cache, budget, led)
 
   # --- public, thread-safe ------------------------------------------------------------------
 
@@ -673,7 +704,8 @@ class Engine:
       rows = self._take(b, need) if self.paged else None
       self.m["admit_s"] += time.perf_counter() - t0
       if r.resume is None:
-        self.m["queue_wait_s"] += time.perf_counter() - r.t_submit
+        r.t_admit = time.perf_counter()
+        self.m["queue_wait_s"] += r.t_admit - r.t_submit
       t0 = time.perf_counter()
       try:
         self._prefill(r, rows)
@@ -825,13 +857,15 @@ class Engine:
       return
     self.bits1[:] = -1
     r.tracker.fill(self.bits1, 0)
-    tok = int(self._first(logits, jnp.asarray(self.bits1), jnp.asarray([r.seed], jnp.uint32),
+    tok, lp = self._first(logits, jnp.asarray(self.bits1), jnp.asarray([r.seed], jnp.uint32),
                           jnp.asarray([0], jnp.int32),
                           jnp.asarray([r.temperature], jnp.float32),
-                          jnp.asarray([r.top_p], jnp.float32))[0])
+                          jnp.asarray([r.top_p], jnp.float32),
+                          jnp.asarray([r.logprobs is not None]))
     self.m["prefill_s"] += time.perf_counter() - t0
     self.m["prefills"] += 1
-    self._accept(r, tok)
+    lp = tuple(np.asarray(x) for x in lp) if r.logprobs is not None else None
+    self._accept(r, int(tok[0]), _row(lp, 0))
 
   def _insert_slot(self, r: Request, dense, n: int, Tn: int, rows) -> None:
     plan = np.zeros((1, Tn, self.G), np.int8)
@@ -843,12 +877,12 @@ class Engine:
                                  jnp.asarray(r.resume["balance"]),
                                  jax.tree.map(jnp.asarray, r.resume["ledger"]))
 
-  def _run_step(self, steps, grow):
+  def _run_step(self, steps, grow, want):
     return self._step(self.runner.params, self.policy, self.state, jnp.asarray(self.tokens),
                       jnp.asarray(self.tag_ids), jnp.asarray(self.state_ids),
                       jnp.asarray(self.active), jnp.asarray(self.bits), jnp.asarray(self.seeds),
                       jnp.asarray(steps), jnp.asarray(self.temp), jnp.asarray(self.top_p),
-                      jnp.asarray(grow[0]), jnp.asarray(grow[1]))
+                      jnp.asarray(want), jnp.asarray(grow[0]), jnp.asarray(grow[1]))
 
   def _decode(self) -> None:
     t0 = time.perf_counter()
@@ -863,7 +897,9 @@ class Engine:
       if self.running[b].replay is None:   # a replayed token's sample is not used
         self.running[b].tracker.fill(self.bits, b)
     steps = np.array([len(r.out) if r is not None else 0 for r in self.running], np.int32)
-    out, self.state = self._run_step(steps, grow)
+    want = self.want_lp & self.active
+    (out, lp), self.state = self._run_step(steps, grow, want)
+    lps = tuple(np.asarray(x) for x in lp) if want.any() else None
     out = np.asarray(out)
     dt = time.perf_counter() - t1
     self.m["decode_steps"] += 1
@@ -880,7 +916,7 @@ class Engine:
     for b in rows:
       r = self.running[b]
       if r.replay is None:
-        self._accept(r, int(out[b, 0]))
+        self._accept(r, int(out[b, 0]), _row(lps, b))
       else:
         self.m["replay_steps"] += 1
         self._feed(r, r.replay + 1)
@@ -893,10 +929,12 @@ class Engine:
     self.tokens[b], self.tag_ids[b], self.state_ids[b] = r.out[i], tag, sid
     r.replay = None if i == len(r.out) - 1 else i
 
-  def _accept(self, r: Request, tok: int) -> None:
-    """The host half of a step for one request (as in ``decode.generate``)."""
+  def _accept(self, r: Request, tok: int, lp=None) -> None:
+    """The host half of a step for one request (as in ``decode.generate``), with stop
+    sequences and log-probs (module docstring)."""
     b = r.slot
     self.active[b] = False
+    self.want_lp[b] = r.logprobs is not None
     now = time.perf_counter()
     r.t_first = r.t_first or now
     r.t_last = now
@@ -907,6 +945,10 @@ class Engine:
     stop = tok in self.stops or r.tracker.terminated
     if tok not in self.stops:
       r.out.append(tok)
+      if r.logprobs is not None and lp is not None:
+        r.lps.append(_logprobs(lp, r.logprobs))
+      if r.stop:
+        stop = self._stop_text(r) or stop
       self._send(r)
     if stop:
       return self._finish(r, "stop")
@@ -916,8 +958,26 @@ class Engine:
     self.tokens[b], self.tag_ids[b], self.state_ids[b] = tok, tag, sid
     self.active[b] = True
 
+  def _stop_text(self, r: Request) -> bool:
+    """Cut the text at the first stop sequence that the newest token completed."""
+    text = self.tok.decode(r.out)
+    longest = max(len(x) for x in r.stop)
+    lo = max(0, len(r.sent) - longest)
+    hits = [i for i in (text.find(x, lo) for x in r.stop) if i >= 0]
+    if hits:
+      r.cut = min(hits)
+      return True
+    return False
+
   def _send(self, r: Request, final: bool = False) -> None:
     text = self.tok.decode(r.out)
+    if r.cut is not None:
+      text, final = text[:r.cut], True
+    elif r.stop and not final:
+      # Hold back the longest tail that could still begin a stop sequence.
+      hold = max((k for x in r.stop for k in range(min(len(x) - 1, len(text)), 0, -1)
+                  if text.endswith(x[:k])), default=0)
+      text = text[:len(text) - hold]
     # Hold back an incomplete UTF-8 sequence (decoded as U+FFFD) until its bytes arrive.
     if (final or not text.endswith("\ufffd")) and text.startswith(r.sent) and text != r.sent:
       r.emit("delta", text[len(r.sent):])
@@ -937,9 +997,13 @@ class Engine:
       tpot = (r.t_last - r.t_first) / (n - 1) if n > 1 else None
       # pages held at the end (the most of any layer group) = its peak: pools are append-only
       pages = [int(self.npg[HI, :, b].max()), int(self.npg[LO, :, b].max())]
-      result = {"tokens": list(r.out), "text": self.tok.decode(r.out), "finish": finish,
-                "prompt_tokens": len(r.ids), "ledger": row, "overflow": overflow, "tpot_s": tpot,
-                "ttft_s": r.t_first - r.t_submit, "preemptions": r.preemptions, "pages": pages}
+      text = self.tok.decode(r.out)
+      result = {"tokens": list(r.out), "text": text if r.cut is None else text[:r.cut],
+                "finish": finish, "prompt_tokens": len(r.ids), "ledger": row,
+                "overflow": overflow, "tpot_s": tpot, "logprobs": r.lps,
+                "ttft_s": (r.t_first - r.t_submit) if r.t_first else None,
+                "queue_s": (r.t_admit - r.t_submit) if r.t_admit else None,
+                "preemptions": r.preemptions, "pages": pages}
       self.m["requests_" + finish] += 1
       self.m["prompt_tokens"] += len(r.ids)
       self.m["completion_tokens"] += n
@@ -964,6 +1028,20 @@ class Engine:
       r.emit("error", error)
     else:
       r.emit("done", result)
+
+
+def _row(lp, b: int):
+  """Row ``b`` of the sampler's log-prob outputs (host arrays), or None."""
+  if lp is None:
+    return None
+  return float(lp[0][b]), np.asarray(lp[1][b]), np.asarray(lp[2][b])
+
+
+def _logprobs(lp, k: int) -> tuple:
+  """(chosen log-prob, [(id, log-prob)] of the top ``k`` alternatives that the mask allows)."""
+  chosen, ids, top = lp
+  alts = [(int(i), float(v)) for i, v in zip(ids[:k], top[:k]) if np.isfinite(v)]
+  return chosen, alts
 
 
 class DenseEngine(Engine):
@@ -1009,25 +1087,27 @@ class DenseEngine(Engine):
   def _dense_release(self, cache, slot):
     return cache._replace(length=cache.length.at[slot].set(0))
 
-  def _dense_step(self, params, cache, tokens, active, bits, seeds, steps, temperature, top_p):
+  def _dense_step(self, params, cache, tokens, active, bits, seeds, steps, temperature, top_p,
+                  want_lp):
     self.traces["step"] += 1
     model = nnx.merge(self.graphdef, params)
     cap = cache.k.shape[2]
     pos = jnp.where(active, cache.length, cap)[:, None]      # inactive rows write nothing
     cache = cache._replace(length=cache.length + active.astype(jnp.int32))
     logits, cache = model(tokens[:, None], pos, cache, kv_dense.attend)
-    nxt = self._pick(logits[:, 0], bits, seeds, steps, temperature, top_p)
+    nxt, lps = self._pick(logits[:, 0], bits, seeds, steps, temperature, top_p, want_lp)
     out = jnp.concatenate([nxt[:, None], jnp.zeros((nxt.shape[0], self.G), jnp.int32)], axis=1)
-    return out, cache
+    return (out, lps), cache
 
   def _insert_slot(self, r, dense, n, Tn, rows) -> None:
     self.state = self._insert(self.state, dense.k, dense.v, jnp.asarray([n], jnp.int32),
                               jnp.int32(r.slot))
 
-  def _run_step(self, steps, grow):
+  def _run_step(self, steps, grow, want):
     return self._step(self.dense.params, self.state, jnp.asarray(self.tokens),
                       jnp.asarray(self.active), jnp.asarray(self.bits), jnp.asarray(self.seeds),
-                      jnp.asarray(steps), jnp.asarray(self.temp), jnp.asarray(self.top_p))
+                      jnp.asarray(steps), jnp.asarray(self.temp), jnp.asarray(self.top_p),
+                      jnp.asarray(want))
 
   def _ledger_row(self, b: int):
     return None, False

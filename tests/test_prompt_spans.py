@@ -5,11 +5,13 @@ p protected_content, s schema_scaffold, f function_name, k parameter_key, t type
 e enum_constraint, d schema_description; several letters = candidates in text order.
 """
 import functools
+import time
 import json
 import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 from export_tokenizer import load as load_tokenizer  # noqa: E402
@@ -136,3 +138,59 @@ def test_system_message_tools_smollm2():
   named = [tok.decode([i]) for i, r in zip(ids, tags) if T.prompt(P.FUNCTION_NAME) in r]
   assert "".join(named).strip() == "get_time"
   assert np.all(tags[:, 0] >= 0)
+
+
+# ---- hostile prompts (issue 16): no recursion, linear time, same labels --------------------
+
+def _reference_json_spans(text, lab):
+  """The former algorithm (``raw_decode`` at every bracket): quadratic, recursive; the
+  reference the linear scanner must agree with on small texts."""
+  from pask_jax.grammar import prompt_spans as S
+  i, n = 0, len(text)
+  while i < n:
+    j = min((k for k in (text.find("{", i), text.find("[", i)) if k >= 0), default=-1)
+    if j < 0:
+      return
+    try:
+      val, end = S._DEC.raw_decode(text, j)
+    except ValueError:
+      i = j + 1
+      continue
+    if S.is_tools(val):
+      lab[j:end] = P.SCHEMA_SCAFFOLD
+      S._JsonLabeler(text, lab).value(j, (None, False, False))
+      i = end
+    else:
+      i = j + 1
+
+
+def test_linear_scanner_agrees_with_raw_decode():
+  from pask_jax.grammar import prompt_spans as S
+  rng = np.random.default_rng(0)
+  tool = json.dumps(TOOLS[0]["function"])
+  parts = ["{", "[", "]", "}", '"', ",", ":", " ", "x", "1", "true", '{"a": 1}', "[1, 2]",
+           tool, "[" + tool + "]", '{"tools": [' + tool + "]}", '"[{', "\\", "\n"]
+  for _ in range(300):
+    text = "".join(rng.choice(parts, size=int(rng.integers(1, 25))))
+    a = np.full(len(text), int(P.PROTECTED_CONTENT), np.int8)
+    b = a.copy()
+    _reference_json_spans(text, a)
+    S._json_spans(text, b)
+    assert (a == b).all(), text
+
+
+@pytest.mark.parametrize("text", ["[" * 5000, "{" * 5000, "[" * 3000 + "]" * 3000,
+                                  '{"a": ' * 2000 + "1" + "}" * 2000, "{x" * 200_000,
+                                  '[" ' * 50_000, "CREATE TABLE t (" * 20_000])
+def test_bracket_floods_are_linear(text):
+  t0 = time.perf_counter()
+  lab = char_labels(text)
+  assert time.perf_counter() - t0 < 2.0, len(text)
+  assert (lab == P.PROTECTED_CONTENT).all()
+
+
+def test_tools_found_after_a_flood():
+  tool = json.dumps([TOOLS[0]["function"]])
+  text = "[" * 3000 + " " + "{x" * 5000 + " " + tool
+  got = {(text[a:b], lab) for a, b, lab in spans(text)}
+  assert ("get_time", P.FUNCTION_NAME) in got and ("tz", P.PARAMETER_KEY) in got

@@ -1,93 +1,46 @@
 """serve/: the OpenAI-compatible server over the continuous-batching PASK engine.
 
-One real uvicorn server on 127.0.0.1 (a free port, a background thread) with the embedded default
-model, shared by the module; clients are the official ``openai`` package and ``httpx``.  The
-server runs the hand-written ``demo`` policy (R, L and H all occur, so both pools are used; the
-default all-high policy is the special case that never reserves INT4 pages) and is small on
-purpose (4 slots, 256-token context, pools of 20 pages where full provisioning would be 64) so
-that page-limited admission actually happens.  Every network call
-has a timeout and every loop a bound.
+The shared loopback server of tests/serve_helpers.py (demo policy, 4 slots, 256-token context,
+20-page pools); clients are the official ``openai`` package and ``httpx``.  Request-surface
+rows (issue 15) are in test_serve_openai.py, hostile input (issue 16) in test_serve_hostile.py.
 """
 import concurrent.futures as cf
 import json
 import random
-import socket
-import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 from pask_jax.decode import PaskRunner, Sampling, generate
-
-HI_PAGES = LO_PAGES = 20
-TIMEOUT = 90.0
-WEATHER = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
+from serve_helpers import (HI_PAGES, LO_PAGES, MODEL, TIMEOUT, WEATHER, idle, metrics,
+                           pages_all_free)
+from serve_helpers import client as make_client
+from serve_helpers import server as start_server
 
 
 @pytest.fixture(scope="module")
 def server():
-  from serve.app import build
-  app, engine = build(None, "demo", slots=4, context=256, hi_pages=HI_PAGES, lo_pages=LO_PAGES,
-                      default_max_tokens=32)
-  sock = socket.socket()
-  sock.bind(("127.0.0.1", 0))
-  port = sock.getsockname()[1]
-  srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-  th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-  th.start()
-  base = f"http://127.0.0.1:{port}"
-  for _ in range(200):   # bounded wait for the socket to serve
-    if srv.started:
-      break
-    time.sleep(0.05)
-  assert srv.started
-  yield base, engine
-  srv.should_exit = True
-  th.join(10)
-  engine.stop()
-  sock.close()
+  base, engine, _ = start_server()
+  return base, engine
 
 
 @pytest.fixture(scope="module")
 def client(server):
-  return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+  return make_client(server[0])
 
 
-def _metrics(base) -> dict:
-  text = httpx.get(base + "/metrics", timeout=10).text
-  out = {}
-  for line in text.splitlines():
-    if line and not line.startswith("#"):
-      k, v = line.rsplit(" ", 1)
-      out[k] = float(v)
-  return out
-
-
-def _idle(base, bound=60.0) -> dict:
-  """/metrics once nothing runs or waits (cancellations are reaped within an engine iteration)."""
-  t0 = time.time()
-  while True:
-    m = _metrics(base)
-    if m["pask_running"] == 0 and m["pask_queue_depth"] == 0 or time.time() - t0 > bound:
-      return m
-    time.sleep(0.1)
+_metrics, _idle = metrics, idle
 
 
 def test_models_health_and_metrics(server):
   base, _ = server
   assert httpx.get(base + "/health", timeout=10).json() == {"status": "ok"}
   ids = [m["id"] for m in httpx.get(base + "/v1/models", timeout=10).json()["data"]]
-  assert ids == ["smollm2-135m-instruct"]
-  m = _metrics(base)
-  assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES and m["pask_engine_up"] == 1
-  assert m['pask_pages_free_int4{pool="int4"}'] == LO_PAGES
+  assert ids == [MODEL, "smollm2"]
+  m = _idle(base)
+  assert pages_all_free(m) and m["pask_engine_up"] == 1
 
 
 def test_all_high_reserves_no_int4_pages(server):
@@ -105,7 +58,7 @@ def test_all_high_reserves_no_int4_pages(server):
 
 def test_tool_call(server, client):
   r = client.chat.completions.create(
-      model="smollm2-135m-instruct", max_tokens=60, tools=WEATHER,
+      model=MODEL, max_tokens=60, tools=WEATHER, tool_choice="required",
       messages=[{"role": "user", "content": "What is the weather like in Paris?"}])
   ch = r.choices[0]
   assert ch.finish_reason == "tool_calls"
@@ -128,7 +81,7 @@ def test_tool_call_streamed(client):
   """SSE with tools: one ``tool_calls`` delta once the call is complete, then finish_reason."""
   calls, finish = [], None
   for c in client.chat.completions.create(
-      model="x", max_tokens=60, tools=WEATHER, stream=True,
+      model=MODEL, max_tokens=60, tools=WEATHER, stream=True,
       tool_choice={"type": "function", "function": {"name": "get_weather"}},
       messages=[{"role": "user", "content": "Is it raining in Tokyo?"}]):
     if c.choices:
@@ -145,18 +98,19 @@ def test_json_schema(client):
       "count": {"type": "integer", "minimum": 0, "maximum": 9}},
       "required": ["answer", "color", "count"], "additionalProperties": False}
   r = client.chat.completions.create(
-      model="x", max_tokens=40, messages=[{"role": "user", "content": "Is the sky blue?"}],
+      model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "Is the sky blue?"}],
       response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
   assert r.choices[0].finish_reason == "stop"
   jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_greedy_stream_equals_non_stream(client):
-  kw = dict(model="x", max_tokens=12, temperature=0,
+  kw = dict(model=MODEL, max_tokens=12, temperature=0,
             messages=[{"role": "user", "content": "Name three colors."}])
   full = client.chat.completions.create(**kw)
   parts, finish, usage = [], None, None
-  for c in client.chat.completions.create(stream=True, **kw):
+  for c in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                          **kw):
     if c.choices:
       parts.append(c.choices[0].delta.content or "")
       finish = c.choices[0].finish_reason or finish
@@ -171,7 +125,7 @@ def test_matches_single_sequence_generate(server):
   ``decode.generate`` on a batch-1 PaskRunner with its dense page layout."""
   base, engine = server
   prompts = ["What is 2+2?", "Write a haiku about the sea."]
-  body = lambda p: {"model": "x", "max_tokens": 10, "messages": [{"role": "user", "content": p}]}
+  body = lambda p: {"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": p}]}
   with cf.ThreadPoolExecutor(2) as ex:
     outs = list(ex.map(lambda p: httpx.post(base + "/v1/chat/completions", json=body(p),
                                             timeout=TIMEOUT).json(), prompts))
@@ -187,45 +141,46 @@ def test_matches_single_sequence_generate(server):
 
 
 BAD = [
-    ("malformed json", b'{"model": "x", "messages": [', 400, None),
+    ("malformed json", b'{"model": MODEL, "messages": [', 400, None),
     ("not an object", b'[1, 2]', 400, None),
-    ("missing messages", {"model": "x"}, 400, "messages"),
+    ("missing messages", {"model": MODEL}, 400, "messages"),
     ("missing model", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
-    ("bad role", {"model": "x", "messages": [{"role": "wizard", "content": "hi"}]}, 400,
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0]"),
-    ("tool_calls not a list", {"model": "x", "messages": [
+    ("tool_calls not a list", {"model": MODEL, "messages": [
         {"role": "assistant", "content": None, "tool_calls": "x"}]}, 400,
      "messages[0].tool_calls"),
-    ("content not text", {"model": "x", "messages": [{"role": "user", "content": 5}]}, 400,
+    ("content not text", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content"),
-    ("n 2", {"model": "x", "n": 2, "messages": [{"role": "user", "content": "hi"}]}, 400, "n"),
-    ("max_tokens 0", {"model": "x", "max_tokens": 0,
+    ("n 2", {"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}]}, 400, "n"),
+    ("max_tokens 0", {"model": MODEL, "max_tokens": 0,
                       "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
-    ("max_tokens -3", {"model": "x", "max_tokens": -3,
+    ("max_tokens -3", {"model": MODEL, "max_tokens": -3,
                        "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
-    ("max_tokens str", {"model": "x", "max_tokens": "5",
+    ("max_tokens str", {"model": MODEL, "max_tokens": "5",
                         "messages": [{"role": "user", "content": "hi"}]}, 400, "max_tokens"),
-    ("temperature 9", {"model": "x", "temperature": 9,
+    ("temperature 9", {"model": MODEL, "temperature": 9,
                        "messages": [{"role": "user", "content": "hi"}]}, 400, "temperature"),
-    ("invalid schema", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+    ("invalid schema", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                         "response_format": {"type": "json_schema", "json_schema": {
                             "name": "a", "schema": {"type": "nonsense"}}}}, 400,
      "response_format"),
-    ("uncompilable schema", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+    ("uncompilable schema", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                              "response_format": {"type": "json_schema", "json_schema": {
                                  "name": "a", "schema": {"type": "object", "properties": {
                                      "a": {"$ref": "#/$defs/missing"}}}}}}, 400,
      "response_format"),
-    ("unknown tool", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
+    ("unknown tool", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                       "tools": WEATHER, "tool_choice": {"type": "function",
                                                         "function": {"name": "nope"}}}, 400,
      "tool_choice"),
-    ("tool without name", {"model": "x", "messages": [{"role": "user", "content": "hi"}],
-                           "tools": [{"type": "function", "function": {}}]}, 400, "tools"),
-    ("prompt over capacity", {"model": "x", "max_tokens": 8,
+    ("tool without name", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                           "tools": [{"type": "function", "function": {}}]}, 400,
+     "tools[0].function.name"),
+    ("prompt over capacity", {"model": MODEL, "max_tokens": 8,
                               "messages": [{"role": "user", "content": "word " * 400}]}, 400,
      "messages"),
-    ("prompt + max_tokens over capacity", {"model": "x", "max_tokens": 250,
+    ("prompt + max_tokens over capacity", {"model": MODEL, "max_tokens": 250,
                                            "messages": [{"role": "user", "content": "hi"}]},
      400, "messages"),
 ]
@@ -246,10 +201,10 @@ def test_bad_input(server, name, body, status, param):
 
 def test_bad_input_through_openai_client_then_still_serving(server, client):
   with pytest.raises(openai.BadRequestError) as e:
-    client.chat.completions.create(model="x", max_tokens=0,
+    client.chat.completions.create(model=MODEL, max_tokens=0,
                                    messages=[{"role": "user", "content": "hi"}])
   assert e.value.status_code == 400
-  r = client.chat.completions.create(model="x", max_tokens=3,
+  r = client.chat.completions.create(model=MODEL, max_tokens=3,
                                      messages=[{"role": "user", "content": "hi"}])
   assert r.usage.completion_tokens >= 1
   assert httpx.get(server[0] + "/health", timeout=10).status_code == 200
@@ -260,9 +215,9 @@ def test_admission_waits_for_pages(server):
   demo policy keeps prompt text H in the upper layer groups): with four slots free, at least
   one of them must wait in the queue for pages; all complete and every page comes back."""
   base, engine = server
-  before = _metrics(base)['pask_admission_blocked_total{reason="pages"}']
+  before = _metrics(base)["pask_admission_blocked_total"]
   long = "Tell me about the sea. " * 28
-  body = {"model": "x", "max_tokens": 6, "messages": [{"role": "user", "content": long}]}
+  body = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": long}]}
   n = len(engine.tok.encode(engine.tok.apply_chat_template(body["messages"])))
   d, d_lo = engine.worst_case(n, 6)
   assert HI_PAGES // 3 < d <= HI_PAGES and d_lo == d
@@ -271,9 +226,8 @@ def test_admission_waits_for_pages(server):
                                           timeout=TIMEOUT), range(3)))
   assert [r.status_code for r in rs] == [200] * 3
   m = _idle(base)
-  assert m['pask_admission_blocked_total{reason="pages"}'] > before
-  assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES
-  assert m['pask_pages_free_int4{pool="int4"}'] == LO_PAGES
+  assert m["pask_admission_blocked_total"] > before
+  assert pages_all_free(m)
 
 
 def _load_one(base: str, i: int, rng: random.Random) -> tuple[str, int]:
@@ -284,12 +238,12 @@ def _load_one(base: str, i: int, rng: random.Random) -> tuple[str, int]:
   msgs = [{"role": "user", "content": rng.choice(["Hi!", "What is 3+5?", "Name a fruit.",
                                                   "Say something nice."])}]
   if kind == "malformed":
-    bad = rng.choice([b'{"model": "x", "messages": [', b'{"model": "x"}', json.dumps(
-        {"model": "x", "messages": msgs, "max_tokens": -1}).encode(), json.dumps(
-        {"model": "x", "messages": msgs, "tools": WEATHER,
+    bad = rng.choice([b'{"model": MODEL, "messages": [', b'{"model": MODEL}', json.dumps(
+        {"model": MODEL, "messages": msgs, "max_tokens": -1}).encode(), json.dumps(
+        {"model": MODEL, "messages": msgs, "tools": WEATHER,
          "tool_choice": {"type": "function", "function": {"name": "nope"}}}).encode()])
     return kind, httpx.post(url, content=bad, timeout=30).status_code
-  body = {"model": "x", "messages": msgs, "max_tokens": rng.randint(2, 8), "seed": i,
+  body = {"model": MODEL, "messages": msgs, "max_tokens": rng.randint(2, 8), "seed": i,
           "temperature": rng.choice([0, 0.8])}
   if kind == "json":
     body["response_format"] = {"type": "json_object"}
@@ -316,6 +270,7 @@ def test_load_no_5xx_and_every_page_back(server):
   non-streamed answer: no 5xx, malformed ones get 400, and afterwards the pools are full again;
   the decode step compiled once for the whole module."""
   base, engine = server
+  before = _idle(base)
   rng = random.Random(0)
   seeds = [random.Random(rng.random()) for _ in range(40)]
   with cf.ThreadPoolExecutor(8) as ex:
@@ -326,11 +281,11 @@ def test_load_no_5xx_and_every_page_back(server):
     assert status < 500, (kind, status)
     assert status == (400 if kind == "malformed" else 0 if kind.endswith("drop") else 200)
   m = _idle(base)
-  assert m['pask_pages_free_bf16{pool="bf16"}'] == HI_PAGES
-  assert m['pask_pages_free_int4{pool="int4"}'] == LO_PAGES
-  assert m['pask_pages_used_bf16{pool="bf16"}'] == 0 and m['pask_pages_used_int4{pool="int4"}'] == 0
-  assert m["pask_http_server_errors_total"] == 0
-  assert m['pask_requests_total{outcome="error"}'] == 0 and m["pask_overflow_total"] == 0
-  assert m["pask_client_disconnects_total"] >= 1
+  assert pages_all_free(m)
+  assert m.get('pask_http_requests_total{code="500"}', 0) == before.get(
+      'pask_http_requests_total{code="500"}', 0)
+  assert m['pask_requests_total{outcome="error"}'] == before['pask_requests_total{outcome="error"}']
+  assert m["pask_cache_overflows_total"] == 0
+  assert m["pask_client_disconnects_total"] > before["pask_client_disconnects_total"]
   assert engine.runner.traces["step"] == 1   # one compile of the batched step, ever
   assert httpx.get(base + "/health", timeout=10).json() == {"status": "ok"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,15 @@ import numpy as np
 
 class GrammarError(ValueError):
   """A schema or grammar that XGrammar cannot compile."""
+
+
+_CPP = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?\.(?:cc|h|cpp):\d+: (?:Check failed: .*? is false: )?")
+
+
+def xgrammar_message(e: BaseException) -> str:
+  """XGrammar's error as one clean line: without its C++ timestamp, file and line."""
+  msg = _CPP.sub("", str(e)).strip()
+  return " ".join(msg.split()) or type(e).__name__
 
 
 def _xgr():
@@ -25,7 +35,7 @@ def _xgr():
 class GrammarCompiler:
   """Compiles grammars for one tokenizer/model pair (vocab size = the model's logits width)."""
 
-  def __init__(self, tokenizer, vocab_size: int):
+  def __init__(self, tokenizer, vocab_size: int, threads: int = 2):
     xgr = _xgr()
     vocab = list(tokenizer.token_bytes())
     vocab += [b""] * (vocab_size - len(vocab))  # padding rows of the lm_head: never allowed
@@ -33,18 +43,22 @@ class GrammarCompiler:
     self.stop_ids = list(tokenizer.stop_ids)
     self.info = xgr.TokenizerInfo(vocab[:vocab_size], xgr.VocabType.RAW, vocab_size=vocab_size,
                                   stop_token_ids=self.stop_ids)
-    self._compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+    self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
 
-  def json_schema(self, schema: dict | str) -> "Grammar":
-    text = schema if isinstance(schema, str) else json.dumps(schema)
+  def json_schema(self, schema: dict | str, where: str = "schema") -> "Grammar":
+    """Compile a JSON schema after :func:`~pask_jax.grammar.schema_check.prepare` (refused
+    unless XGrammar enforces it exactly: GrammarError naming the problem)."""
+    from pask_jax.grammar.schema_check import prepare
     try:
-      json.loads(text)
+      obj = json.loads(schema) if isinstance(schema, str) else schema
     except json.JSONDecodeError as e:
       raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
+    text = json.dumps(prepare(obj, where))
     try:
       compiled = self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
     except Exception as e:
-      raise GrammarError(f"XGrammar cannot compile this JSON schema: {e}") from None
+      raise GrammarError(f"{where}: XGrammar cannot compile this JSON schema: "
+                         f"{xgrammar_message(e)}") from None
     return Grammar(compiled, "json_schema", source=text)
 
   def ebnf(self, text: str, root: str = "root") -> "Grammar":
@@ -52,8 +66,18 @@ class GrammarCompiler:
     try:
       compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(text, root_rule_name=root))
     except Exception as e:
-      raise GrammarError(f"XGrammar cannot compile this EBNF grammar: {e}") from None
+      raise GrammarError(f"XGrammar cannot compile this EBNF grammar: {xgrammar_message(e)}") \
+          from None
     return Grammar(compiled, "ebnf", source=text)
+
+  def structural_tag(self, tag: dict) -> "Grammar":
+    """Compile an XGrammar structural tag (``{"type": "structural_tag", "format": ...}``)."""
+    try:
+      compiled = self._compiler.compile_structural_tag(json.dumps(tag))
+    except Exception as e:
+      raise GrammarError(f"XGrammar cannot compile this structural tag: {xgrammar_message(e)}") \
+          from None
+    return Grammar(compiled, "structural_tag", source=json.dumps(tag))
 
 
 class Grammar:

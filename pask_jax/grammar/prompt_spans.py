@@ -34,6 +34,7 @@ Deterministic span matching over the rendered prompt text, no general parser:
 """
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import sqlite3
@@ -149,23 +150,140 @@ class _JsonLabeler:
     return P.SCHEMA_SCAFFOLD
 
 
+_TOK = re.compile(r'[ \t\n\r]*(?:(")|(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)'
+                  r'|(true|false|null)|([{}\[\]:,]))')
+_STR = re.compile(r'"(?:[^"\\\x00-\x1f]+|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"')
+_OPEN = re.compile(r"[\[{]")
+MAX_DEPTH = 128   # JSON nested deeper than this is not searched for tools (stays protected)
+
+
+class _Budget(Exception):
+  pass
+
+
+class _Scanner:
+  """Where the JSON value at each ``{``/``[`` of a text ends (-1: none), in linear time.
+
+  One iterative pass per starting bracket, memoized for every container it opens: a container
+  nested in a value parses the same on its own (JSON is context-free), so a container once
+  closed — or left open when its parse failed — is never scanned again.  Brackets inside
+  strings are scanned fresh; a total budget of tokens (a small multiple of the text length)
+  bounds even adversarial texts, after which the rest stays ``protected_content``."""
+
+  def __init__(self, text: str):
+    self.s, self.memo = text, {}
+    self.budget = 4 * len(text) + 10_000
+
+  def end(self, j: int) -> int:
+    e = self.memo.get(j)
+    return self._scan(j) if e is None else e
+
+  def _scan(self, j: int) -> int:
+    s, memo = self.s, self.memo
+    stack: list[tuple[int, bool]] = []
+    expect, pos = "value", j
+    while True:
+      self.budget -= 1
+      if self.budget < 0:
+        raise _Budget
+      m = _TOK.match(s, pos)
+      if m is None:
+        break
+      q, num, lit, p = m.groups()
+      t0 = m.start(m.lastindex)
+      if expect in ("value", "value_or_close"):
+        if p is not None and p in "{[":
+          e = memo.get(t0)
+          if e is not None and t0 != j:
+            if e < 0:
+              break
+            pos = e
+          elif len(stack) >= MAX_DEPTH:
+            break
+          else:
+            stack.append((t0, p == "{"))
+            expect, pos = ("key_or_close" if p == "{" else "value_or_close"), m.end()
+            continue
+        elif p == "]" and expect == "value_or_close":
+          pos = self._close(stack, m.end())
+        elif q:
+          sm = _STR.match(s, t0)
+          if sm is None:
+            break
+          pos = sm.end()
+        elif num or lit:
+          pos = m.end()
+        else:
+          break
+      elif expect in ("key", "key_or_close"):
+        if p == "}" and expect == "key_or_close":
+          pos = self._close(stack, m.end())
+        elif q:
+          sm = _STR.match(s, t0)
+          if sm is None:
+            break
+          expect, pos = "colon", sm.end()
+          continue
+        else:
+          break
+      elif expect == "colon":
+        if p != ":":
+          break
+        expect, pos = "value", m.end()
+        continue
+      else:   # comma_or_close
+        obj = stack[-1][1]
+        if p == ",":
+          expect, pos = ("key" if obj else "value"), m.end()
+          continue
+        if p != ("}" if obj else "]"):
+          break
+        pos = self._close(stack, m.end())
+      if not stack:
+        return pos
+      expect = "comma_or_close"
+    for start, _ in stack:
+      memo[start] = -1
+    memo.setdefault(j, -1)
+    return -1
+
+  def _close(self, stack, end: int) -> int:
+    start, _ = stack.pop()
+    self.memo[start] = end
+    return end
+
+
 def _json_spans(text: str, lab: np.ndarray) -> None:
+  """Label every tool-schema JSON value of ``text`` (the first valid value at each bracket, as
+  ``raw_decode`` would take it; a value that is not tools is searched inside).  Linear time."""
+  sc = _Scanner(text)
+  hits = [m.start() for m in re.finditer(r'"parameters"', text)]
   i, n = 0, len(text)
-  while i < n:
-    j = min((k for k in (text.find("{", i), text.find("[", i)) if k >= 0), default=-1)
-    if j < 0:
-      return
-    try:
-      val, end = _DEC.raw_decode(text, j)
-    except ValueError:
-      i = j + 1
-      continue
-    if is_tools(val):
-      lab[j:end] = P.SCHEMA_SCAFFOLD
-      _JsonLabeler(text, lab).value(j, (None, False, False))
-      i = end
-    else:
-      i = j + 1  # a non-tool JSON value may still contain a tool list deeper in
+  try:
+    while i < n:
+      m = _OPEN.search(text, i)
+      if m is None:
+        return
+      j = m.start()
+      e = sc.end(j)
+      # A tool needs a "parameters" key: only such values are decoded and checked.
+      k = bisect.bisect_left(hits, j)
+      if e < 0 or k == len(hits) or hits[k] >= e:
+        i = j + 1
+        continue
+      try:
+        val = json.loads(text[j:e])
+      except (ValueError, RecursionError):
+        i = j + 1
+        continue
+      if is_tools(val):
+        lab[j:e] = P.SCHEMA_SCAFFOLD
+        _JsonLabeler(text, lab).value(j, (None, False, False))
+        i = e
+      else:
+        i = j + 1  # a non-tool JSON value may still contain a tool list deeper in
+  except _Budget:
+    return
 
 
 # ---- SQLite DDL -----------------------------------------------------------------------------
@@ -181,10 +299,12 @@ _CONSTRAINT_KW = {"PRIMARY", "KEY", "NOT", "NULL", "UNIQUE", "REFERENCES", "DEFA
 _TABLE_CONSTRAINT = {"PRIMARY", "FOREIGN", "UNIQUE", "CHECK", "CONSTRAINT"}
 
 
-def _statement_end(text: str, start: int) -> int | None:
-  """End of the CREATE TABLE statement at ``start`` (after ')' and an optional ';')."""
+def _statement_end(text: str, start: int, limit: int | None = None) -> int | None:
+  """End of the CREATE TABLE statement at ``start`` (after ')' and an optional ';'), looking no
+  further than ``limit`` (the next CREATE TABLE: statements do not nest, and the bound keeps a
+  text of unclosed statements linear)."""
   depth, i, n = 0, start, len(text)
-  for m in _LEX.finditer(text, start):
+  for m in _LEX.finditer(text, start, n if limit is None else limit):
     tok = m.group()
     if tok == "(":
       depth += 1
@@ -269,12 +389,13 @@ def _label_ddl(text: str, start: int, end: int, lab: np.ndarray) -> None:
 
 
 def _ddl_spans(text: str, lab: np.ndarray) -> None:
-  for m in _CREATE.finditer(text):
-    if lab[m.start()] != P.PROTECTED_CONTENT:
+  starts = [m.start() for m in _CREATE.finditer(text)]
+  for a, nxt in zip(starts, starts[1:] + [None]):
+    if lab[a] != P.PROTECTED_CONTENT:
       continue  # inside a span already labeled
-    end = _statement_end(text, m.start())
-    if end is not None and _valid_ddl(text[m.start():end]):
-      _label_ddl(text, m.start(), end, lab)
+    end = _statement_end(text, a, nxt)
+    if end is not None and _valid_ddl(text[a:end]):
+      _label_ddl(text, a, end, lab)
 
 
 # ---- public API -----------------------------------------------------------------------------
@@ -308,10 +429,21 @@ def token_candidates(lab: np.ndarray, offsets) -> np.ndarray:
   return T.stack_candidates(rows)
 
 
-def label_prompt(tokenizer, text: str) -> tuple[list[int], np.ndarray]:
-  """``(ids, tags)``: ``ids == tokenizer.encode(text)``, ``tags`` int32[len(ids), 4]."""
+def encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+  """``(ids, char offsets)`` of ``text`` as the model sees it (``ids == tokenizer.encode``)."""
   enc = tokenizer.tok.encode(text, add_special_tokens=False)
   ids, offsets = list(enc.ids), list(enc.offsets)
   if tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
     ids, offsets = [tokenizer.bos_id] + ids, [(0, 0)] + offsets
-  return ids, token_candidates(char_labels(text), offsets)
+  return ids, offsets
+
+
+def labels(text: str, offsets, tokenizer=None) -> np.ndarray:
+  """Prompt tag candidates ``int32[len(offsets), 4]`` for the tokens of :func:`encode`."""
+  return token_candidates(char_labels(text), offsets)
+
+
+def label_prompt(tokenizer, text: str) -> tuple[list[int], np.ndarray]:
+  """``(ids, tags)``: ``ids == tokenizer.encode(text)``, ``tags`` int32[len(ids), 4]."""
+  ids, offsets = encode(tokenizer, text)
+  return ids, labels(text, offsets)

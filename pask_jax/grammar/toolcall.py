@@ -12,6 +12,17 @@ The format is a per-model choice (measure the model first):
 
 Each call object is constrained by the declared tools' JSON schemas (``anyOf`` over tools, the
 name as a ``const``), so every accepted output parses into calls naming declared tools.
+
+``tool_call_grammar(..., choice="required")`` makes the whole answer calls; ``choice="auto"``
+allows free text in which a call block starts at the format's trigger (XGrammar's triggered
+structural tags), scanned by :class:`AutoFCAdapter`.  ``check=True`` (the server) runs every
+``parameters`` schema through :mod:`pask_jax.grammar.schema_check` and resolves its ``$ref``s
+against the parameters themselves (:func:`call_schema` moves their ``$defs`` to the root under
+``tool{i}.NAME`` and rewrites the pointers; they used to resolve against the call wrapper).  The
+default ``check=False`` keeps the grammars the calibrated policies were made with byte for byte:
+of the 8,726 tool schemas in BFCL's data files (all categories, converted by calibrate.bfcl), the
+check leaves 8,624 unchanged, rewrites 99 (optional ``boolean`` properties whose ``enum`` lists
+strings admit no value and are dropped) and refuses 3 (the same flaw on a required property).
 """
 from __future__ import annotations
 
@@ -19,6 +30,8 @@ import json
 import re
 from typing import Any
 
+from pask_jax import tags as T
+from pask_jax.grammar.fc_adapter import FCAdapter
 from pask_jax.grammar.matcher import GrammarCompiler, GrammarError, Grammar, _xgr
 
 FORMATS = ("fenced_json", "tool_call_tags", "json_list")
@@ -28,26 +41,74 @@ DEFAULT_STYLE = {"qwen2": ("fenced_json", 2), "qwen3": ("tool_call_tags", None),
 DEFAULT_FORMAT = {k: v[0] for k, v in DEFAULT_STYLE.items()}
 
 
-def normalize_tools(tools: list[dict]) -> list[dict]:
-  """Accept OpenAI style ``{"type": "function", "function": {...}}`` or bare function dicts."""
-  out = []
-  for t in tools:
+def normalize_tools(tools: list[dict], check: bool = True) -> list[dict]:
+  """Accept OpenAI style ``{"type": "function", "function": {...}}`` or bare function dicts.
+
+  With ``check`` (the default) every ``parameters`` schema goes through
+  :func:`~pask_jax.grammar.schema_check.prepare` (refused unless XGrammar enforces it exactly;
+  its ``$ref``s resolve against the parameters themselves), and duplicate names are refused.
+  """
+  from pask_jax.grammar.schema_check import prepare
+  if not isinstance(tools, list):
+    raise GrammarError("tools must be a list")
+  out, seen = [], set()
+  for i, t in enumerate(tools):
     f = t.get("function", t) if isinstance(t, dict) else None
-    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-      raise GrammarError(f"a tool needs a string 'name': {t!r}")
-    params = f.get("parameters") or {"type": "object", "properties": {}}
-    out.append({"name": f["name"], "description": f.get("description", ""), "parameters": params})
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+      raise GrammarError(f"tools[{i}]: a tool needs a non-empty string 'name'")
+    if f["name"] in seen:
+      raise GrammarError(f"tools[{i}]: duplicate tool name {f['name']!r}")
+    seen.add(f["name"])
+    params = f.get("parameters")
+    if params is None:
+      params = {"type": "object", "properties": {}}
+    if check:
+      where = f"tools[{i}].function.parameters" if "function" in t else f"tools[{i}].parameters"
+      params = prepare(params, where)
+    out.append({"name": f["name"], "description": f.get("description") or "",
+                "parameters": params})
   if not out:
     raise GrammarError("no tools given")
   return out
 
 
+def _scoped(params: Any, i: int, defs: dict) -> Any:
+  """``params`` with its own ``$defs`` moved into ``defs`` (as ``tool{i}.NAME``) and every local
+  ``$ref`` rewritten to point there, so refs resolve against the parameters, not the call
+  object that wraps them (``#`` becomes the parameters themselves)."""
+  from pask_jax.grammar.schema_check import _name, _ptr, _walk, local_refs
+  if not isinstance(params, dict):
+    return params
+  params = local_refs(params)
+  own = params.pop("$defs", {})
+
+  def fix(node, at):
+    if isinstance(node, dict) and isinstance(node.get("$ref"), str):
+      r = node["$ref"]
+      node["$ref"] = _ptr("#/$defs", f"tool{i}") if r == "#" else _ptr(
+          "#/$defs", f"tool{i}.{_name(r)}")
+    return node
+
+  body = _walk(params, fix, "#")
+  for k, v in own.items():
+    defs[f"tool{i}.{k}"] = _walk(v, fix, "#")
+  if '"#/$defs/tool%d"' % i in json.dumps(body) + json.dumps(own):
+    defs[f"tool{i}"] = body
+  return body
+
+
 def call_schema(tools: list[dict]) -> dict:
   """JSON schema of one call object: ``{"name": const, "arguments": <tool parameters>}``."""
+  defs: dict = {}
   alts = [{"type": "object",
-           "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-           "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-  return alts[0] if len(alts) == 1 else {"anyOf": alts}
+           "properties": {"name": {"const": t["name"]},
+                          "arguments": _scoped(t["parameters"], i, defs)},
+           "required": ["name", "arguments"], "additionalProperties": False}
+          for i, t in enumerate(tools)]
+  out = alts[0] if len(alts) == 1 else {"anyOf": alts}
+  if defs:
+    out = dict(out, **{"$defs": defs})
+  return out
 
 
 def _rename_root(ebnf: str, new: str) -> str:
@@ -58,34 +119,70 @@ def _esc(s: str) -> str:
   return json.dumps(s)  # an EBNF string literal uses JSON escapes
 
 
-def tool_call_grammar(compiler: GrammarCompiler, tools: list[dict], fmt: str,
-                      max_calls: int = 8, indent: int | None = None) -> Grammar:
-  """One to ``max_calls`` calls in ``fmt`` (BFCL's parallel cases need at most a handful).
+# Per format: (block begin, block end, separator between blocks, separator between calls inside
+# one block or None when a block holds one call).
+BLOCKS = {"fenced_json": ("```json\n", "\n```", "\n", None),
+          "tool_call_tags": ("<tool_call>\n", "\n</tool_call>", "\n", None),
+          "json_list": ("[", "]", None, ", ")}
+# The free-text trigger of each block in tool_choice "auto" (a prefix of the block's begin).
+TRIGGERS = {"fenced_json": "```json", "tool_call_tags": "<tool_call>", "json_list": "["}
 
-  ``indent``: None for compact JSON (``", "`` and ``": "`` separators), or the pretty-print
-  indentation the model uses.
-  """
-  if max_calls < 1:
-    raise GrammarError("max_calls must be >= 1")
-  if fmt not in FORMATS:
-    raise GrammarError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(FORMATS)}")
-  tools = normalize_tools(tools)
+
+def _call_ebnf(tools: list[dict], indent: int | None) -> str:
   xgr = _xgr()
   try:
     call = str(xgr.Grammar.from_json_schema(json.dumps(call_schema(tools)), any_whitespace=False,
                                             strict_mode=True, indent=indent))
   except Exception as e:
-    raise GrammarError(f"XGrammar cannot compile the tool schemas: {e}") from None
-  call = _rename_root(call, "call")
-  if fmt == "fenced_json":
-    head = f'root ::= block ("\\n" block){{0,{max_calls - 1}}}\nblock ::= {_esc("```json" + chr(10))} call {_esc(chr(10) + "```")}\n'
-  elif fmt == "tool_call_tags":
-    head = (f'root ::= block ("\\n" block){{0,{max_calls - 1}}}\n'
-            f'block ::= {_esc("<tool_call>" + chr(10))} call {_esc(chr(10) + "</tool_call>")}\n')
+    from pask_jax.grammar.matcher import xgrammar_message
+    raise GrammarError(f"XGrammar cannot compile the tool schemas: {xgrammar_message(e)}") \
+        from None
+  return _rename_root(call, "call")
+
+
+def tool_call_grammar(compiler: GrammarCompiler, tools: list[dict], fmt: str,
+                      max_calls: int = 8, indent: int | None = None,
+                      choice: str = "required", check: bool = True) -> Grammar:
+  """Tool calls in ``fmt``: ``choice="required"`` — the answer is one to ``max_calls`` calls
+  (BFCL's parallel cases need at most a handful); ``choice="auto"`` — free text in which a call
+  block starts at the format's trigger (:data:`TRIGGERS`; XGrammar's triggered structural tags),
+  any number of blocks, or at most one when ``max_calls == 1`` (then nothing may follow it).
+
+  ``indent``: None for compact JSON (``", "`` and ``": "`` separators), or the pretty-print
+  indentation the model uses.  ``check``: run the parameters through the schema check (see
+  :func:`normalize_tools`).
+  """
+  if max_calls < 1:
+    raise GrammarError("max_calls must be >= 1")
+  if fmt not in FORMATS:
+    raise GrammarError(f"unknown tool-call format {fmt!r}; choose one of {', '.join(FORMATS)}")
+  if choice not in ("required", "auto"):
+    raise GrammarError(f"unknown tool choice {choice!r}")
+  tools = normalize_tools(tools, check=check)
+  call = _call_ebnf(tools, indent)
+  begin, end, between, inner = BLOCKS[fmt]
+  meta = {"format": fmt, "tools": tools, "indent": indent, "choice": choice,
+          "max_calls": max_calls, "begin": begin, "end": end}
+  if choice == "auto":
+    from xgrammar.structural_tag import (GrammarFormat, StructuralTag, TagFormat,
+                                         TriggeredTagsFormat)
+    content = call if inner is None else (
+        f"root ::= call ({_esc(inner)} call){{0,{max_calls - 1}}}\n" + call)
+    if inner is None:
+      content = "root ::= call\n" + call
+    tag = StructuralTag(format=TriggeredTagsFormat(
+        triggers=[TRIGGERS[fmt]], stop_after_first=max_calls == 1,
+        tags=[TagFormat(begin=begin, content=GrammarFormat(grammar=content), end=end)]))
+    g = compiler.structural_tag(tag.model_dump(mode="json"))
+    g.kind, g.meta = "tool_calls", meta
+    return g
+  if inner is None:
+    head = (f"root ::= block ({_esc(between)} block){{0,{max_calls - 1}}}\n"
+            f"block ::= {_esc(begin)} call {_esc(end)}\n")
   else:
-    head = f'root ::= "[" call (", " call){{0,{max_calls - 1}}} "]"\n'
+    head = f"root ::= {_esc(begin)} call ({_esc(inner)} call){{0,{max_calls - 1}}} {_esc(end)}\n"
   g = compiler.ebnf(head + call)
-  g.kind, g.meta = "tool_calls", {"format": fmt, "tools": tools, "indent": indent}
+  g.kind, g.meta = "tool_calls", meta
   return g
 
 
@@ -123,11 +220,114 @@ def parse_calls(text: str, fmt: str | None = None) -> list[dict[str, Any]]:
   return calls
 
 
-def tools_system_prompt(tools: list[dict], fmt: str) -> str:
+def split_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
+  """``(content, calls)`` of an answer in ``fmt`` that may mix free text and call blocks (what
+  :func:`tool_call_grammar` admits for either choice): every complete block whose JSON parses
+  into calls is taken out; the rest is the content (None when only whitespace).  A cut-off
+  block stays in the content (as written: a stream sends the same text)."""
+  begin, end, _, inner = BLOCKS[fmt]
+  dec = json.JSONDecoder()
+  calls: list[dict[str, Any]] = []
+  rest, i = [], 0
+  while True:
+    j = text.find(begin, i)
+    if j < 0:
+      rest.append(text[i:])
+      break
+    start = j if inner is not None else j + len(begin)
+    try:
+      val, k = dec.raw_decode(text, start)
+    except ValueError:
+      rest.append(text[i:j + len(begin)])
+      i = j + len(begin)
+      continue
+    if inner is None:
+      if not text.startswith(end, k):
+        rest.append(text[i:j + len(begin)])
+        i = j + len(begin)
+        continue
+      k += len(end)
+    got = [c for c in (val if isinstance(val, list) else [val])
+           if isinstance(c, dict) and isinstance(c.get("name"), str)
+           and isinstance(c.get("arguments", {}), dict)]
+    if not got:
+      rest.append(text[i:k])
+      i = k
+      continue
+    calls += [{"name": c["name"], "arguments": c.get("arguments", {})} for c in got]
+    rest.append(text[i:j])
+    i = k
+  content = "".join(rest)
+  return (content if content.strip() else None), calls
+
+
+def render_calls(calls: list[dict[str, Any]], fmt: str, indent: int | None = None) -> str:
+  """Calls written in ``fmt`` as the grammar writes them (for transcripts of templates that
+  cannot render ``tool_calls`` themselves)."""
+  begin, end, between, inner = BLOCKS[fmt]
+  one = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, indent=indent,
+                    ensure_ascii=False) for c in calls]
+  if inner is not None:
+    return begin + inner.join(one) + end
+  return between.join(begin + c + end for c in one)
+
+
+class AutoFCAdapter(FCAdapter):
+  """:class:`FCAdapter` for ``tool_choice="auto"`` grammars: bytes of free text get the free
+  generation tag (as a request without tools would); a call block starts when the free text
+  completes the block's begin string (the bytes of that token are wrapper scaffold; earlier
+  tokens of a multi-token begin keep their free tag — they were emitted as text), is scanned by
+  the FCAdapter from the begin on, and ends with the block's end string once its JSON has
+  closed."""
+
+  def __init__(self, grammar, tokenizer, **kw):
+    self.begin = grammar.meta["begin"].encode()
+    self.end = grammar.meta["end"].encode()
+    super().__init__(grammar, tokenizer, **kw)
+
+  def reset(self) -> None:
+    super().reset()
+    self.mode, self.tail, self.opened = "free", b"", False
+
+  def _copy_state(self, new) -> None:
+    super()._copy_state(new)
+
+  def _pack(self, c, r, crit, nxt):
+    return T.fc(c) if r == 0 else super()._pack(c, r, crit, nxt)
+
+  def _feed(self, c: int):
+    if self.mode == "free":
+      self.tail = (self.tail + bytes([c]))[-len(self.begin):]
+      if self.tail != self.begin:
+        return _FREE
+      FCAdapter.reset(self)
+      self.mode, self.tail, self.opened = "call", b"", False
+      for b in self.begin[:-1]:
+        FCAdapter._feed(self, b)
+    tag = FCAdapter._feed(self, c)
+    self.tail = (self.tail + bytes([c]))[-len(self.end):]
+    self.opened = self.opened or bool(self.stack)
+    if self.opened and not self.stack and self.instr is None and self.tail == self.end:
+      self.mode, self.tail = "free", b""
+    return tag
+
+
+_FREE = (T.Cls.FREE_GENERATION, 0)
+
+
+def adapter_for(grammar, tokenizer, **kw) -> FCAdapter:
+  """The structural-tag adapter of a :func:`tool_call_grammar` grammar (either choice)."""
+  cls = AutoFCAdapter if grammar.meta.get("choice") == "auto" else FCAdapter
+  return cls(grammar, tokenizer, **kw)
+
+
+def tools_system_prompt(tools: list[dict], fmt: str, choice: str = "required") -> str:
   """For chat templates that ignore ``tools``: describe them and the answer format in text."""
-  tools = normalize_tools(tools)
+  tools = normalize_tools(tools, check=False)
   shape = {"fenced_json": 'a ```json block {"name": ..., "arguments": {...}} per call',
            "tool_call_tags": '<tool_call>{"name": ..., "arguments": {...}}</tool_call> per call',
            "json_list": 'a JSON list of {"name": ..., "arguments": {...}} objects'}[fmt]
-  return ("You can call these functions:\n" + "\n".join(json.dumps(t) for t in tools)
-          + f"\nAnswer with {shape}.")
+  head = "You can call these functions:\n" + "\n".join(json.dumps(t) for t in tools)
+  if choice == "auto":
+    return head + f"\nTo call functions, answer with {shape}; otherwise answer in text."
+  return head + f"\nAnswer with {shape}."

@@ -1,0 +1,123 @@
+"""``/metrics`` through ``prometheus_client``: request histograms and PASK's engine gauges.
+
+One registry per app (not the process-global one: tests and benchmarks start several apps).
+
+* Histograms, observed by the app when a request finishes (vLLM's names, ``pask_`` prefix):
+  ``pask_time_to_first_token_seconds`` (arrival -> first token), ``pask_time_per_output_token_
+  seconds`` (per request mean after the first), ``pask_e2e_request_latency_seconds`` (arrival ->
+  answer), ``pask_request_queue_time_seconds`` (engine submit -> admission: slot and pages).
+* HTTP outcomes: ``pask_http_requests_total{code}`` (chat completions by status class),
+  ``pask_client_disconnects_total``.
+* Engine state read at scrape time by a custom collector (the engine thread owns the numbers):
+  queue depth, running, slots, pages free / total per pool (label ``pool`` = bf16 | int4),
+  measured B of the finished requests (payload / Full-KV payload, aggregate), request outcomes,
+  tokens, decode steps, R/L/H actions, cache overflows, grammar-compile pool state, engine up.
+
+Both exposition formats are served (``Accept: application/openmetrics-text`` picks OpenMetrics),
+and both of prometheus_client's parsers read them (tests/test_serve_openai.py).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+from pask_jax import tags as T
+
+_LAT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+         0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineCollector:
+  def __init__(self, engine, grammars=None):
+    self.engine, self.grammars = engine, grammars
+
+  def describe(self):
+    return []
+
+  def collect(self):
+    s = self.engine.snapshot()
+    g = lambda k: float(s.get(k, 0))
+
+    def gauge(name, doc, value=None, labels=None, samples=()):
+      m = GaugeMetricFamily(f"pask_{name}", doc, value=value, labels=labels)
+      for lab, v in samples:
+        m.add_metric(lab, v)
+      return m
+
+    def counter(name, doc, value=None, labels=None, samples=()):
+      m = CounterMetricFamily(f"pask_{name}", doc, value=value, labels=labels)
+      for lab, v in samples:
+        m.add_metric(lab, v)
+      return m
+
+    yield gauge("queue_depth", "requests waiting for a slot and pages", g("queue_depth"))
+    yield gauge("running", "requests holding a decode slot", g("running"))
+    yield gauge("slots", "decode batch slots", g("slots"))
+    yield gauge("engine_up", "1 while the engine thread runs", float(self.engine.alive))
+    pools = (("bf16", "hi"), ("int4", "lo"))
+    yield gauge("pages_free", "KV pages free per pool", labels=["pool"],
+                samples=[([p], g(k + "_free")) for p, k in pools])
+    yield gauge("pages_total", "KV pages per pool", labels=["pool"],
+                samples=[([p], g(k + "_total")) for p, k in pools])
+    full = g("full_kv_bits")
+    yield gauge("measured_b", "aggregate measured B of finished requests: scheduled KV payload "
+                "over the Full-KV payload of the same lengths (NaN before the first)",
+                g("payload_bits") / full if full else float("nan"))
+    yield counter("requests", "requests finished by the engine, by outcome", labels=["outcome"],
+                  samples=[([o], g("requests_" + o)) for o in
+                           ("stop", "length", "cancelled", "error")])
+    yield counter("prompt_tokens", "prompt tokens of finished requests", g("prompt_tokens"))
+    yield counter("generation_tokens", "generated tokens of finished requests",
+                  g("completion_tokens"))
+    yield counter("decode_steps", "batched decode steps", g("decode_steps"))
+    yield counter("decode_step_seconds", "time in decode steps", g("decode_step_s"))
+    yield counter("decode_rows", "active rows summed over decode steps", g("decode_rows"))
+    yield counter("prefill_seconds", "time in prefills", g("prefill_s"))
+    yield counter("admission_blocked", "engine iterations where the queue head waited for pages "
+                  "while a slot was free", g("admission_blocked_pages"))
+    yield counter("preemptions", "running requests preempted because a KV pool ran dry "
+                  "(resumed later)", g("preemptions"))
+    yield counter("kv_payload_bits", "scheduled KV payload of finished requests",
+                  g("payload_bits"))
+    yield counter("kv_full_bits", "Full-KV payload for the same lengths", full)
+    yield counter("actions", "R/L/H actions over prompt and decode tokens and layer groups",
+                  labels=["action"], samples=[([a], g("actions_" + a)) for a in T.ACTION_NAMES])
+    yield counter("cache_overflows", "requests whose cache dropped an entry (should be 0)",
+                  g("overflow"))
+    if self.grammars is not None:
+      p = self.grammars.snapshot()
+      yield counter("grammar_compiles", "grammar compilations by result", labels=["result"],
+                    samples=[([k], float(p[k])) for k in ("hits", "misses", "failures",
+                                                          "timeouts", "busy")])
+      yield gauge("grammar_cache_bytes", "bytes of compiled grammars cached",
+                  float(p["cached_bytes"]))
+      yield gauge("grammar_queue", "compile jobs waiting per lane", labels=["lane"],
+                  samples=[([ln], float(p["queued_" + ln])) for ln in ("small", "large")])
+
+
+class Metrics:
+  def __init__(self, engine, grammars=None):
+    self.registry = CollectorRegistry(auto_describe=True)
+    r = self.registry
+    self.ttft = Histogram("pask_time_to_first_token_seconds", "request arrival to first token",
+                          buckets=_LAT, registry=r)
+    self.tpot = Histogram("pask_time_per_output_token_seconds",
+                          "mean time per output token after the first, per request",
+                          buckets=_TPOT, registry=r)
+    self.e2e = Histogram("pask_e2e_request_latency_seconds", "request arrival to answer",
+                         buckets=_LAT, registry=r)
+    self.queue = Histogram("pask_request_queue_time_seconds",
+                           "engine submit to admission (a slot and the pages)", buckets=_LAT,
+                           registry=r)
+    self.http = Counter("pask_http_requests", "chat completion requests by HTTP status",
+                        ["code"], registry=r)
+    self.disconnects = Counter("pask_client_disconnects", "clients gone before their answer",
+                               registry=r)
+    r.register(_EngineCollector(engine, grammars))
+
+  def render(self, accept: str) -> tuple[bytes, str]:
+    encoder, ctype = choose_encoder(accept or "")
+    return encoder(self.registry), ctype

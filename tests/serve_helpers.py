@@ -1,0 +1,87 @@
+"""One loopback server for every tests/test_serve*.py module (started once per test session).
+
+A real uvicorn server on 127.0.0.1 (a free port, a background thread) with the embedded default
+model.  It runs the hand-written ``demo`` policy (R, L and H all occur, so both pools are used;
+the default all-high policy is the special case that never reserves INT4 pages) and is small on
+purpose (4 slots, 256-token context, pools of 20 pages where full provisioning would be 64) so
+that page-limited admission actually happens.  Tests read counters as deltas (the server is
+shared).  Every network call has a timeout and every loop a bound.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import socket
+import threading
+import time
+
+import httpx
+import openai
+
+HI_PAGES = LO_PAGES = 20
+TIMEOUT = 90.0
+MODEL = "smollm2-135m-instruct"
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@functools.lru_cache(maxsize=None)
+def server() -> tuple[str, object, object]:
+  """(base url, engine, app), started on first use and stopped at exit."""
+  import uvicorn
+
+  from serve.app import build
+  app, engine = build(None, "demo", slots=4, context=256, hi_pages=HI_PAGES, lo_pages=LO_PAGES,
+                      default_max_tokens=32, served_model_name=[MODEL, "smollm2"])
+  sock = socket.socket()
+  sock.bind(("127.0.0.1", 0))
+  port = sock.getsockname()[1]
+  srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30))
+  th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+  th.start()
+  for _ in range(400):   # bounded wait for the socket to serve
+    if srv.started:
+      break
+    time.sleep(0.05)
+  assert srv.started
+
+  def stop():
+    srv.should_exit = True
+    th.join(10)
+    engine.stop()
+    sock.close()
+
+  atexit.register(stop)
+  return f"http://127.0.0.1:{port}", engine, app
+
+
+def client(base: str) -> openai.OpenAI:
+  return openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+
+
+def metrics(base: str) -> dict:
+  """/metrics parsed by prometheus_client: {'name{label="v"}': value}."""
+  from prometheus_client.parser import text_string_to_metric_families
+  out = {}
+  for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+    for s in fam.samples:
+      lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+      out[s.name + (f"{{{lab}}}" if lab else "")] = s.value
+  return out
+
+
+def idle(base: str, bound: float = 60.0) -> dict:
+  """/metrics once nothing runs or waits (cancellations are reaped within an engine iteration)."""
+  t0 = time.time()
+  while True:
+    m = metrics(base)
+    if m["pask_running"] == 0 and m["pask_queue_depth"] == 0 or time.time() - t0 > bound:
+      return m
+    time.sleep(0.1)
+
+
+def pages_all_free(m: dict) -> bool:
+  return (m['pask_pages_free{pool="bf16"}'] == m['pask_pages_total{pool="bf16"}'] == HI_PAGES
+          and m['pask_pages_free{pool="int4"}'] == m['pask_pages_total{pool="int4"}'] == LO_PAGES)
