@@ -112,6 +112,7 @@ from pask_jax import tags as T
 from pask_jax.decode import FREE_TAG, PREFILL_CHUNK, PaskRunner, Runner, Tracker, prompt_candidates
 from pask_jax.grammar.matcher import new_bitmask
 from pask_jax.sample import _nucleus, apply_bitmask
+from serve.detok import Detokenizer
 
 _ids = itertools.count(1)
 TOP_LOGPROBS = 20   # alternatives computed per step when a request asks for logprobs
@@ -146,6 +147,7 @@ class Request:
   sent: str = ""
   lps: list = dataclasses.field(default_factory=list)   # per token: (logprob, [(id, logprob)])
   cut: int | None = None            # text length before the stop sequence that ended it
+  detok: Any = None                 # serve.detok.Detokenizer of ``out`` (engine thread)
   t_submit: float = 0.0
   t_admit: float | None = None
   t_first: float | None = None
@@ -958,9 +960,15 @@ class Engine:
     self.tokens[b], self.tag_ids[b], self.state_ids[b] = tok, tag, sid
     self.active[b] = True
 
+  def _text(self, r: Request) -> str:
+    """The request's output text so far, decoded incrementally (:mod:`serve.detok`)."""
+    if r.detok is None:
+      r.detok = Detokenizer(self.tok)
+    return r.detok.text(r.out)
+
   def _stop_text(self, r: Request) -> bool:
     """Cut the text at the first stop sequence that the newest token completed."""
-    text = self.tok.decode(r.out)
+    text = self._text(r)
     longest = max(len(x) for x in r.stop)
     lo = max(0, len(r.sent) - longest)
     hits = [i for i in (text.find(x, lo) for x in r.stop) if i >= 0]
@@ -970,7 +978,7 @@ class Engine:
     return False
 
   def _send(self, r: Request, final: bool = False) -> None:
-    text = self.tok.decode(r.out)
+    text = self._text(r)
     if r.cut is not None:
       text, final = text[:r.cut], True
     elif r.stop and not final:
