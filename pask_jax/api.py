@@ -253,6 +253,12 @@ def generate(model, prompt: str | Sequence[dict], *, system: str | None = None,
   from pask_jax.decode import Sampling, capacity_for, generate as run
   if max_tokens <= 0:
     raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+  if not temperature >= 0:   # also NaN
+    raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  if not isinstance(seed, int):
+    raise ValueError(f"seed must be an int, got {seed!r}")
   pol = load_policy(policy, model) if policy is not None else None
   p = prepare(model, prompt, system=system, tools=tools, json_schema=json_schema,
               tool_format=tool_format, chat_template=chat_template, labels=pol is not None,

@@ -77,6 +77,14 @@ def test_bad_input_is_named():
     pj.load_policy("/nonexistent", m)
   with pytest.raises(ValueError, match="max_tokens must be positive"):
     pj.generate(m, "hi", max_tokens=0)
+  with pytest.raises(ValueError, match="temperature must be >= 0"):
+    pj.generate(m, "hi", temperature=-1.0)
+  with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+    pj.generate(m, "hi", top_p=0.0)
+  # transformers' generate arguments we do not implement are refused by name, never ignored.
+  for kw in ("top_k", "num_beams", "repetition_penalty", "do_sample", "stop_strings"):
+    with pytest.raises(TypeError, match=kw):
+      pj.generate(m, "hi", **{kw: 1})
   with pytest.raises(ValueError, match="not generated under a PASK policy"):
     pj.read_ledger(pj.Generation("x", [1], "stop", 3))
   p = pj.prepare(m, [{"role": "user", "content": "hi"}], system="Be brief.")
