@@ -38,13 +38,8 @@ PROMPTS = ["Hi!", "What is 3+5?", "Name a fruit.", "Say something nice.", "What 
 
 
 def metrics(base: str) -> dict:
-  from prometheus_client.parser import text_string_to_metric_families
-  out = {}
-  for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
-    for s in fam.samples:
-      lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-      out[s.name + (f"{{{lab}}}" if lab else "")] = s.value
-  return out
+  from serve.metrics import parse
+  return parse(httpx.get(base + "/metrics", timeout=10).text)
 
 
 MODEL = "x"   # set from /v1/models at start

@@ -250,13 +250,8 @@ def start_server(a, out: str) -> tuple[subprocess.Popen, str]:
 
 
 def scrape(base: str) -> dict:
-  from prometheus_client.parser import text_string_to_metric_families
-  out = {}
-  for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
-    for s in fam.samples:
-      lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-      out[s.name + (f"{{{lab}}}" if lab else "")] = s.value
-  return out
+  from serve.metrics import parse
+  return parse(httpx.get(base + "/metrics", timeout=30).text)
 
 
 async def soak(a, base: str) -> dict:

@@ -189,34 +189,22 @@ def cmd_merge(args) -> int:
   return 0
 
 
-def _positive(text: str) -> int:
-  try:
-    v = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if v < 1:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-  return v
+def _arg(cast, ok, what: str):
+  """An argparse ``type`` that casts and checks, with a one-line message naming the rule."""
+  def parse(text: str):
+    try:
+      v = cast(text)
+    except ValueError:
+      v = None
+    if v is None or not ok(v):
+      raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return v
+  return parse
 
 
-def _positive_float(text: str) -> float:
-  try:
-    v = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-  if not v > 0:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-  return v
-
-
-def _fraction(text: str) -> float:
-  try:
-    v = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
-  if not 0 <= v <= 1:
-    raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
-  return v
+_positive = _arg(int, lambda v: v >= 1, "a positive integer")
+_positive_float = _arg(float, lambda v: v > 0, "a positive number")
+_fraction = _arg(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,3 +121,15 @@ class Metrics:
   def render(self, accept: str) -> tuple[bytes, str]:
     encoder, ctype = choose_encoder(accept or "")
     return encoder(self.registry), ctype
+
+
+def parse(text: str) -> dict[str, float]:
+  """Prometheus text (as ``GET /metrics`` serves it) -> ``{'name{label="v",...}': value}``, read
+  with prometheus_client's own parser (tests, benchmarks)."""
+  from prometheus_client.parser import text_string_to_metric_families
+  out = {}
+  for fam in text_string_to_metric_families(text):
+    for s in fam.samples:
+      lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+      out[s.name + (f"{{{lab}}}" if lab else "")] = s.value
+  return out

@@ -63,13 +63,8 @@ def client(base: str) -> openai.OpenAI:
 
 def metrics(base: str) -> dict:
   """/metrics parsed by prometheus_client: {'name{label="v"}': value}."""
-  from prometheus_client.parser import text_string_to_metric_families
-  out = {}
-  for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
-    for s in fam.samples:
-      lab = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-      out[s.name + (f"{{{lab}}}" if lab else "")] = s.value
-  return out
+  from serve.metrics import parse
+  return parse(httpx.get(base + "/metrics", timeout=10).text)
 
 
 def idle(base: str, bound: float = 60.0) -> dict:
