@@ -5,7 +5,6 @@ p protected_content, s schema_scaffold, f function_name, k parameter_key, t type
 e enum_constraint, d schema_description; several letters = candidates in text order.
 """
 import functools
-import time
 import json
 import os
 import sys
@@ -182,10 +181,11 @@ def test_linear_scanner_agrees_with_raw_decode():
 @pytest.mark.parametrize("text", ["[" * 5000, "{" * 5000, "[" * 3000 + "]" * 3000,
                                   '{"a": ' * 2000 + "1" + "}" * 2000, "{x" * 200_000,
                                   '[" ' * 50_000, "CREATE TABLE t (" * 20_000])
-def test_bracket_floods_are_linear(text):
-  t0 = time.perf_counter()
+def test_bracket_floods_are_labelled(text):
+  # No RecursionError (raw_decode at every bracket recursed ~1,000 deep) and nothing mislabelled.
+  # Labelling is linear now (a 400 KB flood: 18.7 s -> a fraction of a second, bench/RESULTS.md);
+  # tests do not assert wall-clock times.
   lab = char_labels(text)
-  assert time.perf_counter() - t0 < 2.0, len(text)
   assert (lab == P.PROTECTED_CONTENT).all()
 
 

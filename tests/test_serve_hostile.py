@@ -200,11 +200,17 @@ def test_unenforceable_keyword_is_refused(base):
 
 # ---- 5/6. nothing expensive before the length check; compilation off the critical path --------
 
-def test_long_hostile_prompt_is_refused_fast(base):
-  t0 = time.perf_counter()
-  e = err(post(base, {"model": MODEL, "max_tokens": 4, "messages": [
+def test_long_hostile_prompt_is_refused_before_tokenizing_or_labelling(base, monkeypatch):
+  """A 400 KB message of ``{x`` (18.7 s to refuse when labelling ran first, quadratically) is
+  refused from its byte length: neither the tokenizer nor the prompt labeller sees it."""
+  from pask_jax.grammar import prompt_spans
+
+  def boom(*a, **k):
+    raise AssertionError("an over-long prompt reached tokenizing / labelling")
+  monkeypatch.setattr(prompt_spans, "encode", boom)
+  monkeypatch.setattr(prompt_spans, "labels", boom)
+  err(post(base, {"model": MODEL, "max_tokens": 4, "messages": [
       {"role": "user", "content": "{x" * 200_000}]}), 400, "messages", "context_length_exceeded")
-  assert time.perf_counter() - t0 < 5.0, e   # was 18.7 s (quadratic labelling first)
 
 
 def test_length_check_comes_before_grammar_compilation(base):
@@ -227,10 +233,8 @@ def test_slow_schema_does_not_block_small_ones(base, client):
   res = {}
 
   def run_slow():
-    t0 = time.perf_counter()
     r = post(base, slow, timeout=120)
     res["status"], res["body"] = r.status_code, r.text
-    res["slow_s"] = time.perf_counter() - t0
 
   th = threading.Thread(target=run_slow)
   th.start()
@@ -238,14 +242,13 @@ def test_slow_schema_does_not_block_small_ones(base, client):
   tool = {"type": "function", "function": {"name": "lookup_%d" % time.time_ns(), "parameters": {
       "type": "object", "properties": {"q": {"type": "string", "maxLength": 4}},
       "required": ["q"]}}}
-  t0 = time.perf_counter()
   r = client.chat.completions.create(model=MODEL, max_tokens=3, tools=[tool],
                                      tool_choice="required", messages=MSG)
-  fast = time.perf_counter() - t0
+  overtook = "status" not in res           # the small one answered while the large one compiled
   th.join(120)
   assert r.choices[0].message.tool_calls or r.choices[0].finish_reason == "length"
   assert res["status"] == 200, res
-  assert fast < res["slow_s"] / 2, (fast, res)
+  assert overtook, res
 
 
 def test_compile_time_limit_kills_the_worker():
@@ -262,22 +265,19 @@ def test_compile_time_limit_kills_the_worker():
 
   async def go():
     await pool.get({"kind": "json_schema", "schema": {"type": "boolean"}})   # workers up
-    t0 = time.perf_counter()
     with pytest.raises(CompileError, match="longer than 1 s"):
       await pool.get({"kind": "json_schema", "schema": wide})
-    spent = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    misses = pool.stats["misses"]
     with pytest.raises(CompileError, match="longer than 1 s"):   # remembered: refused at once
       await pool.get({"kind": "json_schema", "schema": wide})
-    again = time.perf_counter() - t0
-    g = await pool.get({"kind": "json_schema", "schema": {"type": "integer"}})
-    return spent, again, g
+    assert pool.stats["misses"] == misses                       # ... without compiling again
+    return await pool.get({"kind": "json_schema", "schema": {"type": "integer"}})
 
   try:
-    spent, again, g = asyncio.run(go())
+    g = asyncio.run(go())
   finally:
     pool.close()
-  assert spent < 4.0 and again < 0.1 and g.kind == "json_schema"
+  assert g.kind == "json_schema"            # the pool keeps compiling after a killed worker
   assert pool.stats["timeouts"] == 1
 
 
