@@ -110,7 +110,9 @@ class Preparer:
     self.state_vocab = P.state_vocab(engine.policy)   # parser-state ids of the reserve Γ
     self.default_max_tokens = default_max_tokens
     tpl = tokenizer.chat_template or ""
-    self.takes_tools = "tools" in tpl
+    # (Tokenizer.takes_tools also sees a named ``tool_use`` template.)
+    self.takes_tools = tokenizer.takes_tools() if hasattr(tokenizer, "takes_tools") else \
+        "tools" in tpl
     self.takes_calls = "tool_calls" in tpl
     # No token is longer than this many bytes: a text of n bytes has at least n / this tokens,
     # so an obviously over-long prompt is refused before it is tokenized.
@@ -567,7 +569,7 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
   from serve.grammars import GrammarPool
   dt = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
         "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-  m = load(model, dtype=dt)
+  m = load(model, dtype=dt, need_tokenizer=True)   # refused before any weight loads
   if m.tokenizer is None:
     raise ValueError("this checkpoint has no tokenizer.json; the server needs one")
   pol = pol_mod.resolve(policy, m.cfg, tokenizer_hash=m.tokenizer.hash())
