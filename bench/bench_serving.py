@@ -191,8 +191,16 @@ def pct(xs, q):
   return float(np.percentile(np.asarray(xs, float), q)) if len(xs) else None
 
 
-def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: float):
-  """Submit ``c`` identical-shape requests at once, drive to completion (or the deadline)."""
+HOST_PARTS = ("fill", "dispatch", "wait", "accept")   # serve.engine's per-step host timers
+
+
+def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: float,
+             profile: tuple[str, str, int] | None = None):
+  """Submit ``c`` identical-shape requests at once, drive to completion (or the deadline).
+
+  ``profile`` = (trace dir, name, steps): once 32 decode steps have run, trace ``steps`` engine
+  iterations (``bench/profile_step.py``) -> the row's ``profile`` (device µs per step by class,
+  host gap = wall − device busy)."""
   import numpy as np
   from pask_jax.decode import Tracker
   from pask_jax.grammar import FCAdapter
@@ -210,7 +218,15 @@ def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: floa
     engine.submit(r)
     reqs.append(r)
   partial = False
+  prof = None
   while not engine.idle():
+    if profile and prof is None and engine.m["decode_steps"] >= 32 \
+        and engine.active.sum() == c:
+      from bench.profile_step import format_table
+      from bench.profile_step import profile as trace
+      prof = trace(engine._iterate, profile[2], profile[0], profile[1])
+      print(format_table(profile[1], prof), flush=True)
+      continue
     engine._iterate()
     if time.perf_counter() > deadline and not engine.idle():
       partial = True
@@ -245,7 +261,11 @@ def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: floa
          "preemptions": m["preemptions"], "overflow": m["overflow"],
          "alloc_overhead_ms_per_step": 1e3 * (m["alloc_s"] + m["admit_s"]) / steps,
          "alloc_overhead_frac": (m["alloc_s"] + m["admit_s"]) / m["decode_step_s"]
-         if m["decode_step_s"] else None}
+         if m["decode_step_s"] else None,
+         "host_ms_per_step": {k: 1e3 * m[k + "_s"] / steps for k in HOST_PARTS}}
+  if prof is not None:
+    row["profile"] = {k: v for k, v in prof.items() if not k.startswith("_")}
+    row["profile_top"] = prof["_top_kernels"]
   if engine.paged:
     used = [m["hi_used_peak"], m["lo_used_peak"]]
     per = [max((x["pages"][X] for x in res), default=0) for X in (0, 1)]
@@ -363,6 +383,12 @@ def main(argv=None) -> int:
                        "when fewer than S seconds are left")
   ap.add_argument("--compile-cache", default=os.path.join(os.path.expanduser("~"), ".cache",
                                                            "pask-jax", "xla"))
+  ap.add_argument("--overlap", choices=["on", "off"], default="on",
+                  help="the engines overlap the host's work with the device step (serve/engine.py "
+                       "'Overlap'); off: the serial engine, for an A/B in one run")
+  ap.add_argument("--profile", type=int, default=0, metavar="N",
+                  help="trace N engine iterations of every cell once it is in steady state "
+                       "(traces under OUT/trace, per-class tables in the results)")
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   if a.export_tokenizer:
@@ -473,10 +499,13 @@ def main(argv=None) -> int:
         prompts[n_in] = make_prompt(mtok, fmt, n_in)
       ids, tags = prompts[n_in]
       if n_out not in grammars:
+        # check=False: the bench's own schema (valid, exactly enforceable); the schema check
+        # needs jsonschema, which the H200 image lacks (its rpds-py has no cp312 wheel here).
         grammars[n_out] = tool_call_grammar(gc_, row_tools(n_out), fmt, max_calls=1,
-                                            indent=indent)
+                                            indent=indent, check=False)
       mix = plan_mix(pol, tags, n_in, n_out) if meth == "pask" else (1.0, 0.0)
-      row = {"model": name, "method": meth, "policy": (pol.record.get("extra") or {}).get("name"),
+      row = {"model": name, "method": meth, "overlap": a.overlap,
+             "policy": (pol.record.get("extra") or {}).get("name"),
              "input": n_in, "output": n_out, "concurrency": c, "slots": c, "context": ctx,
              "kv_budget_bytes": kv_bytes, "mix": mix, "prefill_memo": a.prefill_memo,
              "device": dev.device_kind}
@@ -512,7 +541,7 @@ def main(argv=None) -> int:
         gc.collect()
         cls = DenseEngine if meth == "xla" else Engine
         eng = cls(model, mtok, pol, slots=c, context=ctx, page=a.page, kv_bytes=kv_bytes,
-                  mix=None if meth == "xla" else mix, prefiller=pre)
+                  mix=None if meth == "xla" else mix, prefiller=pre, overlap=a.overlap == "on")
         held[key] = eng
         row["build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -534,7 +563,9 @@ def main(argv=None) -> int:
         del dense, lg
       row["prefill_one_s"] = prefill_one[n_in]
       row["sizing"] = eng.sizing.as_dict()
-      row.update(run_cell(eng, mtok, grammars[n_out], ids, tags, n_out, c, deadline))
+      pr = (os.path.join(a.out, "trace"), f"{name}_{meth}_{n_in}_{n_out}_c{c}", a.profile) \
+          if a.profile else None
+      row.update(run_cell(eng, mtok, grammars[n_out], ids, tags, n_out, c, deadline, pr))
       if meth == "xla":
         row["fit_measured"] = fit
       row.update(device_memory())

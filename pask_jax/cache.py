@@ -341,6 +341,22 @@ def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None
   return cache, StepPlan(slot=wslot, dest_hi=dest_h, dest_lo=dest_l)
 
 
+def set_pending(cache: Cache, actions: jax.Array, mask: jax.Array) -> Cache:
+  """Give each sequence's newest window token (position ``count − 1``) its pending actions
+  ``int [B, G]`` where ``mask [B]`` (sinks stay H).
+
+  For a step that decides a token's actions one step after writing it (``begin_step`` then
+  wrote a placeholder): the serving engine overlaps the host's grammar work with the device
+  this way (serve/engine.py, "Overlap").  A window token is materialized only when it is
+  displaced, at least one step later, so the result is the same cache as deciding at once."""
+  B, W = cache.batch, cache.window
+  p = cache.count - 1
+  on = jnp.asarray(mask, bool) & (p >= 0)
+  slot = jnp.where(on, p % W, W)                                     # W: dropped
+  return cache.replace(win_act=cache.win_act.at[jnp.arange(B), slot].set(
+      _force_sink(actions, p, cache.sink), mode="drop"))
+
+
 def write_layer(lkv: LayerKV, plan: StepPlan, g, k: jax.Array, v: jax.Array) -> LayerKV:
   """One layer's K/V update for a step: materialize the evicted window token into this layer's
   pools (by group ``g``'s decision, ``g`` may be traced) and write the new ``k, v [B, Hkv, D]``

@@ -238,6 +238,33 @@ class PaskRunner:
       led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
     return logits[:, 0], cache, budget, led, actions
 
+  def _deferred_step(self, params, policy, cache, budget, led, tokens, prev_tags, prev_state_ids,
+                     decide, active):
+    """:meth:`_decode_step` with the controller one step late (the overlapping engine in
+    serve/engine.py): first the token fed by the previous step gets its actions, from its tags
+    ``prev_tags [B, 4]`` / ``prev_state_ids [B]``, where ``decide [B]``; then ``tokens`` are fed
+    with a placeholder that the next step replaces (``cache.set_pending``).  Per sequence the
+    controller sees the same tags in the same order and every token is decided before it leaves
+    the window, so caches, balances, ledgers and logits equal :meth:`_decode_step`'s; the
+    returned actions are those of the previous tokens."""
+    self.traces["fwd"] += 1
+    model = nnx.merge(self.graphdef, params)
+    tmpl = self._shared(policy)
+    with jax.named_scope("controller"):
+      actions, budget = self._control(policy, prev_tags, prev_state_ids, budget, ~decide)
+    with jax.named_scope("cache_write"):
+      cache = pcache.set_pending(cache, actions, decide)
+    with jax.named_scope("ledger"):
+      led = ledger.record_decode(led, actions, decide, cache.count - 1, sink=tmpl.sink)
+    pos = cache.count
+    with jax.named_scope("cache_write"):
+      cache, plan = pcache.begin_step(cache, jnp.full_like(actions, T.H), active)
+      cache = pcache.evict_step(cache, plan)
+    logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
+    with jax.named_scope("ledger"):
+      led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
+    return logits[:, 0], cache, budget, led, actions
+
   def _step(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, key,
             temperature, top_p):
     cache, budget, led = state

@@ -71,6 +71,20 @@ order a request meets them:
   sampling); inactive slots are masked by ``active`` (neither charged nor written), so it
   compiles once per batch shape.  Sampling keys are per request: fold_in(key(seed), token
   index), so a seeded request samples the same tokens whatever else shares the batch.
+* **Overlap** (``overlap=True``, the default where it applies): the host's half of a step
+  (launching the ~thousand kernels of the unrolled model: 7 ms per step on the H200 host, which
+  the device otherwise waits for; the grammar's accept, tags and next-token masks) runs while
+  the device computes the previous step.  A step is split into a forward (cache update +
+  logits) and a pick (masked sampling); the next forward is launched right after the pick, fed
+  with the token the pick will produce (a device array), before the host has seen it.  What
+  that token is matters to the host only through its structural tags, which the controller
+  needs — so the forward decides the actions of the token fed one step *earlier*
+  (``PaskRunner._deferred_step``, ``cache.set_pending``): every token is decided before it
+  leaves the window, from the same tags in the same order, so outputs, actions, balances and
+  ledgers are those of the serial engine.  A request that ends (stop token, stop text, length)
+  has had its last token fed speculatively; nothing of it is charged, and the slot is released.
+  The host knows a token's actions two steps after feeding it, so page growth needs a window
+  of at least 3; with ``preemption="recompute"`` or a smaller window the engine runs serially.
 * **Per request**: its own grammar matcher + adapter (:class:`pask_jax.decode.Tracker`, with
   ``FCAdapter`` for tools) and its ledger row (reset on insert, read at completion).
 * **Stop sequences** (``Request.stop``) are matched on the decoded text after every accepted
@@ -121,7 +135,9 @@ METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_
                "requests_error", "prompt_tokens", "completion_tokens", "tpot_s_sum", "tpot_count",
                "overflow", "payload_bits", "full_kv_bits", "actions_R", "actions_L", "actions_H",
                "admission_blocked_pages", "preemptions", "resumed", "replay_steps",
-               "plan_s", "admit_s", "alloc_s", "hi_used_peak", "lo_used_peak")
+               "plan_s", "admit_s", "alloc_s", "hi_used_peak", "lo_used_peak",
+               # where a decode step's wall time goes on the host (sum over steps)
+               "fill_s", "dispatch_s", "wait_s", "accept_s")
 PREEMPTION = ("recompute", "replay")
 HI, LO = 0, 1           # pool index of the host-side page bookkeeping
 _CODE = (T.H, T.L)      # the action stored in each pool
@@ -373,13 +389,14 @@ class Engine:
                kv_bytes: int | None = None, gpu_memory_utilization: float | None = None,
                mix: tuple[float, float] | None = None, watermark: float = 0.01,
                preemption: str = "replay", backend: str = "auto",
-               prefiller: Runner | None = None):
+               prefiller: Runner | None = None, overlap: bool = True):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
     ``lo_pages``: pool sizes in pages (override the budget's); ``mix``: expected (H, L)
     fractions; ``preemption``: "recompute" or "replay" (module docstring); ``prefiller``: a
-    batch-1 dense :class:`Runner` to share between engines."""
+    batch-1 dense :class:`Runner` to share between engines; ``overlap``: overlap the host's
+    work with the device step (module docstring; off where it does not apply)."""
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
     self.preemption = preemption
@@ -397,6 +414,8 @@ class Engine:
       kv_bytes = kv_bytes_for_utilization(gpu_memory_utilization, self.cfg, context)
     self._build(backend, hi_pages, lo_pages, kv_bytes, mix)
     self._first = jax.jit(self._pick)
+    self.overlap_wanted = bool(overlap)
+    self._pick_rows = jax.jit(self._pick_packed)
     # Host mirrors of the step inputs.
     B, V, G = slots, self.cfg.vocab_size, self.G
     self.tokens = np.zeros((B,), np.int32)
@@ -434,6 +453,24 @@ class Engine:
     # Metrics, written by the engine thread and read by the app's: every key exists from the
     # start (a dict that grows while another thread iterates it raises).
     self.m = collections.Counter(dict.fromkeys(METRIC_KEYS, 0))
+    # Overlap state: the last forward launched (logits, the (slot, request) rows it fed), the
+    # pick launched after it (tokens, log-probs, rows), the forwards whose decided actions the
+    # host has not read yet, and per slot the token still to be decided (tags, state id).
+    self.fly_fwd = None
+    self.fly_pick = None
+    self.fly_acts: collections.deque = collections.deque()
+    self.on_device = np.zeros((B,), bool)      # the next token to feed is the pick's output
+    self.pend = np.zeros((B,), bool)
+    self.pend_tags = self.tag_ids.copy()
+    self.pend_sids = self.state_ids.copy()
+    self.t_land = None
+
+  @property
+  def overlap(self) -> bool:
+    """Whether iterations overlap the host with the device (module docstring, "Overlap"); read
+    at every iteration, so ``preemption`` may be changed while the engine is idle."""
+    return self.overlap_wanted and self.preemption == "replay" and (
+        not self.paged or self.window >= 3)
 
   # --- construction hooks (DenseEngine overrides them) ---------------------------------------
 
@@ -457,6 +494,7 @@ class Engine:
     self._restore = jax.jit(self._restore_fn, donate_argnums=(0,))
     self._release = jax.jit(self._release_fn, donate_argnums=(0,))
     self._step = jax.jit(self._step_fn, donate_argnums=(2,))
+    self._fwd = jax.jit(self._fwd_fn, donate_argnums=(2,))
 
   # --- jitted pieces ------------------------------------------------------------------------
 
@@ -521,6 +559,29 @@ class Engine:
     nxt, lps = self._pick(logits, bits, seeds, steps, temperature, top_p, want_lp)
     out = jnp.concatenate([nxt[:, None], actions.astype(jnp.int32)], axis=1)
     return (out, lps), (cache, budget, led)
+
+  def _fwd_fn(self, params, policy, state, dev_tok, host, pages):
+    """The overlapping engine's forward.  ``dev_tok [B]``: the last pick's tokens (device);
+    ``host`` int32 [B, 9] (one transfer): token, use it instead of dev_tok, the previous token's
+    4 tags, its state id, decide it, active; ``pages`` int32 [2, G, B]: new page ids per pool.
+    -> ((logits [B, V], actions [B, G] of the previous tokens), state)."""
+    cache, budget, led = state
+    tokens = jnp.where(host[:, 1] > 0, host[:, 0], dev_tok)
+    cache = pcache.assign_pages(cache, pages[0], pages[1])
+    logits, cache, budget, led, actions = self.runner._deferred_step(
+        params, policy, cache, budget, led, tokens, host[:, 2:6], host[:, 6], host[:, 7] > 0,
+        host[:, 8] > 0)
+    return (logits, actions.astype(jnp.int32)), (cache, budget, led)
+
+  def _pick_packed(self, logits, packed):
+    """:meth:`_pick` with its per-row inputs in one int32 array [B, words + 5] (one transfer):
+    the bitmask words, then seed (uint32 bits), step, wants log-probs, temperature and top_p
+    (float32 bits)."""
+    nw = packed.shape[1] - 5
+    f32 = lambda c: jax.lax.bitcast_convert_type(packed[:, c], jnp.float32)
+    return self._pick(logits, packed[:, :nw],
+                      jax.lax.bitcast_convert_type(packed[:, nw], jnp.uint32), packed[:, nw + 1],
+                      f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0)
 
   # --- public, thread-safe ------------------------------------------------------------------
 
@@ -632,9 +693,141 @@ class Engine:
     for b, r in enumerate(self.running):
       if r is not None and r.cancelled:
         self._finish(r, "cancelled")
+    if self.overlap:
+      return self._iterate_overlap()
     self._admit()
     if self.active.any():
       self._decode()
+
+  # --- overlapped decode (module docstring, "Overlap") -----------------------------------------
+
+  def _iterate_overlap(self) -> None:
+    if self.fly_pick is not None:
+      self._land()
+    for b, r in enumerate(self.running):
+      if r is not None and r.cancelled:
+        self._finish(r, "cancelled")
+    self._admit()
+    self._launch()
+
+  def _land(self) -> None:
+    """Wait for the last pick's tokens (the device meanwhile runs the forward fed with them)
+    and give them to their requests."""
+    tok, lp, rows = self.fly_pick
+    self.fly_pick = None
+    t0 = time.perf_counter()
+    tok = np.asarray(tok)
+    lps = tuple(np.asarray(x) for x in lp) if any(r.logprobs is not None for _, r in rows) \
+        else None
+    t1 = time.perf_counter()
+    self.m["wait_s"] += t1 - t0
+    if self.t_land is not None:   # a step = the time between two landings
+      dt = t1 - self.t_land
+      self.m["decode_step_s"] += dt
+      self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
+    self.t_land = t1
+    while len(self.fly_acts) > 1:   # every forward before the one in flight has finished
+      self._read_actions(*self.fly_acts.popleft())
+    for b, r in rows:
+      if self.running[b] is r:
+        self._accept(r, int(tok[b]), _row(lps, b))
+        if self.running[b] is r:   # continues: its token was fed already, decide it next
+          self.pend[b] = True
+          self.pend_tags[b], self.pend_sids[b] = self.tag_ids[b], self.state_ids[b]
+    self.m["accept_s"] += time.perf_counter() - t1
+
+  def _read_actions(self, acts, rows) -> None:
+    """A forward's decided actions -> the host mirror (for page growth)."""
+    if not self.paged or not rows:
+      return
+    a = np.asarray(acts).astype(np.int8)
+    for b, r, p in rows:
+      if self.running[b] is r:
+        self.acts[b, p] = T.H if p < self.policy.sink else a[b]
+
+  def _launch(self) -> None:
+    """The pick of the forward in flight, then the next forward (fed with the pick's output)."""
+    t0 = time.perf_counter()
+    tok_dev = None
+    self.on_device[:] = False
+    if self.fly_fwd is not None:
+      logits, fed = self.fly_fwd
+      self.fly_fwd = None
+      live = [(b, r) for b, r in fed if self.running[b] is r]
+      if live:
+        self.bits[:] = -1
+        picked = []
+        for b, r in live:
+          if r.replay is None:   # a real sample; a replayed token's sample is ignored
+            r.tracker.fill(self.bits, b)
+            picked.append((b, r))
+        nw = self.bits.shape[1]
+        packed = np.zeros((self.slots, nw + 5), np.int32)
+        packed[:, :nw] = self.bits
+        packed[:, nw] = self.seeds.view(np.int32)
+        packed[:, nw + 1] = [len(r.out) if r is not None else 0 for r in self.running]
+        packed[:, nw + 2] = self.want_lp & self.active
+        packed[:, nw + 3] = self.temp.view(np.int32)
+        packed[:, nw + 4] = self.top_p.view(np.int32)
+        t1 = time.perf_counter()
+        self.m["fill_s"] += t1 - t0
+        tok_dev, lp = self._pick_rows(logits, jnp.asarray(packed))
+        self.m["dispatch_s"] += time.perf_counter() - t1
+        for b, r in picked:
+          self.on_device[b] = True
+        self.fly_pick = (tok_dev, lp, picked)
+        for b, r in live:
+          if r.replay is not None:   # the next replayed token, from the host
+            self.m["replay_steps"] += 1
+            self._feed(r, r.replay + 1)
+    rows_run = [b for b, r in enumerate(self.running) if r is not None]
+    if not rows_run:
+      self.fly_acts.clear()
+      self.t_land = None
+      return
+    t2 = time.perf_counter()
+    # A request whose pick gives its last token (max_tokens) is not fed again; its previous
+    # token is still decided.  (A stop token cannot be known ahead: it is fed, never decided.)
+    self.active[:] = False
+    for b in rows_run:
+      r = self.running[b]
+      self.active[b] = not (self.on_device[b] and len(r.out) + 1 >= r.max_tokens)
+    grow = self._grow() if self.paged else None   # may preempt (replay): rows leave
+    self.m["alloc_s"] += time.perf_counter() - t2
+    rows = np.flatnonzero(self.active)
+    decide = self.pend & np.array([r is not None for r in self.running])
+    if not len(rows) and not decide.any():
+      return
+    B = self.slots
+    host = np.zeros((B, 9), np.int32)
+    host[:, 0] = self.tokens
+    host[:, 1] = ~self.on_device
+    host[:, 2:6] = self.pend_tags
+    host[:, 6] = self.pend_sids
+    host[:, 7] = decide
+    host[:, 8] = self.active
+    dec = [(b, self.running[b], int(self.count[b]) - 1) for b in np.flatnonzero(decide)]
+    if tok_dev is None:
+      tok_dev = jnp.zeros((B,), jnp.int32)
+    t3 = time.perf_counter()
+    (logits, acts), self.state = self._fwd_call(tok_dev, host, grow)
+    self.m["dispatch_s"] += time.perf_counter() - t3
+    self.fly_acts.append((acts, dec))
+    self.fly_fwd = (logits, [(b, self.running[b]) for b in rows])
+    self.m["decode_steps"] += 1
+    self.m["decode_rows"] += len(rows)
+    self.count[rows] += 1
+    self.pend[decide] = False
+    # The tokens fed from the host (first tokens, replays) have known tags: decided next step.
+    # A token fed from the pick gets its tags when it lands.
+    for b in rows:
+      self.pend[b] = not self.on_device[b]
+      if self.pend[b]:
+        self.pend_tags[b], self.pend_sids[b] = self.tag_ids[b], self.state_ids[b]
+
+  def _fwd_call(self, tok_dev, host, grow):
+    return self._fwd(self.runner.params, self.policy, self.state, tok_dev, jnp.asarray(host),
+                     jnp.asarray(np.stack(grow)))
 
   # --- admission ----------------------------------------------------------------------------
 
@@ -820,6 +1013,7 @@ class Engine:
 
   def _vacate(self, b: int) -> None:
     self.active[b] = False
+    self.pend[b] = self.on_device[b] = False
     self.running[b] = None
     self.state = self._release(self.state, jnp.int32(b))
     self._give_back(b)
@@ -900,10 +1094,16 @@ class Engine:
         self.running[b].tracker.fill(self.bits, b)
     steps = np.array([len(r.out) if r is not None else 0 for r in self.running], np.int32)
     want = self.want_lp & self.active
+    t_fill = time.perf_counter()
     (out, lp), self.state = self._run_step(steps, grow, want)
+    t_disp = time.perf_counter()
     lps = tuple(np.asarray(x) for x in lp) if want.any() else None
     out = np.asarray(out)
-    dt = time.perf_counter() - t1
+    t_wait = time.perf_counter()
+    self.m["fill_s"] += t_fill - t1
+    self.m["dispatch_s"] += t_disp - t_fill
+    self.m["wait_s"] += t_wait - t_disp
+    dt = t_wait - t1
     self.m["decode_steps"] += 1
     self.m["decode_step_s"] += dt
     self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
@@ -914,7 +1114,8 @@ class Engine:
       a = out[rows, 1:].astype(np.int8)
       self.acts[rows, p] = np.where((p < self.policy.sink)[:, None], np.int8(T.H), a)
     self.count[rows] = p + 1
-    self.m["alloc_s"] += time.perf_counter() - t2
+    t3 = time.perf_counter()
+    self.m["alloc_s"] += t3 - t2
     for b in rows:
       r = self.running[b]
       if r.replay is None:
@@ -922,6 +1123,7 @@ class Engine:
       else:
         self.m["replay_steps"] += 1
         self._feed(r, r.replay + 1)
+    self.m["accept_s"] += time.perf_counter() - t3
 
   def _feed(self, r: Request, i: int) -> None:
     """Replay: the next step feeds generated token ``i`` with the tags it was fed with; the
@@ -1083,6 +1285,22 @@ class DenseEngine(Engine):
     self._insert = jax.jit(self._dense_insert, donate_argnums=(0,))
     self._release = jax.jit(self._dense_release, donate_argnums=(0,))
     self._step = jax.jit(self._dense_step, donate_argnums=(1,))
+    self._fwd = jax.jit(self._dense_fwd, donate_argnums=(1,))
+
+  def _dense_fwd(self, params, cache, dev_tok, host):
+    """The overlapping engine's forward (``Engine._fwd_fn``'s ``host`` layout; no actions)."""
+    self.traces["fwd"] += 1
+    model = nnx.merge(self.graphdef, params)
+    tokens = jnp.where(host[:, 1] > 0, host[:, 0], dev_tok)
+    active = host[:, 8] > 0
+    cap = cache.k.shape[2]
+    pos = jnp.where(active, cache.length, cap)[:, None]      # inactive rows write nothing
+    cache = cache._replace(length=cache.length + active.astype(jnp.int32))
+    logits, cache = model(tokens[:, None], pos, cache, kv_dense.attend)
+    return (logits[:, 0], jnp.zeros((tokens.shape[0], self.G), jnp.int32)), cache
+
+  def _fwd_call(self, tok_dev, host, grow):
+    return self._fwd(self.dense.params, self.state, tok_dev, jnp.asarray(host))
 
   def _dense_insert(self, cache, k, v, length, slot):
     self.traces["insert"] += 1
