@@ -183,6 +183,9 @@ class MemoPrefill:
       self.calls += 1
     return self.val
 
+  def prefill_chunks(self, dense, toks, lengths, chunk=None):
+    yield self.prefill_all(dense, toks, lengths)   # memoized: all chunks at once
+
 
 # ---- one cell -----------------------------------------------------------------------------------
 

@@ -228,7 +228,8 @@ def start_server(a, out: str) -> tuple[subprocess.Popen, str]:
   sock.close()
   cmd = [sys.executable, "-m", "pask_jax.cli", "serve", "--policy", a.policy, "--slots",
          str(a.slots), "--context", str(a.context), "--port", str(port), "--served-model-name",
-         NAME, "--default-max-tokens", str(a.max_tokens), "--log-level", "warning"]
+         NAME, "--default-max-tokens", str(a.max_tokens), "--log-level", "warning",
+         "--prefill-chunk", str(a.prefill_chunk)]
   if a.model:
     cmd += ["--model", a.model]
   log = open(os.path.join(out, "server.log"), "w")
@@ -340,6 +341,8 @@ def main(argv=None) -> int:
   ap.add_argument("--policy", default="demo")
   ap.add_argument("--slots", type=int, default=4)
   ap.add_argument("--context", type=int, default=256)
+  ap.add_argument("--prefill-chunk", type=int, default=512, choices=[64, 128, 256, 512],
+                  help="the server's --prefill-chunk")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--with-tools", action="store_true",
                   help="valid tool requests too (their prompts carry the tools system message, "
@@ -387,7 +390,8 @@ def main(argv=None) -> int:
       "config": {k: getattr(a, k) for k in ("requests", "concurrency", "valid_inflight", "idle",
                                             "control", "max_tokens", "max_seconds", "policy",
                                             "slots",
-                                            "context", "seed", "mix", "with_tools")},
+                                            "context", "seed", "mix", "with_tools",
+                                            "prefill_chunk")},
       "startup_s": round(startup, 1), "soak_wall_s": round(res["wall"], 1),
       "requests_sent": len(recs), "mixed_sent": sum(r["kind"] != "probe" for r in recs),
       "status_by_kind": {k: dict(v) for k, v in sorted(by.items())},

@@ -85,7 +85,8 @@ def cmd_serve(args) -> int:
                         dtype=args.dtype, default_max_tokens=args.default_max_tokens,
                         served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
-                        grammar_timeout_s=args.grammar_timeout)
+                        grammar_timeout_s=args.grammar_timeout,
+                        prefill_chunk=args.prefill_chunk)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
@@ -262,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                       "its prompt is prefilled again and its generated tokens re-fed through "
                       "the decode step (replay, default: output continues bit-exactly) or "
                       "prefilled with the prompt (recompute: one prefill, numerically close)")
+  s.add_argument("--prefill-chunk", type=int, choices=[64, 128, 256, 512], default=512,
+                 help="tokens of a prompt prefilled between two decode steps while other "
+                      "requests decode (smaller: less stall for them, more steps for the "
+                      "prompt; default 512)")
   s.add_argument("--default-max-tokens", type=int, default=256)
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

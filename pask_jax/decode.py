@@ -112,8 +112,21 @@ class Runner:
 
   def prefill_all(self, cache, tokens: np.ndarray, lengths: np.ndarray):
     """Whole (padded) prompts, chunk by chunk -> (last-token logits [B, V], cache)."""
+    for logits, cache in self.prefill_chunks(cache, tokens, lengths):
+      pass
+    return logits, cache
+
+  def prefill_chunks(self, cache, tokens: np.ndarray, lengths: np.ndarray,
+                     chunk: int = PREFILL_CHUNK):
+    """:meth:`prefill_all` one chunk of ``chunk`` tokens at a time (a power of two that divides the
+    padded length, or more than it): a generator of (None, cache) after each chunk but the last
+    and (last-token logits [B, V], cache) after the last, so a caller can interleave other work
+    (the serving engine runs decode steps between the chunks of a long prompt)."""
     T = tokens.shape[1]
-    chunk = min(T, PREFILL_CHUNK)
+    chunk = min(T, chunk)
+    if T % chunk:
+      raise ValueError(f"a prefill chunk of {chunk} tokens does not divide the padded prompt "
+                       f"length {T}")
     lengths_d = jnp.asarray(lengths)
     logits = None
     for start in range(0, T, chunk):
@@ -121,7 +134,7 @@ class Runner:
                                  jnp.int32(start), lengths_d)
       mine = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + chunk))[:, None]
       logits = part if logits is None else jnp.where(mine, part, logits)
-    return logits, cache
+      yield (logits if start + chunk >= T else None), cache
 
   def _step(self, params, cache, tokens, bits, key, temperature, top_p):
     """tokens [B] (the last accepted) -> (next tokens [B], logits [B, V], cache)."""

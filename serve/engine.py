@@ -65,8 +65,13 @@ order a request meets them:
   No request fails for lack of pages (the oldest running request can always finish alone:
   :meth:`Engine.worst_case`) and every page comes back.
 * **Interleaving**: each engine iteration admits requests into free slots, then runs one decode
-  step for all running slots.  While other requests are decoding, admission stops once this
-  iteration's prefills took about one decode step (a moving average; at least one prefill).
+  step for all running slots.  A prompt is prefilled in pieces of ``prefill_chunk`` tokens
+  (``--prefill-chunk``, default 512; a prompt of at most that many tokens is one piece, and a
+  longer one attends to the pieces before it, ``Runner.prefill_chunks``).  While other requests
+  are decoding, an iteration's prefill work stops once it took about one decode step (a moving
+  average; at least one piece), and a long prompt continues at the next iteration: a 32K prompt
+  no longer stalls every running stream for the whole of its prefill.  Admission stays FIFO: the
+  next request is admitted once the prompt in progress is done.
 * **Decode**: ONE jitted step for the whole batch (``PaskRunner._decode_step`` + per-row
   sampling); inactive slots are masked by ``active`` (neither charged nor written), so it
   compiles once per batch shape.  Sampling keys are per request: fold_in(key(seed), token
@@ -173,6 +178,7 @@ class Request:
   plan: np.ndarray | None = None    # int8 [n, G] actions of the positions its next prefill stores
   resume: dict | None = None        # what a preempted request needs to continue
   replay: int | None = None         # replay mode: index of the generated token being re-fed
+  pre: Any = None                   # the prefill in progress (chunks left, length, bucket, rows)
   fed: list = dataclasses.field(default_factory=list)   # (tag ids, state id) of every out token
   preemptions: int = 0
 
@@ -389,14 +395,21 @@ class Engine:
                kv_bytes: int | None = None, gpu_memory_utilization: float | None = None,
                mix: tuple[float, float] | None = None, watermark: float = 0.01,
                preemption: str = "replay", backend: str = "auto",
-               prefiller: Runner | None = None, overlap: bool = True):
+               prefiller: Runner | None = None, overlap: bool = True,
+               prefill_chunk: int = PREFILL_CHUNK):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
     ``lo_pages``: pool sizes in pages (override the budget's); ``mix``: expected (H, L)
     fractions; ``preemption``: "recompute" or "replay" (module docstring); ``prefiller``: a
     batch-1 dense :class:`Runner` to share between engines; ``overlap``: overlap the host's
-    work with the device step (module docstring; off where it does not apply)."""
+    work with the device step (module docstring; off where it does not apply);
+    ``prefill_chunk``: tokens per prefill piece run between decode steps (a power of two from
+    64 to 512; a prompt of at most this many tokens is one piece)."""
+    if prefill_chunk not in (64, 128, 256, 512):
+      raise ValueError(f"prefill_chunk must be 64, 128, 256 or 512, got {prefill_chunk!r}")
+    self.prefill_chunk = int(prefill_chunk)
+    self.prefilling: Request | None = None   # the request whose prompt is being prefilled
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
     self.preemption = preemption
@@ -780,7 +793,7 @@ class Engine:
           if r.replay is not None:   # the next replayed token, from the host
             self.m["replay_steps"] += 1
             self._feed(r, r.replay + 1)
-    rows_run = [b for b, r in enumerate(self.running) if r is not None]
+    rows_run = [b for b, r in enumerate(self.running) if r is not None and r.pre is None]
     if not rows_run:
       self.fly_acts.clear()
       self.t_land = None
@@ -867,6 +880,10 @@ class Engine:
       return
     self.pressure = False
     spent = 0.0
+    if self.prefilling is not None:   # a long prompt's next chunks first (FIFO)
+      spent += self._prefill_some(busy, spent)
+      if self.prefilling is not None or (busy and spent >= self.step_ema):
+        return
     while self.waiting and None in self.running:
       r = self.waiting[0]
       t0 = time.perf_counter()
@@ -901,16 +918,17 @@ class Engine:
       if r.resume is None:
         r.t_admit = time.perf_counter()
         self.m["queue_wait_s"] += r.t_admit - r.t_submit
-      t0 = time.perf_counter()
       try:
         self._prefill(r, rows)
       except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
         self._finish(r, "error", f"prefill failed: {e}")
-      spent += time.perf_counter() - t0
+        continue
+      spent += self._prefill_some(busy, spent)
       # Running streams wait while we prefill: stop once this iteration's prefills cost about
-      # one decode step (always at least one).  With nothing running, fill every free slot —
-      # the step costs the same for 1 active row as for all of them.
-      if busy and spent >= self.step_ema:
+      # one decode step (always at least one chunk); a prompt of several chunks continues at the
+      # next iteration.  With nothing running, fill every free slot — the step costs the same
+      # for 1 active row as for all of them.
+      if self.prefilling is not None or (busy and spent >= self.step_ema):
         return
 
   # --- page bookkeeping (host) ----------------------------------------------------------------
@@ -994,7 +1012,9 @@ class Engine:
     """Free ``r``'s slot and pages, keep what it needs to continue (per ``self.preemption``),
     and put it back at the head of the queue."""
     b = r.slot
-    if self.preemption == "recompute" and r.replay is None:
+    if r is self.prefilling:   # nothing generated here yet: back to the queue as it came
+      pass
+    elif self.preemption == "recompute" and r.replay is None:
       cache, budget, led = self.state
       r.resume = {"balance": np.asarray(budget[b]),
                   "ledger": jax.tree.map(lambda x: np.asarray(x[b]), led),
@@ -1012,6 +1032,8 @@ class Engine:
     self.waiting.appendleft(r)
 
   def _vacate(self, b: int) -> None:
+    if self.prefilling is not None and self.prefilling is self.running[b]:
+      self.prefilling.pre, self.prefilling = None, None   # dropped mid-prefill
     self.active[b] = False
     self.pend[b] = self.on_device[b] = False
     self.running[b] = None
@@ -1021,7 +1043,7 @@ class Engine:
   # --- prefill and decode ---------------------------------------------------------------------
 
   def _prefill(self, r: Request, rows) -> None:
-    t0 = time.perf_counter()
+    """Start ``r``'s prefill (it becomes :attr:`prefilling`); :meth:`_prefill_some` runs it."""
     resume = r.resume
     ids = r.ids + r.out[:-1] if resume and "ledger" in resume else r.ids
     n, Tn = len(ids), bucket(len(ids))
@@ -1029,7 +1051,35 @@ class Engine:
     toks[0, :n] = ids
     c = self.cfg
     dense = kv_dense.init(c.n_layers, 1, Tn, c.n_kv_heads, c.head_dim, jnp.bfloat16)
-    logits, dense = self.dense.prefill_all(dense, toks, np.array([n], np.int32))
+    r.pre = (self.dense.prefill_chunks(dense, toks, np.array([n], np.int32), self.prefill_chunk),
+             n, Tn, rows)
+    self.prefilling = r
+
+  def _prefill_some(self, busy: bool, spent: float) -> float:
+    """Run the prefill in progress chunk by chunk — while others decode, until this iteration's
+    prefill time reaches about one decode step (at least one chunk); else to its end — and
+    finish it when its last chunk is done.  -> the time spent."""
+    r = self.prefilling
+    t0 = time.perf_counter()
+    try:
+      while True:
+        logits, dense = next(r.pre[0])
+        if logits is not None or (busy and spent + time.perf_counter() - t0 >= self.step_ema):
+          break
+      if logits is not None:
+        self.prefilling, (_, n, Tn, rows), r.pre = None, r.pre, None
+        self._prefill_done(r, logits, dense, n, Tn, rows)
+    except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
+      self.prefilling, r.pre = None, None
+      self._finish(r, "error", f"prefill failed: {e}")
+    dt = time.perf_counter() - t0
+    self.m["prefill_s"] += dt
+    return dt
+
+  def _prefill_done(self, r: Request, logits, dense, n: int, Tn: int, rows) -> None:
+    """The prompt's K/V into the slot; a resumed request continues, a new one gets its first
+    token from the prefill's logits."""
+    resume = r.resume
     b = r.slot
     self._insert_slot(r, dense, n, Tn, rows)
     self.count[b] = n
@@ -1049,7 +1099,6 @@ class Engine:
       self.active[b] = True
       r.resume = None
       self.m["resumed"] += 1
-      self.m["prefill_s"] += time.perf_counter() - t0
       return
     self.bits1[:] = -1
     r.tracker.fill(self.bits1, 0)
@@ -1058,7 +1107,6 @@ class Engine:
                           jnp.asarray([r.temperature], jnp.float32),
                           jnp.asarray([r.top_p], jnp.float32),
                           jnp.asarray([r.logprobs is not None]))
-    self.m["prefill_s"] += time.perf_counter() - t0
     self.m["prefills"] += 1
     lp = tuple(np.asarray(x) for x in lp) if r.logprobs is not None else None
     self._accept(r, int(tok[0]), _row(lp, 0))

@@ -404,3 +404,52 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
   for x, y in zip(aa, ab):
     n = len(x) - 3
     assert len(y) - len(x) in (0, 1) and n > 8 and (x[:n] == y[:n]).all()
+
+
+# ---- chunked prefill: a long prompt does not stall the running streams -------------------------
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+  """With ``prefill_chunk=64`` a prompt of several chunks is prefilled over several iterations,
+  each also running a decode step of the requests already decoding; every request completes
+  under its grammar with the text of an engine that prefills it whole, and every page comes
+  back."""
+  def reqs():
+    out = requests(2)
+    text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
+    ids, tags = label_prompt(tok(), text)
+    assert len(ids) > 128   # at least three chunks of 64
+    out.append(Request(ids=ids, tags=tags, max_tokens=24,
+                       tracker=Tracker(grammar(), FCAdapter(grammar(), tok()))))
+    return out
+
+  got = {}
+  for chunk in (512, 64):
+    e = Engine(model(), tok(), pol("demo"), slots=SLOTS, context=CTX + 64, page=PAGE,
+               prefiller=prefiller(), prefill_chunk=chunk)
+    rs = reqs()
+    done = {}
+    for r in rs:
+      r.emit = lambda kind, payload, r=r: done.__setitem__(r.rid, (kind, payload)) \
+          if kind != "delta" else None
+    for r in rs[:2]:
+      e.submit(r)
+    for _ in range(4):   # the short requests are decoding
+      e._iterate()
+    e.submit(rs[2])
+    interleaved = 0
+    for _ in range(2000):
+      if e.idle():
+        break
+      before = e.m["decode_steps"]
+      e._iterate()
+      interleaved += e.prefilling is rs[2] and e.m["decode_steps"] > before
+    assert all(done[r.rid][0] == "done" for r in rs), done
+    check_clean(e)
+    got[chunk] = [done[r.rid][1] for r in rs], interleaved
+  (whole, n_whole), (chunked, n_chunked) = got[512], got[64]
+  # prefilled over >= 2 iterations, a decode step after each piece (the pieces per iteration
+  # follow the time budget: about one decode step)
+  assert n_whole == 0 and n_chunked >= 1
+  for a, b in zip(whole, chunked):
+    assert is_call(b["text"]) and b["finish"] == a["finish"]
+    assert b["tokens"] == a["tokens"]
