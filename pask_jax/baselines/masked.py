@@ -205,6 +205,8 @@ class MaskedRunner:
     v = jnp.where(lw, qdq(st.v), st.v)
     return st._replace(k=k, v=v, keep=keep, low=low)
 
+  prefill_chunks = Runner.prefill_chunks   # the Full-KV runner's chunk loop (calls self.prefill)
+
   def prefill_all(self, st: State, tokens: np.ndarray, lengths: np.ndarray):
     # The Full-KV runner's chunk loop (it only calls self.prefill), then the prompt compression.
     logits, st = Runner.prefill_all(self, st, tokens, lengths)
