@@ -235,21 +235,29 @@ class PaskRunner:
                                             backend=self.backend)
     return out[:, None].astype(q.dtype), (cache, plan)
 
-  def _decode_step(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
-    self.traces["step"] += 1
+  def _write_and_attend(self, params, cache, tokens, pending, active):
+    """Write ``tokens`` [B] at each sequence's next position with pending actions ``pending
+    [B, G]`` (the token leaving the window is materialized) and run the model over the cache.
+    -> (logits [B, V], cache)."""
     model = nnx.merge(self.graphdef, params)
-    with jax.named_scope("controller"):
-      actions, budget = self._control(policy, tag_ids, state_ids, budget, ~active)
     pos = cache.count                                  # the new token's absolute position
     with jax.named_scope("cache_write"):
-      cache, plan = pcache.begin_step(cache, actions, active)
+      cache, plan = pcache.begin_step(cache, pending, active)
       cache = pcache.evict_step(cache, plan)     # every layer's evicted row at once
     logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
+    return logits[:, 0], cache
+
+  def _decode_step(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
+    self.traces["step"] += 1
     tmpl = self._shared(policy)
+    with jax.named_scope("controller"):
+      actions, budget = self._control(policy, tag_ids, state_ids, budget, ~active)
     with jax.named_scope("ledger"):
-      led = ledger.record_decode(led, actions, active, pos, sink=tmpl.sink)
+      led = ledger.record_decode(led, actions, active, cache.count, sink=tmpl.sink)
+    logits, cache = self._write_and_attend(params, cache, tokens, actions, active)
+    with jax.named_scope("ledger"):
       led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
-    return logits[:, 0], cache, budget, led, actions
+    return logits, cache, budget, led, actions
 
   def _deferred_step(self, params, policy, cache, budget, led, tokens, prev_tags, prev_state_ids,
                      decide, active):
@@ -261,7 +269,6 @@ class PaskRunner:
     the window, so caches, balances, ledgers and logits equal :meth:`_decode_step`'s; the
     returned actions are those of the previous tokens."""
     self.traces["fwd"] += 1
-    model = nnx.merge(self.graphdef, params)
     tmpl = self._shared(policy)
     with jax.named_scope("controller"):
       actions, budget = self._control(policy, prev_tags, prev_state_ids, budget, ~decide)
@@ -269,14 +276,11 @@ class PaskRunner:
       cache = pcache.set_pending(cache, actions, decide)
     with jax.named_scope("ledger"):
       led = ledger.record_decode(led, actions, decide, cache.count - 1, sink=tmpl.sink)
-    pos = cache.count
-    with jax.named_scope("cache_write"):
-      cache, plan = pcache.begin_step(cache, jnp.full_like(actions, T.H), active)
-      cache = pcache.evict_step(cache, plan)
-    logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
+    logits, cache = self._write_and_attend(params, cache, tokens, jnp.full_like(actions, T.H),
+                                           active)
     with jax.named_scope("ledger"):
       led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
-    return logits[:, 0], cache, budget, led, actions
+    return logits, cache, budget, led, actions
 
   def _step(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, key,
             temperature, top_p):

@@ -1335,17 +1335,22 @@ class DenseEngine(Engine):
     self._step = jax.jit(self._dense_step, donate_argnums=(1,))
     self._fwd = jax.jit(self._dense_fwd, donate_argnums=(1,))
 
-  def _dense_fwd(self, params, cache, dev_tok, host):
-    """The overlapping engine's forward (``Engine._fwd_fn``'s ``host`` layout; no actions)."""
-    self.traces["fwd"] += 1
+  def _dense_forward(self, params, cache, tokens, active):
+    """tokens [B] written at each active row's next slot, the model over the dense cache ->
+    (logits [B, V], cache)."""
     model = nnx.merge(self.graphdef, params)
-    tokens = jnp.where(host[:, 1] > 0, host[:, 0], dev_tok)
-    active = host[:, 8] > 0
     cap = cache.k.shape[2]
     pos = jnp.where(active, cache.length, cap)[:, None]      # inactive rows write nothing
     cache = cache._replace(length=cache.length + active.astype(jnp.int32))
     logits, cache = model(tokens[:, None], pos, cache, kv_dense.attend)
-    return (logits[:, 0], jnp.zeros((tokens.shape[0], self.G), jnp.int32)), cache
+    return logits[:, 0], cache
+
+  def _dense_fwd(self, params, cache, dev_tok, host):
+    """The overlapping engine's forward (``Engine._fwd_fn``'s ``host`` layout; no actions)."""
+    self.traces["fwd"] += 1
+    tokens = jnp.where(host[:, 1] > 0, host[:, 0], dev_tok)
+    logits, cache = self._dense_forward(params, cache, tokens, host[:, 8] > 0)
+    return (logits, jnp.zeros((tokens.shape[0], self.G), jnp.int32)), cache
 
   def _fwd_call(self, tok_dev, host, grow):
     return self._fwd(self.dense.params, self.state, tok_dev, jnp.asarray(host))
@@ -1364,12 +1369,8 @@ class DenseEngine(Engine):
   def _dense_step(self, params, cache, tokens, active, bits, seeds, steps, temperature, top_p,
                   want_lp):
     self.traces["step"] += 1
-    model = nnx.merge(self.graphdef, params)
-    cap = cache.k.shape[2]
-    pos = jnp.where(active, cache.length, cap)[:, None]      # inactive rows write nothing
-    cache = cache._replace(length=cache.length + active.astype(jnp.int32))
-    logits, cache = model(tokens[:, None], pos, cache, kv_dense.attend)
-    nxt, lps = self._pick(logits[:, 0], bits, seeds, steps, temperature, top_p, want_lp)
+    logits, cache = self._dense_forward(params, cache, tokens, active)
+    nxt, lps = self._pick(logits, bits, seeds, steps, temperature, top_p, want_lp)
     out = jnp.concatenate([nxt[:, None], jnp.zeros((nxt.shape[0], self.G), jnp.int32)], axis=1)
     return (out, lps), cache
 

@@ -57,24 +57,21 @@ class _Message(_Model):
   name: str | None = None
 
 
-class SystemMessage(_Message):
+class _TextMessage(_Message):
+  content: Any
+
+  @field_validator("content", mode="before")
+  @classmethod
+  def _c(cls, v):
+    return _text_content(v)
+
+
+class SystemMessage(_TextMessage):
   role: Literal["system", "developer"]
-  content: Any
-
-  @field_validator("content", mode="before")
-  @classmethod
-  def _c(cls, v):
-    return _text_content(v)
 
 
-class UserMessage(_Message):
+class UserMessage(_TextMessage):
   role: Literal["user"]
-  content: Any
-
-  @field_validator("content", mode="before")
-  @classmethod
-  def _c(cls, v):
-    return _text_content(v)
 
 
 class FunctionCall(_Model):
