@@ -183,7 +183,7 @@ class MemoPrefill:
       self.calls += 1
     return self.val
 
-  def prefill_chunks(self, dense, toks, lengths, chunk=None):
+  def prefill_chunks(self, dense, toks, lengths, chunk=None, ahead=None):
     yield self.prefill_all(dense, toks, lengths)   # memoized: all chunks at once
 
 

@@ -229,7 +229,7 @@ def start_server(a, out: str) -> tuple[subprocess.Popen, str]:
   cmd = [sys.executable, "-m", "pask_jax.cli", "serve", "--policy", a.policy, "--slots",
          str(a.slots), "--context", str(a.context), "--port", str(port), "--served-model-name",
          NAME, "--default-max-tokens", str(a.max_tokens), "--log-level", "warning",
-         "--prefill-chunk", str(a.prefill_chunk)]
+         "--prefill-chunk", str(a.prefill_chunk), "--prefill-share", str(a.prefill_share)]
   if a.model:
     cmd += ["--model", a.model]
   log = open(os.path.join(out, "server.log"), "w")
@@ -343,6 +343,7 @@ def main(argv=None) -> int:
   ap.add_argument("--context", type=int, default=256)
   ap.add_argument("--prefill-chunk", type=int, default=512, choices=[64, 128, 256, 512],
                   help="the server's --prefill-chunk")
+  ap.add_argument("--prefill-share", type=float, default=1 / 3, help="the server's --prefill-share")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--with-tools", action="store_true",
                   help="valid tool requests too (their prompts carry the tools system message, "
@@ -391,7 +392,7 @@ def main(argv=None) -> int:
                                             "control", "max_tokens", "max_seconds", "policy",
                                             "slots",
                                             "context", "seed", "mix", "with_tools",
-                                            "prefill_chunk")},
+                                            "prefill_chunk", "prefill_share")},
       "startup_s": round(startup, 1), "soak_wall_s": round(res["wall"], 1),
       "requests_sent": len(recs), "mixed_sent": sum(r["kind"] != "probe" for r in recs),
       "status_by_kind": {k: dict(v) for k, v in sorted(by.items())},

@@ -86,7 +86,8 @@ def cmd_serve(args) -> int:
                         served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                         grammar_timeout_s=args.grammar_timeout,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk,
+                        prefill_share=args.prefill_share)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
@@ -206,6 +207,7 @@ def _arg(cast, ok, what: str):
 _positive = _arg(int, lambda v: v >= 1, "a positive integer")
 _positive_float = _arg(float, lambda v: v > 0, "a positive number")
 _fraction = _arg(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+_share = _arg(float, lambda v: 0 < v < 1, "a fraction in (0, 1)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                  help="tokens of a prompt prefilled between two decode steps while other "
                       "requests decode (smaller: less stall for them, more steps for the "
                       "prompt; default 512)")
+  s.add_argument("--prefill-share", type=_share, default=1 / 3,
+                 help="the most of the engine's time a long prompt's prefill (several pieces) "
+                      "takes while other requests decode; prompts of one piece are not paced "
+                      "and may pass a long one in progress (default 1/3)")
   s.add_argument("--default-max-tokens", type=int, default=256)
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
   s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

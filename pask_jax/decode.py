@@ -117,11 +117,16 @@ class Runner:
     return logits, cache
 
   def prefill_chunks(self, cache, tokens: np.ndarray, lengths: np.ndarray,
-                     chunk: int = PREFILL_CHUNK):
+                     chunk: int = PREFILL_CHUNK, ahead: int | None = None):
     """:meth:`prefill_all` one chunk of ``chunk`` tokens at a time (a power of two that divides the
     padded length, or more than it): a generator of (None, cache) after each chunk but the last
     and (last-token logits [B, V], cache) after the last, so a caller can interleave other work
-    (the serving engine runs decode steps between the chunks of a long prompt)."""
+    (the serving engine runs decode steps between the chunks of a long prompt).
+
+    ``ahead``: at most this many chunks unfinished on the device when a chunk is yielded (after
+    dispatching a chunk, wait for the one ``ahead`` before it); None: no limit.  The engine
+    uses 1: work it puts between two chunks (a short prompt) waits for at most one chunk,
+    and the host still launches each chunk while the one before it runs."""
     T = tokens.shape[1]
     chunk = min(T, chunk)
     if T % chunk:
@@ -129,9 +134,13 @@ class Runner:
                        f"length {T}")
     lengths_d = jnp.asarray(lengths)
     logits = None
+    parts = collections.deque()   # the chunks' logits: never donated, so they can be waited on
     for start in range(0, T, chunk):
       part, cache = self.prefill(self.params, cache, jnp.asarray(tokens[:, start:start + chunk]),
                                  jnp.int32(start), lengths_d)
+      parts.append(part)
+      while ahead is not None and len(parts) > ahead:   # launched this one while that one ran
+        jax.block_until_ready(parts.popleft())
       mine = jnp.asarray((lengths - 1 >= start) & (lengths - 1 < start + chunk))[:, None]
       logits = part if logits is None else jnp.where(mine, part, logits)
       yield (logits if start + chunk >= T else None), cache

@@ -558,7 +558,8 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           preemption: str = "replay", dtype: str = "auto", default_max_tokens: int = 256,
           warmup: bool = True, served_model_name: list[str] | None = None,
           max_body_bytes: int = 2 << 20, max_json_depth: int = 64,
-          grammar_timeout_s: float = 10.0, prefill_chunk: int = 512):
+          grammar_timeout_s: float = 10.0, prefill_chunk: int = 512,
+          prefill_share: float = 1 / 3):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen)."""
   import jax
@@ -580,7 +581,7 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
                   kv_bytes=None if kv_memory_gb is None else int(kv_memory_gb * 1e9),
                   gpu_memory_utilization=gpu_memory_utilization,
                   mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
-                  prefill_chunk=prefill_chunk)
+                  prefill_chunk=prefill_chunk, prefill_share=prefill_share)
   if warmup:
     engine.warmup()
   engine.start()

@@ -67,11 +67,16 @@ order a request meets them:
 * **Interleaving**: each engine iteration admits requests into free slots, then runs one decode
   step for all running slots.  A prompt is prefilled in pieces of ``prefill_chunk`` tokens
   (``--prefill-chunk``, default 512; a prompt of at most that many tokens is one piece, and a
-  longer one attends to the pieces before it, ``Runner.prefill_chunks``).  While other requests
-  are decoding, an iteration's prefill work stops once it took about one decode step (a moving
-  average; at least one piece), and a long prompt continues at the next iteration: a 32K prompt
-  no longer stalls every running stream for the whole of its prefill.  Admission stays FIFO: the
-  next request is admitted once the prompt in progress is done.
+  longer one attends to the pieces before it, ``Runner.prefill_chunks``).  A prompt of one piece
+  is prefilled when it is admitted; an iteration admits such prompts until their prefills took
+  about one decode step (a moving average; at least one).  A long prompt's pieces run between
+  decode steps, paced so that while other requests decode they take at most
+  ``prefill_share`` of the time (``--prefill-share``, default 1/3;
+  :class:`serve.schedule.PrefillPacer`); with nothing decoding it runs at full speed.  A 32K
+  prompt thus neither stalls the running streams for its whole prefill nor holds up the
+  requests behind it: one long prompt is prefilled at a time, and shorter prompts that arrive
+  meanwhile are admitted and prefilled before its remaining pieces (vLLM's partial-prefill rule:
+  admission is FIFO except that a one-piece prompt may pass a long one; pages stay FIFO).
 * **Decode**: ONE jitted step for the whole batch (``PaskRunner._decode_step`` + per-row
   sampling); inactive slots are masked by ``active`` (neither charged nor written), so it
   compiles once per batch shape.  Sampling keys are per request: fold_in(key(seed), token
@@ -132,6 +137,7 @@ from pask_jax.decode import FREE_TAG, PREFILL_CHUNK, PaskRunner, Runner, Tracker
 from pask_jax.grammar.matcher import new_bitmask
 from pask_jax.sample import _nucleus, apply_bitmask
 from serve.detok import Detokenizer
+from serve.schedule import PREFILL_SHARE, PrefillPacer
 
 _ids = itertools.count(1)
 TOP_LOGPROBS = 20   # alternatives computed per step when a request asks for logprobs
@@ -396,7 +402,7 @@ class Engine:
                mix: tuple[float, float] | None = None, watermark: float = 0.01,
                preemption: str = "replay", backend: str = "auto",
                prefiller: Runner | None = None, overlap: bool = True,
-               prefill_chunk: int = PREFILL_CHUNK):
+               prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
@@ -405,11 +411,19 @@ class Engine:
     batch-1 dense :class:`Runner` to share between engines; ``overlap``: overlap the host's
     work with the device step (module docstring; off where it does not apply);
     ``prefill_chunk``: tokens per prefill piece run between decode steps (a power of two from
-    64 to 512; a prompt of at most this many tokens is one piece)."""
+    64 to 512; a prompt of at most this many tokens is one piece); ``prefill_share``: the most
+    of the engine's time a long prompt's prefill takes while others decode
+    (:class:`serve.schedule.PrefillPacer`)."""
     if prefill_chunk not in (64, 128, 256, 512):
       raise ValueError(f"prefill_chunk must be 64, 128, 256 or 512, got {prefill_chunk!r}")
     self.prefill_chunk = int(prefill_chunk)
-    self.prefilling: Request | None = None   # the request whose prompt is being prefilled
+    self.pacer = PrefillPacer(prefill_share)
+    self.prefilling: Request | None = None   # the long prompt whose prefill is in progress
+    # Between two decode steps' completions: prefill seconds spent on the host and the long
+    # prompt's pieces run (the pacer charges what the interval cost beyond a decode step).
+    self.pre_s = 0.0
+    self.pre_pieces = 0
+    self.piece_ema = 0.0   # seconds one long-prompt piece adds to an interval (moving average)
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
     self.preemption = preemption
@@ -711,6 +725,29 @@ class Engine:
     self._admit()
     if self.active.any():
       self._decode()
+    else:
+      self.t_land = None
+
+  def _pace(self, t: float) -> None:
+    """A decode step finished at ``t``.  An interval between two such moments without prefill
+    work is a decode step (its moving average ``step_ema`` is the short prompts' budget per
+    iteration); what an interval with prefill work took beyond one is that work's cost, charged
+    to the pacer (and, per long-prompt piece, ``piece_ema``: how many pieces the credit covers).
+    Measured between completions, not around the host's calls, because the calls only launch
+    the work: a piece's device time shows in the interval it ran in."""
+    if self.t_land is not None:
+      dt = t - self.t_land
+      if not self.pre_pieces and not self.pre_s:
+        self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
+      else:
+        extra = max(dt - self.step_ema, 0.0)
+        self.pacer.spent(extra)
+        if self.pre_pieces:
+          per = max(extra - self.pre_s, 0.0) / self.pre_pieces
+          self.piece_ema = per if not self.piece_ema else 0.8 * self.piece_ema + 0.2 * per
+      self.pacer.step(self.step_ema or dt)
+    self.t_land = t
+    self.pre_s, self.pre_pieces = 0.0, 0
 
   # --- overlapped decode (module docstring, "Overlap") -----------------------------------------
 
@@ -735,10 +772,8 @@ class Engine:
     t1 = time.perf_counter()
     self.m["wait_s"] += t1 - t0
     if self.t_land is not None:   # a step = the time between two landings
-      dt = t1 - self.t_land
-      self.m["decode_step_s"] += dt
-      self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
-    self.t_land = t1
+      self.m["decode_step_s"] += t1 - self.t_land
+    self._pace(t1)
     while len(self.fly_acts) > 1:   # every forward before the one in flight has finished
       self._read_actions(*self.fly_acts.popleft())
     for b, r in rows:
@@ -879,13 +914,18 @@ class Engine:
         self.m["admission_blocked_pages"] += 1
       return
     self.pressure = False
-    spent = 0.0
-    if self.prefilling is not None:   # a long prompt's next chunks first (FIFO)
-      spent += self._prefill_some(busy, spent)
-      if self.prefilling is not None or (busy and spent >= self.step_ema):
-        return
-    while self.waiting and None in self.running:
-      r = self.waiting[0]
+    # New requests first, in arrival order.  A prompt of one piece is prefilled now, even while a
+    # long prompt is in progress (it passes it); one long prompt is prefilled at a time, and a
+    # long one waiting for that lets the shorter ones behind it go first.  Pages stay FIFO: a
+    # request whose pages are not free stops admission until some are.
+    spent, i = 0.0, 0
+    while i < len(self.waiting) and None in self.running and not (busy and spent and
+                                                                   spent >= self.step_ema):
+      r = self.waiting[i]
+      long = self._prefill_len(r) > self.prefill_chunk
+      if long and self.prefilling is not None:
+        i += 1
+        continue
       t0 = time.perf_counter()
       if self.paged:
         if r.plan is None:
@@ -893,7 +933,7 @@ class Engine:
           try:
             r.plan = r.prompt_plan = self._prompt_plan(r)
           except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
-            self.waiting.popleft()
+            del self.waiting[i]
             self.m["requests_error"] += 1
             r.emit("error", f"prefill plan failed: {e}")
             continue
@@ -904,13 +944,13 @@ class Engine:
         if not self._fits(need, running):
           self.m["admit_s"] += time.perf_counter() - t0
           if not running:   # cannot happen after fits_ever; never wait forever on it
-            self.waiting.popleft()
+            del self.waiting[i]
             self.m["requests_error"] += 1
             r.emit("error", "the KV pools are too small for this request")
             continue
           self.m["admission_blocked_pages"] += 1   # a slot is free, the pages are not
-          return   # strict FIFO: wait for pages
-      self.waiting.popleft()
+          break   # FIFO for pages: nothing behind it goes first
+      del self.waiting[i]
       r.slot = b = self.running.index(None)
       self.running[b] = r
       rows = self._take(b, need) if self.paged else None
@@ -923,13 +963,21 @@ class Engine:
       except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
         self._finish(r, "error", f"prefill failed: {e}")
         continue
-      spent += self._prefill_some(busy, spent)
-      # Running streams wait while we prefill: stop once this iteration's prefills cost about
-      # one decode step (always at least one chunk); a prompt of several chunks continues at the
-      # next iteration.  With nothing running, fill every free slot — the step costs the same
-      # for 1 active row as for all of them.
-      if self.prefilling is not None or (busy and spent >= self.step_ema):
-        return
+      if r is not self.prefilling:   # one piece: prefilled now, and it decodes from next step
+        spent += self._prefill_some(r, busy=False)
+    # The long prompt's pieces.  While streams decode (the short prompts just admitted too),
+    # the pacer says when and how many; with nothing decoding it runs to its end, unless a new
+    # request arrives (it may be short: it goes first, at the next iteration).
+    r = self.prefilling
+    if r is not None:
+      busy = bool(self.active.any())
+      if not busy or self.pacer.ready():
+        self._prefill_some(r, busy)
+
+  def _prefill_len(self, r: Request) -> int:
+    """Tokens the next prefill of ``r`` runs (a request resumed by recompute: its output too)."""
+    resume = r.resume
+    return len(r.ids) + (len(r.out) - 1 if resume and "ledger" in resume else 0)
 
   # --- page bookkeeping (host) ----------------------------------------------------------------
 
@@ -1043,7 +1091,8 @@ class Engine:
   # --- prefill and decode ---------------------------------------------------------------------
 
   def _prefill(self, r: Request, rows) -> None:
-    """Start ``r``'s prefill (it becomes :attr:`prefilling`); :meth:`_prefill_some` runs it."""
+    """Start ``r``'s prefill (a long prompt becomes :attr:`prefilling`); :meth:`_prefill_some`
+    runs it."""
     resume = r.resume
     ids = r.ids + r.out[:-1] if resume and "ledger" in resume else r.ids
     n, Tn = len(ids), bucket(len(ids))
@@ -1051,29 +1100,39 @@ class Engine:
     toks[0, :n] = ids
     c = self.cfg
     dense = kv_dense.init(c.n_layers, 1, Tn, c.n_kv_heads, c.head_dim, jnp.bfloat16)
-    r.pre = (self.dense.prefill_chunks(dense, toks, np.array([n], np.int32), self.prefill_chunk),
-             n, Tn, rows)
-    self.prefilling = r
+    r.pre = (self.dense.prefill_chunks(dense, toks, np.array([n], np.int32), self.prefill_chunk,
+                                       ahead=1), n, Tn, rows)
+    if n > self.prefill_chunk:   # == self._prefill_len(r)
+      self.prefilling = r
 
-  def _prefill_some(self, busy: bool, spent: float) -> float:
-    """Run the prefill in progress chunk by chunk — while others decode, until this iteration's
-    prefill time reaches about one decode step (at least one chunk); else to its end — and
-    finish it when its last chunk is done.  -> the time spent."""
-    r = self.prefilling
+  def _prefill_some(self, r: Request, busy: bool) -> float:
+    """Run ``r``'s prefill piece by piece and finish it when its last piece is done -> host
+    seconds.  One piece: whole.  The long prompt: while others decode, as many pieces as the
+    pacer's credit covers (at least one); else to its end or until a new request arrives."""
+    long = r is self.prefilling
+    k = max(1, int(self.pacer.credit // self.piece_ema)) if busy and self.piece_ema else 1
     t0 = time.perf_counter()
     try:
       while True:
         logits, dense = next(r.pre[0])
-        if logits is not None or (busy and spent + time.perf_counter() - t0 >= self.step_ema):
+        self.pre_pieces += long
+        k -= 1
+        if logits is not None or (busy and k <= 0) or (not busy and long and self.inbox):
           break
       if logits is not None:
-        self.prefilling, (_, n, Tn, rows), r.pre = None, r.pre, None
+        if long:
+          self.prefilling = None
+        (_, n, Tn, rows), r.pre = r.pre, None
         self._prefill_done(r, logits, dense, n, Tn, rows)
     except Exception as e:  # noqa: BLE001 — a bad request must not take the engine down
-      self.prefilling, r.pre = None, None
+      if long:
+        self.prefilling = None
+      r.pre = None
       self._finish(r, "error", f"prefill failed: {e}")
     dt = time.perf_counter() - t0
     self.m["prefill_s"] += dt
+    if not long:
+      self.pre_s += dt
     return dt
 
   def _prefill_done(self, r: Request, logits, dense, n: int, Tn: int, rows) -> None:
@@ -1154,7 +1213,7 @@ class Engine:
     dt = t_wait - t1
     self.m["decode_steps"] += 1
     self.m["decode_step_s"] += dt
-    self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
+    self._pace(t_wait)
     self.m["decode_rows"] += len(rows)
     t2 = time.perf_counter()
     p = self.count[rows]

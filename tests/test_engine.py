@@ -454,3 +454,103 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
   for a, b in zip(whole, chunked):
     assert is_call(b["text"]) and b["finish"] == a["finish"]
     assert b["tokens"] == a["tokens"]
+
+
+# ---- scheduling: short prompts pass a long one, whose pieces are paced ------------------------
+
+class EveryKthStep:
+  """A stand-in for :class:`serve.schedule.PrefillPacer` that allows one long-prompt piece every
+  ``k`` decode steps (the real pacer decides from wall-clock times; tested on its own)."""
+
+  def __init__(self, k):
+    self.k, self.steps, self.credit = k, 0, 0.0
+
+  def step(self, dt):
+    self.steps += 1
+
+  def ready(self):
+    return self.steps % self.k == 0
+
+  def spent(self, dt):
+    self.steps += 1   # not ready again at the same step
+
+
+def test_short_prompts_pass_a_long_prefill_whose_pieces_are_paced(monkeypatch):
+  """While a long prompt (several 64-token pieces) is being prefilled beside decoding streams,
+  (1) its pieces run only when the pacer allows, with decode steps between them; (2) a short
+  prompt that arrives is admitted and gets its first token before the long prefill ends; (3) a
+  second long prompt waits for the first, and a short one that arrives after it goes first;
+  and every request ends with the tokens of an engine that prefills each prompt whole."""
+  def long_req(words):
+    text = tok().apply_chat_template([{"role": "user", "content": words * 30}])
+    ids, tags = label_prompt(tok(), text)
+    assert 128 < len(ids) <= CTX - 12   # padded to 256: four pieces of 64
+    return Request(ids=ids, tags=tags, max_tokens=12,
+                   tracker=Tracker(grammar(), FCAdapter(grammar(), tok())))
+
+  def reqs():
+    short = requests(3)   # with the two long ones, 5 requests for 4 slots
+    return short[:1], long_req("Weather in Paris? "), short[1], long_req("Rain in Oslo? "), \
+        short[2]
+
+  e = engine("demo")
+  got = {}
+  for chunk in (512, 64):
+    monkeypatch.setattr(e, "prefill_chunk", chunk)
+    monkeypatch.setattr(e, "pacer", EveryKthStep(3))
+    calls = []   # the long prompts' runs: (request, decode steps so far, pieces run, busy)
+
+    def paced(r, busy, real=e._prefill_some, calls=calls):
+      long, steps, before = r is e.prefilling, e.m["decode_steps"], e.pre_pieces
+      out = real(r, busy)
+      if long:
+        calls.append((r, steps, e.pre_pieces - before, busy))
+      return out
+    monkeypatch.setattr(e, "_prefill_some", paced)
+    early, L1, S1, L2, S2 = reqs()
+    everyone = early + [L1, S1, L2, S2]
+    done = {}
+    for r in everyone:
+      r.emit = lambda kind, payload, r=r: done.__setitem__(r.rid, (kind, payload)) \
+          if kind != "delta" else None
+    for r in early:
+      e.submit(r)
+    for _ in range(3):   # the first one decodes
+      e._iterate()
+    e.submit(L1)
+    e._iterate()
+    passed = None
+    if chunk == 64:
+      assert e.prefilling is L1   # in progress: one piece so far
+      e.submit(S1)
+      e.submit(L2)
+      e.submit(S2)
+      # S1 and S2 are admitted and prefilled past L1's remaining pieces (an iteration admits
+      # short prompts for about one decode step's time); L2 waits for L1 while S2, behind it,
+      # takes the last free slot
+      for _ in range(3):
+        e._iterate()
+      passed = (e.prefilling is L1, S1.out != [], S2.out != [], L2.slot is None)
+    else:
+      for r in (S1, L2, S2):
+        e.submit(r)
+    for _ in range(3000):
+      if e.idle():
+        break
+      e._iterate()
+    assert all(done[r.rid][0] == "done" for r in everyone), done
+    check_clean(e)
+    got[chunk] = [done[r.rid][1] for r in everyone], calls, passed
+  (whole, _, _), (chunked, calls, passed) = got[512], got[64]
+  assert passed == (True, True, True, True), passed
+  for a, b in zip(whole, chunked):
+    assert b["finish"] == a["finish"] and b["tokens"] == a["tokens"]
+  # Each long prompt's four pieces: beside decoding streams one at a time, at least 2 decode
+  # steps apart (the stand-in pacer allows one every 3rd step); L2's only after L1's.
+  assert [r for r, *_ in calls] == sorted([r for r, *_ in calls], key=lambda r: r is L2)
+  for L in (L1, L2):
+    mine = [(steps, n, busy) for r, steps, n, busy in calls if r is L]
+    assert sum(n for _, n, _ in mine) == 4, calls
+    at = [steps for steps, n, busy in mine if busy]
+    assert all(n == 1 for _, n, busy in mine if busy) and len(at) >= 2, mine
+    assert all(b - a >= 2 for a, b in zip(at, at[1:])), at
