@@ -150,6 +150,7 @@ METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_
                # where a decode step's wall time goes on the host (sum over steps)
                "fill_s", "dispatch_s", "wait_s", "accept_s")
 PREEMPTION = ("recompute", "replay")
+PREFILL_CHUNKS = (64, 128, 256, 512)   # prefill piece sizes: divide every prefill bucket
 HI, LO = 0, 1           # pool index of the host-side page bookkeeping
 _CODE = (T.H, T.L)      # the action stored in each pool
 
@@ -410,12 +411,12 @@ class Engine:
     fractions; ``preemption``: "recompute" or "replay" (module docstring); ``prefiller``: a
     batch-1 dense :class:`Runner` to share between engines; ``overlap``: overlap the host's
     work with the device step (module docstring; off where it does not apply);
-    ``prefill_chunk``: tokens per prefill piece run between decode steps (a power of two from
-    64 to 512; a prompt of at most this many tokens is one piece); ``prefill_share``: the most
+    ``prefill_chunk``: tokens per prefill piece run between decode steps (one of
+    :data:`PREFILL_CHUNKS`; a prompt of at most this many tokens is one piece); ``prefill_share``: the most
     of the engine's time a long prompt's prefill takes while others decode
     (:class:`serve.schedule.PrefillPacer`)."""
-    if prefill_chunk not in (64, 128, 256, 512):
-      raise ValueError(f"prefill_chunk must be 64, 128, 256 or 512, got {prefill_chunk!r}")
+    if prefill_chunk not in PREFILL_CHUNKS:
+      raise ValueError(f"prefill_chunk must be one of {PREFILL_CHUNKS}, got {prefill_chunk!r}")
     self.prefill_chunk = int(prefill_chunk)
     self.pacer = PrefillPacer(prefill_share)
     self.prefilling: Request | None = None   # the long prompt whose prefill is in progress
@@ -424,6 +425,7 @@ class Engine:
     self.pre_s = 0.0
     self.pre_pieces = 0
     self.piece_ema = 0.0   # seconds one long-prompt piece adds to an interval (moving average)
+    self.deferred = False  # the long prompt's pieces gave way to a short prompt's prefill
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
     self.preemption = preemption
@@ -688,11 +690,19 @@ class Engine:
         raise RuntimeError(f"engine not idle after {n} iterations")
 
   def warmup(self) -> None:
-    """Compile the decode step and the smallest prefill bucket before serving (call before
-    :meth:`start`): one dummy request of one prompt token and two new tokens."""
-    r = Request(ids=[self.tok.stop_ids[0] if self.tok.stop_ids else 0], max_tokens=2)
-    self.submit(r)
-    self.run_until_idle()
+    """Compile the decode step and every prefill bucket up to ``PREFILL_CHUNK`` tokens (and the
+    context) before serving (call before :meth:`start`): one dummy request per bucket, of two
+    new tokens.  Otherwise the first prompt of each bucket would compile its prefill pieces,
+    plan and insert on the engine thread while every running stream waits (seconds on a CPU,
+    tens of seconds for a 4B model).  Longer buckets (chunk multiples) compile on first use."""
+    tok = self.tok.stop_ids[0] if self.tok.stop_ids else 0
+    n, sizes = 1, []
+    while n + 2 <= self.context and n <= PREFILL_CHUNK:
+      sizes.append(n)
+      n = bucket(n) + 1   # the first length of the next bucket
+    for n in sizes:
+      self.submit(Request(ids=[tok] * n, max_tokens=2))
+      self.run_until_idle()
     self.reset_metrics()
 
   # --- the engine thread --------------------------------------------------------------------
@@ -731,20 +741,21 @@ class Engine:
   def _pace(self, t: float) -> None:
     """A decode step finished at ``t``.  An interval between two such moments without prefill
     work is a decode step (its moving average ``step_ema`` is the short prompts' budget per
-    iteration); what an interval with prefill work took beyond one is that work's cost, charged
-    to the pacer (and, per long-prompt piece, ``piece_ema``: how many pieces the credit covers).
+    iteration).  What an interval with long-prompt pieces took beyond one and the short
+    prompts' prefills (timed on the host: they block for their first token) is the pieces'
+    cost, charged to the pacer (and, per piece, ``piece_ema``: how many pieces the credit
+    covers).  Short prompts are not charged: a flood of them must not starve the long one.
     Measured between completions, not around the host's calls, because the calls only launch
     the work: a piece's device time shows in the interval it ran in."""
     if self.t_land is not None:
       dt = t - self.t_land
       if not self.pre_pieces and not self.pre_s:
         self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
-      else:
-        extra = max(dt - self.step_ema, 0.0)
+      elif self.pre_pieces:   # beyond a decode step and the short prompts' prefills
+        extra = max(dt - self.step_ema - self.pre_s, 0.0)
         self.pacer.spent(extra)
-        if self.pre_pieces:
-          per = max(extra - self.pre_s, 0.0) / self.pre_pieces
-          self.piece_ema = per if not self.piece_ema else 0.8 * self.piece_ema + 0.2 * per
+        per = extra / self.pre_pieces
+        self.piece_ema = per if not self.piece_ema else 0.8 * self.piece_ema + 0.2 * per
       self.pacer.step(self.step_ema or dt)
     self.t_land = t
     self.pre_s, self.pre_pieces = 0.0, 0
@@ -966,12 +977,17 @@ class Engine:
       if r is not self.prefilling:   # one piece: prefilled now, and it decodes from next step
         spent += self._prefill_some(r, busy=False)
     # The long prompt's pieces.  While streams decode (the short prompts just admitted too),
-    # the pacer says when and how many; with nothing decoding it runs to its end, unless a new
-    # request arrives (it may be short: it goes first, at the next iteration).
+    # the pacer says when and how many — not right after a short prompt's prefill, whose first
+    # decode step would wait for them (deferred once: a flood of short prompts must not starve
+    # it); with nothing decoding it runs to its end, unless a new request arrives (it may be
+    # short: it goes first, at the next iteration).
     r = self.prefilling
     if r is not None:
       busy = bool(self.active.any())
-      if not busy or self.pacer.ready():
+      if spent and busy and not self.deferred:
+        self.deferred = True
+      elif not busy or self.pacer.ready():
+        self.deferred = False
         self._prefill_some(r, busy)
 
   def _prefill_len(self, r: Request) -> int:

@@ -554,3 +554,30 @@ def test_short_prompts_pass_a_long_prefill_whose_pieces_are_paced(monkeypatch):
     at = [steps for steps, n, busy in mine if busy]
     assert all(n == 1 for _, n, busy in mine if busy) and len(at) >= 2, mine
     assert all(b - a >= 2 for a, b in zip(at, at[1:])), at
+
+
+def test_warmup_compiles_every_prefill_bucket_up_to_the_context(monkeypatch):
+  """After :meth:`Engine.warmup` no prompt that fits the context (here 192 tokens: buckets 64,
+  128 and 256) compiles a prefill, plan or insert on the engine thread, where every running
+  stream would wait for it.  (The engine is shared with other tests, which may have compiled
+  some buckets already: the warm-up's own requests are checked too.)"""
+  from serve.engine import bucket
+  e = engine("demo")
+  sent = []
+  real = e.submit
+  monkeypatch.setattr(e, "submit", lambda r: sent.append(len(r.ids)) or real(r))
+  e.warmup()
+  assert sorted({bucket(n) for n in sent}) == [64, 128, 256], sent
+  assert all(n + 2 <= CTX for n in sent)
+  jitted = (e.dense.prefill, e._plan, e._insert, e._first)
+  compiled = [f._cache_size() for f in jitted]
+  reqs = []
+  for words in (2, 12, 30):   # one prompt per bucket: 64, 128, 256
+    text = tok().apply_chat_template([{"role": "user", "content": "Rain in Oslo? " * words}])
+    ids, tags = label_prompt(tok(), text)
+    reqs.append(Request(ids=ids, tags=tags, max_tokens=4))
+  assert sorted({max(64, 1 << (len(r.ids) - 1).bit_length()) for r in reqs}) == [64, 128, 256]
+  res, _ = run(e, reqs)
+  assert all(x["finish"] in ("stop", "length") for x in res), res
+  assert [f._cache_size() for f in jitted] == compiled
+  check_clean(e)
