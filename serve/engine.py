@@ -151,6 +151,7 @@ METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_
                "fill_s", "dispatch_s", "wait_s", "accept_s")
 PREEMPTION = ("recompute", "replay")
 PREFILL_CHUNKS = (64, 128, 256, 512)   # prefill piece sizes: divide every prefill bucket
+STARVE_STEPS = 16   # a long prompt in progress gets a piece at least every this many decode steps
 HI, LO = 0, 1           # pool index of the host-side page bookkeeping
 _CODE = (T.H, T.L)      # the action stored in each pool
 
@@ -426,6 +427,7 @@ class Engine:
     self.pre_pieces = 0
     self.piece_ema = 0.0   # seconds one long-prompt piece adds to an interval (moving average)
     self.deferred = False  # the long prompt's pieces gave way to a short prompt's prefill
+    self.piece_at = 0      # decode steps done when the long prompt's last pieces ran
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
     self.preemption = preemption
@@ -741,21 +743,24 @@ class Engine:
   def _pace(self, t: float) -> None:
     """A decode step finished at ``t``.  An interval between two such moments without prefill
     work is a decode step (its moving average ``step_ema`` is the short prompts' budget per
-    iteration).  What an interval with long-prompt pieces took beyond one and the short
-    prompts' prefills (timed on the host: they block for their first token) is the pieces'
-    cost, charged to the pacer (and, per piece, ``piece_ema``: how many pieces the credit
-    covers).  Short prompts are not charged: a flood of them must not starve the long one.
+    iteration).  What an interval with prefill work took beyond one is that work's cost,
+    charged to the pacer — the short prompts' prefills too, so that all prefill together stays
+    near the share while a long prompt is in progress (a run that did not charge them gave the
+    probe of ``bench/bench_soak.py`` a 20% longer tail) — and, per long-prompt piece, less the
+    short prompts' host-timed prefills, ``piece_ema``: how many pieces the credit covers.
+    (:data:`STARVE_STEPS` keeps a flood of short prompts from starving the long one.)
     Measured between completions, not around the host's calls, because the calls only launch
     the work: a piece's device time shows in the interval it ran in."""
     if self.t_land is not None:
       dt = t - self.t_land
       if not self.pre_pieces and not self.pre_s:
         self.step_ema = dt if not self.step_ema else 0.8 * self.step_ema + 0.2 * dt
-      elif self.pre_pieces:   # beyond a decode step and the short prompts' prefills
-        extra = max(dt - self.step_ema - self.pre_s, 0.0)
+      else:
+        extra = max(dt - self.step_ema, 0.0)
         self.pacer.spent(extra)
-        per = extra / self.pre_pieces
-        self.piece_ema = per if not self.piece_ema else 0.8 * self.piece_ema + 0.2 * per
+        if self.pre_pieces:
+          per = max(extra - self.pre_s, 0.0) / self.pre_pieces
+          self.piece_ema = per if not self.piece_ema else 0.8 * self.piece_ema + 0.2 * per
       self.pacer.step(self.step_ema or dt)
     self.t_land = t
     self.pre_s, self.pre_pieces = 0.0, 0
@@ -986,8 +991,10 @@ class Engine:
       busy = bool(self.active.any())
       if spent and busy and not self.deferred:
         self.deferred = True
-      elif not busy or self.pacer.ready():
+      elif (not busy or self.pacer.ready()
+            or self.m["decode_steps"] - self.piece_at >= STARVE_STEPS):
         self.deferred = False
+        self.piece_at = self.m["decode_steps"]
         self._prefill_some(r, busy)
 
   def _prefill_len(self, r: Request) -> int:

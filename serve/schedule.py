@@ -14,7 +14,9 @@ decode steps without a long prompt does not store up a burst.
 
 Prompts of one piece are not paced: they are prefilled when admitted (within the iteration's
 budget of about one decode step), and may be admitted while a long prompt is in progress, so a
-short request is not queued behind a long one's prefill (vLLM's partial-prefill rule).
+short request is not queued behind a long one's prefill (vLLM's partial-prefill rule).  Their
+prefill time is charged to the credit all the same (the engine's ``_pace``), so a long prompt
+gives way while short ones arrive; ``serve.engine.STARVE_STEPS`` bounds how long.
 """
 from __future__ import annotations
 

@@ -581,3 +581,44 @@ def test_warmup_compiles_every_prefill_bucket_up_to_the_context(monkeypatch):
   assert all(x["finish"] in ("stop", "length") for x in res), res
   assert [f._cache_size() for f in jitted] == compiled
   check_clean(e)
+
+
+class NeverReady(EveryKthStep):
+  def ready(self):
+    return False
+
+
+def test_a_long_prefill_is_not_starved(monkeypatch):
+  """With a pacer that never allows a piece (a flood of short prompts drains its credit), a
+  long prompt beside a decoding stream still gets a piece every ``STARVE_STEPS`` decode steps
+  and completes."""
+  from serve.engine import STARVE_STEPS
+  e = engine("demo")
+  monkeypatch.setattr(e, "prefill_chunk", 64)
+  monkeypatch.setattr(e, "pacer", NeverReady(1))
+  stream = requests(1)[0]
+  stream.max_tokens = 100
+  text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
+  ids, tags = label_prompt(tok(), text)
+  long = Request(ids=ids, tags=tags, max_tokens=4)
+  done = {}
+  for r in (stream, long):
+    r.emit = lambda kind, payload, r=r: done.__setitem__(r.rid, kind) if kind != "delta" else None
+  at = []   # decode steps done at each run of the long prompt's pieces beside the stream
+
+  def paced(r, busy, real=e._prefill_some):
+    if r is e.prefilling and busy:
+      at.append(e.m["decode_steps"])
+    return real(r, busy)
+  monkeypatch.setattr(e, "_prefill_some", paced)
+  e.submit(stream)
+  for _ in range(3):
+    e._iterate()
+  e.submit(long)
+  for _ in range(3000):
+    if e.idle():
+      break
+    e._iterate()
+  assert done == {stream.rid: "done", long.rid: "done"}, done
+  assert len(at) >= 3 and all(b - a >= STARVE_STEPS for a, b in zip(at, at[1:])), at
+  check_clean(e)
