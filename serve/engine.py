@@ -427,7 +427,7 @@ class Engine:
     self.pre_pieces = 0
     self.piece_ema = 0.0   # seconds one long-prompt piece adds to an interval (moving average)
     self.deferred = False  # the long prompt's pieces gave way to a short prompt's prefill
-    self.piece_at = 0      # decode steps done when the long prompt's last pieces ran
+    self.since_piece = STARVE_STEPS   # decode steps since a long prompt's pieces last ran
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
     self.preemption = preemption
@@ -764,6 +764,7 @@ class Engine:
       self.pacer.step(self.step_ema or dt)
     self.t_land = t
     self.pre_s, self.pre_pieces = 0.0, 0
+    self.since_piece += 1
 
   # --- overlapped decode (module docstring, "Overlap") -----------------------------------------
 
@@ -991,10 +992,9 @@ class Engine:
       busy = bool(self.active.any())
       if spent and busy and not self.deferred:
         self.deferred = True
-      elif (not busy or self.pacer.ready()
-            or self.m["decode_steps"] - self.piece_at >= STARVE_STEPS):
+      elif not busy or self.pacer.ready() or self.since_piece >= STARVE_STEPS:
         self.deferred = False
-        self.piece_at = self.m["decode_steps"]
+        self.since_piece = 0
         self._prefill_some(r, busy)
 
   def _prefill_len(self, r: Request) -> int:
