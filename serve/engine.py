@@ -413,9 +413,9 @@ class Engine:
     batch-1 dense :class:`Runner` to share between engines; ``overlap``: overlap the host's
     work with the device step (module docstring; off where it does not apply);
     ``prefill_chunk``: tokens per prefill piece run between decode steps (one of
-    :data:`PREFILL_CHUNKS`; a prompt of at most this many tokens is one piece); ``prefill_share``: the most
-    of the engine's time a long prompt's prefill takes while others decode
-    (:class:`serve.schedule.PrefillPacer`)."""
+    :data:`PREFILL_CHUNKS`; a prompt of at most this many tokens is one piece);
+    ``prefill_share``: the most of the engine's time a long prompt's prefill takes while others
+    decode (:class:`serve.schedule.PrefillPacer`)."""
     if prefill_chunk not in PREFILL_CHUNKS:
       raise ValueError(f"prefill_chunk must be one of {PREFILL_CHUNKS}, got {prefill_chunk!r}")
     self.prefill_chunk = int(prefill_chunk)
@@ -743,14 +743,12 @@ class Engine:
   def _pace(self, t: float) -> None:
     """A decode step finished at ``t``.  An interval between two such moments without prefill
     work is a decode step (its moving average ``step_ema`` is the short prompts' budget per
-    iteration).  What an interval with prefill work took beyond one is that work's cost,
-    charged to the pacer — the short prompts' prefills too, so that all prefill together stays
-    near the share while a long prompt is in progress (a run that did not charge them gave the
-    probe of ``bench/bench_soak.py`` a 20% longer tail) — and, per long-prompt piece, less the
-    short prompts' host-timed prefills, ``piece_ema``: how many pieces the credit covers.
-    (:data:`STARVE_STEPS` keeps a flood of short prompts from starving the long one.)
-    Measured between completions, not around the host's calls, because the calls only launch
-    the work: a piece's device time shows in the interval it ran in."""
+    iteration).  What an interval with prefill work took beyond one is charged to the pacer —
+    short prompts' prefills too, so all prefill stays near the share while a long prompt is in
+    progress (not charging them lengthened the soak probe's tail; :data:`STARVE_STEPS` bounds
+    the wait) — and, per long-prompt piece less the short prompts' host-timed prefills, gives
+    ``piece_ema``.  Measured between completions, not around the host's calls: the calls only
+    launch the work, and a piece's device time shows in the interval it ran in."""
     if self.t_land is not None:
       dt = t - self.t_land
       if not self.pre_pieces and not self.pre_s:
@@ -939,7 +937,7 @@ class Engine:
     while i < len(self.waiting) and None in self.running and not (busy and spent and
                                                                    spent >= self.step_ema):
       r = self.waiting[i]
-      long = self._prefill_len(r) > self.prefill_chunk
+      long = len(self._prefill_ids(r)) > self.prefill_chunk
       if long and self.prefilling is not None:
         i += 1
         continue
@@ -997,10 +995,10 @@ class Engine:
         self.since_piece = 0
         self._prefill_some(r, busy)
 
-  def _prefill_len(self, r: Request) -> int:
-    """Tokens the next prefill of ``r`` runs (a request resumed by recompute: its output too)."""
-    resume = r.resume
-    return len(r.ids) + (len(r.out) - 1 if resume and "ledger" in resume else 0)
+  def _prefill_ids(self, r: Request) -> list[int]:
+    """The tokens the next prefill of ``r`` runs (a request resumed by recompute: all but the
+    last generated token too; the next step feeds that one)."""
+    return r.ids + r.out[:-1] if r.resume and "ledger" in r.resume else r.ids
 
   # --- page bookkeeping (host) ----------------------------------------------------------------
 
@@ -1116,8 +1114,7 @@ class Engine:
   def _prefill(self, r: Request, rows) -> None:
     """Start ``r``'s prefill (a long prompt becomes :attr:`prefilling`); :meth:`_prefill_some`
     runs it."""
-    resume = r.resume
-    ids = r.ids + r.out[:-1] if resume and "ledger" in resume else r.ids
+    ids = self._prefill_ids(r)
     n, Tn = len(ids), bucket(len(ids))
     toks = np.zeros((1, Tn), np.int32)
     toks[0, :n] = ids
@@ -1125,7 +1122,7 @@ class Engine:
     dense = kv_dense.init(c.n_layers, 1, Tn, c.n_kv_heads, c.head_dim, jnp.bfloat16)
     r.pre = (self.dense.prefill_chunks(dense, toks, np.array([n], np.int32), self.prefill_chunk,
                                        ahead=1), n, Tn, rows)
-    if n > self.prefill_chunk:   # == self._prefill_len(r)
+    if n > self.prefill_chunk:
       self.prefilling = r
 
   def _prefill_some(self, r: Request, busy: bool) -> float:
