@@ -31,8 +31,8 @@ order a request meets them:
   of ``watermark`` × pool pages while other requests run (headroom for their decode growth, as
   vLLM's 1 %).  A request is refused at submit only if it could not complete even alone
   (:meth:`Engine.worst_case`: every token beyond the window in one pool exceeds that pool).
-* **Prefill** runs at full precision for one request (batch 1, padded to a power-of-two bucket
-  >= 64 or a chunk multiple), then ``cache.insert_slot`` materializes the plan into the slot and
+* **Prefill** runs at full precision for one request (batch 1, padded to one of
+  :data:`PREFILL_BUCKETS` or a chunk multiple: :func:`bucket`), then ``cache.insert_slot`` materializes the plan into the slot and
   its pages (slot and page rows are traced inputs: one compile per bucket).
 * **Decode pages on demand.**  The host mirrors every slot's per-position actions (the prompt
   plan, then the actions each step returns), so it knows W steps ahead what the token leaving
@@ -150,7 +150,11 @@ METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_
                # where a decode step's wall time goes on the host (sum over steps)
                "fill_s", "dispatch_s", "wait_s", "accept_s")
 PREEMPTION = ("recompute", "replay")
-PREFILL_CHUNKS = (64, 128, 256, 512)   # prefill piece sizes: divide every prefill bucket
+PREFILL_CHUNKS = (64, 128, 256, 512)   # prefill piece sizes (each one of the buckets below)
+# Padded lengths of a one-piece prompt: steps of 1.5x and 2x, so padding is at most a third of
+# a prefill (powers of two >= 64 padded the 33-token chat prompt to 64, a 146-token tool prompt
+# to 256: a 64-token piece of nothing but padding), at one compile per bucket.
+PREFILL_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512)
 STARVE_STEPS = 16   # a long prompt in progress gets a piece at least every this many decode steps
 HI, LO = 0, 1           # pool index of the host-side page bookkeeping
 _CODE = (T.H, T.L)      # the action stored in each pool
@@ -195,11 +199,13 @@ class Request:
     self.cancelled = True
 
 
-def bucket(n: int) -> int:
-  """Padded prefill length: a power of two >= 64, or a chunk multiple past one chunk."""
-  if n > PREFILL_CHUNK:
-    return -(-n // PREFILL_CHUNK) * PREFILL_CHUNK
-  return max(64, 1 << (n - 1).bit_length())
+def bucket(n: int, chunk: int = PREFILL_CHUNK) -> int:
+  """Padded prefill length of ``n`` prompt tokens prefilled in pieces of ``chunk``: the least of
+  :data:`PREFILL_BUCKETS` that holds them (one piece), or past one piece the least multiple of
+  ``chunk`` (every piece but the last is full, and none is all padding)."""
+  if n > chunk:
+    return -(-n // chunk) * chunk
+  return next(b for b in PREFILL_BUCKETS if b >= n)
 
 
 # ---- pool sizing ------------------------------------------------------------------------------
@@ -387,7 +393,7 @@ def kv_bytes_for_utilization(fraction: float, cfg, context: int, device=None) ->
     raise ValueError(f"--gpu-memory-utilization needs a device that reports its memory; "
                      f"{dev.platform} does not: give the KV budget with --kv-memory GB")
   free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-  n = bucket(context)
+  n = max(bucket(context, c) for c in PREFILL_CHUNKS)   # the longest padding of any piece size
   scratch = 2 * cfg.n_layers * n * cfg.n_kv_heads * cfg.head_dim * 2
   scores = min(n, PREFILL_CHUNK) * n * cfg.n_heads * 4
   return int(fraction * free) - scratch - scores
@@ -426,7 +432,6 @@ class Engine:
     self.pre_s = 0.0
     self.pre_pieces = 0
     self.piece_ema = 0.0   # seconds one long-prompt piece adds to an interval (moving average)
-    self.deferred = False  # the long prompt's pieces gave way to a short prompt's prefill
     self.since_piece = STARVE_STEPS   # decode steps since a long prompt's pieces last ran
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
@@ -701,7 +706,7 @@ class Engine:
     n, sizes = 1, []
     while n + 2 <= self.context and n <= PREFILL_CHUNK:
       sizes.append(n)
-      n = bucket(n) + 1   # the first length of the next bucket
+      n = bucket(n, self.prefill_chunk) + 1   # the first length of the next bucket
     for n in sizes:
       self.submit(Request(ids=[tok] * n, max_tokens=2))
       self.run_until_idle()
@@ -896,7 +901,7 @@ class Engine:
 
   def _prompt_plan(self, r: Request) -> np.ndarray:
     """int8 [n, G]: the prefill plan of a new request (one small jitted call per bucket)."""
-    n, Tn = len(r.ids), bucket(len(r.ids))
+    n, Tn = len(r.ids), bucket(len(r.ids), self.prefill_chunk)
     cands = prompt_candidates([r.tags], np.array([n]), Tn)
     plan = np.asarray(self._plan(self.policy, jnp.asarray(cands), jnp.asarray([n], jnp.int32)))
     plan = plan[0, :n].copy()
@@ -981,17 +986,15 @@ class Engine:
       if r is not self.prefilling:   # one piece: prefilled now, and it decodes from next step
         spent += self._prefill_some(r, busy=False)
     # The long prompt's pieces.  While streams decode (the short prompts just admitted too),
-    # the pacer says when and how many — not right after a short prompt's prefill, whose first
-    # decode step would wait for them (deferred once: a flood of short prompts must not starve
-    # it); with nothing decoding it runs to its end, unless a new request arrives (it may be
-    # short: it goes first, at the next iteration).
+    # the pacer says when and how many — never right after a short prompt's prefill, whose first
+    # decode step would wait for them (a flood of short prompts cannot starve it: STARVE_STEPS);
+    # with nothing decoding it runs to its end, unless a new request arrives (it may be short:
+    # it goes first, at the next iteration).
     r = self.prefilling
     if r is not None:
       busy = bool(self.active.any())
-      if spent and busy and not self.deferred:
-        self.deferred = True
-      elif not busy or self.pacer.ready() or self.since_piece >= STARVE_STEPS:
-        self.deferred = False
+      starved = self.since_piece >= STARVE_STEPS
+      if (not spent or starved) and (not busy or self.pacer.ready() or starved):
         self.since_piece = 0
         self._prefill_some(r, busy)
 
@@ -1115,7 +1118,7 @@ class Engine:
     """Start ``r``'s prefill (a long prompt becomes :attr:`prefilling`); :meth:`_prefill_some`
     runs it."""
     ids = self._prefill_ids(r)
-    n, Tn = len(ids), bucket(len(ids))
+    n, Tn = len(ids), bucket(len(ids), self.prefill_chunk)
     toks = np.zeros((1, Tn), np.int32)
     toks[0, :n] = ids
     c = self.cfg
@@ -1137,8 +1140,12 @@ class Engine:
         logits, dense = next(r.pre[0])
         self.pre_pieces += long
         k -= 1
-        if logits is not None or (busy and k <= 0) or (not busy and long and self.inbox):
+        if logits is not None or (busy and k <= 0):
           break
+        if not busy and long:   # to its end, but a request that arrives waits for this piece only
+          jax.block_until_ready(dense)   # (with the next one queued it waited for two)
+          if self.inbox:
+            break
       if logits is not None:
         if long:
           self.prefilling = None

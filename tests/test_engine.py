@@ -484,7 +484,7 @@ def test_short_prompts_pass_a_long_prefill_whose_pieces_are_paced(monkeypatch):
   def long_req(words):
     text = tok().apply_chat_template([{"role": "user", "content": words * 30}])
     ids, tags = label_prompt(tok(), text)
-    assert 128 < len(ids) <= CTX - 12   # padded to 256: four pieces of 64
+    assert 128 < len(ids) <= CTX - 12   # three pieces of 64
     return Request(ids=ids, tags=tags, max_tokens=12,
                    tracker=Tracker(grammar(), FCAdapter(grammar(), tok())))
 
@@ -545,20 +545,39 @@ def test_short_prompts_pass_a_long_prefill_whose_pieces_are_paced(monkeypatch):
   assert passed == (True, True, True, True), passed
   for a, b in zip(whole, chunked):
     assert b["finish"] == a["finish"] and b["tokens"] == a["tokens"]
-  # Each long prompt's four pieces: beside decoding streams one at a time, at least 2 decode
-  # steps apart (the stand-in pacer allows one every 3rd step); L2's only after L1's.
+  # Each long prompt's pieces (as many as hold its tokens: none is all padding): beside decoding
+  # streams one at a time, at least 2 decode steps apart (the stand-in pacer allows one every
+  # 3rd step); L2's only after L1's.
   assert [r for r, *_ in calls] == sorted([r for r, *_ in calls], key=lambda r: r is L2)
   for L in (L1, L2):
     mine = [(steps, n, busy) for r, steps, n, busy in calls if r is L]
-    assert sum(n for _, n, _ in mine) == 4, calls
+    assert sum(n for _, n, _ in mine) == -(-len(L.ids) // 64), calls
     at = [steps for steps, n, busy in mine if busy]
     assert all(n == 1 for _, n, busy in mine if busy) and len(at) >= 2, mine
     assert all(b - a >= 2 for a, b in zip(at, at[1:])), at
 
 
+@pytest.mark.parametrize("chunk", [64, 128, 256, 512])
+def test_prefill_buckets_pad_little_and_never_a_whole_piece(chunk):
+  """A prompt of one piece pads to at most a third more than it holds (from 32 tokens on); a
+  longer one to whole pieces, none of them all padding (a 146-token prompt in pieces of 64 used
+  to pad to 256: a fourth piece of nothing)."""
+  from serve.engine import PREFILL_BUCKETS, PREFILL_CHUNKS, bucket
+  assert set(PREFILL_CHUNKS) <= set(PREFILL_BUCKETS)
+  for n in range(1, 4 * chunk + 1):
+    Tn = bucket(n, chunk)
+    assert Tn >= n
+    if n <= chunk:
+      assert Tn in PREFILL_BUCKETS and Tn <= chunk, (n, Tn)
+      assert n <= 32 or Tn - n < Tn / 3, (n, Tn)
+    else:
+      assert Tn % chunk == 0 and Tn - n < chunk, (n, Tn)
+  assert bucket(33, 64) == 48 and bucket(146, 64) == 192 and bucket(146, 512) == 192
+
+
 def test_warmup_compiles_every_prefill_bucket_up_to_the_context(monkeypatch):
-  """After :meth:`Engine.warmup` no prompt that fits the context (here 192 tokens: buckets 64,
-  128 and 256) compiles a prefill, plan or insert on the engine thread, where every running
+  """After :meth:`Engine.warmup` no prompt that fits the context (here 192 tokens: buckets 32,
+  48, 64, 96, 128 and 192) compiles a prefill, plan or insert on the engine thread, where every running
   stream would wait for it.  (The engine is shared with other tests, which may have compiled
   some buckets already: the warm-up's own requests are checked too.)"""
   from serve.engine import bucket
@@ -567,19 +586,99 @@ def test_warmup_compiles_every_prefill_bucket_up_to_the_context(monkeypatch):
   real = e.submit
   monkeypatch.setattr(e, "submit", lambda r: sent.append(len(r.ids)) or real(r))
   e.warmup()
-  assert sorted({bucket(n) for n in sent}) == [64, 128, 256], sent
+  assert sorted({bucket(n) for n in sent}) == [32, 48, 64, 96, 128, 192], sent
   assert all(n + 2 <= CTX for n in sent)
   jitted = (e.dense.prefill, e._plan, e._insert, e._first)
   compiled = [f._cache_size() for f in jitted]
   reqs = []
-  for words in (2, 12, 30):   # one prompt per bucket: 64, 128, 256
+  for words in (0, 4, 16, 30):   # one prompt per bucket: 32, 48, 96, 192 (30-151 tokens)
     text = tok().apply_chat_template([{"role": "user", "content": "Rain in Oslo? " * words}])
     ids, tags = label_prompt(tok(), text)
     reqs.append(Request(ids=ids, tags=tags, max_tokens=4))
-  assert sorted({max(64, 1 << (len(r.ids) - 1).bit_length()) for r in reqs}) == [64, 128, 256]
+  assert sorted(bucket(len(r.ids)) for r in reqs) == [32, 48, 96, 192]
   res, _ = run(e, reqs)
   assert all(x["finish"] in ("stop", "length") for x in res), res
   assert [f._cache_size() for f in jitted] == compiled
+  check_clean(e)
+
+
+def test_no_piece_right_after_a_short_prefill(monkeypatch):
+  """A long prompt's piece never runs in the iteration that prefilled a short prompt (the short
+  one's first decode step would wait for it), however the pacer's readiness falls — until the
+  long prompt has waited ``STARVE_STEPS`` decode steps.  (Pieces of 32 tokens here: more of
+  them than the context holds pieces of 64.)"""
+  from serve.engine import STARVE_STEPS
+  e = engine("demo")
+  monkeypatch.setattr(e, "prefill_chunk", 32)
+  monkeypatch.setattr(e, "pacer", EveryKthStep(3))
+  stream = requests(1)[0]
+  stream.max_tokens = 60
+  text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
+  ids, tags = label_prompt(tok(), text)
+  long = Request(ids=ids, tags=tags, max_tokens=4)
+  assert len(ids) > 4 * 32
+  shorts = [Request(ids=ids[:20 + i], tags=tags[:20 + i], max_tokens=2) for i in range(8)]
+  runs = []   # (short or piece, decode steps so far, steps since the last piece)
+
+  def paced(r, busy, real=e._prefill_some):
+    if r is not e.prefilling:
+      runs.append(("short", e.m["decode_steps"], e.since_piece))
+    elif busy:
+      runs.append(("piece", e.m["decode_steps"], e.since_piece))
+    return real(r, busy)
+  monkeypatch.setattr(e, "_prefill_some", paced)
+  e.submit(stream)
+  for _ in range(3):
+    e._iterate()
+  e.submit(long)
+  e._iterate()
+  for i in range(400):
+    if e.idle():
+      break
+    if i % 3 == 0 and shorts:   # a short prompt every third iteration: all pacer phases
+      e.submit(shorts.pop())
+    e._iterate()
+  assert e.idle() and not shorts
+  kinds = [k for k, *_ in runs]
+  assert kinds.count("short") >= 8 and kinds.count("piece") >= 3, runs
+  for (k0, s0, _), (k1, s1, waited) in zip(runs, runs[1:]):
+    if k0 == "short" and k1 == "piece":
+      assert s1 > s0 or waited >= STARVE_STEPS, runs
+  check_clean(e)
+
+
+def test_an_idle_long_prefill_leaves_nothing_running_when_a_request_arrives(monkeypatch):
+  """With nothing decoding, a long prompt's pieces run back to back until a request arrives;
+  then nothing of the long prefill is left running on the device (with the next piece already
+  queued, the new request waited for two pieces)."""
+  import jax
+  e = engine("demo")
+  monkeypatch.setattr(e, "prefill_chunk", 64)
+  text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
+  ids, tags = label_prompt(tok(), text)
+  long, short = Request(ids=ids, tags=tags, max_tokens=2), requests(1, tools=False)[0]
+  short.max_tokens = 2
+  seen = []
+
+  def prefill(r, rows, real=e._prefill):
+    real(r, rows)
+    if r is long:
+      pieces = r.pre[0]
+
+      def spy():
+        for logits, dense in pieces:
+          seen.append(dense)
+          if len(seen) == 1:
+            e.submit(short)   # arrives while the first piece is done and the rest would run
+          yield logits, dense
+      r.pre = (spy(),) + r.pre[1:]
+  monkeypatch.setattr(e, "_prefill", prefill)
+  e.submit(long)
+  e._iterate()
+  assert len(seen) == 1 and e.prefilling is long and e.inbox == [short]
+  assert all(x.is_ready() for x in jax.tree.leaves(seen[0]))
+  e.run_until_idle()
+  assert long.out and short.out
   check_clean(e)
 
 
