@@ -4,13 +4,16 @@ Starts ``python -m pask_jax.cli serve`` as a subprocess on 127.0.0.1 (a free por
 goes to ``OUT/server.log``), then:
 
 1. **idle**: ``--idle`` valid small requests one after another (the probe: a short chat
-   message, ``--max-tokens`` tokens) — their latency on an otherwise idle server (half before
-   the soak, half after, against drift of a shared machine); **control**: ``--control`` probes
+   message, ``--max-tokens`` tokens) — their latency on an otherwise idle server, in
+   ``--windows`` + 1 idle windows: before the soak, between its stretches and after it (on a
+   shared machine the speed drifts over a run; the idle probes see the same drift as the
+   soak's); **control**: ``--control`` probes
    beside the soak's valid load alone (``--valid-inflight`` valid requests), which separates
    what valid requests cost each other (their prefills run between the probe's decode steps)
    from what the rest of the traffic adds;
 2. **soak**: ``--requests`` requests (>= 2,000) from ``--concurrency`` (32) workers over
-   keep-alive connections, stopping by itself at ``--max-seconds``.  One worker sends only
+   keep-alive connections, in ``--windows`` stretches of equal count (each drains before the
+   next idle window), stopping by itself at ``--max-seconds``.  One worker sends only
    probes; the others draw from a seeded mix: valid requests (free text, json_schema, a
    json_schema with ``$defs``/``$ref``, streams, stop, logprobs; with ``--with-tools`` also tools
    in auto/required/named mode and a ``$ref`` tool schema), malformed ones (bad
@@ -268,7 +271,22 @@ async def soak(a, base: str) -> dict:
       assert r["status"] == 200, r
       return r["s"]
 
-    idle = [await probe() for _ in range(a.idle // 2)]
+    async def idle_window(n):
+      for _ in range(1200):   # idle first: nothing running or queued (cancellations reaped)
+        m = scrape(base)      # and no grammar compiling (one outlives a client that left)
+        if m["pask_running"] == 0 and m["pask_queue_depth"] == 0 and \
+            m.get("pask_grammar_compiling", 0) == 0:
+          break
+        await asyncio.sleep(0.1)
+      return [await probe() for _ in range(n)]
+
+    # The idle probes are spread over windows between stretches of the soak, so that they see
+    # the same machine as the soak's probes (on a shared machine the idle p99 of 50 probes
+    # before and 50 after ranged 0.65-0.96 s between runs): --windows stretches, an idle
+    # window before each and after the last.
+    W = max(1, a.windows)
+    per = [a.idle // (W + 1) + (1 if w < a.idle % (W + 1) else 0) for w in range(W + 1)]
+    idle = [await idle_window(per[0])]
     # control: the same engine-bound valid load as the soak, without the rest of its traffic
     crng = random.Random(a.seed + 1)
     control: list[float] = []
@@ -287,42 +305,41 @@ async def soak(a, base: str) -> dict:
     rng = random.Random(a.seed)
     mix = {k: float(v) for k, v in (x.split("=") for x in a.mix.split(","))}
     plan = [mixed(rng, i, a.max_tokens, mix, a.with_tools) for i in range(a.requests)]
-    it = iter(plan)
     recs: list[dict] = []
     probes: list[float] = []
     deadline = time.perf_counter() + a.max_seconds
     valid_sem = asyncio.Semaphore(a.valid_inflight)
-    t0 = time.perf_counter()
+    wall = 0.0
+    for w in range(W):
+      seg = plan[w * len(plan) // W:(w + 1) * len(plan) // W]
+      it = iter(seg)
+      left = [len(seg)]
+      t0 = time.perf_counter()
 
-    async def worker():
-      for job in it:
-        if time.perf_counter() > deadline:
-          return
-        if job[0].startswith(ENGINE_BOUND):
-          async with valid_sem:
+      async def worker():
+        for job in it:
+          if time.perf_counter() > deadline:
+            return
+          if job[0].startswith(ENGINE_BOUND):
+            async with valid_sem:
+              recs.append(await send(cl, base, *job))
+          else:
             recs.append(await send(cl, base, *job))
-        else:
-          recs.append(await send(cl, base, *job))
+          left[0] -= 1
 
-    async def prober():
-      while time.perf_counter() < deadline and len(recs) < len(plan):
-        r = await send(cl, base, "probe", "POST", "/v1/chat/completions",
-                       body(PROBE, max_tokens=a.max_tokens), False, 300)
-        recs.append(r)
-        if r["status"] == 200:
-          probes.append(r["s"])
-        if len([x for x in recs if x["kind"] != "probe"]) >= len(plan):
-          return
+      async def prober():
+        while time.perf_counter() < deadline and left[0] > 0:
+          r = await send(cl, base, "probe", "POST", "/v1/chat/completions",
+                         body(PROBE, max_tokens=a.max_tokens), False, 300)
+          recs.append(r)
+          if r["status"] == 200:
+            probes.append(r["s"])
 
-    await asyncio.gather(prober(), *[worker() for _ in range(a.concurrency - 1)])
-    wall = time.perf_counter() - t0
-    for _ in range(600):   # idle again (cancellations reaped), then the second half of idle
-      m = scrape(base)
-      if m["pask_running"] == 0 and m["pask_queue_depth"] == 0:
-        break
-      await asyncio.sleep(0.1)
-    idle += [await probe() for _ in range(a.idle - a.idle // 2)]
-  return {"recs": recs, "idle": idle, "control": control, "probes": probes, "wall": wall}
+      await asyncio.gather(prober(), *[worker() for _ in range(a.concurrency - 1)])
+      wall += time.perf_counter() - t0
+      idle.append(await idle_window(per[w + 1]))
+  return {"recs": recs, "idle": [x for w in idle for x in w], "idle_windows": idle,
+          "control": control, "probes": probes, "wall": wall}
 
 
 def main(argv=None) -> int:
@@ -331,8 +348,11 @@ def main(argv=None) -> int:
   ap.add_argument("--concurrency", type=int, default=32)
   ap.add_argument("--valid-inflight", type=int, default=1,
                   help="mixed valid requests in flight at most (see the module docstring)")
-  ap.add_argument("--idle", type=int, default=40,
-                  help="probe requests on the idle server (half before, half after the soak)")
+  ap.add_argument("--idle", type=int, default=100,
+                  help="probe requests on the idle server (spread over the idle windows)")
+  ap.add_argument("--windows", type=int, default=10,
+                  help="the soak runs in this many stretches, with an idle window before each "
+                       "and after the last")
   ap.add_argument("--control", type=int, default=30,
                   help="probe requests beside the valid load alone (no other traffic)")
   ap.add_argument("--max-tokens", type=int, default=4)
@@ -389,6 +409,7 @@ def main(argv=None) -> int:
       "command": "python bench/bench_soak.py " + " ".join(argv if argv is not None
                                                            else sys.argv[1:]),
       "config": {k: getattr(a, k) for k in ("requests", "concurrency", "valid_inflight", "idle",
+                                            "windows",
                                             "control", "max_tokens", "max_seconds", "policy",
                                             "slots",
                                             "context", "seed", "mix", "with_tools",
@@ -400,7 +421,9 @@ def main(argv=None) -> int:
       "connection_resets": sum(1 for r in recs if (r["error"] or "").startswith("reset")),
       "client_timeouts": sum(1 for r in recs if r["error"] == "timeout"),
       "non_openai_error_bodies": sum(1 for r in recs if r["error"] == "non-OpenAI error body"),
-      "probe_idle_s": {"n": len(res["idle"]), "p50": idle_p50, "p99": idle_p99},
+      "probe_idle_s": {"n": len(res["idle"]), "p50": idle_p50, "p99": idle_p99,
+                       "windows": len(res["idle_windows"]),
+                       "p50_by_window": [pct(w, 0.5) for w in res["idle_windows"]]},
       "probe_soak_s": {"n": len(res["probes"]), "p50": soak_p50, "p99": soak_p99},
       "probe_valid_load_s": {"n": len(res["control"]), "p50": ctl_p50, "p99": ctl_p99},
       "probe_p99_ratio": round(soak_p99 / idle_p99, 3) if soak_p99 and idle_p99 else None,

@@ -284,6 +284,7 @@ class GrammarPool:
 
   def snapshot(self) -> dict:
     return {**self.stats, "cached": len(self.cache), "cached_bytes": self.bytes,
+            "compiling": len(self.inflight),
             "queued_small": self.lanes["small"].waiting,
             "queued_large": self.lanes["large"].waiting}
 

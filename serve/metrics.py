@@ -94,6 +94,8 @@ class _EngineCollector:
                                                           "timeouts", "busy")])
       yield gauge("grammar_cache_bytes", "bytes of compiled grammars cached",
                   float(p["cached_bytes"]))
+      yield gauge("grammar_compiling", "compile jobs started and not finished (waiting or "
+                  "running; a job outlives a client that left)", float(p["compiling"]))
       yield gauge("grammar_queue", "compile jobs waiting per lane", labels=["lane"],
                   samples=[([ln], float(p["queued_" + ln])) for ln in ("small", "large")])
 

@@ -226,7 +226,8 @@ def test_length_check_comes_before_grammar_compilation(base):
 
 def test_slow_schema_does_not_block_small_ones(base, client):
   """A large schema compiling in the large lane (~4 s alone here) while a small, never-seen tool
-  set compiles and answers in the small lane."""
+  set compiles and answers in the small lane; ``pask_grammar_compiling`` counts the jobs in
+  progress (an idle server has none)."""
   wide = {"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(900)}}
   slow = {"model": MODEL, "max_tokens": 2, "messages": MSG, "response_format": {
       "type": "json_schema", "json_schema": {"name": "w", "schema": wide}}}
@@ -245,7 +246,12 @@ def test_slow_schema_does_not_block_small_ones(base, client):
   r = client.chat.completions.create(model=MODEL, max_tokens=3, tools=[tool],
                                      tool_choice="required", messages=MSG)
   overtook = "status" not in res           # the small one answered while the large one compiled
+  compiling = []
+  while th.is_alive():
+    compiling.append(metrics(base)["pask_grammar_compiling"])
+    time.sleep(0.05)
   th.join(120)
+  assert max(compiling, default=0) >= 1 and metrics(base)["pask_grammar_compiling"] == 0, compiling
   assert r.choices[0].message.tool_calls or r.choices[0].finish_reason == "length"
   assert res["status"] == 200, res
   assert overtook, res
