@@ -78,6 +78,21 @@ def pct(xs, q):
   return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
+def ratio(soak, idle, q):
+  a, b = pct(soak, q), pct(idle, q)
+  return round(a / b, 3) if a and b else None
+
+
+def interval(soak, idle, q, n=2000, seed=0):
+  """5th and 95th percentiles of ``ratio`` over bootstrap resamples of both samples."""
+  if not soak or not idle:
+    return None
+  rng = random.Random(seed)
+  rs = sorted(pct(rng.choices(soak, k=len(soak)), q) / pct(rng.choices(idle, k=len(idle)), q)
+              for _ in range(n))
+  return [round(rs[int(0.05 * n)], 3), round(rs[int(0.95 * n)], 3)]
+
+
 def body(messages, **kw):
   return {"model": NAME, "messages": messages, **kw}
 
@@ -265,10 +280,13 @@ async def soak(a, base: str) -> dict:
     for _ in range(3):
       await send(cl, base, "warmup", "POST", "/v1/chat/completions",
                  body(PROBE, max_tokens=a.max_tokens), False, 300)
-    async def probe():
-      r = await send(cl, base, "probe", "POST", "/v1/chat/completions",
+    extra: list[dict] = []   # the idle and control probes' records (requests.jsonl)
+
+    async def probe(kind="idle"):
+      r = await send(cl, base, kind, "POST", "/v1/chat/completions",
                      body(PROBE, max_tokens=a.max_tokens), False, 300)
       assert r["status"] == 200, r
+      extra.append(r)
       return r["s"]
 
     async def idle_window(n):
@@ -299,7 +317,7 @@ async def soak(a, base: str) -> dict:
 
     bg = [asyncio.ensure_future(background()) for _ in range(a.valid_inflight)]
     for _ in range(a.control):
-      control.append(await probe())
+      control.append(await probe("control"))
     busy = False
     await asyncio.gather(*bg)
     rng = random.Random(a.seed)
@@ -339,7 +357,7 @@ async def soak(a, base: str) -> dict:
       wall += time.perf_counter() - t0
       idle.append(await idle_window(per[w + 1]))
   return {"recs": recs, "idle": [x for w in idle for x in w], "idle_windows": idle,
-          "control": control, "probes": probes, "wall": wall}
+          "control": control, "probes": probes, "wall": wall, "extra": extra}
 
 
 def main(argv=None) -> int:
@@ -427,6 +445,11 @@ def main(argv=None) -> int:
       "probe_soak_s": {"n": len(res["probes"]), "p50": soak_p50, "p99": soak_p99},
       "probe_valid_load_s": {"n": len(res["control"]), "p50": ctl_p50, "p99": ctl_p99},
       "probe_p99_ratio": round(soak_p99 / idle_p99, 3) if soak_p99 and idle_p99 else None,
+      # the ratio at other quantiles (100 idle probes estimate a p99 poorly: it is their
+      # maximum), and a bootstrap interval of the p99 ratio (both samples resampled)
+      "probe_ratio_by_quantile": {f"p{round(100 * q)}": ratio(res["probes"], res["idle"], q)
+                                  for q in (0.5, 0.9, 0.95, 0.99)},
+      "probe_p99_ratio_90pct_interval": interval(res["probes"], res["idle"], 0.99),
       "probe_p99_ratio_vs_valid_load": round(soak_p99 / ctl_p99, 3) if soak_p99 and ctl_p99
                                        else None,
       "pages_leaked": leaked,
@@ -447,9 +470,10 @@ def main(argv=None) -> int:
                   "healthy_after": health == 200}
   text = json.dumps(out, indent=1)
   print(text)
-  t_first = min(r["t0"] for r in recs) if recs else 0
+  every = recs + res["extra"]   # the soak's requests, then the idle and control probes
+  t_first = min(r["t0"] for r in every) if every else 0
   with open(os.path.join(a.out, "requests.jsonl"), "w") as f:   # every request, for analysis
-    for r in sorted(recs, key=lambda r: r["t0"]):
+    for r in sorted(every, key=lambda r: r["t0"]):
       f.write(json.dumps({**r, "t0": round(r["t0"] - t_first, 3), "s": round(r["s"], 3)}) + "\n")
   with open(os.path.join(a.out, "result.json"), "w") as f:
     f.write(text + "\n")

@@ -32,8 +32,9 @@ order a request meets them:
   vLLM's 1 %).  A request is refused at submit only if it could not complete even alone
   (:meth:`Engine.worst_case`: every token beyond the window in one pool exceeds that pool).
 * **Prefill** runs at full precision for one request (batch 1, padded to one of
-  :data:`PREFILL_BUCKETS` or a chunk multiple: :func:`bucket`), then ``cache.insert_slot`` materializes the plan into the slot and
-  its pages (slot and page rows are traced inputs: one compile per bucket).
+  :data:`PREFILL_BUCKETS` or a chunk multiple: :func:`bucket`), then ``cache.insert_slot``
+  materializes the plan into the slot and its pages (slot and page rows are traced inputs: one
+  compile per bucket).
 * **Decode pages on demand.**  The host mirrors every slot's per-position actions (the prompt
   plan, then the actions each step returns), so it knows W steps ahead what the token leaving
   the window at the next step needs: a page is taken exactly when the first entry that needs it

@@ -577,9 +577,9 @@ def test_prefill_buckets_pad_little_and_never_a_whole_piece(chunk):
 
 def test_warmup_compiles_every_prefill_bucket_up_to_the_context(monkeypatch):
   """After :meth:`Engine.warmup` no prompt that fits the context (here 192 tokens: buckets 32,
-  48, 64, 96, 128 and 192) compiles a prefill, plan or insert on the engine thread, where every running
-  stream would wait for it.  (The engine is shared with other tests, which may have compiled
-  some buckets already: the warm-up's own requests are checked too.)"""
+  48, 64, 96, 128 and 192) compiles a prefill, plan or insert on the engine thread, where every
+  running stream would wait for it.  (The engine is shared with other tests, which may have
+  compiled some buckets already: the warm-up's own requests are checked too.)"""
   from serve.engine import bucket
   e = engine("demo")
   sent = []
