@@ -96,6 +96,13 @@ def requests(n=5, tools=True):
   return out
 
 
+def long_request(max_tokens: int, **kw) -> Request:
+  """A prompt of about 150 tokens (three pieces of 64, five of 32)."""
+  text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
+  ids, tags = label_prompt(tok(), text)
+  return Request(ids=ids, tags=tags, max_tokens=max_tokens, **kw)
+
+
 def run(e, reqs):
   """Submit ``reqs`` to engine ``e`` at once -> (results in order, streamed text per request)."""
   e.reset_metrics()
@@ -415,11 +422,8 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
   back."""
   def reqs():
     out = requests(2)
-    text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
-    ids, tags = label_prompt(tok(), text)
-    assert len(ids) > 128   # at least three chunks of 64
-    out.append(Request(ids=ids, tags=tags, max_tokens=24,
-                       tracker=Tracker(grammar(), FCAdapter(grammar(), tok()))))
+    out.append(long_request(24, tracker=Tracker(grammar(), FCAdapter(grammar(), tok()))))
+    assert len(out[-1].ids) > 128   # at least three chunks of 64
     return out
 
   got = {}
@@ -613,9 +617,8 @@ def test_no_piece_right_after_a_short_prefill(monkeypatch):
   monkeypatch.setattr(e, "pacer", EveryKthStep(3))
   stream = requests(1)[0]
   stream.max_tokens = 60
-  text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
-  ids, tags = label_prompt(tok(), text)
-  long = Request(ids=ids, tags=tags, max_tokens=4)
+  long = long_request(4)
+  ids, tags = long.ids, long.tags
   assert len(ids) > 4 * 32
   shorts = [Request(ids=ids[:20 + i], tags=tags[:20 + i], max_tokens=2) for i in range(8)]
   runs = []   # (short or piece, decode steps so far, steps since the last piece)
@@ -654,9 +657,7 @@ def test_an_idle_long_prefill_leaves_nothing_running_when_a_request_arrives(monk
   import jax
   e = engine("demo")
   monkeypatch.setattr(e, "prefill_chunk", 64)
-  text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
-  ids, tags = label_prompt(tok(), text)
-  long, short = Request(ids=ids, tags=tags, max_tokens=2), requests(1, tools=False)[0]
+  long, short = long_request(2), requests(1, tools=False)[0]
   short.max_tokens = 2
   seen = []
 
@@ -697,9 +698,7 @@ def test_a_long_prefill_is_not_starved(monkeypatch):
   monkeypatch.setattr(e, "pacer", NeverReady(1))
   stream = requests(1)[0]
   stream.max_tokens = 100
-  text = tok().apply_chat_template([{"role": "user", "content": "Weather in Paris? " * 30}])
-  ids, tags = label_prompt(tok(), text)
-  long = Request(ids=ids, tags=tags, max_tokens=4)
+  long = long_request(4)
   done = {}
   for r in (stream, long):
     r.emit = lambda kind, payload, r=r: done.__setitem__(r.rid, kind) if kind != "delta" else None
