@@ -1,0 +1,115 @@
+"""The Mosaic GPU INT4 partition prototype against its reference, and its rate over packed bytes.
+
+Per variant (tile, pipeline stages, context splits) at the 4B-like and 0.5B head shapes: the
+relative error norm against ``attend_reference`` with ragged lengths (some splits empty), then the
+kernel time at full length over the bytes it reads (K and V codes + f32 scales). One JSON line each.
+
+  python bench/bench_mgpu_int4.py --out $OUT/int4.jsonl [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gpu import mgpu_int4
+from bench.bench_mgpu_qk import _time
+
+SHAPES = {"4b": (8, 8, 4, 128), "0.5b": (8, 2, 7, 64)}   # batch, kv heads, q per kv, head dim
+
+
+def inputs(name: str, n: int, seed: int = 0, batch: int | None = None):
+  b, hkv, g, d = SHAPES[name]
+  b = batch or b
+  bh = b * hkv
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = jnp.zeros((bh, mgpu_int4.N_PAD, d), jnp.bfloat16)
+  q = q.at[:, :g].set(jax.random.normal(ks[0], (bh, g, d), jnp.float32).astype(jnp.bfloat16))
+  k = jax.random.randint(ks[1], (bh, n, d), -7, 8, jnp.int32).astype(jnp.int4)
+  v = jax.random.randint(ks[2], (bh, n, d), -7, 8, jnp.int32).astype(jnp.int4)
+  kscale = jax.random.uniform(ks[3], (bh, n), jnp.float32, 0.05, 0.3)
+  vscale = jax.random.uniform(ks[4], (bh, n), jnp.float32, 0.05, 0.3)
+  lens = jax.random.randint(ks[5], (bh,), 1, n + 1, jnp.int32)
+  return q, k, kscale, v, vscale, lens, g, d
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--n", type=int, default=32768)
+  ap.add_argument("--iters", type=int, default=30)
+  ap.add_argument("--table", action="store_true",
+                  help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
+  a = ap.parse_args()
+  if a.table:
+    return table(a)
+  if a.quick:
+    grid = {"4b": [(128, 2, 8, "dim")], "0.5b": [(128, 2, 32, "dim")]}
+  else:
+    grid = {"4b": list(itertools.product((64, 128), (2, 3, 4), (8, 16), ("token", "dim"))),
+            "0.5b": list(itertools.product((64, 128), (2, 3, 4), (16, 32, 64), ("token", "dim")))}
+  print(jax.devices(), jax.__version__, flush=True)
+  with open(a.out, "w") as fo:
+    for name in SHAPES:
+      q, k, kscale, v, vscale, lens, g, d = inputs(name, a.n)
+      sm = d ** -0.5
+      ref = mgpu_int4.attend_reference(q, k, kscale, v, vscale, lens, sm_scale=sm)[:, :g]
+      full = jnp.full_like(lens, a.n)
+      for tile, stages, splits, major in grid[name]:
+        row = dict(shape=name, bh=q.shape[0], d=d, n=a.n, tile=tile, stages=stages, splits=splits,
+                   v_major=major)
+        knobs = dict(tile=tile, stages=stages, splits=splits, v_major=major)
+        vin = v if major == "token" else jnp.swapaxes(v, 1, 2)
+        try:
+          out = mgpu_int4.attend(q, k, kscale, vin, vscale, lens, sm_scale=sm, **knobs)[:, :g]
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          f = jax.jit(lambda *x, kn=tuple(knobs.items()):
+                      mgpu_int4.partition(*x, **dict(kn)))
+          qs = q   # the time does not depend on q's values
+          sec = _time(f, (qs, k, kscale, vin, vscale, full), a.iters)
+          nbytes = q.shape[0] * a.n * (d + 8)     # K and V: D/2 code bytes + 4 scale bytes each
+          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
+                     tb=traceback.format_exc()[-4000:])
+        print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "tb"}), flush=True)
+        fo.write(json.dumps(row) + "\n")
+        fo.flush()
+
+
+def table(a) -> None:
+  """One best-split row per (head shape, batch, keys); dim-major V, 128-row tiles, 2 stages."""
+  print(jax.devices(), jax.__version__, flush=True)
+  with open(a.out, "w") as fo:
+    for name, batch, n in itertools.product(SHAPES, (1, 8, 32), (8192, 32768)):
+      q, k, kscale, v, vscale, lens, g, d = inputs(name, n, batch=batch)
+      vt = jnp.swapaxes(v, 1, 2)
+      sm = d ** -0.5
+      ref = mgpu_int4.attend_reference(q, k, kscale, v, vscale, lens, sm_scale=sm)[:, :g]
+      full = jnp.full_like(lens, n)
+      for splits in (4, 8, 16, 32, 64):
+        if n % (128 * splits):
+          continue
+        knobs = dict(tile=128, stages=2, splits=splits, v_major="dim")
+        row = dict(shape=name, batch=batch, bh=q.shape[0], d=d, n=n, **knobs)
+        try:
+          out = mgpu_int4.attend(q, k, kscale, vt, vscale, lens, sm_scale=sm, **knobs)[:, :g]
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          f = jax.jit(lambda *x, kn=tuple(knobs.items()): mgpu_int4.partition(*x, **dict(kn)))
+          sec = _time(f, (q, k, kscale, vt, vscale, full), a.iters)
+          nbytes = q.shape[0] * n * (d + 8)
+          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}")
+        print(json.dumps(row), flush=True)
+        fo.write(json.dumps(row) + "\n")
+        fo.flush()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,96 @@
+"""Bandwidth of the Mosaic GPU QK prototype over INT4 and BF16 keys (issue 22, first stage).
+
+Runs a sweep of (key dtype, tile, pipeline stages, context splits) at the 4B-like and 0.5B head
+shapes, checks each variant against ``qk_reference`` (relative error norm) and prints one JSON
+line per variant with the time and the rate over the bytes the kernel must read (codes + scales).
+
+  python bench/bench_mgpu_qk.py --out $OUT/qk.jsonl [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gpu import mgpu_qk
+
+
+def _time(f, args, iters: int) -> float:
+  """Median seconds per call: CUPTI kernel time where the profiler has it, else wall clock."""
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, runtimes = profiler.measure(f, iterations=iters)(*args)
+    if runtimes:
+      return float(np.median(runtimes)) * 1e-3
+  except Exception:   # noqa: BLE001 - fall back to the wall clock
+    pass
+  jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / iters
+
+
+def ints(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(","))
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--iters", type=int, default=30)
+  ap.add_argument("--tiles", default="64,128")
+  ap.add_argument("--stages", default="2,4,6")
+  ap.add_argument("--splits4b", default="2,4,8")
+  ap.add_argument("--splits05b", default="8,16")
+  a = ap.parse_args()
+  shapes = [("4b", 64, 128, 32768), ("0.5b", 16, 64, 32768)]
+  if a.quick:
+    grid = {"4b": [(jnp.int4, 64, 4, 4), (jnp.bfloat16, 64, 4, 4)],
+            "0.5b": [(jnp.int4, 64, 4, 8)]}
+  else:
+    grid = {
+        "4b": list(itertools.product((jnp.int4, jnp.bfloat16), ints(a.tiles), ints(a.stages),
+                                     ints(a.splits4b))),
+        "0.5b": list(itertools.product((jnp.int4, jnp.bfloat16), ints(a.tiles), ints(a.stages),
+                                       ints(a.splits05b))),
+    }
+  print(jax.devices(), jax.__version__, flush=True)
+  with open(a.out, "w") as fo:
+    for name, bh, d, n in shapes:
+      key = jax.random.key(0)
+      kq, kk, ks_ = jax.random.split(key, 3)
+      q = jax.random.normal(kq, (bh, mgpu_qk.N_PAD, d), jnp.float32).astype(jnp.bfloat16)
+      codes = jax.random.randint(kk, (bh, n, d), -7, 8, jnp.int32)
+      scale = jax.random.uniform(ks_, (bh, n), jnp.float32, 0.01, 0.1)
+      for kdt, tile, stages, splits in grid[name]:
+        k = codes.astype(kdt)
+        row = dict(shape=name, bh=bh, d=d, n=n, kdtype=jnp.dtype(kdt).name, tile=tile,
+                   stages=stages, splits=splits)
+        try:
+          f = jax.jit(lambda q, k, s, t=tile, st=stages, sp=splits:
+                      mgpu_qk.qk(q, k, s, tile=t, stages=st, splits=sp))
+          out = jax.block_until_ready(f(q, k, scale))
+          ref = mgpu_qk.qk_reference(q, k, scale, tile=tile, splits=splits)
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          sec = _time(f, (q, k, scale), a.iters)
+          nbytes = bh * n * (d * (4 if kdt == jnp.int4 else 16) // 8 + 4)
+          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
+                     tb=traceback.format_exc()[-3000:])
+        print(json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
+        fo.write(json.dumps(row) + "\n")
+        fo.flush()
+
+
+if __name__ == "__main__":
+  main()

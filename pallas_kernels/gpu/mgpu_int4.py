@@ -1,0 +1,285 @@
+"""The INT4 partition as a Pallas Mosaic GPU kernel (Hopper), with its jnp emulation beside it.
+
+Operand swap throughout: tokens on the wgmma M side, the query heads of one KV head (padded to 16)
+on N, so the INT4 tile is the register A operand and no MMA is padded to 64 query rows.
+
+* ``S^T[T, 16] = K[T, D] . q^T``: K upcast int4 -> bf16 in registers, q^T from shared memory. The
+  per-token K scale times ``qk_scale`` (``sm_scale * log2(e)``) multiplies the rows of ``S^T``
+  after the MMA: the codes are never scaled and q is never rounded after scaling.
+* Online softmax per column (query head) over the rows (tokens), base 2. The row sums stay
+  per element (``lazy_sum``) and are reduced across warps once per split, not once per tile.
+* ``O^T[D, 16] += V^T[D, T] . P^T[T, 16]``, the per-token V scale folded into the rows of
+  ``P^T`` (a [T, 16] multiply instead of [T, D]). No 4-bit transposing load exists, so V comes
+  either dim-major (``v[BH, D, N]``, ``v_major="dim"``: upcast in registers into the A operand
+  like K) or token-major (``v[BH, N, D]``, ``v_major="token"``: upcast into a bf16 shared-memory
+  tile that wgmma reads transposed). Dim-major is the faster (bench/RESULTS.md).
+
+Per (batch x KV head, context split) it writes the unnormalized ``O^T``, the running max and the
+sum of the split (base 2), broadcast over D so every output is one [D, 16] tile; :func:`merge`
+combines the splits by the log-sum-exp rule. :func:`partition_reference` is the same algorithm
+in jnp (the same tiles, splits, roundings and merge), which the CPU tests check against the
+float32 math of :func:`attend_reference`.
+
+Shapes: ``q[BH, 16, D]`` bf16 (G <= 16 query heads per KV head, zero rows after them),
+``k[BH, N, D]`` int4 (jax's packing: element 2j in the low nibble of byte j; :func:`int4_view`
+reads our half-split bytes that way), ``ks, vs[BH, N]`` f32 scales, ``lens[BH]`` int32 visible
+keys. Not yet wired into ``decode_attention``: no page tables, contiguous keys per row.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+N_PAD = 16   # wgmma N: query heads of one KV head padded; 16 so the bf16 P^T tile rows are 32 bytes (the smallest swizzle)
+LOG2E = math.log2(math.e)
+_FLOOR = -1e30   # finite "minus infinity" for the running max: empty tiles give alpha = 1, p = 0
+SM90_SMEM = 232448   # bytes of shared memory a Hopper block may use (the H200's limit)
+_SCRATCH = 8192      # Mosaic GPU's reduction scratch and barriers, rounded up
+
+
+def smem_bytes(d: int, tile: int, stages: int, v_major: str) -> int:
+  """Shared memory of one block: the pipeline's buffers, q, the P^T tile, the bf16 V tile
+  (token-major V only) and the output staging tile. Mosaic GPU checks it only on the device."""
+  per_stage = 2 * (tile * d // 2 + tile * 4)          # K and V codes + f32 scales
+  vb = (tile if v_major == "token" else 8) * d * 2
+  return stages * per_stage + N_PAD * d * 2 + vb + tile * N_PAD * 2 + d * N_PAD * 4 + _SCRATCH
+
+
+def _load(ref, layout):
+  try:
+    return plgpu.load(ref, layout=layout)
+  except TypeError:   # jax 0.10 wants the index
+    return plgpu.load(ref, (), layout=layout)
+
+
+def _bits(dtype) -> int:
+  return 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
+
+
+def _transforms(minor: int, dtype, what: str, swz: int | None = None):
+  bits = _bits(dtype)
+  swz = swz or plgpu.find_swizzle(minor * bits, what)
+  return swz * 8 // bits, (plgpu.TilingTransform((8, swz * 8 // bits)),
+                           plgpu.SwizzleTransform(swz))
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
+                                             "qk_scale"))
+def partition(q, k, ks, v, vs, lens, *, tile: int = 128, stages: int = 2, splits: int = 8,
+              lazy_sum: bool = True, v_major: str = "dim", qk_scale: float = 1.0):
+  """-> (o[BH, splits, D, 16] f32 unnormalized O^T, m[BH, splits, D, 16], l[BH, splits, D, 16]).
+
+  ``v_major="token"``: ``v[BH, N, D]``, upcast into a bf16 shared-memory tile read transposed.
+  ``v_major="dim"``: ``v[BH, D, N]`` (V stored transposed), upcast in registers straight into
+  wgmma's A operand like K, so no bf16 tile round trip.
+  """
+  bh, n, d = k.shape
+  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages)
+  steps = n // tile // splits
+  k_elems, k_tr = _transforms(d, k.dtype, "keys")
+  q_elems, q_tr = _transforms(d, q.dtype, "queries")
+  # wgmma wants equal swizzles for its two shared-memory operands; P^T's rows are 32 bytes.
+  _, p_tr = _transforms(N_PAD, jnp.bfloat16, "probabilities")
+  _, vb_tr = _transforms(d, jnp.bfloat16, "values", swz=32)
+  _, vt_tr = _transforms(tile, v.dtype, "transposed values")
+  kslice = min(k_elems, q_elems, d)
+  row = plgpu.Layout.WGMMA.reduce(1)
+  col = plgpu.Layout.WGMMA.reduce(0)
+
+  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, o_gmem, m_gmem, l_gmem,
+           q_smem, vb_smem, p_smem, o_smem, bar):
+    b = lax.axis_index("bh")
+    sp = lax.axis_index("sp")
+    length = lens_gmem[b]
+    plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem, bar)
+    plgpu.barrier_wait(bar)
+
+    def step(idx, k_smem, ks_smem, v_smem, vs_smem, carry):
+      m, l, acc = carry
+
+      def scores(acc_ref):
+        kr = k_smem[...]
+        for j in range(d // kslice):
+          sl = slice(j * kslice, (j + 1) * kslice)
+          plgpu.wgmma(acc_ref, kr[:, sl].astype(jnp.bfloat16), q_smem.at[:, sl].T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
+      s = s * lax.broadcast_in_dim(_load(ks_smem, row) * qk_scale, s.shape, [0])
+      first = (sp * steps + idx[0]) * tile
+      tok = plgpu.broadcasted_iota(jnp.int32, (tile, N_PAD), 0, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(tok + first < length, s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=0))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+      if lazy_sum:   # per-element partial sums, one cross-warp reduction at the end
+        l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
+      else:
+        l = l * alpha + p.sum(axis=0)
+      p = p * lax.broadcast_in_dim(_load(vs_smem, row), p.shape, [0])
+      p_smem[...] = p.astype(jnp.bfloat16)
+      if v_major == "token":
+        vb_smem[...] = v_smem[...].astype(jnp.bfloat16)
+      plgpu.commit_smem()
+
+      def pv(acc_ref):
+        if v_major == "token":
+          plgpu.wgmma(acc_ref, vb_smem.T, p_smem)
+        else:
+          plgpu.wgmma(acc_ref, v_smem[...].astype(jnp.bfloat16), p_smem)
+        return acc_ref[...]
+
+      # A fresh accumulator plus an add ([D, 16] adds) instead of run_state over the old one.
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+      acc = acc + pl.run_scoped(pv, plgpu.ACC((d, N_PAD), jnp.float32))
+      return m_new, l, acc
+
+    cast = plgpu.layout_cast
+    m0 = cast(jnp.full((N_PAD,), _FLOOR, jnp.float32), col)
+    if lazy_sum:
+      l0 = cast(jnp.zeros((tile, N_PAD), jnp.float32), plgpu.Layout.WGMMA)
+    else:
+      l0 = cast(jnp.zeros((N_PAD,), jnp.float32), col)
+    a0 = cast(jnp.zeros((d, N_PAD), jnp.float32), plgpu.Layout.WGMMA)
+    blk = lambda i: (sp * steps + i, 0)
+    blk1 = lambda i: (sp * steps + i,)
+    m, l, acc = plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[
+            plgpu.BlockSpec((tile, d), blk, transforms=k_tr),
+            plgpu.BlockSpec((tile,), blk1),
+            (plgpu.BlockSpec((tile, d), blk, transforms=k_tr) if v_major == "token" else
+             plgpu.BlockSpec((d, tile), lambda i: (0, sp * steps + i), transforms=vt_tr)),
+            plgpu.BlockSpec((tile,), blk1),
+        ],
+        max_concurrent_steps=stages,
+        init_carry=(m0, l0, a0),
+    )(k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b])
+    if lazy_sum:
+      l = l.sum(axis=0)
+    for out, val in ((o_gmem, acc), (m_gmem, lax.broadcast_in_dim(m, acc.shape, [1])),
+                     (l_gmem, lax.broadcast_in_dim(l, acc.shape, [1]))):
+      o_smem[...] = val
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, out.at[b, sp])
+      plgpu.wait_smem_to_gmem(0)
+
+  f32 = jax.ShapeDtypeStruct((bh, splits, d, N_PAD), jnp.float32)
+  return plgpu.kernel(
+      body,
+      out_type=(f32, f32, f32),
+      grid=(bh, splits),
+      grid_names=("bh", "sp"),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((N_PAD, d), q.dtype, transforms=q_tr),
+          vb_smem=plgpu.SMEM((tile if v_major == "token" else 8, d), jnp.bfloat16,
+                             transforms=vb_tr),   # unused (8 rows) when V is dim-major
+          p_smem=plgpu.SMEM((tile, N_PAD), jnp.bfloat16, transforms=p_tr),
+          o_smem=plgpu.SMEM((d, N_PAD), jnp.float32),
+          bar=plgpu.Barrier(),
+      ),
+  )(q, k, ks, v, vs, lens)
+
+
+def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2) -> None:
+  """One-line errors for shapes the kernel cannot take (before Mosaic GPU sees them)."""
+  if v_major not in ("token", "dim"):
+    raise ValueError(f"v_major must be 'token' or 'dim', got {v_major!r}")
+  bh, n, d = k.shape
+  v_shape = (bh, n, d) if v_major == "token" else (bh, d, n)
+  want = {"q": (bh, N_PAD, d), "v": v_shape, "ks": (bh, n), "vs": (bh, n), "lens": (bh,)}
+  for name, arr in (("q", q), ("v", v), ("ks", ks), ("vs", vs), ("lens", lens)):
+    if tuple(arr.shape) != want[name]:
+      raise ValueError(f"{name} must have shape {want[name]} for k {tuple(k.shape)} "
+                       f"(v_major={v_major!r}), got {tuple(arr.shape)}")
+  if d % 64 or tile % 64:
+    raise ValueError(f"head dim {d} and tile {tile} must be multiples of 64 (wgmma's M)")
+  if n % (tile * splits):
+    raise ValueError(f"keys {n} must divide into {splits} splits of {tile}-row tiles")
+  need = smem_bytes(d, tile, stages, v_major)
+  if need > SM90_SMEM:
+    raise ValueError(f"tile {tile} x {stages} stages needs {need} bytes of shared memory, over "
+                     f"the {SM90_SMEM} a Hopper block has: use fewer stages or a smaller tile")
+
+
+def int4_view(packed: jax.Array) -> jax.Array:
+  """Our half-split bytes ``uint8[..., D/2]`` (``pallas_kernels.int4``) read as jax int4 ``[..., D]``.
+
+  Element 2j of the view is logical element j and element 2j+1 is j + D/2, so attention over the
+  view equals attention over the logical row once q's columns go through :func:`interleave`.
+  """
+  return jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(*packed.shape[:-1], -1)
+
+
+def interleave(x: jax.Array) -> jax.Array:
+  """Columns ``[0, D/2, 1, D/2 + 1, ...]`` of ``x[..., D]``: q for keys read by :func:`int4_view`."""
+  half = x.shape[-1] // 2
+  return jnp.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+
+
+def merge(o, m, l):
+  """Splits -> ``out[BH, 16, D]`` f32 by the log-sum-exp rule (base 2)."""
+  m, l = m[:, :, 0, :], l[:, :, 0, :]                     # [BH, S, 16]
+  top = m.max(axis=1, keepdims=True)
+  w = jnp.exp2(m - top)
+  den = (w * l).sum(axis=1)                               # [BH, 16]
+  num = (w[:, :, None, :] * o).sum(axis=1)                # [BH, D, 16]
+  return jnp.swapaxes(num / jnp.where(den > 0, den, 1.0)[:, None, :], 1, 2)
+
+
+def attend(q, k, ks, v, vs, lens, *, sm_scale: float, **knobs):
+  """Softmax attention of ``q[BH, 16, D]`` over the INT4 keys/values -> ``[BH, 16, D]`` f32."""
+  return merge(*partition(q.astype(jnp.bfloat16), k, ks, v, vs, lens,
+                          qk_scale=sm_scale * LOG2E, **knobs))
+
+
+
+def partition_reference(q, k, ks, v, vs, lens, *, tile: int = 128, splits: int = 8,
+                        v_major: str = "dim", qk_scale: float = 1.0, **_):
+  """:func:`partition` in jnp: the same tiles, splits, masks, bf16 roundings and outputs."""
+  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major)
+  bh, n, d = k.shape
+  steps = n // tile // splits
+  vt = v if v_major == "token" else jnp.swapaxes(v, 1, 2)              # [BH, N, D]
+  s = jnp.einsum("bgd,bnd->bng", q.astype(jnp.bfloat16).astype(jnp.float32),
+                 k.astype(jnp.float32))                                 # exact bf16 products
+  s = s * (ks * qk_scale)[..., None]
+  s = jnp.where(jnp.arange(n)[None, :, None] < lens[:, None, None], s, -jnp.inf)
+  tiles = lambda x: jnp.moveaxis(x.reshape(bh, splits, steps, tile, *x.shape[2:]), 2, 0)
+  s_t, vs_t, v_t = tiles(s), tiles(vs), tiles(vt.astype(jnp.float32))
+
+  def step(carry, xs):
+    m, l, acc = carry                                    # [BH,S,16], [BH,S,T,16], [BH,S,D,16]
+    s, vs, v = xs
+    m_new = jnp.maximum(m, s.max(axis=2))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, :, None, :])
+    l = l * alpha[:, :, None, :] + p
+    pb = (p * vs[..., None]).astype(jnp.bfloat16).astype(jnp.float32)
+    acc = acc * alpha[:, :, None, :] + jnp.einsum("bstd,bstg->bsdg", v, pb)
+    return (m_new, l, acc), None
+
+  init = (jnp.full((bh, splits, N_PAD), _FLOOR, jnp.float32),
+          jnp.zeros((bh, splits, tile, N_PAD), jnp.float32),
+          jnp.zeros((bh, splits, d, N_PAD), jnp.float32))
+  (m, l, acc), _ = lax.scan(step, init, (s_t, vs_t, v_t))
+  wide = lambda x: jnp.broadcast_to(x[:, :, None, :], acc.shape)
+  return acc, wide(m), wide(l.sum(axis=2))
+
+
+def attend_reference(q, k, ks, v, vs, lens, *, sm_scale: float):
+  """float32 math: softmax(q . dequant(K)^T * sm_scale) . dequant(V), token-major ``v``."""
+  kf = k.astype(jnp.float32) * ks[..., None]
+  vf = v.astype(jnp.float32) * vs[..., None]
+  s = jnp.einsum("bgd,bnd->bgn", q.astype(jnp.float32), kf) * sm_scale
+  valid = jnp.arange(k.shape[1])[None, None, :] < lens[:, None, None]
+  s = jnp.where(valid, s, -jnp.inf)
+  p = jnp.where(valid, jax.nn.softmax(s, axis=-1), 0.0)
+  return jnp.einsum("bgn,bnd->bgd", p, vf)
