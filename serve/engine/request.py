@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -13,11 +14,7 @@ from pask_jax.decode import Tracker
 _ids = itertools.count(1)
 
 
-def _engine(default=None, factory=None):
-  """A field the engine owns: not a constructor argument, not in the repr."""
-  if factory is not None:
-    return dataclasses.field(default_factory=factory, init=False, repr=False)
-  return dataclasses.field(default=default, init=False, repr=False)
+_ENGINE = {"init": False, "repr": False}   # a field the engine owns
 
 
 @dataclasses.dataclass(eq=False)
@@ -38,24 +35,29 @@ class Request:
   rid: int = dataclasses.field(default_factory=lambda: next(_ids))
   cancelled: bool = False
   # The engine's bookkeeping.
-  slot: int | None = _engine()
-  out: list[int] = _engine(factory=list)
-  sent: str = _engine("")
-  lps: list = _engine(factory=list)   # per token: (logprob, [(id, logprob)])
-  cut: int | None = _engine()         # text length before the stop sequence that ended it
-  detok: Any = _engine()              # serve.detok.Detokenizer of ``out``
-  t_submit: float = _engine(0.0)
-  t_admit: float | None = _engine()
-  t_first: float | None = _engine()
-  t_last: float | None = _engine()
-  seq: int = _engine(0)               # arrival order (preemption takes the largest)
-  prompt_plan: np.ndarray | None = _engine()   # int8 [n_prompt, G] prefill plan
-  plan: np.ndarray | None = _engine()   # int8 [n, G] actions of the positions its next prefill stores
-  resume: dict | None = _engine()     # what a preempted request needs to continue
-  replay: int | None = _engine()      # replay: index of the generated token being re-fed
-  pre: Any = _engine()                # the prefill in progress (pieces left, length, bucket, rows)
-  fed: list = _engine(factory=list)   # (tag ids, state id) of every out token
-  preemptions: int = _engine(0)
+  slot: int | None = dataclasses.field(default=None, **_ENGINE)
+  out: list[int] = dataclasses.field(default_factory=list, **_ENGINE)
+  sent: str = dataclasses.field(default="", **_ENGINE)
+  # per token: (logprob, [(id, logprob)])
+  lps: list = dataclasses.field(default_factory=list, **_ENGINE)
+  # text length before the stop sequence that ended it
+  cut: int | None = dataclasses.field(default=None, **_ENGINE)
+  detok: Any = dataclasses.field(default=None, **_ENGINE)   # serve.detok.Detokenizer of ``out``
+  t_submit: float = dataclasses.field(default=0.0, **_ENGINE)
+  t_admit: float | None = dataclasses.field(default=None, **_ENGINE)
+  t_first: float | None = dataclasses.field(default=None, **_ENGINE)
+  t_last: float | None = dataclasses.field(default=None, **_ENGINE)
+  seq: int = dataclasses.field(default=0, **_ENGINE)   # arrival order (preemption: the last)
+  # int8 [n_prompt, G]: the prefill plan; [n, G]: actions of the positions its next prefill stores
+  prompt_plan: np.ndarray | None = dataclasses.field(default=None, **_ENGINE)
+  plan: np.ndarray | None = dataclasses.field(default=None, **_ENGINE)
+  resume: dict | None = dataclasses.field(default=None, **_ENGINE)   # what a preempted one needs
+  replay: int | None = dataclasses.field(default=None, **_ENGINE)   # the generated token re-fed
+  # the prefill in progress (pieces left, length, bucket, page rows)
+  pre: Any = dataclasses.field(default=None, **_ENGINE)
+  # (tag ids, state id) of every out token (what a replay feeds with it)
+  fed: list = dataclasses.field(default_factory=list, **_ENGINE)
+  preemptions: int = dataclasses.field(default=0, **_ENGINE)
 
   def cancel(self) -> None:
     """Thread-safe (a flag the engine polls every iteration)."""
