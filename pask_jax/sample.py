@@ -33,6 +33,8 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
 
 
 def nucleus(logits, key, temperature, top_p, greedy):
+  """Temperature and top-p sampling of ``logits [B, V]`` (masked) with ``key``; rows whose
+  temperature is <= 0 take ``greedy``."""
   t = jnp.maximum(temperature, 1e-6)[:, None]
   scaled = logits / t
   order = jnp.argsort(-scaled, axis=-1)

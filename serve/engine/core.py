@@ -106,7 +106,8 @@ class Engine(Loop):
     return self.step.worst_case(n_prompt, max_tokens)
 
   def fits_ever(self, n_prompt: int, max_tokens: int) -> str | None:
-    """Why a request can never run here, or None."""
+    """Why a request can never run here, or None: it is refused only if it could not complete
+    even alone (its :meth:`worst_case` exceeds a pool)."""
     if n_prompt < 1:
       return "empty prompt"
     if n_prompt + max_tokens > self.context:

@@ -210,8 +210,9 @@ class PagedStep(Step):
     return self.pages.need(r.plan), seconds
 
   def insert(self, r, dense, n: int, Tn: int, rows) -> None:
-    """``r``'s prefill (K/V of ``n`` tokens padded to ``Tn``) into its slot and ``rows`` pages;
-    a request resumed by recompute gets its balance and ledger row back."""
+    """``r``'s prefill (K/V of ``n`` tokens padded to ``Tn``) materialized by its plan into its
+    slot and ``rows`` pages (traced inputs: one compile per bucket); a request resumed by
+    recompute gets its balance and ledger row back."""
     plan = np.zeros((1, Tn, self.G), np.int8)
     plan[0, :n] = r.plan
     self.state = self._insert(self.policy, self.state, dense.k, dense.v, jnp.asarray(plan),
