@@ -1,4 +1,4 @@
-"""serve/engine.py: memory-sized pools, admission by the prompt plan, pages on demand, preemption.
+"""serve/engine: memory-sized pools, admission by the prompt plan, pages on demand, preemption.
 
 A tiny random llama (3 layers, one per layer group) with SmolLM2's real vocabulary, so the
 tool-call grammar and its structural-tag adapter are the real ones; the engine is driven on the
