@@ -197,7 +197,7 @@ class PaskRunner:
     self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16)
     self._dense.params = self.params
     self.commit = jax.jit(self._commit)
-    self.decode_step = jax.jit(self._decode_step, donate_argnums=(2,))
+    self.decode_step = jax.jit(self.decode_fn, donate_argnums=(2,))
     self.step = jax.jit(self._step, donate_argnums=(2,))
     self.select = self._dense.select
 
@@ -256,7 +256,7 @@ class PaskRunner:
     logits, (cache, _) = model(tokens[:, None], pos[:, None], (cache, plan), self._attend)
     return logits[:, 0], cache
 
-  def _decode_step(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
+  def decode_fn(self, params, policy, cache, budget, led, tokens, tag_ids, state_ids, active):
     self.traces["step"] += 1
     tmpl = self._shared(policy)
     with jax.named_scope("controller"):
@@ -268,14 +268,14 @@ class PaskRunner:
       led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
     return logits, cache, budget, led, actions
 
-  def _deferred_step(self, params, policy, cache, budget, led, tokens, prev_tags, prev_state_ids,
-                     decide, active):
-    """:meth:`_decode_step` with the controller one step late (the overlapping engine in
+  def deferred_fn(self, params, policy, cache, budget, led, tokens, prev_tags, prev_state_ids,
+                  decide, active):
+    """:meth:`decode_fn` with the controller one step late (the overlapping engine in
     serve/engine.py): first the token fed by the previous step gets its actions, from its tags
     ``prev_tags [B, 4]`` / ``prev_state_ids [B]``, where ``decide [B]``; then ``tokens`` are fed
     with a placeholder that the next step replaces (``cache.set_pending``).  Per sequence the
     controller sees the same tags in the same order and every token is decided before it leaves
-    the window, so caches, balances, ledgers and logits equal :meth:`_decode_step`'s; the
+    the window, so caches, balances, ledgers and logits equal :meth:`decode_fn`'s; the
     returned actions are those of the previous tokens."""
     self.traces["fwd"] += 1
     tmpl = self._shared(policy)
@@ -294,8 +294,8 @@ class PaskRunner:
   def _step(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, key,
             temperature, top_p):
     cache, budget, led = state
-    logits, cache, budget, led, _ = self._decode_step(params, policy, cache, budget, led, tokens,
-                                                      tag_ids, state_ids, active)
+    logits, cache, budget, led, _ = self.decode_fn(params, policy, cache, budget, led, tokens,
+                                                   tag_ids, state_ids, active)
     with jax.named_scope("sample"):
       nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
     return nxt, logits, (cache, budget, led)

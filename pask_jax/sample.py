@@ -29,10 +29,12 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.lax.cond(jnp.any(temperature > 0),
-                      lambda: _nucleus(logits, key, temperature, top_p, greedy), lambda: greedy)
+                      lambda: nucleus(logits, key, temperature, top_p, greedy), lambda: greedy)
 
 
-def _nucleus(logits, key, temperature, top_p, greedy):
+def nucleus(logits, key, temperature, top_p, greedy):
+  """Temperature and top-p sampling of ``logits [B, V]`` (masked) with ``key``; rows whose
+  temperature is <= 0 take ``greedy``."""
   t = jnp.maximum(temperature, 1e-6)[:, None]
   scaled = logits / t
   order = jnp.argsort(-scaled, axis=-1)

@@ -1,7 +1,7 @@
 """Prefill pacing: how much of the engine's time a long prompt's prefill may take while other
 requests decode.
 
-A prompt of several prefill pieces (``Engine.prefill_chunk`` tokens each) would stall every
+A prompt of several prefill pieces (``--prefill-chunk`` tokens each) would stall every
 running stream for the whole of its prefill if it ran at once.  The engine runs its pieces
 between decode steps instead, and this pacer decides when: every decode step earns the long
 prefill ``share / (1 - share)`` of that step's time as credit, a piece runs while the credit is
@@ -15,7 +15,7 @@ decode steps without a long prompt does not store up a burst.
 Prompts of one piece are not paced: they are prefilled when admitted (within the iteration's
 budget of about one decode step), and may be admitted while a long prompt is in progress, so a
 short request is not queued behind a long one's prefill (vLLM's partial-prefill rule).  Their
-prefill time is charged to the credit all the same (the engine's ``_pace``), so a long prompt
+prefill time is charged to the credit all the same (``Scheduler.pace``), so a long prompt
 gives way while short ones arrive; ``serve.engine.STARVE_STEPS`` bounds how long.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""serve/engine.py: memory-sized pools, admission by the prompt plan, pages on demand, preemption.
+"""serve/engine: memory-sized pools, admission by the prompt plan, pages on demand, preemption.
 
 A tiny random llama (3 layers, one per layer group) with SmolLM2's real vocabulary, so the
 tool-call grammar and its structural-tag adapter are the real ones; the engine is driven on the
@@ -144,11 +144,12 @@ def check_clean(e):
   """Every page back, nothing running, no cache overflow, each decode step kind compiled at most
   once (``fwd``: the overlapped forward; ``step``: the serial step, e.g. under recompute)."""
   assert e.idle() and not e.active.any()
-  assert (e.top == np.array(e.totals)[:, None]).all(), e.top
-  assert (e.npg == 0).all() and (e.count == 0).all()
+  assert (e.pages.top == np.array(e.pages.totals)[:, None]).all(), e.pages.top
+  assert (e.pages.npg == 0).all() and (e.count == 0).all()
   for X in range(2):   # the free lists hold every id exactly once per group
     for g in range(e.G):
-      assert sorted(e.free[X][g, :e.top[X, g]].tolist()) == list(range(e.totals[X]))
+      assert sorted(e.pages.free[X][g, :e.pages.top[X, g]].tolist()) == list(
+          range(e.pages.totals[X]))
   assert e.m["overflow"] == 0 and e.m["requests_error"] == 0
   assert e.traces["step"] <= 1 and e.traces["fwd"] <= 1 and e.traces["step"] + e.traces["fwd"]
 
@@ -223,26 +224,26 @@ def test_pages_follow_the_prompt_plan_and_the_device_tables():
   for r in [r for r in e.running if r is not None]:
     done = r.prompt_plan[:len(r.ids) - e.window]
     for X, code in enumerate((T.H, T.L)):
-      extra = e.lens[X, :, r.slot] - (done == code).sum(0)
+      extra = e.pages.lens[X, :, r.slot] - (done == code).sum(0)
       assert ((extra == 0) | (extra == 1)).all()
   for _ in range(2000):
     if e.idle():
       break
     e._iterate()
-    cache = e.state[0]
+    cache = e.step.state[0]
     lens = np.stack([np.asarray(cache.hi_len), np.asarray(cache.lo_len)])
     tables = [np.asarray(cache.hi_pages), np.asarray(cache.lo_pages)]
     for b in range(SLOTS):
       if e.running[b] is None:
-        assert (lens[:, :, b] == 0).all() and (e.npg[:, :, b] == 0).all()
+        assert (lens[:, :, b] == 0).all() and (e.pages.npg[:, :, b] == 0).all()
         continue
-      assert (lens[:, :, b] == e.lens[:, :, b]).all()
+      assert (lens[:, :, b] == e.pages.lens[:, :, b]).all()
       for X in range(2):
         for g in range(e.G):
-          k = e.npg[X, g, b]
-          assert k == -(-e.lens[X, g, b] // PAGE)
-          assert (tables[X][g, b, :k] == e.tbl[X, g, b, :k]).all()
-          assert (tables[X][g, b, k:] == e.totals[X]).all()
+          k = e.pages.npg[X, g, b]
+          assert k == -(-e.pages.lens[X, g, b] // PAGE)
+          assert (tables[X][g, b, :k] == e.pages.tbl[X, g, b, :k]).all()
+          assert (tables[X][g, b, k:] == e.pages.totals[X]).all()
   assert e.m["preemptions"] > 0
   check_clean(e)
 
@@ -384,7 +385,7 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
     rs, acts = reqs(), {}
 
     def spy(r, finish, error=None, e=e, acts=acts, fin=type(e)._finish):   # actions at the end
-      acts[r.rid] = e.acts[r.slot, :e.count[r.slot]].copy()
+      acts[r.rid] = e.pages.acts[r.slot, :e.count[r.slot]].copy()
       fin(e, r, finish, error)
     with monkeypatch.context() as mp:
       mp.setattr(e, "overlap_wanted", ov)
@@ -428,9 +429,9 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
 
   got = {}
   e = engine("demo")   # the piece size is a host-side rule: one compiled engine for both runs
-  assert e.prefill_chunk == 512
+  assert e.sched.prefill_chunk == 512
   for chunk in (512, 64):
-    monkeypatch.setattr(e, "prefill_chunk", chunk)
+    monkeypatch.setattr(e.sched, "prefill_chunk", chunk)
     rs = reqs()
     done = {}
     for r in rs:
@@ -447,7 +448,7 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(monkeypatch):
         break
       before = e.m["decode_steps"]
       e._iterate()
-      interleaved += e.prefilling is rs[2] and e.m["decode_steps"] > before
+      interleaved += e.sched.prefilling is rs[2] and e.m["decode_steps"] > before
     assert all(done[r.rid][0] == "done" for r in rs), done
     check_clean(e)
     got[chunk] = [done[r.rid][1] for r in rs], interleaved
@@ -500,15 +501,15 @@ def test_short_prompts_pass_a_long_prefill_whose_pieces_are_paced(monkeypatch):
   e = engine("demo")
   got = {}
   for chunk in (512, 64):
-    monkeypatch.setattr(e, "prefill_chunk", chunk)
-    monkeypatch.setattr(e, "pacer", EveryKthStep(3))
+    monkeypatch.setattr(e.sched, "prefill_chunk", chunk)
+    monkeypatch.setattr(e.sched, "pacer", EveryKthStep(3))
     calls = []   # the long prompts' runs: (request, decode steps so far, pieces run, busy)
 
     def paced(r, busy, real=e._prefill_some, calls=calls):
-      long, steps, before = r is e.prefilling, e.m["decode_steps"], e.pre_pieces
+      long, steps, before = r is e.sched.prefilling, e.m["decode_steps"], e.sched.pre_pieces
       out = real(r, busy)
       if long:
-        calls.append((r, steps, e.pre_pieces - before, busy))
+        calls.append((r, steps, e.sched.pre_pieces - before, busy))
       return out
     monkeypatch.setattr(e, "_prefill_some", paced)
     early, L1, S1, L2, S2 = reqs()
@@ -525,7 +526,7 @@ def test_short_prompts_pass_a_long_prefill_whose_pieces_are_paced(monkeypatch):
     e._iterate()
     passed = None
     if chunk == 64:
-      assert e.prefilling is L1   # in progress: one piece so far
+      assert e.sched.prefilling is L1   # in progress: one piece so far
       e.submit(S1)
       e.submit(L2)
       e.submit(S2)
@@ -534,7 +535,7 @@ def test_short_prompts_pass_a_long_prefill_whose_pieces_are_paced(monkeypatch):
       # takes the last free slot
       for _ in range(3):
         e._iterate()
-      passed = (e.prefilling is L1, S1.out != [], S2.out != [], L2.slot is None)
+      passed = (e.sched.prefilling is L1, S1.out != [], S2.out != [], L2.slot is None)
     else:
       for r in (S1, L2, S2):
         e.submit(r)
@@ -592,7 +593,7 @@ def test_warmup_compiles_every_prefill_bucket_up_to_the_context(monkeypatch):
   e.warmup()
   assert sorted({bucket(n) for n in sent}) == [32, 48, 64, 96, 128, 192], sent
   assert all(n + 2 <= CTX for n in sent)
-  jitted = (e.dense.prefill, e._plan, e._insert, e._first)
+  jitted = (e.dense.prefill, e.step._plan, e.step._insert, e.step._first)
   compiled = [f._cache_size() for f in jitted]
   reqs = []
   for words in (0, 4, 16, 30):   # one prompt per bucket: 32, 48, 96, 192 (30-151 tokens)
@@ -613,8 +614,8 @@ def test_no_piece_right_after_a_short_prefill(monkeypatch):
   them than the context holds pieces of 64.)"""
   from serve.engine import STARVE_STEPS
   e = engine("demo")
-  monkeypatch.setattr(e, "prefill_chunk", 32)
-  monkeypatch.setattr(e, "pacer", EveryKthStep(3))
+  monkeypatch.setattr(e.sched, "prefill_chunk", 32)
+  monkeypatch.setattr(e.sched, "pacer", EveryKthStep(3))
   stream = requests(1)[0]
   stream.max_tokens = 60
   long = long_request(4)
@@ -624,10 +625,10 @@ def test_no_piece_right_after_a_short_prefill(monkeypatch):
   runs = []   # (short or piece, decode steps so far, steps since the last piece)
 
   def paced(r, busy, real=e._prefill_some):
-    if r is not e.prefilling:
-      runs.append(("short", e.m["decode_steps"], e.since_piece))
+    if r is not e.sched.prefilling:
+      runs.append(("short", e.m["decode_steps"], e.sched.since_piece))
     elif busy:
-      runs.append(("piece", e.m["decode_steps"], e.since_piece))
+      runs.append(("piece", e.m["decode_steps"], e.sched.since_piece))
     return real(r, busy)
   monkeypatch.setattr(e, "_prefill_some", paced)
   e.submit(stream)
@@ -656,7 +657,7 @@ def test_an_idle_long_prefill_leaves_nothing_running_when_a_request_arrives(monk
   queued, the new request waited for two pieces)."""
   import jax
   e = engine("demo")
-  monkeypatch.setattr(e, "prefill_chunk", 64)
+  monkeypatch.setattr(e.sched, "prefill_chunk", 64)
   long, short = long_request(2), requests(1, tools=False)[0]
   short.max_tokens = 2
   seen = []
@@ -676,7 +677,7 @@ def test_an_idle_long_prefill_leaves_nothing_running_when_a_request_arrives(monk
   monkeypatch.setattr(e, "_prefill", prefill)
   e.submit(long)
   e._iterate()
-  assert len(seen) == 1 and e.prefilling is long and e.inbox == [short]
+  assert len(seen) == 1 and e.sched.prefilling is long and e.inbox == [short]
   assert all(x.is_ready() for x in jax.tree.leaves(seen[0]))
   e.run_until_idle()
   assert long.out and short.out
@@ -694,8 +695,8 @@ def test_a_long_prefill_is_not_starved(monkeypatch):
   and completes."""
   from serve.engine import STARVE_STEPS
   e = engine("demo")
-  monkeypatch.setattr(e, "prefill_chunk", 64)
-  monkeypatch.setattr(e, "pacer", NeverReady(1))
+  monkeypatch.setattr(e.sched, "prefill_chunk", 64)
+  monkeypatch.setattr(e.sched, "pacer", NeverReady(1))
   stream = requests(1)[0]
   stream.max_tokens = 100
   long = long_request(4)
@@ -705,7 +706,7 @@ def test_a_long_prefill_is_not_starved(monkeypatch):
   at = []   # decode steps done at each run of the long prompt's pieces beside the stream
 
   def paced(r, busy, real=e._prefill_some):
-    if r is e.prefilling and busy:
+    if r is e.sched.prefilling and busy:
       at.append(e.m["decode_steps"])
     return real(r, busy)
   monkeypatch.setattr(e, "_prefill_some", paced)

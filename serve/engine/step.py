@@ -1,0 +1,344 @@
+"""The device side of the engine: the cache state and the jitted functions that change it.
+
+Two kinds behind one interface: :class:`PagedStep` over the paged PASK cache (BF16 and INT4
+pools, its page bookkeeping in ``pages``) and :class:`DenseStep` over the plain-XLA dense
+Full-KV cache (one row of ``context`` slots per sequence, no pools, no ledger: the baseline of
+``bench/bench_serving.py``).  Each offers
+
+* a serial step (``serial``): ONE jitted call for the whole batch, the model's step plus per-row
+  sampling; inactive slots are masked by ``active`` (neither charged nor written), so it compiles
+  once per batch shape;
+* an overlapped step: ``forward`` (cache update + logits) and ``pick`` (masked sampling) as two
+  calls, so the next forward can be launched fed with the token the pick will produce (a device
+  array) before the host has seen it.  The forward decides the actions of the token fed one step
+  *earlier* (``PaskRunner.deferred_fn``, ``cache.set_pending``): every token is decided before it
+  leaves the window, from the same tags in the same order, so outputs, actions, balances and
+  ledgers are those of the serial step.
+
+Sampling keys are per request: fold_in(key(seed), token index), so a seeded request samples the
+same tokens whatever else shares the batch.  Log-probabilities (of the grammar-masked logits,
+before temperature: the chosen token's and the top :data:`TOP_LOGPROBS`) are computed only when
+some row asks (``lax.cond``), one compile whatever the per-request count.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pask_jax import cache as pcache
+from pask_jax import controller, kv_dense, ledger
+from pask_jax import tags as T
+from pask_jax.decode import PaskRunner, prompt_candidates
+from pask_jax.sample import apply_bitmask, nucleus
+from serve.engine.pages import NoPages, PagePools
+from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, worst_pages
+
+TOP_LOGPROBS = 20   # alternatives computed per step when a request asks for logprobs
+
+
+def pick(logits, bits, seeds, steps, temperature, top_p, want_lp):
+  """Per-row sampling: row b uses key fold_in(key(seeds[b]), steps[b]).  -> (tokens [B],
+  (chosen log-prob [B], top ids [B, K], top log-probs [B, K])); the log-probs are of the masked
+  logits and are zeros unless some row wants them."""
+  masked = apply_bitmask(logits, bits)
+  greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
+  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
+  row = lambda l, k, t, p, g: nucleus(l[None], k, t[None], p[None], g[None])[0]
+  tok = jax.lax.cond(jnp.any(temperature > 0),
+                     lambda: jax.vmap(row)(masked, keys, temperature, top_p, greedy),
+                     lambda: greedy)
+  B, K = logits.shape[0], TOP_LOGPROBS
+
+  def lp():
+    ls = jax.nn.log_softmax(masked.astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(ls, K)
+    return jnp.take_along_axis(ls, tok[:, None], axis=-1)[:, 0], ids.astype(jnp.int32), top
+
+  none = lambda: (jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32),
+                  jnp.zeros((B, K), jnp.float32))
+  return tok, jax.lax.cond(jnp.any(want_lp), lp, none)
+
+
+def pick_packed(logits, packed):
+  """:func:`pick` with its per-row inputs in one int32 array (``Batch.packed``)."""
+  nw = packed.shape[1] - 5
+  f32 = lambda c: jax.lax.bitcast_convert_type(packed[:, c], jnp.float32)
+  return pick(logits, packed[:, :nw], jax.lax.bitcast_convert_type(packed[:, nw], jnp.uint32),
+              packed[:, nw + 1], f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0)
+
+
+def lp_row(lp, b: int):
+  """Row ``b`` of the sampler's log-prob outputs (host arrays), or None."""
+  if lp is None:
+    return None
+  return float(lp[0][b]), np.asarray(lp[1][b]), np.asarray(lp[2][b])
+
+
+class Step:
+  """What both kinds share: the sampler, and the interface the engine calls."""
+  can_overlap = True
+
+  def __init__(self):
+    self._first = jax.jit(pick)
+    self._pick_rows = jax.jit(pick_packed)
+
+  def first(self, logits, bits1, r) -> tuple[int, tuple | None]:
+    """A new request's first token from its prefill's logits -> (token, log-prob row)."""
+    tok, lp = self._first(logits, jnp.asarray(bits1), jnp.asarray([r.seed], jnp.uint32),
+                          jnp.asarray([0], jnp.int32), jnp.asarray([r.temperature], jnp.float32),
+                          jnp.asarray([r.top_p], jnp.float32),
+                          jnp.asarray([r.logprobs is not None]))
+    lp = tuple(np.asarray(x) for x in lp) if r.logprobs is not None else None
+    return int(tok[0]), lp_row(lp, 0)
+
+  def pick(self, logits, packed: np.ndarray):
+    """Launch the overlapped step's sampling -> (tokens [B], log-prob outputs), on the device."""
+    return self._pick_rows(logits, jnp.asarray(packed))
+
+
+class PagedStep(Step):
+  """The paged PASK cache: ``(cache, controller balances, ledger)`` for ``slots`` sequences."""
+
+  def __init__(self, model, policy, *, slots: int, context: int, page: int, backend: str,
+               watermark: float, kv_bytes=None, mix=None, hi_pages=None, lo_pages=None,
+               **_):
+    super().__init__()
+    c = model.cfg
+    self.policy, self.window, self.G = policy, int(policy.window), int(policy.n_groups)
+    self.page, self.can_overlap = page, self.window >= 3   # page growth needs a window of 3
+    self.sizing = size_pools(c, policy, slots=slots, context=context, page=page,
+                             kv_bytes=kv_bytes, mix=mix, hi_pages=hi_pages, lo_pages=lo_pages)
+    self.reach = reachable(policy)
+    totals = (self.sizing.hi_pages, self.sizing.lo_pages)
+    self.pages = PagePools(totals, slots=slots, context=context, page=page, window=self.window,
+                           sink=int(policy.sink), n_groups=self.G, watermark=watermark)
+    self.runner = PaskRunner(model, policy, batch=slots, capacity=context, page=page,
+                             backend=backend)
+    self.traces = self.runner.traces
+    cache = pcache.init_paged(c.n_layers, slots, c.n_kv_heads, c.head_dim, capacity=context,
+                              window=self.window, hi_pool_pages=totals[0],
+                              lo_pool_pages=totals[1], sink=policy.sink, n_groups=self.G,
+                              page=page)
+    self.state = (cache, jnp.zeros((slots,), jnp.float32), ledger.init(slots, self.G))
+    self._plan = jax.jit(self._plan_fn)
+    self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
+    self._restore = jax.jit(self._restore_fn, donate_argnums=(0,))
+    self._release = jax.jit(self._release_fn, donate_argnums=(0,))
+    self._step = jax.jit(self._step_fn, donate_argnums=(2,))
+    self._fwd = jax.jit(self._fwd_fn, donate_argnums=(2,))
+
+  # --- jitted pieces ------------------------------------------------------------------------
+
+  def _plan_fn(self, policy, cands, length):
+    self.traces["plan"] += 1
+    return controller.plan_prefill(policy, cands, length)[0]
+
+  def _insert_fn(self, policy, state, k, v, plan, length, slot, hi_rows, lo_rows):
+    """Prefill K/V of one request [L, 1, T, Hkv, D] and its plan [1, T, G] -> materialized
+    into ``slot``; the slot's ledger row and balance are reset."""
+    self.traces["insert"] += 1
+    cache, budget, led = state
+    cache = pcache.insert_slot(cache, slot, k, v, plan, length, hi_rows, lo_rows)
+    one = ledger.record_prefill(ledger.init(1, policy.n_groups), plan, length, sink=policy.sink)
+    put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, slot, 0)
+    led = jax.tree.map(put, led, one)
+    led = ledger.record_live(led, cache, policy.cost, policy.c_full)
+    budget = budget.at[slot].set(controller.initial_balance(policy))
+    return cache, budget, led
+
+  def _restore_fn(self, state, slot, balance, led_row):
+    """A resumed request's controller balance and ledger row back into ``slot``."""
+    self.traces["restore"] += 1
+    cache, budget, led = state
+    led = jax.tree.map(lambda full, row: full.at[slot].set(row), led, led_row)
+    return cache, budget.at[slot].set(balance), led
+
+  def _release_fn(self, state, slot):
+    cache, budget, led = state
+    return pcache.release_slot(cache, slot), budget, led
+
+  def _step_fn(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, seeds,
+               steps, temperature, top_p, want_lp, new_hi, new_lo):
+    """-> ((int32 [B, 1 + G]: next token and the actions decided for the token fed, log-prob
+    outputs of the sampler), state)."""
+    cache, budget, led = state
+    cache = pcache.assign_pages(cache, new_hi, new_lo)
+    logits, cache, budget, led, actions = self.runner.decode_fn(
+        params, policy, cache, budget, led, tokens, tag_ids, state_ids, active)
+    nxt, lps = pick(logits, bits, seeds, steps, temperature, top_p, want_lp)
+    out = jnp.concatenate([nxt[:, None], actions.astype(jnp.int32)], axis=1)
+    return (out, lps), (cache, budget, led)
+
+  def _fwd_fn(self, params, policy, state, dev_tok, host, pages):
+    """The overlapped forward.  ``dev_tok [B]``: the last pick's tokens (device); ``host`` int32
+    [B, 9] (``Batch.host``); ``pages`` int32 [2, G, B]: new page ids per pool.  -> ((logits
+    [B, V], actions [B, G] of the previous tokens), state)."""
+    cache, budget, led = state
+    tokens = jnp.where(host[:, 1] > 0, host[:, 0], dev_tok)
+    cache = pcache.assign_pages(cache, pages[0], pages[1])
+    logits, cache, budget, led, actions = self.runner.deferred_fn(
+        params, policy, cache, budget, led, tokens, host[:, 2:6], host[:, 6], host[:, 7] > 0,
+        host[:, 8] > 0)
+    return (logits, actions.astype(jnp.int32)), (cache, budget, led)
+
+  # --- the interface ------------------------------------------------------------------------
+
+  def worst_case(self, n_prompt: int, max_tokens: int) -> tuple[int, int]:
+    """Pages (BF16 pool, INT4 pool) per layer group that one request can need at most: every
+    token beyond the window stored in that pool (0 for a pool the policy never uses)."""
+    return worst_pages(self.policy, n_prompt + max_tokens, self.page)
+
+  def need(self, r, chunk: int) -> tuple[np.ndarray, float]:
+    """Pages [pool, group] that ``r``'s next prefill stores -> (pages, seconds spent planning).
+    A new request's plan (``r.plan``, ``r.prompt_plan``) is computed first: it depends only on
+    the prompt-span labels and the policy (one small jitted call per bucket)."""
+    seconds = 0.0
+    if r.plan is None:
+      t0 = time.perf_counter()
+      n, Tn = len(r.ids), bucket(len(r.ids), chunk)
+      cands = prompt_candidates([r.tags], np.array([n]), Tn)
+      plan = np.asarray(self._plan(self.policy, jnp.asarray(cands), jnp.asarray([n], jnp.int32)))
+      plan = plan[0, :n].copy()
+      plan[:self.policy.sink] = T.H   # the cache forces sinks H
+      r.plan = r.prompt_plan = plan
+      seconds = time.perf_counter() - t0
+    return self.pages.need(r.plan), seconds
+
+  def insert(self, r, dense, n: int, Tn: int, rows) -> None:
+    """``r``'s prefill (K/V of ``n`` tokens padded to ``Tn``) materialized by its plan into its
+    slot and ``rows`` pages (traced inputs: one compile per bucket); a request resumed by
+    recompute gets its balance and ledger row back."""
+    plan = np.zeros((1, Tn, self.G), np.int8)
+    plan[0, :n] = r.plan
+    self.state = self._insert(self.policy, self.state, dense.k, dense.v, jnp.asarray(plan),
+                              jnp.asarray([n], jnp.int32), jnp.int32(r.slot), *rows)
+    if r.resume and "ledger" in r.resume:
+      self.state = self._restore(self.state, jnp.int32(r.slot),
+                                 jnp.asarray(r.resume["balance"]),
+                                 jax.tree.map(jnp.asarray, r.resume["ledger"]))
+
+  def saved(self, b: int) -> dict:
+    """What slot ``b`` needs to continue after a recompute: its balance and ledger row."""
+    _, budget, led = self.state
+    return {"balance": np.asarray(budget[b]),
+            "ledger": jax.tree.map(lambda x: np.asarray(x[b]), led)}
+
+  def release(self, b: int) -> None:
+    self.state = self._release(self.state, jnp.int32(b))
+
+  def serial(self, batch, steps, want, grow):
+    """One serial step of the whole batch -> (int32 [B, 1 + G], log-prob outputs), on the
+    device."""
+    out, self.state = self._step(
+        self.runner.params, self.policy, self.state, jnp.asarray(batch.tokens),
+        jnp.asarray(batch.tag_ids), jnp.asarray(batch.state_ids), jnp.asarray(batch.active),
+        jnp.asarray(batch.bits), jnp.asarray(batch.seeds), jnp.asarray(steps),
+        jnp.asarray(batch.temp), jnp.asarray(batch.top_p), jnp.asarray(want),
+        jnp.asarray(grow[0]), jnp.asarray(grow[1]))
+    return out
+
+  def forward(self, tok_dev, host, grow):
+    """Launch the overlapped forward -> (logits, actions decided for the previous tokens)."""
+    out, self.state = self._fwd(self.runner.params, self.policy, self.state, tok_dev,
+                                jnp.asarray(host), jnp.asarray(np.stack(grow)))
+    return out
+
+  def ledger_row(self, b: int) -> tuple[dict | None, bool]:
+    """Slot ``b``'s ledger summary and whether its cache overflowed."""
+    led = jax.tree.map(lambda x: np.asarray(x[b:b + 1]), self.state[2])
+    return ledger.summary(led, self.policy)[0], bool(np.asarray(self.state[0].overflow[b]))
+
+
+class DenseStep(Step):
+  """The plain-XLA dense Full-KV cache (``kv_dense``, ``kv_dense.attend`` in the step):
+  admission by free slot only, no pages, no ledger (measured B is 1 by definition)."""
+
+  def __init__(self, model, policy, *, slots: int, context: int, page: int, prefiller,
+               kv_bytes=None, **_):
+    super().__init__()
+    c = model.cfg
+    self.policy, self.G = policy, int(policy.n_groups)
+    self.sizing = dense_sizing(c, slots=slots, context=context, page=page,
+                               window=int(policy.window), kv_bytes=kv_bytes)
+    self.reach = (True, False)
+    self.pages = NoPages()
+    self.graphdef, _ = nnx.split(model)
+    self.runner = prefiller   # params and traces live on the shared prefill runner
+    self.traces = collections.Counter()
+    self.state = kv_dense.init(c.n_layers, slots, context, c.n_kv_heads, c.head_dim,
+                               jnp.bfloat16)
+    self._insert = jax.jit(self._insert_fn, donate_argnums=(0,))
+    self._release = jax.jit(self._release_fn, donate_argnums=(0,))
+    self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+    self._fwd = jax.jit(self._fwd_fn, donate_argnums=(1,))
+
+  def _forward(self, params, cache, tokens, active):
+    """tokens [B] written at each active row's next slot, the model over the dense cache ->
+    (logits [B, V], cache)."""
+    model = nnx.merge(self.graphdef, params)
+    cap = cache.k.shape[2]
+    pos = jnp.where(active, cache.length, cap)[:, None]      # inactive rows write nothing
+    cache = cache._replace(length=cache.length + active.astype(jnp.int32))
+    logits, cache = model(tokens[:, None], pos, cache, kv_dense.attend)
+    return logits[:, 0], cache
+
+  def _fwd_fn(self, params, cache, dev_tok, host):
+    """The overlapped forward (:meth:`PagedStep._fwd_fn`'s ``host`` layout; no actions)."""
+    self.traces["fwd"] += 1
+    tokens = jnp.where(host[:, 1] > 0, host[:, 0], dev_tok)
+    logits, cache = self._forward(params, cache, tokens, host[:, 8] > 0)
+    return (logits, jnp.zeros((tokens.shape[0], self.G), jnp.int32)), cache
+
+  def _insert_fn(self, cache, k, v, length, slot):
+    self.traces["insert"] += 1
+    Tn = min(k.shape[2], cache.k.shape[2])
+    at = (0, slot, 0, 0, 0)
+    kc = jax.lax.dynamic_update_slice(cache.k, k[:, :, :Tn].astype(cache.k.dtype), at)
+    vc = jax.lax.dynamic_update_slice(cache.v, v[:, :, :Tn].astype(cache.v.dtype), at)
+    return kv_dense.DenseCache(kc, vc, cache.length.at[slot].set(length[0]))
+
+  def _release_fn(self, cache, slot):
+    return cache._replace(length=cache.length.at[slot].set(0))
+
+  def _step_fn(self, params, cache, tokens, active, bits, seeds, steps, temperature, top_p,
+               want_lp):
+    self.traces["step"] += 1
+    logits, cache = self._forward(params, cache, tokens, active)
+    nxt, lps = pick(logits, bits, seeds, steps, temperature, top_p, want_lp)
+    out = jnp.concatenate([nxt[:, None], jnp.zeros((nxt.shape[0], self.G), jnp.int32)], axis=1)
+    return (out, lps), cache
+
+  def worst_case(self, n_prompt: int, max_tokens: int) -> tuple[int, int]:
+    return 0, 0
+
+  def need(self, r, chunk: int) -> tuple[None, float]:
+    return None, 0.0
+
+  def insert(self, r, dense, n: int, Tn: int, rows) -> None:
+    self.state = self._insert(self.state, dense.k, dense.v, jnp.asarray([n], jnp.int32),
+                              jnp.int32(r.slot))
+
+  def saved(self, b: int) -> dict:
+    return {"balance": None, "ledger": None}
+
+  def release(self, b: int) -> None:
+    self.state = self._release(self.state, jnp.int32(b))
+
+  def serial(self, batch, steps, want, grow):
+    out, self.state = self._step(
+        self.runner.params, self.state, jnp.asarray(batch.tokens), jnp.asarray(batch.active),
+        jnp.asarray(batch.bits), jnp.asarray(batch.seeds), jnp.asarray(steps),
+        jnp.asarray(batch.temp), jnp.asarray(batch.top_p), jnp.asarray(want))
+    return out
+
+  def forward(self, tok_dev, host, grow):
+    out, self.state = self._fwd(self.runner.params, self.state, tok_dev, jnp.asarray(host))
+    return out
+
+  def ledger_row(self, b: int) -> tuple[None, bool]:
+    return None, False
