@@ -33,7 +33,8 @@ purpose), probe p50/p99 idle vs. during the soak and their ratio, pages leaked p
 errors (request outcome "error"), tracebacks in the server log, wall time.  Exit status 1 when a
 goal fails: no 5xx, no resets, no leaked pages, no engine errors, probe p99 <= 2x idle.
 
-  python bench/bench_soak.py --requests 2000 --concurrency 32 --max-tokens 4 --out bench/soak_DATE
+  python bench/bench_soak.py --requests 2000 --concurrency 32 --max-tokens 4 \\
+      --out bench/results/DATE_soak
 """
 from __future__ import annotations
 
@@ -388,7 +389,8 @@ def main(argv=None) -> int:
                        "a prefill several times the probe's)")
   ap.add_argument("--mix", default=",".join(f"{k}={v}" for k, v in MIX.items()),
                   help="weights of the mixed kinds")
-  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "soak_" + str(datetime.date.today())))
+  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                                str(datetime.date.today()) + "_soak"))
   a = ap.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
   t_start = time.time()

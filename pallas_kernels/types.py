@@ -1,11 +1,11 @@
-"""Inputs of the mixed-precision decode attention, for ONE layer (the cache contract of DESIGN.md).
+"""Inputs of the mixed-precision decode attention for ONE layer (kernel contract: docs/DESIGN.md).
 
 All are plain NamedTuples, hence pytrees, so they pass through jit/vmap/scan unchanged.
 
 Shapes (B = batch, W = recent-window slots, Hkv = KV heads, D = head dim, page = page size):
 
 * ``Window``: the BF16 recent window of this layer, ring-indexed.  It already holds the current
-  token's K/V (the decode step writes it before attention), so "window + current" of DESIGN.md is
+  token's K/V (the decode step writes it before attention): "window + current" (docs/DESIGN.md) is
   one partition here.  Slot ``s`` of sequence ``b`` is visible iff ``s < length[b]``; the ring is
   filled in order, so the visible slots are always a prefix ``[0, min(count, W))``.
 * ``HighPool``: BF16 pages of this layer.  Pages are shared by all sequences; which pages a

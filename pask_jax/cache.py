@@ -1,4 +1,4 @@
-"""The PASK mixed-precision KV cache (DESIGN.md "The cache pytree"; paper B.2, B.4, B.5).
+"""The PASK mixed-precision KV cache (docs/DESIGN.md "The cache pytree"; paper B.2, B.4, B.5).
 
 Immutable pytree; every update returns a new one.  Shapes (L layers, B sequences, W window
 slots, G layer groups, Hkv KV heads, D head dim, ``page`` rows per page)::

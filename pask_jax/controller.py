@@ -4,7 +4,7 @@
 it over the batch (``control_batch`` does).  Everything is traced: tag ids, state id, balance
 and the policy's budgets, so one compilation serves a whole generation.
 
-Balance convention (DESIGN.md, B.6).  ``balance`` passed in is R_t, the balance *including* the
+Balance convention (docs/DESIGN.md, B.6).  ``balance`` passed in is R_t, the balance *including* the
 allowance of the current token: R_1 = b = B_D·C_full (:func:`initial_balance`), and the returned
 value is R_{t+1} = R_t − M(a_t) + b, so it can be passed straight back at the next token.
 Equivalently R_t = t·b − Σ_{i<t} M(a_i) with t counting accepted non-stop tokens.  Debt (negative

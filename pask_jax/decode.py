@@ -178,7 +178,7 @@ class PaskRunner:
   """Prefill and the jitted PASK decode step over the mixed-precision cache.
 
   ``decode_step(params, policy, cache, budget, led, tokens[B], tag_ids[B, 4], state_ids[B],
-  active[B]) -> (logits[B, V], cache, budget, led, actions[B, G])`` is DESIGN.md's signature plus
+  active[B]) -> (logits[B, V], cache, budget, led, actions[B, G])`` is docs/DESIGN.md's step plus
   the policy (a traced pytree), the ledger and an ``active`` mask (finished sequences are neither
   charged nor written).  ``budget`` is the balance R_t of Alg. 2 *including* the current token's
   allowance (R_1 = b).  Prefill runs at full precision over a dense scratch cache, then the

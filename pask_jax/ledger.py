@@ -1,4 +1,4 @@
-"""The per-request KV ledger (DESIGN.md "Budget and ledger", paper §3.2 Eq. 2, B.3, B.4).
+"""The per-request KV ledger (docs/DESIGN.md "Conventions", paper §3.2 Eq. 2, B.3, B.4).
 
 Inside jit the ledger keeps only integer action counts, so every payload is exact::
 

@@ -100,7 +100,7 @@ N_CAND = 4   # candidate ids per token (Eq. 12)
 PAD = -1     # candidate padding
 STOP = -2    # reserved id of a stop token (charges nothing, B.7)
 
-# Actions (DESIGN: int8, R < L < H; "max" is protection order).
+# Actions (docs/DESIGN.md: int8, R < L < H; "max" is protection order).
 R, L, H = 0, 1, 2
 ACTION_NAMES = ("R", "L", "H")
 

@@ -1,4 +1,4 @@
-"""Cache invariants against a brute-force model of the token lifecycle (DESIGN.md, B.2)."""
+"""Cache invariants against a brute-force model of the token lifecycle (docs/DESIGN.md, B.2)."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -42,7 +42,7 @@ def teacher_forced(full, pask, policy, prompt, continuation):
 def test_all_high_equals_full_kv_on_smollm2():
   """The mixed cache (sinks, ring window, paged BF16 pool, evictions) is lossless under the
   all-high policy.  The Full-KV side stores K/V in BF16 and rounds each decode attention output
-  to BF16 exactly as the PASK kernels do (DESIGN: "output BF16"), so the only remaining
+  to BF16 exactly as the PASK kernels do (docs/DESIGN.md: BF16 output), so the only remaining
   difference is FP32 summation order inside the softmax, which now and then flips the BF16
   rounding of one attention output element; the flip then persists in the K/V of later layers
   and tokens.  On a 2-layer model every step agrees bit for bit (next test); on SmolLM2's 30

@@ -1,4 +1,4 @@
-"""The INT4 storage format (pallas_kernels.int4; paper B.5, DESIGN.md "INT4"): error bound, layout,
+"""The INT4 storage format (pallas_kernels.int4; B.5, docs/DESIGN.md): error bound, layout,
 bit-exactness across jit/eager/an independent oracle, fp16 range, and the GPU kernel's bit tricks."""
 import os
 

@@ -5,9 +5,9 @@ the **reference attention path**: prefill and every decode step compute attentio
 einsums over the dense cache (as :mod:`pask_jax.kv_dense`, FP32 math), materializing the softmax
 probabilities, and the probabilities each key receives are accumulated per (layer, KV head):
 
-* prefill — column sums of the [B, Hkv, G, T, S] probability tensor weighted by the query mask
-  (all prompt queries for H2O/MiKV, the last ``obs`` ones for SnapKV): one extra einsum of the
-  size of the P·V product per chunk;
+* prefill — column sums of the probabilities weighted by the query mask (all prompt queries for
+  H2O/MiKV, the last ``obs`` ones for SnapKV), computed in blocks of :data:`QUERY_BLOCK` queries
+  (:func:`_attend_blocks`): one [B, Hkv, G, QUERY_BLOCK, S] probability tensor at a time;
 * decode — the [B, Hkv, G, S] probabilities of the step summed over G and added to an f32 score
   buffer ``[L, B, Hkv, S]``, then one argmin over S per (layer, sequence, head) and a scatter
   (plus, for MiKV, the quantize→dequantize of at most one K and one V row per head).
@@ -41,6 +41,12 @@ from pask_jax.decode import Runner
 from pask_jax.sample import apply_bitmask, sample
 
 KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2}
+# Prompt queries per prefill attention block.  One chunk's [B, Hkv, G, T, S] float32 probabilities
+# outweigh the whole cache at evaluation sizes (Qwen2.5-0.5B at B 100, S 3072, T 512: 8.2 GiB per
+# layer, the cache 7 GiB), and a layer's column sums feed no later layer, so a scheduler may keep
+# many layers' probabilities alive at once (XLA's GPU scheduler does, with per-layer weights:
+# 122 GiB).  Inside a loop over query blocks only a few block-sized tensors exist, on any scheduler.
+QUERY_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +121,26 @@ def _out(p, v, q):
   return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
+def _attend_blocks(q, k, v, vis, wq):
+  """Prefill attention over the cache, :data:`QUERY_BLOCK` queries at a time (a scan, so each
+  block's probabilities are freed before the next).  q [B, T, Hq, D], k/v [B, S, Hkv, D],
+  vis bool [B, T, S], wq [B, T] query weights -> (out [B, T, Hq, D], col [B, Hkv, S] f32 =
+  sum over t and the group of wq[t] * p[t, s])."""
+  B, T, Hq, D = q.shape
+  S, Hkv = k.shape[1], k.shape[2]
+  tb = QUERY_BLOCK if T % QUERY_BLOCK == 0 else T
+  blocks = lambda x: jnp.swapaxes(x.reshape((B, T // tb, tb) + x.shape[2:]), 0, 1)
+
+  def block(col, xs):
+    qb, vb, wb = xs
+    p = _probs(qb, k, jnp.broadcast_to(vb[:, None], (B, Hkv) + vb.shape[1:]))
+    return col + jnp.einsum("bkgts,bt->bks", p, wb), _out(p, v, qb)
+
+  col, o = jax.lax.scan(block, jnp.zeros((B, Hkv, S), jnp.float32),
+                        (blocks(q), blocks(vis), blocks(wq)))
+  return jnp.swapaxes(o, 0, 1).reshape(B, T, Hq, D), col
+
+
 class MaskedRunner:
   """Session protocol of :func:`pask_jax.decode.generate` over the masked dense cache.
 
@@ -179,9 +205,8 @@ class MaskedRunner:
     def attend(st, layer, q, k, v, positions):
       kc = st.k.at[layer, bi, positions].set(k.astype(jnp.float32), mode="drop")
       vc = st.v.at[layer, bi, positions].set(v.astype(jnp.float32), mode="drop")
-      p = _probs(q, kc[layer], jnp.broadcast_to(vis[:, None], (B, k.shape[2]) + vis.shape[1:]))
-      col = jnp.einsum("bkgts,bt->bks", p, wq)
-      return _out(p, vc[layer], q), st._replace(k=kc, v=vc, score=st.score.at[layer].add(col))
+      o, col = _attend_blocks(q, kc[layer], vc[layer], vis, wq)
+      return o, st._replace(k=kc, v=vc, score=st.score.at[layer].add(col))
 
     last = jnp.clip(n - 1 - start, 0, T - 1)
     logits, st = model(tokens, pos, st, attend, last_only=last)

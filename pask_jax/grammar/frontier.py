@@ -1,4 +1,4 @@
-"""XGrammar's parser frontier, and the parser-state id of the reserve Γ (DESIGN "Parser-state id").
+"""XGrammar's parser frontier, and the parser-state id of the reserve Γ (docs/DESIGN.md).
 
 XGrammar exposes the Earley frontier (the states of the last parsing step) only through the
 private ``GrammarMatcher._debug_print_internal_state()`` string, e.g.::
