@@ -15,8 +15,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 SHAPES = {  # random-weight configs for speed runs (weights' values do not change the timing)
     "qwen3-4b": dict(arch="qwen3", vocab_size=151936, hidden=2560, intermediate=9728, n_layers=36,
                      n_heads=32, n_kv_heads=8, head_dim=128, rope_theta=1e6, tie_embeddings=True,

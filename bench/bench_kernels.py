@@ -20,23 +20,19 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import statistics
 import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from pallas_kernels import int4  # noqa: E402
-from pallas_kernels import synth  # noqa: E402
-from pallas_kernels.gpu import decode_attention_gpu  # noqa: E402
-from pallas_kernels.types import HighPool, LowPool, PageMaps, Window  # noqa: E402
+from pallas_kernels import int4
+from pallas_kernels.testing import synth
+from pallas_kernels.gpu import decode_attention_gpu
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 PAGE = 16
 WIN = 64

@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
@@ -52,7 +49,8 @@ def main(argv=None) -> int:
   from models import ModelConfig, random_model
   from models import decoder
   from pask_jax import cache as pc, controller, ledger, policy as P
-  from pask_jax.decode import FREE_TAG, PaskRunner, Runner
+  from pask_jax.decode import PaskRunner, Runner
+  from pask_jax.tracker import FREE_TAG
 
   t_start = time.perf_counter()
   over = lambda: time.perf_counter() - t_start > a.time_limit
@@ -151,7 +149,7 @@ def main(argv=None) -> int:
           print(f"  {layout} b{B} c{C} mix {tuple(round(m, 2) for m in mix)}: {t * 1e3:.2f} ms "
                 f"(live B {live_b:.3f})", flush=True)
           state.clear()     # the step closure holds the dict: drop the cache it refers to
-          del state, runner, step
+          state = runner = step = None   # free this mix's cache before the next
         t_full, prof_full = float("nan"), None
         if not a.no_full and not over():
           full = Runner(model, batch=B, capacity=C + S + 1, cache_dtype=jnp.bfloat16)

@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import os
 import random
 import socket
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import httpx  # noqa: E402
+import httpx
 
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -127,8 +124,8 @@ def main(argv=None) -> int:
   server = None
   t_start = time.perf_counter()
   if a.url is None:
-    from pask_jax.cli import _pick_platform
-    _pick_platform()   # CPU unless this host has an accelerator (as the CLI does)
+    from pask_jax import platform
+    platform.pick()   # CPU unless this host has an accelerator (as the CLI does)
     import uvicorn
     from serve.app import build
     app, engine = build(a.model, a.policy, slots=a.slots, context=a.context,

@@ -251,8 +251,8 @@ def start_server(a, out: str) -> tuple[subprocess.Popen, str]:
   if a.model:
     cmd += ["--model", a.model]
   log = open(os.path.join(out, "server.log"), "w")
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+  # ``-m`` from the repository root runs this checkout's code (the working directory comes first).
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   t0 = time.time()
   while time.time() - t0 < 600:

@@ -120,6 +120,14 @@ def require() -> str:
   return list(spec.submodule_search_locations)[0]
 
 
+def need() -> None:
+  """:func:`require` for a command line: a missing install becomes a one-line exit."""
+  try:
+    require()
+  except BFCLMissing as e:
+    raise SystemExit(f"error: {e}")
+
+
 def data_dir() -> str:
   """``bfcl_eval/data`` of the installed wheel (located, not imported)."""
   return os.path.join(require(), "data")
@@ -358,10 +366,10 @@ def per_call(case: Case, calls: list[dict] | None) -> float:
     desc = ac.find_description(case.functions, next(iter(exp)))
     ok.append([desc is not None and ac.simple_function_checker(
         desc, c, exp, ac.Language.PYTHON, MODEL_NAME)["valid"] for c in calls])
-  return _matching(ok) / len(case.answer)
+  return max_matching(ok) / len(case.answer)
 
 
-def _matching(ok: list[list[bool]]) -> int:
+def max_matching(ok: list[list[bool]]) -> int:
   """Maximum bipartite matching size (Kuhn's augmenting paths; a handful of calls per case)."""
   owner: dict[int, int] = {}
 
@@ -481,7 +489,8 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
     in the input order either way.  Each request is decoded independently (its own mask and
     cache rows); only float rounding may differ with the padded batch shape.
   """
-  from pask_jax.decode import PaskRunner, Sampling, Tracker, generate
+  from pask_jax.decode import PaskRunner, Sampling, generate
+  from pask_jax.tracker import Tracker
   pask = isinstance(runner, PaskRunner)
   batch = min(batch or runner.batch, runner.batch)
   if prompt_labels is None:

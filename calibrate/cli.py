@@ -10,7 +10,6 @@ arguments: rerunning the same command resumes; a different one is refused, namin
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -44,7 +43,7 @@ def run(args) -> int:
   import jax
   from tqdm import tqdm
 
-  from calibrate import alg1, bfcl, stack, tasks
+  from calibrate import alg1, bfcl, tasks
   from pask_jax.decode import capacity_for
   from pask_jax.grammar import GrammarCompiler
 
@@ -56,9 +55,9 @@ def run(args) -> int:
     raise SystemExit("error: --max-cases must be at least 2 (calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
-  from pask_jax.cli import _load_model, _need_bfcl
-  _need_bfcl()
-  m = _load_model(args.model, args.dtype)
+  from pask_jax import platform
+  bfcl.need()
+  m = platform.load_model_or_exit(args.model, args.dtype)
   tok = m.tokenizer
   t0 = time.perf_counter()
 

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
+from pask_jax import actions
+
 
 class Family(enum.IntEnum):
   FC = 0       # function calling (BFCL)
@@ -100,9 +102,10 @@ N_CAND = 4   # candidate ids per token (Eq. 12)
 PAD = -1     # candidate padding
 STOP = -2    # reserved id of a stop token (charges nothing, B.7)
 
-# Actions (DESIGN: int8, R < L < H; "max" is protection order).
-R, L, H = 0, 1, 2
-ACTION_NAMES = ("R", "L", "H")
+# The action codes live in pask_jax.actions; re-exported here for callers that still spell them
+# T.R / T.L / T.H.
+R, L, H = actions.R, actions.L, actions.H
+ACTION_NAMES = actions.NAMES
 
 
 def pack(family, cls, role=0, state=0, nxt=0):

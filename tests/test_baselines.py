@@ -2,17 +2,14 @@
 model, and budget matching."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY
+from pask_jax.testing import TINY
 from models import random_model
-from pask_jax import cache as pc
+from pask_jax.testing import cache as tcache
 from pask_jax import ledger
-from pallas_kernels import int4
-from pask_jax import tags as T
 from pask_jax.baselines import budget as BU
 from pask_jax.baselines import h2o, int4, mikv, snapkv, streaming
 from pask_jax.baselines.masked import Config, MaskedRunner, plan, qdq
@@ -219,7 +216,7 @@ def test_streaming_and_int4_policies_on_the_pask_cache():
     tokens, lengths = pad_prompts([prompt], 1, 128)
     _, (cache, _, led) = r.begin(tokens, lengths)
     for g in range(pol.n_groups):
-      pos = pc.stored_positions(cache, g, 0)
+      pos = tcache.stored_positions(cache, g, 0)
       assert sorted(pos["hi"]) == list(range(sink))
       assert sorted(pos["lo"]) == ([] if kind == "streaming" else list(range(sink, n - w)))
       assert sorted(pos["win"]) == list(range(n - w, n))

@@ -164,8 +164,8 @@ def test_per_call_fraction(cases):
   s = {"math_toolkit.sum_of_multiples": {"lower_limit": 1, "upper_limit": 1000, "multiples": [3, 5]}}
   assert bfcl.per_call(pm, [s]) == 0.5 and not bfcl.check(pm, [s])[0]
   # maximum matching, not greedy: call 0 fits both expected, call 1 only the first
-  assert bfcl._matching([[True, True], [True, False]]) == 2
-  assert bfcl._matching([[True, False], [True, False]]) == 1
+  assert bfcl.max_matching([[True, True], [True, False]]) == 2
+  assert bfcl.max_matching([[True, False], [True, False]]) == 1
 
 
 # --- parsing and scoring of model text -----------------------------------------------------------
@@ -234,7 +234,7 @@ def test_live_categories_load():
 def test_run_cases_smollm2_full_kv():
   """Two simple cases through SmolLM2 with Full KV under the tool-call grammar.  The model is too
   weak to be right reliably: this checks the pipeline, not accuracy."""
-  from helpers import smollm2
+  from pask_jax.testing import smollm2
   from pask_jax.decode import Runner
   m = smollm2()
   cs = bfcl.load(["simple_python"], split="calibration")[:2]
@@ -285,15 +285,13 @@ def test_grammar_accepts_reference_and_checker_passes(cases, which):
   """Per family format (SmolLM2: json_list; Qwen2: fenced JSON at indent 2), the case grammar
   accepts the correct answer token by token, stops, and the scored text passes."""
   import os
-  import sys
   from pask_jax.grammar import GrammarCompiler
   if which == "qwen":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-    from export_tokenizer import load as load_tokenizer
+    from pask_jax.testing import load_tokenizer
     tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
     arch = "qwen2"
   else:
-    from helpers import smollm2
+    from pask_jax.testing import smollm2
     tok, arch = smollm2().tokenizer, "llama"
   fmt, indent = bfcl.style_for(arch)
   assert (fmt, indent) == {"qwen": ("fenced_json", 2), "smollm2": ("json_list", None)}[which]

@@ -16,9 +16,10 @@ from models import ModelConfig, gguf_io, random_model, registry
 from models.tokenizer import Tokenizer
 from pask_jax import policy as P
 from pask_jax import tags as T
-from pask_jax.decode import PaskRunner, Runner, Sampling, Tracker, generate
+from pask_jax.decode import PaskRunner, Runner, Sampling, generate
 from pask_jax.grammar import FCAdapter, GrammarCompiler, tool_call_grammar
 from pask_jax.grammar.prompt_spans import label_prompt
+from pask_jax.tracker import Tracker
 from serve.engine import (DenseEngine, Engine, Request, expected_mix, page_bytes, reachable,
                           size_pools)
 
@@ -67,7 +68,7 @@ def pol(name):
     ents = {T.prompt(T.PromptLabel.PROTECTED_CONTENT): P.Entry([T.L] * 3, [T.R] * 3, prio),
             T.fc(T.Cls.FREE_GENERATION): P.Entry([T.L] * 3, [T.R] * 3, prio)}
     return P.build(ents, CFG, b_d=0.2, b_p=0.2, window=8, sink=2)
-  return P.build(P._demo_entries(3), CFG, b_d=0.5, b_p=0.5, window=8, sink=2)
+  return P.build(P.demo_entries(3), CFG, b_d=0.5, b_p=0.5, window=8, sink=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,7 +197,7 @@ def test_expected_mix_rules():
   rho = float(np.asarray(pol("demo").cost)[T.L].sum() / np.asarray(pol("demo").cost)[T.H].sum())
   assert h == pytest.approx((0.5 - rho) / (1 - rho)) and l == pytest.approx(1 - h)
   assert "B=0.50" in why
-  rec = P.build(P._demo_entries(3), CFG, b_d=0.3, b_p=0.3, extra={"kv_mix": [0.1, 0.8]})
+  rec = P.build(P.demo_entries(3), CFG, b_d=0.3, b_p=0.3, extra={"kv_mix": [0.1, 0.8]})
   assert expected_mix(rec) == (0.1, 0.8, "policy record extra.kv_mix")
   assert reachable(pol("all-high")) == (True, False) and reachable(pol("demo")) == (True, True)
 

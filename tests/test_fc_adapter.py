@@ -7,18 +7,16 @@ Code: class P/B/F (pure_scaffold, schema_bearing, free_generation), role s/r/o/d
 """
 import functools
 import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from export_tokenizer import load as load_tokenizer  # noqa: E402
+from pask_jax.testing import load_tokenizer, smollm2_grammars
 
-from pask_jax import tags as T  # noqa: E402
-from pask_jax.grammar import FORMATS, GrammarCompiler, tool_call_grammar  # noqa: E402
-from pask_jax.grammar.fc_adapter import FCAdapter, _coarsen  # noqa: E402
-from pask_jax.grammar.frontier import StateVocab  # noqa: E402
+from pask_jax import tags as T
+from pask_jax.grammar import FORMATS, GrammarCompiler, tool_call_grammar
+from pask_jax.grammar.fc_adapter import FCAdapter, coarsen
+from pask_jax.grammar.frontier import StateVocab
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 _C = {"P": T.Cls.PURE_SCAFFOLD, "B": T.Cls.SCHEMA_BEARING, "F": T.Cls.FREE_GENERATION}
@@ -55,12 +53,6 @@ def qwen():
   return tok, GrammarCompiler(tok, tok.vocab_size)
 
 
-@functools.lru_cache(maxsize=None)
-def smol():
-  from models import gguf_io, registry
-  from models.tokenizer import Tokenizer
-  tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
-  return tok, GrammarCompiler(tok, tok.vocab_size)
 
 
 def run(tok, gc, tools, fmt, indent, text, vocab=None):
@@ -106,7 +98,7 @@ def test_required_optional_enum_qwen_fenced_indent2():
 
 
 def test_parallel_two_functions_smollm2_json_list():
-  tok, gc = smol()
+  tok, gc = smollm2_grammars()
   text = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
           '{"name": "get_time", "arguments": {"tz": "CET"}}]')
   call_head = [("{\"", "Ps b N"), ("name", "Ps b N"), ('":', "Ps b N"), (' "', "Ps b N"),
@@ -204,7 +196,7 @@ def test_rejected_token_raises_and_coarsen():
     ad.accept(m, tok.encode("hello")[0])
   ids = [T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, s, n) for s in (1, 2) for n in (1, 2)]
   ids.append(T.fc(T.Cls.FREE_GENERATION, T.FCRole.REQUIRED, 2, 1))
-  out = _coarsen(ids)
+  out = coarsen(ids)
   assert len(out) <= T.N_CAND and set(out) == {
       T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, 1),
       T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, 2),

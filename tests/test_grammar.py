@@ -5,7 +5,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from helpers import smollm2
+from pask_jax.testing import smollm2
 from models import ModelConfig, random_model
 from pask_jax.decode import Runner, Sampling, generate
 from pask_jax.grammar import (FORMATS, GrammarCompiler, GrammarError, parse_calls,

@@ -6,16 +6,14 @@ s/b/c (stable, boundary, critical), next L/N; "+" joins candidates.
 """
 import functools
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from export_tokenizer import load as load_tokenizer  # noqa: E402
+from pask_jax.testing import load_tokenizer
 
-from pask_jax import tags as T  # noqa: E402
-from pask_jax.grammar import GrammarCompiler, GrammarError  # noqa: E402
-from pask_jax.grammar.sql import SQLAdapter, schema_from_ddl, sql_grammar  # noqa: E402
+from pask_jax import tags as T
+from pask_jax.grammar import GrammarCompiler, GrammarError
+from pask_jax.grammar.sql import SQLAdapter, schema_from_ddl, sql_grammar
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 DDL = """CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name TEXT NOT NULL, country TEXT,

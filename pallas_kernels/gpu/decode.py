@@ -34,7 +34,7 @@ from pallas_kernels import common
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 _LO, _HI, _WIN = 0, 1, 2
-_OFF = 136.0   # INT4 "bits" dequant: bf16(0x4300 | (n ^ 8)) == n + 136
+BITS_OFFSET = 136.0   # INT4 "bits" dequant: bf16(0x4300 | (n ^ 8)) == n + 136
 _NUM_SMS = 132  # H100 / H200: "auto" gives a large INT4 partition its own launch
 
 
@@ -129,7 +129,7 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
     start = split * chunk
     end = jnp.minimum(start + chunk, lens_ref[_LO])
     bk = bk_lo
-    off = 0.0 if int4_dequant == "cvt" else _OFF
+    off = 0.0 if int4_dequant == "cvt" else BITS_OFFSET
     # q . (code + OFF) = q . code + OFF * sum(q): subtract the second term (FP32, once).
     q_off = off * (jnp.sum(ql.astype(jnp.float32), axis=1) + jnp.sum(qh.astype(jnp.float32), axis=1))
 
@@ -152,13 +152,13 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
     def step(i, kraw, vraw, sc, carry):
       ol, oh, m, l = carry
       valid = where(i)[1]
-      kl, kh = _unpack(kraw, int4_dequant)
+      kl, kh = unpack_halves(kraw, int4_dequant)
       ks, vs = _scales(sc)
       s = plgpu.dot(ql, kl, trans_b=True) + plgpu.dot(qh, kh, trans_b=True) - q_off[:, None]
       s = s * (ks * c)[None, :]
       p, alpha, m, l = _online((m, l), s, valid)
       pv = p * vs[None, :]
-      vl, vh = _unpack(vraw, int4_dequant)
+      vl, vh = unpack_halves(vraw, int4_dequant)
       # Same offset on the V side: p . (code + OFF) - OFF * sum(p), with the p actually fed.
       ol_b, psum = _pv(pv, vl, exact_pv_lo, with_sum=True)
       oh_b = _pv(pv, vh, exact_pv_lo)
@@ -207,14 +207,14 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
 
 
 # $0, $1 <- four bytes of $2 (byte j -> 16-bit lane j): bf16 bits ((nibble ^ 8) | 0x4300).
-_ASM_UNPACK_LO = """{
+ASM_UNPACK_LO = """{
 .reg .b32 t0, t1;
 prmt.b32 t0, $2, $2, 0x3130;
 prmt.b32 t1, $2, $2, 0x3332;
 lop3.b32 $0, t0, 0x000F000F, 0x43084308, 0x6A;
 lop3.b32 $1, t1, 0x000F000F, 0x43084308, 0x6A;
 }"""
-_ASM_UNPACK_HI = """{
+ASM_UNPACK_HI = """{
 .reg .b32 t0, t1;
 prmt.b32 t0, $2, $2, 0x3130;
 prmt.b32 t1, $2, $2, 0x3332;
@@ -234,7 +234,7 @@ def _spread(length, n, bk):
   return lax.div(per + (bk - 1), bk) * bk
 
 
-def _unpack(x, mode):
+def unpack_halves(x, mode):
   """[bk, D/2] u8 -> (low, high) halves as bf16: exact codes ("cvt") or code + OFF ("bits", "asm")."""
   if mode == "cvt":  # exact codes via int -> float conversions (slow on Hopper)
     x = x.astype(jnp.int32)
@@ -249,7 +249,7 @@ def _unpack(x, mode):
     sds = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)]
     asm = lambda code: plgpu.elementwise_inline_asm(code, args=[x], constraints="=r,=r,r", pack=4,
                                                     result_shape_dtypes=sds)[0]
-    return asm(_ASM_UNPACK_LO), asm(_ASM_UNPACK_HI)
+    return asm(ASM_UNPACK_LO), asm(ASM_UNPACK_HI)
   # "bits": bf16 with bits 0x4300 | u is 128 + u exactly (7 mantissa bits), and u = n ^ 8 maps
   # the signed nibble n to n + 8, so the value is code + OFF with integer ops only.  The OFF is
   # removed after the MMA.
