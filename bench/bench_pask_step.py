@@ -1,4 +1,5 @@
-"""Whole decode step: PASK mix vs all-BF16 PASK vs plain-XLA Full KV, in one process (issues 11, 12).
+"""Whole decode step: PASK mix vs all-BF16 PASK vs plain-XLA Full KV, in one process
+(issues 11, 12).
 
 Random weights; the PASK cache is filled layer chunk by layer chunk (``cache.prefill_rows`` +
 ``cache.write_prefill``, random K/V drawn on the device per chunk, so 32K contexts at batch 16 fit)
@@ -187,7 +188,8 @@ def main(argv=None) -> int:
         f"{'allBF16':>8s} {'XLA full':>8s} {'x allBF16':>9s} {'x XLA':>6s}")
   for r in rows_out:
     print(f"{r['layout']:9s} {r['batch']:3d} {r['context']:6d} "
-          f"{'/'.join(f'{m:.2f}' for m in r['mix_RLH']):16s} {r['live_B']:6.3f} {r['pask_ms']:8.2f} "
+          f"{'/'.join(f'{m:.2f}' for m in r['mix_RLH']):16s} {r['live_B']:6.3f} "
+          f"{r['pask_ms']:8.2f} "
           f"{r['all_bf16_ms']:8.2f} {r['full_xla_ms']:8.2f} {r['vs_all_bf16']:9.2f} "
           f"{r['vs_full_xla']:6.2f}")
   return 0

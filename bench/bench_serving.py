@@ -45,8 +45,9 @@ largest output), (smallest, smallest), then the rest; within a block methods in 
 order, concurrency ascending.  XLA compiles go to a persistent cache (``--compile-cache``), so
 an engine shape seen before compiles from disk.
 
-    python bench/bench_serving.py --shape tiny --inputs 256 --outputs 16 --concurrency 2 --out /tmp/s
-    python bench/bench_serving.py --export-tokenizer bench/out/tok      # then --tokenizer bench/out/tok
+    python bench/bench_serving.py --shape tiny --inputs 256 --outputs 16 --concurrency 2 \\
+        --out /tmp/s
+    python bench/bench_serving.py --export-tokenizer bench/out/tok  # then --tokenizer bench/out/tok
     python bench/bench_serving.py --shape qwen3-4b --inputs 32768 8192 --outputs 1024 256 \\
         --concurrency 8 16 32 --kv-memory 64 --prefill-memo --time-limit 500 --out runs/serving
 """

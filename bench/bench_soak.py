@@ -274,7 +274,8 @@ def scrape(base: str) -> dict:
 
 
 async def soak(a, base: str) -> dict:
-  limits = httpx.Limits(max_connections=a.concurrency + 2, max_keepalive_connections=a.concurrency + 2)
+  limits = httpx.Limits(max_connections=a.concurrency + 2,
+                        max_keepalive_connections=a.concurrency + 2)
   async with httpx.AsyncClient(limits=limits) as cl:
     # warm-up: compile the prefill buckets and the small schemas once (not measured)
     for _ in range(3):
@@ -388,7 +389,8 @@ def main(argv=None) -> int:
                        "a prefill several times the probe's)")
   ap.add_argument("--mix", default=",".join(f"{k}={v}" for k, v in MIX.items()),
                   help="weights of the mixed kinds")
-  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "soak_" + str(datetime.date.today())))
+  ap.add_argument("--out",
+                  default=os.path.join(ROOT, "bench", "soak_" + str(datetime.date.today())))
   a = ap.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
   t_start = time.time()

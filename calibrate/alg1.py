@@ -134,8 +134,8 @@ def left_quantile(x: np.ndarray, beta: float) -> float:
 
 
 def deficits(f: np.ndarray, b: float, k: int) -> np.ndarray:
-  """Eq. 16 for one reference trajectory: S[u] = max_{0<=h<=min(K, T-1-u)} [Σ_{j=1..h} f[u+j] − h·b]_+
-  (0-based u; h = 0 gives 0)."""
+  """Eq. 16 for one reference trajectory (0-based u; h = 0 gives 0):
+  S[u] = max_{0<=h<=min(K, T-1-u)} [Σ_{j=1..h} f[u+j] − h·b]_+"""
   n = len(f)
   out = np.zeros(n, np.float64)
   for u in range(n):
@@ -147,7 +147,8 @@ def deficits(f: np.ndarray, b: float, k: int) -> np.ndarray:
   return out
 
 
-def reserve(floor_costs: Sequence[np.ndarray], states: Sequence[np.ndarray], b: float, c_full: float,
+def reserve(floor_costs: Sequence[np.ndarray], states: Sequence[np.ndarray], b: float,
+            c_full: float,
             k: int, beta: float) -> tuple[dict[int, float], float, dict]:
   """Eq. 10 / 16 -> (Γ per state id, pooled Γ, samples per state) in units of C_full."""
   per: dict[int, list[float]] = {}
@@ -368,7 +369,8 @@ class Calibration:
     todo = [k for k in self.interventions() if k not in done]
     if todo:
       pols = [self.intervention_policy(*k) for k in todo]
-      bar = self.progress("Runtime-V", len(todo) * len(self.cal.requests)) if self.progress else None
+      bar = self.progress("Runtime-V",
+                          len(todo) * len(self.cal.requests)) if self.progress else None
       t0 = time.perf_counter()
 
       def save(idx, outs):
@@ -441,8 +443,10 @@ class Calibration:
       self._save("runtime_d", got)
       self.timings["Runtime-D"] = time.perf_counter() - t0
     self.D = got
-    dd = {(i, g, a): got[("decode", i, g, a)] for (i, g) in self.dec_buckets for a in (Act.R, Act.L)}
-    dp = {(i, g, a): got[("prefill", i, g, a)] for (i, g) in self.pre_buckets for a in (Act.R, Act.L)}
+    dd = {(i, g, a): got[("decode", i, g, a)]
+          for (i, g) in self.dec_buckets for a in (Act.R, Act.L)}
+    dp = {(i, g, a): got[("prefill", i, g, a)]
+          for (i, g) in self.pre_buckets for a in (Act.R, Act.L)}
     self.rho_dec = priorities(dd, self.nbar_dec, self.cost, self.dec_buckets)
     self.rho_pre = priorities(dp, self.nbar_pre, self.cost, self.pre_buckets)
     return got
@@ -535,7 +539,8 @@ class Calibration:
     for tau in self.cfg.prefill_thresholds:
       f = self.floors("prefill", tau)
       for b_p in self.cfg.b_p_grid:
-        pol = P.build(policy_entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0, b_p=b_p,
+        pol = P.build(policy_entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0,
+                      b_p=b_p,
                       sink=self.cfg.sink, window=self.cfg.window, tokenizer_hash=self.thash,
                       adapter="prompt", thresholds={"prefill": list(tau)},
                       extra={"name": f"prefill tau={tau} B_P={b_p}"})
@@ -575,7 +580,8 @@ class Calibration:
       p_ent, b_p, tau_p = {}, 1.0, None
     else:
       c = pre[pi]
-      p_ent, b_p, tau_p = policy_entries(c["floors"], c["floors"], self.rho_pre, G), c["b_p"], list(c["tau"])
+      p_ent = policy_entries(c["floors"], c["floors"], self.rho_pre, G)
+      b_p, tau_p = c["b_p"], list(c["tau"])
     record = self.record(dec, drows, di, pre, prows, pi, e_ref)
     final = P.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
                     pooled=pooled, sink=cfg.sink, window=cfg.window, tokenizer_hash=self.thash,
@@ -610,7 +616,8 @@ class Calibration:
         "V": {name(k): v for k, v in sorted(self.V.items())},
         "D": {name(k): v for k, v in sorted(self.D.items())},
         "rho": {"decode": {f"{T.describe(i)}:g{g}": list(v) for (i, g), v in self.rho_dec.items()},
-                "prefill": {f"{T.describe(i)}:g{g}": list(v) for (i, g), v in self.rho_pre.items()}},
+                "prefill": {f"{T.describe(i)}:g{g}": list(v)
+                            for (i, g), v in self.rho_pre.items()}},
         "decode_candidates": [{"tau": list(c["tau"]), "step": c["step"], "path_len": c["path_len"],
                                "nominal_b": c["nominal_b"], "dev": r}
                               for c, r in zip(dec, drows)],

@@ -139,7 +139,8 @@ def _lines(path: str) -> list[dict]:
 
 
 def _convert(p: dict) -> dict:
-  """One BFCL parameter doc -> JSON schema (types via TYPE_MAP; unknown types -> string, as BFCL)."""
+  """One BFCL parameter doc -> JSON schema (types via TYPE_MAP; unknown types -> string, as
+  BFCL)."""
   t = p.get("type", "string")
   out = {"type": TYPE_MAP.get(t, "string") if isinstance(t, str) else "string"}
   out.update((k, v) for k, v in p.items() if k in _KEEP)
@@ -252,7 +253,8 @@ def _family_splits(family: tuple[str, ...], seed: int) -> dict[str, str]:
 
 def load(categories: Iterable[str] = NONLIVE, *, split: str | Sequence[str] | None = None,
          seed: int = 0) -> list[Case]:
-  """BFCL cases of ``categories`` (in file order) with their partition; optionally only ``split``."""
+  """BFCL cases of ``categories`` (in file order) with their partition; optionally only
+  ``split``."""
   require()   # before the cached readers: a missing install is named even after a cached read
   want = None if split is None else ({split} if isinstance(split, str) else set(split))
   if want is not None and not want <= set(SPLITS):
@@ -312,7 +314,8 @@ class Grammars:
 
 @functools.lru_cache(maxsize=None)
 def checker() -> types.ModuleType:
-  """bfcl_eval's ``ast_checker`` module, imported offline (model_config replaced, see module doc)."""
+  """bfcl_eval's ``ast_checker`` module, imported offline (model_config replaced, see module
+  doc)."""
   os.environ.setdefault("BFCL_PROJECT_ROOT", tempfile.mkdtemp(prefix="bfcl_root_"))
   name = "bfcl_eval.constants.model_config"
   if name not in sys.modules:
@@ -481,7 +484,7 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
   * ``constrained``: decode under the case's tool-call grammar (``compiler`` defaults to a
     :class:`~pask_jax.grammar.GrammarCompiler` for this tokenizer and the model's vocab).
   * ``tracker(grammar, case) -> Tracker``: per-request tracker; default a plain
-    :class:`~pask_jax.decode.Tracker` for Full KV, and for a PaskRunner one with an
+    :class:`~pask_jax.tracker.Tracker` for Full KV, and for a PaskRunner one with an
     :class:`~pask_jax.grammar.fc_adapter.FCAdapter` (structural tags, §3.3), as the CLI does.
   * ``prompt_labels``: prompt-span tags for the PASK prefill plan (default: on for PaskRunner).
   * ``sampling``: a :class:`~pask_jax.decode.Sampling`; default greedy with ``max_tokens``.
@@ -508,7 +511,8 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
     else:
       tracker = lambda g, c: Tracker(g)
   sampling = sampling or Sampling(max_tokens=max_tokens)
-  preps = prepare(cases, tokenizer, arch=runner.cfg.arch, compiler=compiler if constrained else None,
+  preps = prepare(cases, tokenizer, arch=runner.cfg.arch,
+                  compiler=compiler if constrained else None,
                   style=style, prompt_labels=prompt_labels)
   order = sorted(range(len(preps)), key=lambda i: len(preps[i].ids)) if sort else \
       list(range(len(preps)))

@@ -52,7 +52,8 @@ def run(args) -> int:
     raise SystemExit(f"error: unknown BFCL categories {unknown}; choose from "
                      f"{', '.join(bfcl.NONLIVE + bfcl.LIVE)}")
   if args.max_cases is not None and args.max_cases < 2:
-    raise SystemExit("error: --max-cases must be at least 2 (calibration and development need cases)")
+    raise SystemExit("error: --max-cases must be at least 2 "
+                     "(calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
   from pask_jax import platform
@@ -106,7 +107,8 @@ def run(args) -> int:
     json.dump(rec, f, indent=1, sort_keys=True, default=float)
   comp_ = rec["composed"]
   print(f"policy: {os.path.join(args.out, 'policy')}\n"
-        f"dev accuracy {comp_['dev_accuracy']:.3f} (all-high {comp_['dev_reference_accuracy']:.3f}),"
+        f"dev accuracy {comp_['dev_accuracy']:.3f} "
+        f"(all-high {comp_['dev_reference_accuracy']:.3f}),"
         f" measured B total {comp_['measured_B_total']:.3f} (prefill "
         f"{comp_['measured_B_prefill']:.3f}, decode {comp_['measured_B_decode']:.3f}); "
         f"B_D {comp_['b_d']:.3f}, B_P {comp_['b_p']:.3f}; wall {rec['wall_s']:.0f} s")

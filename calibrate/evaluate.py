@@ -422,8 +422,8 @@ def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "smal
   """Dev-split tuning (paper C.3): measure ``gen`` (mean generated tokens under Full KV), then per
   method pick the grid point with the best overall accuracy at ``budget`` (ties: headline
   accuracy, then measured B closest to the target) and record that point's own mean generated
-  length as the method's ``gen`` (its ĝ for budget matching).  Returns (and writes ``out``/knobs.json,
-  ``out``/tune.csv) the frozen knobs."""
+  length as the method's ``gen`` (its ĝ for budget matching).  Returns (and writes
+  ``out``/knobs.json, ``out``/tune.csv) the frozen knobs."""
   if SPLIT_NAMES.get(split) == "test":
     raise ValueError("tuning on the test split is not allowed (C.3: dev only, frozen before test)")
   budget = BU.check_target(budget)

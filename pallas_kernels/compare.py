@@ -214,7 +214,8 @@ def plot(rows, path):
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="pask-jax compare-kernels", description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog="pask-jax compare-kernels",
+                               description=__doc__.split("\n\n")[0])
   ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="B:Hq:Hkv:D:CTX[,...]")
   ap.add_argument("--out", default="compare_kernels_out", help="folder for the CSV and PNG")
   ap.add_argument("--tpu-gens", default=None, help="comma list among v5e,v6e,tpu7x (default all)")
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     traceback.print_exc()
     return 1
   print(f"wrote {os.path.join(a.out, 'compare_kernels.csv')} and .png")
-  bad = [r for r in rows if r.get("rel_err") is None or r["rel_err"] > 1e-2 or not r.get("compiled")]
+  bad = [r for r in rows
+         if r.get("rel_err") is None or r["rel_err"] > 1e-2 or not r.get("compiled")]
   return 1 if bad else 0
 
 

@@ -145,7 +145,8 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
 
   z = lambda shape, dt: jnp.zeros(shape, dt)
   layers = LayerKV(
-      win_k=z((n_layers, B, W, Hkv, D), jnp.bfloat16), win_v=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
+      win_k=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
+      win_v=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
       hi_k=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       hi_v=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       lo_k=z((n_layers, B * n_lo, page, Hkv, D // 2), jnp.uint8),
@@ -329,8 +330,10 @@ def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None
 
   rows_h = cache.layers.hi_k.shape[1] * page
   rows_l = cache.layers.lo_k.shape[1] * page
-  dest_h, hi_len, hi_pos, lost_h = one_pool(Act.H, cache.hi_pages, cache.hi_len, cache.hi_pos, rows_h)
-  dest_l, lo_len, lo_pos, lost_l = one_pool(Act.L, cache.lo_pages, cache.lo_len, cache.lo_pos, rows_l)
+  dest_h, hi_len, hi_pos, lost_h = one_pool(Act.H, cache.hi_pages, cache.hi_len, cache.hi_pos,
+                                            rows_h)
+  dest_l, lo_len, lo_pos, lost_l = one_pool(Act.L, cache.lo_pages, cache.lo_len, cache.lo_pos,
+                                            rows_l)
   wslot = jnp.where(act_on, slot, W)                                 # W: dropped
   new_act = _force_sink(actions, p, cache.sink)
   cache = cache.replace(
@@ -496,7 +499,8 @@ def _slot_state(cache: Cache, hi_row: jax.Array, lo_row: jax.Array) -> dict:
   return dict(
       win_pos=jnp.full((1, W), -1, jnp.int32), win_act=jnp.zeros((1, W, G), jnp.int8),
       count=jnp.zeros((1,), jnp.int32),
-      hi_pages=rows(hi_row, cache.hi_pages.shape[2]), lo_pages=rows(lo_row, cache.lo_pages.shape[2]),
+      hi_pages=rows(hi_row, cache.hi_pages.shape[2]),
+      lo_pages=rows(lo_row, cache.lo_pages.shape[2]),
       hi_len=jnp.zeros((G, 1), jnp.int32), lo_len=jnp.zeros((G, 1), jnp.int32),
       hi_pos=jnp.full((G, 1, cache.hi_pos.shape[2]), -1, jnp.int32),
       lo_pos=jnp.full((G, 1, cache.lo_pos.shape[2]), -1, jnp.int32),

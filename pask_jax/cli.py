@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="CPU seconds one grammar (schema or tool set) may take to compile")
   s.add_argument("--log-level", default="info",
                  choices=["critical", "error", "warning", "info", "debug", "trace"])
-  sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels", add_help=False)
+  sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels",
+                 add_help=False)
   from pask_jax.baselines import METHODS
   e = sub.add_parser("eval", help="accuracy and measured KV budget of one method on BFCL")
   e.add_argument("--model", default=None, help="as for generate (default: smollm2-135m-instruct)")

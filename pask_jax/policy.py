@@ -49,8 +49,10 @@ DEFAULT_WINDOW = 32
 TIE_ORDER = ("demote: ascending stored priority, NaN last, ties -> lower layer group first; "
              "promote: descending priority, ties -> upper layer group first; "
              "ids: ascending tag id (tags.all_ids)")
-QUANTIZER = {"bits": 4, "symmetric": True, "granularity": "per (token, KV head) row, K and V separate",
-             "scale": "fp16(max|x|/7), floor smallest positive fp16 (bumped one fp16 up if max|x|/s>7.5)",
+QUANTIZER = {"bits": 4, "symmetric": True,
+             "granularity": "per (token, KV head) row, K and V separate",
+             "scale": "fp16(max|x|/7), floor smallest positive fp16 "
+                      "(bumped one fp16 up if max|x|/s>7.5)",
              "codes": "clip(round(x/s), -7, 7)", "zero_row": "codes 0, scale 1",
              "layout": "half-split nibbles: byte i = x[i] | x[i+D/2] << 4"}
 PAYLOAD = {"unit": "bits", "n_c": "2*sum_{l in c} Hkv_l*d_l", "k_c": "2*sum_{l in c} Hkv_l",
@@ -208,7 +210,8 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
       "sink": int(sink), "window": int(window), "thresholds": thresholds,
       "budgets": {"b_d": float(b_d), "b_p": float(b_p)},
       "reserve": {"k": int(reserve_k), "beta": float(reserve_beta), "unit": "c_full",
-                  "pooled": float(pooled), "per_state": {str(i): float(v) for i, v in enumerate(res)}},
+                  "pooled": float(pooled),
+                  "per_state": {str(i): float(v) for i, v in enumerate(res)}},
       "fallback": "parent chain (class,role,state,next)->(class,role,state)->(class,role)->class, "
                   "precomputed; nothing compatible -> H action and floor; no score -> no promotion",
       "tie_order": TIE_ORDER,

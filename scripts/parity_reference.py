@@ -1,7 +1,8 @@
 """Store the transformers reference log-probabilities (:mod:`pask_jax.testing.parity`) that
 ``tests/test_parity.py`` compares our decoder against.
 
-    python scripts/parity_reference.py --model smollm2-135m-instruct --out tests/data/parity_smollm2.npz
+    python scripts/parity_reference.py --model smollm2-135m-instruct \\
+        --out tests/data/parity_smollm2.npz
 """
 from __future__ import annotations
 

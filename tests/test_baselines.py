@@ -32,7 +32,8 @@ def arr(*xs):
 # --- rules on hand-built patterns ----------------------------------------------------------------
 
 def test_h2o_keeps_planted_heavy_hitters():
-  S, n, sink, recent = 96, int(RNG.integers(60, 96)), int(RNG.integers(1, 5)), int(RNG.integers(4, 12))
+  S, n = 96, int(RNG.integers(60, 96))
+  sink, recent = int(RNG.integers(1, 5)), int(RNG.integers(4, 12))
   score = RNG.random((3, S)).astype(np.float32) * 0.1
   mid = np.arange(sink, n - recent)
   planted = [RNG.choice(mid, 5, replace=False) for _ in range(3)]

@@ -127,7 +127,8 @@ def test_reference_answers_fit_schema_and_checker(cases):
 def test_checker_hand_written(cases):
   sp = cases["simple_python_0"]
   assert bfcl.check(sp, [{"calculate_triangle_area": {"base": 10, "height": 5}}])[0]
-  assert bfcl.check(sp, [{"calculate_triangle_area": {"base": 10, "height": 5, "unit": "units"}}])[0]
+  assert bfcl.check(sp,
+                    [{"calculate_triangle_area": {"base": 10, "height": 5, "unit": "units"}}])[0]
   ok, err = bfcl.check(sp, [{"calculate_triangle_area": {"base": 5, "height": 10}}])
   assert not ok and "value_error" in err
   assert not bfcl.check(sp, [{"calculate_triangle_area": {"base": 10}}])[0]
@@ -161,7 +162,8 @@ def test_per_call_fraction(cases):
   assert bfcl.per_call(pa, [bad, a, bad]) == 0.5
   assert bfcl.per_call(pa, [bad]) == 0.0 and bfcl.per_call(pa, None) == 0.0
   pm = cases["parallel_multiple_0"]
-  s = {"math_toolkit.sum_of_multiples": {"lower_limit": 1, "upper_limit": 1000, "multiples": [3, 5]}}
+  s = {"math_toolkit.sum_of_multiples": {"lower_limit": 1, "upper_limit": 1000,
+                                         "multiples": [3, 5]}}
   assert bfcl.per_call(pm, [s]) == 0.5 and not bfcl.check(pm, [s])[0]
   # maximum matching, not greedy: call 0 fits both expected, call 1 only the first
   assert bfcl.max_matching([[True, True], [True, False]]) == 2
@@ -310,7 +312,8 @@ def test_grammar_accepts_reference_and_checker_passes(cases, which):
   # the prompt goes through the template's own tools section when it has one
   prompt = bfcl.render(cases["parallel_0"], tok, fmt)
   if which == "qwen":
-    assert "<tools>" in prompt and json.dumps(cases["parallel_0"].tools[0], ensure_ascii=False) in prompt
+    assert "<tools>" in prompt and json.dumps(cases["parallel_0"].tools[0],
+                                              ensure_ascii=False) in prompt
   else:
     assert "<tools>" not in prompt and "You can call these functions" in prompt
   assert cases["parallel_0"].messages[0]["content"] in prompt

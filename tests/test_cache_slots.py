@@ -101,7 +101,8 @@ def test_two_slots_then_decode_steps_and_release():
   assert int(c.count[1]) == 0 and not bool(c.overflow.any())
   c = jax.jit(C.release_slot)(c, jnp.int32(2))
   assert int(c.count[2]) == 0 and int(c.hi_len[:, 2].sum()) == 0
-  assert (np.asarray(c.hi_pages[:, 2]) == P_HI).all() and (np.asarray(c.lo_pages[:, 2]) == P_LO).all()
+  assert (np.asarray(c.hi_pages[:, 2]) == P_HI).all()
+  assert (np.asarray(c.lo_pages[:, 2]) == P_LO).all()
   for g in range(G):   # slot 0 unaffected by releasing slot 2
     assert tcache.stored_positions(c, g, 0) == tcache.stored_positions(refs[0], g, 0)
 

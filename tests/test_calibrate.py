@@ -102,7 +102,8 @@ def test_priorities_eq8():
 
 
 def brute_deficit(f, b, k, u):
-  return max([0.0] + [sum(f[u + 1:u + 1 + h]) - h * b for h in range(1, min(k, len(f) - 1 - u) + 1)])
+  return max([0.0] + [sum(f[u + 1:u + 1 + h]) - h * b
+                      for h in range(1, min(k, len(f) - 1 - u) + 1)])
 
 
 def test_reserve_meets_prop4_on_its_sample(setup):
@@ -189,10 +190,13 @@ task.expected = [[{"name": "set_mode", "arguments": {"mode": "eco", "level": "lo
 cfg = alg1.Config(sink=2, window=4)
 tmpl = P.all_high(model.cfg, sink=2, window=4)
 ids = [T for T in (258, 162, 290)]
-pols = [tmpl] + [alg1.intervention(model.cfg, cfg, i, g, a, []) for i in (149, 150) for g in (0, 2) for a in (0, 1)][:7]
+pols = [tmpl] + [alg1.intervention(model.cfg, cfg, i, g, a, [])
+                 for i in (149, 150) for g in (0, 2) for a in (0, 1)][:7]
 a = S.run_stack(S.runner_factory(model, tmpl, CAP), task, pols, rows=16, max_tokens=32)
-b = S.run_stack(S.runner_factory(model, tmpl, CAP, devices=jax.devices()), task, pols, rows=16, max_tokens=32)
-assert all(x.tokens == y.tokens and x.ledger == y.ledger for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+b = S.run_stack(S.runner_factory(model, tmpl, CAP, devices=jax.devices()), task, pols, rows=16,
+                max_tokens=32)
+assert all(x.tokens == y.tokens and x.ledger == y.ledger
+           for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 print("SHARDED-OK", len({tuple(o.tokens) for r in a for o in r}))
 """
 

@@ -91,7 +91,8 @@ def test_all_high_equals_full_kv_random_model(window):
 def _run_cache(k, v, actions, window, sink=0):
   """Append K/V [N, L, B, Hkv, D] step by step with actions [N, B, G]."""
   N, L, B, Hkv, D = k.shape
-  c = pc.init(L, B, Hkv, D, capacity=N, window=window, sink=sink, n_groups=actions.shape[-1], page=4)
+  c = pc.init(L, B, Hkv, D, capacity=N, window=window, sink=sink, n_groups=actions.shape[-1],
+              page=4)
   append = jax.jit(tcache.append)
   for t in range(N):
     c = append(c, k[t], v[t], actions[t])
@@ -145,7 +146,8 @@ def test_low_tokens_match_dequantized_values():
     kk, vv = k[:, l], v[:, l]                                   # [N, B, Hkv, D]
     kq = jnp.concatenate([int4.dequantize(*int4.quantize_packed(kk[:N - W])), kk[N - W:]])
     vq = jnp.concatenate([int4.dequantize(*int4.quantize_packed(vv[:N - W])), vv[N - W:]])
-    dense = lambda a, b: kv_dense.attention(q[:, None], jnp.moveaxis(a, 0, 1), jnp.moveaxis(b, 0, 1),
+    dense = lambda a, b: kv_dense.attention(q[:, None], jnp.moveaxis(a, 0, 1),
+                                            jnp.moveaxis(b, 0, 1),
                                             jnp.array([[N - 1]] * B), jnp.array([N] * B))[:, 0]
     want = dense(kq, vq)
     assert relerr(got[l], want.astype(jnp.bfloat16).astype(jnp.float32)) < 1e-2

@@ -56,7 +56,8 @@ class EnumTask:
     from pask_jax.grammar.prompt_spans import label_prompt
     out = []
     for c in cases:
-      ids, tags = label_prompt(self.tok, c.text) if prompt_labels else (self.tok.encode(c.text), None)
+      ids, tags = (label_prompt(self.tok, c.text) if prompt_labels
+                   else (self.tok.encode(c.text), None))
       out.append(E.Prepared(c, ids, tags, self.grammar))
     return out
 
@@ -265,7 +266,8 @@ def test_missing_bfcl_eval_is_one_line_naming_the_install(tmp_path, monkeypatch)
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "bfcl_eval" else real(name, *a))
-  monkeypatch.setattr(platform, "load_model", lambda *a: pytest.fail("model loaded before the check"))
+  monkeypatch.setattr(platform, "load_model",
+                      lambda *a: pytest.fail("model loaded before the check"))
   for argv in (["eval", "--method", "full", "--out", str(tmp_path)],
                ["tune", "--out", str(tmp_path)], ["calibrate", "--out", str(tmp_path)]):
     with pytest.raises(SystemExit) as e:

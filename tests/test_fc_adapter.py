@@ -1,4 +1,5 @@
-"""Function-calling adapter: golden token-by-token tags with the real Qwen2.5 and SmolLM2 vocabularies.
+"""Function-calling adapter: golden token-by-token tags with the real Qwen2.5 and SmolLM2
+vocabularies.
 
 Goldens are written by hand from the rules in pask_jax/grammar/fc_adapter.py's docstring (forced
 prefix from the jump-forward string, roles from the schema), not produced by the adapter.
@@ -29,7 +30,8 @@ WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"},
                                      "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
     "required": ["city"]}}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+TIME = {"name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
                                            "required": ["tz"]}}
 FLIGHT = {"name": "book_flight", "parameters": {"type": "object", "properties": {
     "passenger": {"type": "object", "properties": {"name": {"type": "string"},
@@ -194,7 +196,8 @@ def test_rejected_token_raises_and_coarsen():
   ad, m = FCAdapter(g, tok), g.matcher()
   with pytest.raises(RuntimeError, match="rejected"):
     ad.accept(m, tok.encode("hello")[0])
-  ids = [T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, s, n) for s in (1, 2) for n in (1, 2)]
+  ids = [T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, s, n)
+         for s in (1, 2) for n in (1, 2)]
   ids.append(T.fc(T.Cls.FREE_GENERATION, T.FCRole.REQUIRED, 2, 1))
   out = coarsen(ids)
   assert len(out) <= T.N_CAND and set(out) == {

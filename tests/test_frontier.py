@@ -1,4 +1,5 @@
-"""Guard for XGrammar's private frontier string (pinned versions) and the parser-state vocabulary."""
+"""Guard for XGrammar's private frontier string (pinned versions) and the parser-state
+vocabulary."""
 import pytest
 
 from pask_jax.grammar import frontier as F

@@ -1,5 +1,6 @@
 """The INT4 storage format (pallas_kernels.int4; paper B.5, DESIGN.md "INT4"): error bound, layout,
-bit-exactness across jit/eager/an independent oracle, fp16 range, and the GPU kernel's bit tricks."""
+bit-exactness across jit/eager/an independent oracle, fp16 range, and the GPU kernel's bit
+tricks."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -136,7 +137,8 @@ def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
 
 
 def _lop3(a, b, c, lut: int):
-  """PTX lop3.b32: bitwise f(a, b, c) where the truth table is indexed by (a=0xF0, b=0xCC, c=0xAA)."""
+  """PTX lop3.b32: bitwise f(a, b, c) where the truth table is indexed by (a=0xF0, b=0xCC,
+  c=0xAA)."""
   out = np.zeros_like(a)
   for bit in range(8):
     if lut >> bit & 1:
@@ -154,8 +156,8 @@ def _asm_unpack(words: np.ndarray, high: bool) -> np.ndarray:
   from pallas_kernels.gpu import decode as g
   src = g.ASM_UNPACK_HI if high else g.ASM_UNPACK_LO
   # Pin the exact instruction sequence this emulation models.
-  assert [ln.split()[0] for ln in src.splitlines() if ln.strip().endswith(";") and "reg" not in ln] \
-      == (["prmt.b32"] * 2 + (["shr.u32"] * 2 if high else []) + ["lop3.b32"] * 2)
+  ops = [ln.split()[0] for ln in src.splitlines() if ln.strip().endswith(";") and "reg" not in ln]
+  assert ops == (["prmt.b32"] * 2 + (["shr.u32"] * 2 if high else []) + ["lop3.b32"] * 2)
   assert "0x3130" in src and "0x3332" in src and "0x000F000F, 0x43084308, 0x6A" in src
   w = words.astype(np.int64)
   t0, t1 = _prmt(w, w, 0x3130), _prmt(w, w, 0x3332)

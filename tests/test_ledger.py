@@ -91,7 +91,8 @@ def test_ledger_end_to_end(name):
     live = 0.0
     for g in range(3):
       pos = tcache.stored_positions(cache, g, i)
-      live += len(pos["hi"]) * float(pol.cost[Act.H, g]) + len(pos["lo"]) * float(pol.cost[Act.L, g])
+      live += (len(pos["hi"]) * float(pol.cost[Act.H, g])
+               + len(pos["lo"]) * float(pol.cost[Act.L, g]))
     live += len(tcache.stored_positions(cache, 0, i)["win"]) * c_full
     assert r["live_bits"] == pytest.approx(live)
     assert r["peak_live_bits"] == pytest.approx(peak[i])

@@ -95,7 +95,8 @@ def test_sampling_is_seeded():
     decode = staticmethod(str)
 
   run = lambda seed: generate(runner, Tok(), [[1, 2, 3]],
-                              sampling=Sampling(max_tokens=12, temperature=1.0, seed=seed))[0].tokens
+                              sampling=Sampling(max_tokens=12, temperature=1.0,
+                                                seed=seed))[0].tokens
   assert run(3) == run(3)
   assert run(3) != run(4)
 

@@ -77,7 +77,8 @@ def test_qwen_tools_block_golden():
 
 def test_smollm2_ddl_golden():
   tok = smollm2_tokenizer()
-  text = "Schema:\nCREATE TABLE team (\n  id INTEGER PRIMARY KEY,\n  name VARCHAR(20) NOT NULL\n);\nQ: how many?"
+  text = ("Schema:\nCREATE TABLE team (\n  id INTEGER PRIMARY KEY,\n  name VARCHAR(20) NOT NULL\n"
+          ");\nQ: how many?")
   golden = [
       ("Schema", "p"), (":", "p"), ("\n", "p"), ("CREATE", "s"), (" TABLE", "s"),
       (" team", "sf"),               # crosses scaffold space and the table name
@@ -95,9 +96,9 @@ def test_ddl_constraints_and_quoted_identifiers():
           'FOREIGN KEY (oid) REFERENCES orders(id));')
   got = {(text[a:b], lab) for a, b, lab in spans(text)}
   for want in [("order items", P.FUNCTION_NAME), ("oid", P.PARAMETER_KEY), ("qty", P.PARAMETER_KEY),
-               ("DEFAULT", P.ENUM_CONSTRAINT), ("1", P.ENUM_CONSTRAINT), ("FOREIGN", P.ENUM_CONSTRAINT),
-               ("REFERENCES", P.ENUM_CONSTRAINT), ("orders", P.FUNCTION_NAME), ("id", P.PARAMETER_KEY),
-               ("INT", P.TYPE_CONSTRAINT)]:
+               ("DEFAULT", P.ENUM_CONSTRAINT), ("1", P.ENUM_CONSTRAINT),
+               ("FOREIGN", P.ENUM_CONSTRAINT), ("REFERENCES", P.ENUM_CONSTRAINT),
+               ("orders", P.FUNCTION_NAME), ("id", P.PARAMETER_KEY), ("INT", P.TYPE_CONSTRAINT)]:
     assert want in got, want
 
 

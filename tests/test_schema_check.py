@@ -208,13 +208,16 @@ def test_tool_refs_resolve_against_the_parameters():
         "type": "object", "properties": {"x": {"$ref": "#/properties/name"}}}}], "json_list",
         check=True)
   # Two tools with the same def name do not collide.
-  a = {"type": "object", "$defs": {"T": {"type": "integer"}}, "properties": {"t": {"$ref": "#/$defs/T"}},
+  a = {"type": "object", "$defs": {"T": {"type": "integer"}},
+       "properties": {"t": {"$ref": "#/$defs/T"}},
        "required": ["t"]}
-  b = {"type": "object", "$defs": {"T": {"type": "boolean"}}, "properties": {"t": {"$ref": "#/$defs/T"}},
+  b = {"type": "object", "$defs": {"T": {"type": "boolean"}},
+       "properties": {"t": {"$ref": "#/$defs/T"}},
        "required": ["t"]}
   g = tool_call_grammar(gc, [{"name": "a", "parameters": a}, {"name": "b", "parameters": b}],
                         "json_list", check=True)
-  assert accepts_text(tok, g, '[{"name": "a", "arguments": {"t": 1}}, {"name": "b", "arguments": {"t": true}}]')
+  assert accepts_text(tok, g, '[{"name": "a", "arguments": {"t": 1}}, '
+                              '{"name": "b", "arguments": {"t": true}}]')
   assert not accepts_text(tok, g, '[{"name": "a", "arguments": {"t": true}}]')
 
 

@@ -393,7 +393,8 @@ def test_stream_with_tools_splits_text_and_calls():
                            "prompt_tokens": 5, "ledger": led, "overflow": False}))
     meta = {"id": "c", "created": 0, "model": MODEL, "t_arrive": 0.0, "logprobs": None}
     m = Metrics(type("E", (), {"snapshot": lambda s: {}, "alive": True})())
-    return [x async for x in sse_chunks(Req(), q, Responder(tok, "json_list", True), meta, False, m)]
+    return [x async for x in sse_chunks(Req(), q, Responder(tok, "json_list", True), meta, False,
+                                        m)]
 
   chunks = [json.loads(c[6:]) for c in asyncio.run(run()) if c.startswith("data: {")]
   content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)

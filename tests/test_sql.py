@@ -82,10 +82,10 @@ def test_join_and_predicate_golden_qwen():
 GOOD = [
     "SELECT * FROM singer",
     "SELECT DISTINCT country FROM singer ORDER BY country ASC LIMIT 5;",
-    "SELECT country, COUNT(*) FROM singer GROUP BY country HAVING COUNT(*) > 1 ORDER BY COUNT(*) DESC",
-    "SELECT COUNT(DISTINCT T1.name) AS n FROM singer AS T1 LEFT JOIN concert AS T2 ON T1.singer_id = T2.singer_id",
-    "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM concert WHERE year BETWEEN 2010 AND 2015)",
-    "SELECT T.name FROM (SELECT name, age FROM singer) AS T WHERE T.age >= 30 OR NOT (name LIKE 'A%')",
+    "SELECT country, COUNT(*) FROM singer GROUP BY country HAVING COUNT(*) > 1 ORDER BY COUNT(*) DESC",  # noqa: E501
+    "SELECT COUNT(DISTINCT T1.name) AS n FROM singer AS T1 LEFT JOIN concert AS T2 ON T1.singer_id = T2.singer_id",  # noqa: E501
+    "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM concert WHERE year BETWEEN 2010 AND 2015)",  # noqa: E501
+    "SELECT T.name FROM (SELECT name, age FROM singer) AS T WHERE T.age >= 30 OR NOT (name LIKE 'A%')",  # noqa: E501
     "SELECT name FROM singer WHERE country IS NOT NULL AND age NOT IN (1, 2) AND name = 'O''Hara'",
     'SELECT "full name" FROM singer',
     "SELECT AVG(age), MAX(age) FROM singer, concert WHERE singer.singer_id = concert.singer_id",

@@ -68,7 +68,8 @@ def _pv(p, v, exact, with_sum=False):
   return (out, jnp.sum(fed, axis=1)) if with_sum else out
 
 
-def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4_prefetch, page_lo, page_hi, n_lo,
+def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4_prefetch, page_lo,
+            page_hi, n_lo,
             n_hi, chunk_lo, chunk_hi, chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi, has_w):
   # lens_ref [8] i32 (lo, hi, win lengths; lo and window row bases of this layer and sequence,
   # -, -, -); q_ref [M, D] bf16.  Pools and window hold every layer, scales only this layer's;
@@ -131,7 +132,8 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
     bk = bk_lo
     off = 0.0 if int4_dequant == "cvt" else BITS_OFFSET
     # q . (code + OFF) = q . code + OFF * sum(q): subtract the second term (FP32, once).
-    q_off = off * (jnp.sum(ql.astype(jnp.float32), axis=1) + jnp.sum(qh.astype(jnp.float32), axis=1))
+    q_off = off * (jnp.sum(ql.astype(jnp.float32), axis=1)
+                   + jnp.sum(qh.astype(jnp.float32), axis=1))
 
     def where(i):
       pos = start + i * bk + jnp.arange(bk)
@@ -235,7 +237,8 @@ def _spread(length, n, bk):
 
 
 def unpack_halves(x, mode):
-  """[bk, D/2] u8 -> (low, high) halves as bf16: exact codes ("cvt") or code + OFF ("bits", "asm")."""
+  """[bk, D/2] u8 -> (low, high) halves as bf16: exact codes ("cvt") or code + BITS_OFFSET
+  ("bits", "asm")."""
   if mode == "cvt":  # exact codes via int -> float conversions (slow on Hopper)
     x = x.astype(jnp.int32)
     lo = lax.shift_right_arithmetic(lax.shift_left(x, 28), 28)
@@ -287,8 +290,8 @@ def _plan(cap, bk, chunk):
 
 
 _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-          "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse", "num_warps_lo",
-          "num_stages_lo", "interpret")
+          "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse",
+          "num_warps_lo", "num_stages_lo", "interpret")
 
 
 def stack_inputs(window: Window, hi: HighPool, lo: LowPool, layer):
@@ -305,7 +308,8 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
                  num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
-                 exact_pv_lo: bool | None = None, int4_dequant: str | None = None, int4_prefetch: bool | None = None,
+                 exact_pv_lo: bool | None = None, int4_dequant: str | None = None,
+                 int4_prefetch: bool | None = None,
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten).
@@ -397,7 +401,8 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
         _kernel, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo_, n_hi=n_hi_,
         chunk_lo=chunk_lo, chunk_hi=chunk_hi, chunk_w=chunk_w, bk_lo=block_lo, bk_hi=block_hi,
         bk_w=block_w, c=c, has_lo=bool(n_lo_), has_hi=bool(n_hi_), has_w=bool(n_w_),
-        exact_pv=exact_pv, exact_pv_lo=exact_pv_lo, int4_dequant=int4_dequant, int4_prefetch=int4_prefetch)
+        exact_pv=exact_pv, exact_pv_lo=exact_pv_lo, int4_dequant=int4_dequant,
+        int4_prefetch=int4_prefetch)
     return pl.pallas_call(
         kernel,
         grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages

@@ -36,7 +36,8 @@ from pask_jax.grammar.matcher import Grammar, GrammarCompiler, GrammarError, imp
 from pask_jax.grammar.schema_check import scoped
 
 FORMATS = ("fenced_json", "tool_call_tags", "json_list")
-# Measured defaults per model family (see module docstring): (format, JSON indent); override per call.
+# Measured defaults per model family (see module docstring): (format, JSON indent); override per
+# call.
 DEFAULT_STYLE = {"qwen2": ("fenced_json", 2), "qwen3": ("tool_call_tags", None),
                  "llama": ("json_list", None)}
 DEFAULT_FORMAT = {k: v[0] for k, v in DEFAULT_STYLE.items()}

@@ -18,7 +18,8 @@ PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that reverses a string."}],
     [{"role": "system", "content": "You answer in JSON."},
-     {"role": "user", "content": "Give me the weather in Tokyo as {\"city\": ..., \"temp_c\": ...}."}],
+     {"role": "user",
+      "content": "Give me the weather in Tokyo as {\"city\": ..., \"temp_c\": ...}."}],
 ]
 
 
