@@ -2,8 +2,8 @@
 
 * No module reaches into another module's private names (``_x``): not by ``from m import _x``,
   not by ``m._x`` on an imported module.  A private module (``pkg/_m.py``) is shared inside its
-  package only.  A test may use a private of the module it tests only where the allow-list
-  below says why.
+  package only.  Tests too: they use public names and the testing packages
+  (``pask_jax.testing``, ``pallas_kernels.testing``).
 * No import loop among the project's modules (counting imports inside functions too: a lazy
   import that closes a loop still ties the two modules together).
 * No ``sys.path`` edit anywhere: packages come from the install, tests from pytest's rootdir.
@@ -67,10 +67,6 @@ def _resolve(importer: str, name: str, level: int = 0) -> str | None:
   return None
 
 
-def _package(module: str) -> str:
-  return module if _is_package(module) else module.rpartition(".")[0]
-
-
 def _imports(importer: str, nodes):
   """(imported project module, imported name or None, node, local binding or None) for every
   import among ``nodes``; the binding is the local name of an imported module."""
@@ -112,8 +108,10 @@ def private_reaches() -> list[str]:
       if name is not None and _private(name):
         bad.append((importer, f"{mod}.{name}", node))
       # a private module is its package's own
-      if name is None and any(_private(p) for p in mod.split(".")):
-        owner = mod.rsplit(".", 1)[0]
+      parts = mod.split(".")
+      first = next((i for i, p in enumerate(parts) if _private(p)), None)
+      if name is None and first is not None:
+        owner = ".".join(parts[:first])
         if not (importer == owner or importer.startswith(owner + ".")):
           bad.append((importer, mod, node))
     for node in ast.walk(tree):
