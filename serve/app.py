@@ -477,7 +477,7 @@ def _observe(metrics: Metrics, result: dict, t_arrive: float) -> None:
 
 
 async def sse_chunks(req: Request, q: asyncio.Queue, resp: Responder, meta: dict, usage: bool,
-                  metrics: Metrics):
+                     metrics: Metrics):
   """SSE chunks.  Text deltas stream as they decode; with tools, the text before a call block
   streams too (the tail that could begin the block's trigger is held back), the calls arrive
   as ``tool_calls`` deltas once complete."""

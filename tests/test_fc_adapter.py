@@ -32,7 +32,7 @@ WEATHER = {"name": "get_weather", "parameters": {
     "required": ["city"]}}
 TIME = {"name": "get_time",
         "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
-                                           "required": ["tz"]}}
+                       "required": ["tz"]}}
 FLIGHT = {"name": "book_flight", "parameters": {"type": "object", "properties": {
     "passenger": {"type": "object", "properties": {"name": {"type": "string"},
                                                    "age": {"type": "integer"}},
