@@ -17,7 +17,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -98,7 +97,8 @@ def main(argv=None) -> int:
     w = a.window
     rows.append({"history": h, "fill_us": fill / w * 1e6, "tag_us": tag / w * 1e6,
                  "controller_us": ctrl / w * 1e6, "batch": B})
-    print(f"history {h:>6}: bitmask fill {fill / w * 1e6:7.1f} µs  accept+tag {tag / w * 1e6:7.1f} µs"
+    print(f"history {h:>6}: bitmask fill {fill / w * 1e6:7.1f} µs  "
+          f"accept+tag {tag / w * 1e6:7.1f} µs"
           f"  controller (in jit, batch {B}) {ctrl / w * 1e6:7.2f} µs per token", flush=True)
   if a.json:
     with open(a.json, "w") as f:

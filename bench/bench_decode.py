@@ -15,8 +15,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 SHAPES = {  # random-weight configs for speed runs (weights' values do not change the timing)
     "qwen3-4b": dict(arch="qwen3", vocab_size=151936, hidden=2560, intermediate=9728, n_layers=36,
                      n_heads=32, n_kv_heads=8, head_dim=128, rope_theta=1e6, tie_embeddings=True,
@@ -35,7 +33,8 @@ SHAPES = {  # random-weight configs for speed runs (weights' values do not chang
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="smollm2-135m-instruct",
-                  help="a model for models.load, or random:<shape> with shape in " + ", ".join(SHAPES))
+                  help="a model for models.load, or random:<shape> with shape in "
+                       + ", ".join(SHAPES))
   ap.add_argument("--batch", type=int, nargs="+", default=[1])
   ap.add_argument("--context", type=int, nargs="+", default=[1024])
   ap.add_argument("--steps", type=int, default=32)
@@ -61,7 +60,8 @@ def main(argv=None) -> int:
   n_params = sum(x.size for x in jax.tree.leaves(nnx_state(model)))
   print(f"# {cfg.name}: {n_params / 1e6:.0f}M params, {jnp.dtype(dtype).name}, "
         f"backend={jax.default_backend()} ({jax.devices()[0].device_kind})", flush=True)
-  print(f"{'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>10} {'GB/s(est)':>10}", flush=True)
+  print(f"{'batch':>5} {'context':>7} {'ms/step':>9} {'tokens/s':>10} {'GB/s(est)':>10}",
+        flush=True)
   for B in a.batch:
     for C in a.context:
       runner = Runner(model, batch=B, capacity=C + a.steps + 1)
@@ -87,7 +87,8 @@ def main(argv=None) -> int:
       if a.json:
         with open(a.json, "a") as f:
           f.write(json.dumps({"model": cfg.name, "batch": B, "context": C, "ms_per_step": dt * 1e3,
-                              "tokens_per_s": B / dt, "est_GBps": gbs, "dtype": jnp.dtype(dtype).name,
+                              "tokens_per_s": B / dt, "est_GBps": gbs,
+                              "dtype": jnp.dtype(dtype).name,
                               "device": jax.devices()[0].device_kind}) + "\n")
       del cache
   return 0

@@ -20,23 +20,19 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import statistics
 import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from pallas_kernels import int4  # noqa: E402
-from pallas_kernels import synth  # noqa: E402
-from pallas_kernels.gpu import decode_attention_gpu  # noqa: E402
-from pallas_kernels.types import HighPool, LowPool, PageMaps, Window  # noqa: E402
+from pallas_kernels import int4
+from pallas_kernels.testing import synth
+from pallas_kernels.gpu import decode_attention_gpu
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 PAGE = 16
 WIN = 64
@@ -51,7 +47,8 @@ def build(key, b, hq, hkv, d, lo_len, hi_len, win_len):
   def normal(k, shape):
     return jax.random.normal(k, shape, jnp.float32).astype(bf)
   kw, vw = normal(ks[0], (b, WIN, hkv, d)), normal(ks[1], (b, WIN, hkv, d))
-  hi = HighPool(normal(ks[2], (max(p_hi, 0), PAGE, hkv, d)), normal(ks[3], (max(p_hi, 0), PAGE, hkv, d)))
+  hi = HighPool(normal(ks[2], (max(p_hi, 0), PAGE, hkv, d)),
+                normal(ks[3], (max(p_hi, 0), PAGE, hkv, d)))
   qz = jax.jit(int4.quantize_packed)
   kc, ksc = qz(jax.random.normal(ks[4], (p_lo, PAGE, hkv, d), jnp.float32))
   vc, vsc = qz(jax.random.normal(ks[5], (p_lo, PAGE, hkv, d), jnp.float32))
@@ -149,7 +146,8 @@ def main(argv=None):
   ap.add_argument("--sweep", action="store_true", help="knob sweep on the headline shape")
   ap.add_argument("--knobs", default="{}", help="JSON dict of kernel knobs for all configs")
   ap.add_argument("--int4-sweep", action="store_true",
-                  help="headline shape only: (a) with defaults, (b) and its INT4 part over INT4_SWEEP")
+                  help="headline shape only: (a) with defaults, (b) and its INT4 part over "
+                       "INT4_SWEEP")
   ap.add_argument("--no-gqa", action="store_true", help="skip the jax gqa baseline")
   ap.add_argument("--profile-one", default=None, help="JSON knobs: run the headline shape's --mix "
                   "once (after one warm-up call) and exit; for ncu")
@@ -162,8 +160,8 @@ def main(argv=None):
   dev = jax.devices()[0]
   print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
   bw, rbw = copy_bw()
-  print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s; read-only (sum): {rbw / 1e12:.3f} TB/s",
-        flush=True)
+  print(f"copy bandwidth (read+write): {bw / 1e12:.3f} TB/s; "
+        f"read-only (sum): {rbw / 1e12:.3f} TB/s", flush=True)
   knobs = json.loads(args.knobs)
   rows = []
 

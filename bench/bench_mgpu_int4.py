@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gpu import mgpu_int4
-from bench.bench_mgpu_qk import _time
+from bench.bench_mgpu_qk import kernel_time
 
 SHAPES = {"4b": (8, 8, 4, 128), "0.5b": (8, 2, 7, 64)}   # batch, kv heads, q per kv, head dim
 
@@ -71,7 +71,7 @@ def main() -> None:
           f = jax.jit(lambda *x, kn=tuple(knobs.items()):
                       mgpu_int4.partition(*x, **dict(kn)))
           qs = q   # the time does not depend on q's values
-          sec = _time(f, (qs, k, kscale, vin, vscale, full), a.iters)
+          sec = kernel_time(f, (qs, k, kscale, vin, vscale, full), a.iters)
           nbytes = q.shape[0] * a.n * (d + 8)     # K and V: D/2 code bytes + 4 scale bytes each
           row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
@@ -101,7 +101,7 @@ def table(a) -> None:
           out = mgpu_int4.attend(q, k, kscale, vt, vscale, lens, sm_scale=sm, **knobs)[:, :g]
           err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
           f = jax.jit(lambda *x, kn=tuple(knobs.items()): mgpu_int4.partition(*x, **dict(kn)))
-          sec = _time(f, (q, k, kscale, vt, vscale, full), a.iters)
+          sec = kernel_time(f, (q, k, kscale, vt, vscale, full), a.iters)
           nbytes = q.shape[0] * n * (d + 8)
           row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on

@@ -21,7 +21,7 @@ import numpy as np
 from pallas_kernels.gpu import mgpu_qk
 
 
-def _time(f, args, iters: int) -> float:
+def kernel_time(f, args, iters: int) -> float:
   """Median seconds per call: CUPTI kernel time where the profiler has it, else wall clock."""
   try:
     from jax.experimental.mosaic.gpu import profiler
@@ -81,7 +81,7 @@ def main() -> None:
           out = jax.block_until_ready(f(q, k, scale))
           ref = mgpu_qk.qk_reference(q, k, scale, tile=tile, splits=splits)
           err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          sec = _time(f, (q, k, scale), a.iters)
+          sec = kernel_time(f, (q, k, scale), a.iters)
           nbytes = bh * n * (d * (4 if kdt == jnp.int4 else 16) // 8 + 4)
           row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on

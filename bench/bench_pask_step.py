@@ -1,4 +1,5 @@
-"""Whole decode step: PASK mix vs all-BF16 PASK vs plain-XLA Full KV, in one process (issues 11, 12).
+"""Whole decode step: PASK mix vs all-BF16 PASK vs plain-XLA Full KV, in one process
+(issues 11, 12).
 
 Random weights; the PASK cache is filled layer chunk by layer chunk (``cache.prefill_rows`` +
 ``cache.write_prefill``, random K/V drawn on the device per chunk, so 32K contexts at batch 16 fit)
@@ -21,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
@@ -52,7 +50,8 @@ def main(argv=None) -> int:
   from models import ModelConfig, random_model
   from models import decoder
   from pask_jax import cache as pc, controller, ledger, policy as P
-  from pask_jax.decode import FREE_TAG, PaskRunner, Runner
+  from pask_jax.decode import PaskRunner, Runner
+  from pask_jax.tracker import FREE_TAG
 
   t_start = time.perf_counter()
   over = lambda: time.perf_counter() - t_start > a.time_limit
@@ -151,7 +150,7 @@ def main(argv=None) -> int:
           print(f"  {layout} b{B} c{C} mix {tuple(round(m, 2) for m in mix)}: {t * 1e3:.2f} ms "
                 f"(live B {live_b:.3f})", flush=True)
           state.clear()     # the step closure holds the dict: drop the cache it refers to
-          del state, runner, step
+          state = runner = step = None   # free this mix's cache before the next
         t_full, prof_full = float("nan"), None
         if not a.no_full and not over():
           full = Runner(model, batch=B, capacity=C + S + 1, cache_dtype=jnp.bfloat16)
@@ -189,7 +188,8 @@ def main(argv=None) -> int:
         f"{'allBF16':>8s} {'XLA full':>8s} {'x allBF16':>9s} {'x XLA':>6s}")
   for r in rows_out:
     print(f"{r['layout']:9s} {r['batch']:3d} {r['context']:6d} "
-          f"{'/'.join(f'{m:.2f}' for m in r['mix_RLH']):16s} {r['live_B']:6.3f} {r['pask_ms']:8.2f} "
+          f"{'/'.join(f'{m:.2f}' for m in r['mix_RLH']):16s} {r['live_B']:6.3f} "
+          f"{r['pask_ms']:8.2f} "
           f"{r['all_bf16_ms']:8.2f} {r['full_xla_ms']:8.2f} {r['vs_all_bf16']:9.2f} "
           f"{r['vs_full_xla']:6.2f}")
   return 0

@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import os
 import random
 import socket
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import httpx  # noqa: E402
+import httpx
 
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -127,8 +124,8 @@ def main(argv=None) -> int:
   server = None
   t_start = time.perf_counter()
   if a.url is None:
-    from pask_jax.cli import _pick_platform
-    _pick_platform()   # CPU unless this host has an accelerator (as the CLI does)
+    from pask_jax import platform
+    platform.pick()   # CPU unless this host has an accelerator (as the CLI does)
     import uvicorn
     from serve.app import build
     app, engine = build(a.model, a.policy, slots=a.slots, context=a.context,
@@ -183,20 +180,22 @@ def main(argv=None) -> int:
                             / max(1, d("pask_time_per_output_token_seconds_count")), 1),
       "decode_step_ms_mean": round(1e3 * d("pask_decode_step_seconds_total")
                                    / max(1, d("pask_decode_steps_total")), 1),
-      "mean_active_rows": round(d("pask_decode_rows_total") / max(1, d("pask_decode_steps_total")), 2),
+      "mean_active_rows": round(
+          d("pask_decode_rows_total") / max(1, d("pask_decode_steps_total")), 2),
       "engine_cancelled": int(d('pask_requests_total{outcome="cancelled"}')),
       "engine_errors": int(d('pask_requests_total{outcome="error"}')),
       "server_disconnects_seen": int(d("pask_client_disconnects_total")),
       "admission_blocked_pages": int(d("pask_admission_blocked_total")),
       "measured_B": m.get("pask_measured_b"),
-      "pages_used_after": {p: m[f'pask_pages_total{{pool="{p}"}}'] - m[f'pask_pages_free{{pool="{p}"}}']
-                           for p in ("bf16", "int4")},
+      "pages_used_after": {p: m[f'pask_pages_total{{pool="{p}"}}']
+                           - m[f'pask_pages_free{{pool="{p}"}}'] for p in ("bf16", "int4")},
       "pages_free_after": {p: m[f'pask_pages_free{{pool="{p}"}}'] for p in ("bf16", "int4")},
       "health_after": health,
   }
   if server is not None:
     out["decode_step_compiles"] = engine.runner.traces["step"]
-  checks = {"no_5xx": out["status_5xx"] == 0, "malformed_all_400": out["malformed_400"] == out["malformed"],
+  checks = {"no_5xx": out["status_5xx"] == 0,
+            "malformed_all_400": out["malformed_400"] == out["malformed"],
             "valid_all_200": out["valid_200"] == out["valid"],
             "pages_back": out["pages_used_after"] == {"bf16": 0, "int4": 0},
             "healthy": health == 200, "no_engine_errors": out["engine_errors"] == 0}

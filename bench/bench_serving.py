@@ -45,8 +45,9 @@ largest output), (smallest, smallest), then the rest; within a block methods in 
 order, concurrency ascending.  XLA compiles go to a persistent cache (``--compile-cache``), so
 an engine shape seen before compiles from disk.
 
-    python bench/bench_serving.py --shape tiny --inputs 256 --outputs 16 --concurrency 2 --out /tmp/s
-    python bench/bench_serving.py --export-tokenizer bench/out/tok      # then --tokenizer bench/out/tok
+    python bench/bench_serving.py --shape tiny --inputs 256 --outputs 16 --concurrency 2 \\
+        --out /tmp/s
+    python bench/bench_serving.py --export-tokenizer bench/out/tok  # then --tokenizer bench/out/tok
     python bench/bench_serving.py --shape qwen3-4b --inputs 32768 8192 --outputs 1024 256 \\
         --concurrency 8 16 32 --kv-memory 64 --prefill-memo --time-limit 500 --out runs/serving
 """
@@ -59,8 +60,6 @@ import json
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 METHODS = ("pask", "full", "xla")
 TINY = dict(arch="qwen3", vocab_size=0, hidden=64, intermediate=128, n_layers=3, n_heads=4,
@@ -128,7 +127,8 @@ def bench_policy(cfg):
   """Calibrated-style PASK policy at B ≈ 0.33 for a model config (see the module docstring)."""
   from pask_jax import policy as P
   from pask_jax import tags as T
-  H, L, R, nan = T.H, T.L, T.R, float("nan")
+  from pask_jax import actions as Act
+  H, L, R, nan = Act.H, Act.L, Act.R, float("nan")
   Cl, Ro, Pl = T.Cls, T.FCRole, T.PromptLabel
   e = lambda a, f, p: P.Entry([a] * 3, [f] * 3, [list(p)] * 3)
   ents = {
@@ -157,13 +157,13 @@ def plan_mix(policy, tags, n_in: int, n_out: int):
   import jax.numpy as jnp
   import numpy as np
   from pask_jax import controller
-  from pask_jax import tags as T
+  from pask_jax import actions as Act
   from serve.engine import expected_mix
   plan = np.array(controller.plan_prefill(policy, jnp.asarray(tags[None]),
                                             jnp.asarray([n_in], jnp.int32))[0])[0]
-  plan[:policy.sink] = T.H
+  plan[:policy.sink] = Act.H
   done = plan[:max(1, n_in - policy.window)]
-  h_p, l_p = ((done == c).mean(0).max() for c in (T.H, T.L))
+  h_p, l_p = ((done == c).mean(0).max() for c in (Act.H, Act.L))
   h_d, l_d, _ = expected_mix(policy)
   w = n_in / (n_in + n_out)
   return float(w * h_p + (1 - w) * h_d), float(w * l_p + (1 - w) * l_d)
@@ -204,8 +204,7 @@ def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: floa
   ``profile`` = (trace dir, name, steps): once 32 decode steps have run, trace ``steps`` engine
   iterations (``bench/profile_step.py``) -> the row's ``profile`` (device µs per step by class,
   host gap = wall − device busy)."""
-  import numpy as np
-  from pask_jax.decode import Tracker
+  from pask_jax.tracker import Tracker
   from pask_jax.grammar import FCAdapter
   from pask_jax import policy as P
   from serve.engine import Request

@@ -252,8 +252,8 @@ def start_server(a, out: str) -> tuple[subprocess.Popen, str]:
   if a.model:
     cmd += ["--model", a.model]
   log = open(os.path.join(out, "server.log"), "w")
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+  # ``-m`` from the repository root runs this checkout's code (the working directory comes first).
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
   base = f"http://127.0.0.1:{port}"
   t0 = time.time()
   while time.time() - t0 < 600:
@@ -275,7 +275,8 @@ def scrape(base: str) -> dict:
 
 
 async def soak(a, base: str) -> dict:
-  limits = httpx.Limits(max_connections=a.concurrency + 2, max_keepalive_connections=a.concurrency + 2)
+  limits = httpx.Limits(max_connections=a.concurrency + 2,
+                        max_keepalive_connections=a.concurrency + 2)
   async with httpx.AsyncClient(limits=limits) as cl:
     # warm-up: compile the prefill buckets and the small schemas once (not measured)
     for _ in range(3):

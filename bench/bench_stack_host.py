@@ -23,7 +23,6 @@ import time
 from types import SimpleNamespace
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 

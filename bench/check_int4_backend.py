@@ -2,22 +2,18 @@
 
     python bench/check_int4_backend.py      # prints mismatches per path; exit 1 on any
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from pallas_kernels import int4  # noqa: E402
+from pallas_kernels import int4
+from pallas_kernels.testing.quant import adversarial_rows
 
 
 def main() -> int:
-  from test_int4 import _adversarial_rows
-  x = _adversarial_rows(np.random.default_rng(11), n=4096)
+  x = adversarial_rows(np.random.default_rng(11), n=4096)
   want_c, want_s = int4.quantize_numpy(x)
   bad = 0
   for name, f in (("eager", int4.quantize), ("jit", jax.jit(int4.quantize))):

@@ -43,7 +43,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,7 @@ from calibrate import stages
 from pask_jax import controller
 from pask_jax import policy as P
 from pask_jax import tags as T
+from pask_jax import actions as Act
 
 DEFAULT_THRESHOLDS = ((0.0, 0.0), (0.005, 0.01), (0.01, 0.02), (0.02, 0.05))
 
@@ -89,20 +90,20 @@ def floor_of(vbar_l: float, vbar_r: float, tau: tuple[float, float]) -> int:
   """Eq. 6."""
   lo, hi = tau
   if vbar_l > hi:
-    return T.H
+    return Act.H
   if vbar_r <= lo:
-    return T.R
-  return T.L
+    return Act.R
+  return Act.L
 
 
 def priorities(d: dict, nbar: dict, cost: np.ndarray, buckets: Sequence[tuple[int, int]]) -> dict:
   """Eq. 8: ρ[(id, g)] = (ρ(R→L), ρ(L→H)); ``d[(id, g, a)]`` with D(·, H) = 0."""
   out = {}
   for i, g in buckets:
-    dr, dl = d[(i, g, T.R)], d[(i, g, T.L)]
+    dr, dl = d[(i, g, Act.R)], d[(i, g, Act.L)]
     n = max(nbar[i], 1e-12)
-    r2l = max(dr - dl, 0.0) / (n * (cost[T.L, g] - cost[T.R, g]))
-    l2h = max(dl, 0.0) / (n * (cost[T.H, g] - cost[T.L, g]))
+    r2l = max(dr - dl, 0.0) / (n * (cost[Act.L, g] - cost[Act.R, g]))
+    l2h = max(dl, 0.0) / (n * (cost[Act.H, g] - cost[Act.L, g]))
     out[(i, g)] = (r2l, l2h)
   return out
 
@@ -115,7 +116,7 @@ def greedy_path(floors: dict, rho: dict) -> list[dict]:
   while True:
     best = None
     for (i, g), a in sorted(cur.items()):
-      if a >= T.H:
+      if a >= Act.H:
         continue
       key = (-rho[(i, g)][a], i, g)
       if best is None or key < best[0]:
@@ -133,8 +134,8 @@ def left_quantile(x: np.ndarray, beta: float) -> float:
 
 
 def deficits(f: np.ndarray, b: float, k: int) -> np.ndarray:
-  """Eq. 16 for one reference trajectory: S[u] = max_{0<=h<=min(K, T-1-u)} [Σ_{j=1..h} f[u+j] − h·b]_+
-  (0-based u; h = 0 gives 0)."""
+  """Eq. 16 for one reference trajectory (0-based u; h = 0 gives 0):
+  S[u] = max_{0<=h<=min(K, T-1-u)} [Σ_{j=1..h} f[u+j] − h·b]_+"""
   n = len(f)
   out = np.zeros(n, np.float64)
   for u in range(n):
@@ -146,7 +147,8 @@ def deficits(f: np.ndarray, b: float, k: int) -> np.ndarray:
   return out
 
 
-def reserve(floor_costs: Sequence[np.ndarray], states: Sequence[np.ndarray], b: float, c_full: float,
+def reserve(floor_costs: Sequence[np.ndarray], states: Sequence[np.ndarray], b: float,
+            c_full: float,
             k: int, beta: float) -> tuple[dict[int, float], float, dict]:
   """Eq. 10 / 16 -> (Γ per state id, pooled Γ, samples per state) in units of C_full."""
   per: dict[int, list[float]] = {}
@@ -163,13 +165,13 @@ def reserve(floor_costs: Sequence[np.ndarray], states: Sequence[np.ndarray], b: 
 
 # ---- policies ---------------------------------------------------------------------------------
 
-def _entries(maps: dict, floors: dict, rho: dict | None, G: int) -> dict[int, P.Entry]:
+def policy_entries(maps: dict, floors: dict, rho: dict | None, G: int) -> dict[int, P.Entry]:
   """Per-bucket maps {(id, g): action} -> Entry per id, plus parent aggregates (max of children)."""
   ids = sorted({i for i, _ in maps})
   ent = {}
   for i in ids:
-    a = [maps.get((i, g), T.H) for g in range(G)]
-    f = [floors.get((i, g), T.H) for g in range(G)]
+    a = [maps.get((i, g), Act.H) for g in range(G)]
+    f = [floors.get((i, g), Act.H) for g in range(G)]
     pr = None
     if rho is not None:
       pr = [[rho.get((i, g), (math.nan, math.nan))[0], rho.get((i, g), (math.nan, math.nan))[1]]
@@ -180,7 +182,7 @@ def _entries(maps: dict, floors: dict, rho: dict | None, G: int) -> dict[int, P.
     for p in T.parents(i)[1:]:
       if p in ent:
         continue
-      a, f = agg.get(p, ([T.R] * G, [T.R] * G))
+      a, f = agg.get(p, ([Act.R] * G, [Act.R] * G))
       agg[p] = ([max(x, y) for x, y in zip(a, ent[i].action)],
                 [max(x, y) for x, y in zip(f, ent[i].floor)])
   for p, (a, f) in agg.items():
@@ -192,12 +194,12 @@ def intervention(model_ident, tmpl: Config, i: int, g: int, a: int, others: Sequ
                  tokenizer_hash=None) -> P.FrozenPolicy:
   """π_{q,a} for q = (i, g): action = floor = a on q, H on every other observed id and group."""
   G = tmpl.n_groups
-  ent = {o: P.Entry([T.H] * G, [T.H] * G) for o in others}
-  acts = [a if gg == g else T.H for gg in range(G)]
+  ent = {o: P.Entry([Act.H] * G, [Act.H] * G) for o in others}
+  acts = [a if gg == g else Act.H for gg in range(G)]
   ent[i] = P.Entry(acts, acts)
   return P.build(ent, model_ident, n_groups=G, b_d=1.0, b_p=1.0, sink=tmpl.sink,
                  window=tmpl.window, tokenizer_hash=tokenizer_hash, adapter="fc",
-                 extra={"name": f"intervention {T.describe(i)} g{g} {T.ACTION_NAMES[a]}"})
+                 extra={"name": f"intervention {T.describe(i)} g{g} {Act.NAMES[a]}"})
 
 
 @functools.partial(jax.jit)
@@ -241,7 +243,7 @@ class Calibration:
     self.ref_policy = P.all_high(model.cfg, n_groups=cfg.n_groups, sink=cfg.sink,
                                  window=cfg.window, tokenizer_hash=tokenizer_hash)
     self.cost = np.asarray(self.ref_policy.cost, np.float64)
-    self.c_full = float(self.cost[T.H].sum())
+    self.c_full = float(self.cost[Act.H].sum())
     self.runner_for = runner_for or S.runner_factory(model, self.ref_policy, capacity,
                                                      backend=backend, devices=devices)
     self.progress = progress
@@ -353,7 +355,7 @@ class Calibration:
     out = []
     for kind, bk in (("decode", self.dec_buckets), ("prefill", self.pre_buckets)):
       for i, g in bk:
-        for a in (T.R, T.L):
+        for a in (Act.R, Act.L):
           out.append((kind, i, g, a))
     return out
 
@@ -367,7 +369,8 @@ class Calibration:
     todo = [k for k in self.interventions() if k not in done]
     if todo:
       pols = [self.intervention_policy(*k) for k in todo]
-      bar = self.progress("Runtime-V", len(todo) * len(self.cal.requests)) if self.progress else None
+      bar = self.progress("Runtime-V",
+                          len(todo) * len(self.cal.requests)) if self.progress else None
       t0 = time.perf_counter()
 
       def save(idx, outs):
@@ -386,7 +389,7 @@ class Calibration:
     return self.V
 
   def vbar(self, kind, i, g):
-    return envelope(self.V[(kind, i, g, T.L)], self.V[(kind, i, g, T.R)])
+    return envelope(self.V[(kind, i, g, Act.L)], self.V[(kind, i, g, Act.R)])
 
   # --- stage 4: Runtime-D ---
   def runtime_d(self):
@@ -394,13 +397,13 @@ class Calibration:
     if got is None:
       t0 = time.perf_counter()
       keys = [(kind, i, a) for kind, nb in (("decode", self.nbar_dec), ("prefill", self.nbar_pre))
-              for i in nb for a in (T.R, T.L)]
+              for i in nb for a in (Act.R, Act.L)]
       # One intervention per (tag, action) with every layer group at once; Eq. 7 sums per group.
       G = self.cfg.n_groups
       pols = []
       for kind, i, a in keys:
         others = [o for o in (self.nbar_dec if kind == "decode" else self.nbar_pre) if o != i]
-        ent = {o: P.Entry([T.H] * G, [T.H] * G) for o in others}
+        ent = {o: P.Entry([Act.H] * G, [Act.H] * G) for o in others}
         ent[i] = P.Entry([a] * G, [a] * G)
         pols.append(P.build(ent, self.ident, n_groups=G, sink=self.cfg.sink,
                             window=self.cfg.window))
@@ -440,8 +443,10 @@ class Calibration:
       self._save("runtime_d", got)
       self.timings["Runtime-D"] = time.perf_counter() - t0
     self.D = got
-    dd = {(i, g, a): got[("decode", i, g, a)] for (i, g) in self.dec_buckets for a in (T.R, T.L)}
-    dp = {(i, g, a): got[("prefill", i, g, a)] for (i, g) in self.pre_buckets for a in (T.R, T.L)}
+    dd = {(i, g, a): got[("decode", i, g, a)]
+          for (i, g) in self.dec_buckets for a in (Act.R, Act.L)}
+    dp = {(i, g, a): got[("prefill", i, g, a)]
+          for (i, g) in self.pre_buckets for a in (Act.R, Act.L)}
     self.rho_dec = priorities(dd, self.nbar_dec, self.cost, self.dec_buckets)
     self.rho_pre = priorities(dp, self.nbar_pre, self.cost, self.pre_buckets)
     return got
@@ -473,11 +478,11 @@ class Calibration:
       path = greedy_path(f, self.rho_dec)
       noms = []
       for m in path:
-        pol = P.build(_entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
+        pol = P.build(policy_entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
                       window=self.cfg.window)
         noms.append(self.nominal(pol, cands))
       keep = pick_points(noms, self.cfg.path_points)
-      fpol = P.build(_entries(f, f, None, G), self.ident, n_groups=G)
+      fpol = P.build(policy_entries(f, f, None, G), self.ident, n_groups=G)
       fcost = []
       for c in cands:
         _, fl = resolve_rows(fpol, c)
@@ -486,7 +491,7 @@ class Calibration:
         b_d = noms[j]
         gam, pooled, _ = reserve(fcost, states, b_d * self.c_full, self.c_full,
                                  self.cfg.reserve_k, self.cfg.reserve_beta)
-        pol = P.build(_entries(path[j], f, self.rho_dec, G), self.ident, n_groups=G, b_d=b_d,
+        pol = P.build(policy_entries(path[j], f, self.rho_dec, G), self.ident, n_groups=G, b_d=b_d,
                       b_p=1.0, reserve=gam, pooled=pooled, sink=self.cfg.sink,
                       window=self.cfg.window, tokenizer_hash=self.thash, adapter="fc",
                       thresholds={"decode": list(tau)}, reserve_k=self.cfg.reserve_k,
@@ -534,7 +539,8 @@ class Calibration:
     for tau in self.cfg.prefill_thresholds:
       f = self.floors("prefill", tau)
       for b_p in self.cfg.b_p_grid:
-        pol = P.build(_entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0, b_p=b_p,
+        pol = P.build(policy_entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0,
+                      b_p=b_p,
                       sink=self.cfg.sink, window=self.cfg.window, tokenizer_hash=self.thash,
                       adapter="prompt", thresholds={"prefill": list(tau)},
                       extra={"name": f"prefill tau={tau} B_P={b_p}"})
@@ -565,7 +571,7 @@ class Calibration:
       d_ent, b_d, gam, pooled, tau_d = {}, 1.0, {}, 0.0, None
     else:
       c = dec[di]
-      d_ent = _entries(c["map"], c["floors"], self.rho_dec, G)
+      d_ent = policy_entries(c["map"], c["floors"], self.rho_dec, G)
       pol = c["policy"]
       b_d, tau_d = float(pol.b_d), list(c["tau"])
       gam = {i: float(x) for i, x in enumerate(np.asarray(pol.reserve))}
@@ -574,7 +580,8 @@ class Calibration:
       p_ent, b_p, tau_p = {}, 1.0, None
     else:
       c = pre[pi]
-      p_ent, b_p, tau_p = _entries(c["floors"], c["floors"], self.rho_pre, G), c["b_p"], list(c["tau"])
+      p_ent = policy_entries(c["floors"], c["floors"], self.rho_pre, G)
+      b_p, tau_p = c["b_p"], list(c["tau"])
     record = self.record(dec, drows, di, pre, prows, pi, e_ref)
     final = P.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
                     pooled=pooled, sink=cfg.sink, window=cfg.window, tokenizer_hash=self.thash,
@@ -598,7 +605,7 @@ class Calibration:
     return record
 
   def record(self, dec, drows, di, pre, prows, pi, e_ref) -> dict:
-    name = lambda k: f"{k[0]}:{T.describe(k[1])}:g{k[2]}:{T.ACTION_NAMES[k[3]]}"
+    name = lambda k: f"{k[0]}:{T.describe(k[1])}:g{k[2]}:{Act.NAMES[k[3]]}"
     return {
         "n_cal": len(self.cal.requests), "n_dev": len(self.dev.requests),
         "config": {k: (list(v) if isinstance(v, tuple) else v)
@@ -609,7 +616,8 @@ class Calibration:
         "V": {name(k): v for k, v in sorted(self.V.items())},
         "D": {name(k): v for k, v in sorted(self.D.items())},
         "rho": {"decode": {f"{T.describe(i)}:g{g}": list(v) for (i, g), v in self.rho_dec.items()},
-                "prefill": {f"{T.describe(i)}:g{g}": list(v) for (i, g), v in self.rho_pre.items()}},
+                "prefill": {f"{T.describe(i)}:g{g}": list(v)
+                            for (i, g), v in self.rho_pre.items()}},
         "decode_candidates": [{"tau": list(c["tau"]), "step": c["step"], "path_len": c["path_len"],
                                "nominal_b": c["nominal_b"], "dev": r}
                               for c, r in zip(dec, drows)],

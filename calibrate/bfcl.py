@@ -120,6 +120,14 @@ def require() -> str:
   return list(spec.submodule_search_locations)[0]
 
 
+def need() -> None:
+  """:func:`require` for a command line: a missing install becomes a one-line exit."""
+  try:
+    require()
+  except BFCLMissing as e:
+    raise SystemExit(f"error: {e}")
+
+
 def data_dir() -> str:
   """``bfcl_eval/data`` of the installed wheel (located, not imported)."""
   return os.path.join(require(), "data")
@@ -131,7 +139,8 @@ def _lines(path: str) -> list[dict]:
 
 
 def _convert(p: dict) -> dict:
-  """One BFCL parameter doc -> JSON schema (types via TYPE_MAP; unknown types -> string, as BFCL)."""
+  """One BFCL parameter doc -> JSON schema (types via TYPE_MAP; unknown types -> string, as
+  BFCL)."""
   t = p.get("type", "string")
   out = {"type": TYPE_MAP.get(t, "string") if isinstance(t, str) else "string"}
   out.update((k, v) for k, v in p.items() if k in _KEEP)
@@ -244,7 +253,8 @@ def _family_splits(family: tuple[str, ...], seed: int) -> dict[str, str]:
 
 def load(categories: Iterable[str] = NONLIVE, *, split: str | Sequence[str] | None = None,
          seed: int = 0) -> list[Case]:
-  """BFCL cases of ``categories`` (in file order) with their partition; optionally only ``split``."""
+  """BFCL cases of ``categories`` (in file order) with their partition; optionally only
+  ``split``."""
   require()   # before the cached readers: a missing install is named even after a cached read
   want = None if split is None else ({split} if isinstance(split, str) else set(split))
   if want is not None and not want <= set(SPLITS):
@@ -304,7 +314,8 @@ class Grammars:
 
 @functools.lru_cache(maxsize=None)
 def checker() -> types.ModuleType:
-  """bfcl_eval's ``ast_checker`` module, imported offline (model_config replaced, see module doc)."""
+  """bfcl_eval's ``ast_checker`` module, imported offline (model_config replaced, see module
+  doc)."""
   os.environ.setdefault("BFCL_PROJECT_ROOT", tempfile.mkdtemp(prefix="bfcl_root_"))
   name = "bfcl_eval.constants.model_config"
   if name not in sys.modules:
@@ -358,10 +369,10 @@ def per_call(case: Case, calls: list[dict] | None) -> float:
     desc = ac.find_description(case.functions, next(iter(exp)))
     ok.append([desc is not None and ac.simple_function_checker(
         desc, c, exp, ac.Language.PYTHON, MODEL_NAME)["valid"] for c in calls])
-  return _matching(ok) / len(case.answer)
+  return max_matching(ok) / len(case.answer)
 
 
-def _matching(ok: list[list[bool]]) -> int:
+def max_matching(ok: list[list[bool]]) -> int:
   """Maximum bipartite matching size (Kuhn's augmenting paths; a handful of calls per case)."""
   owner: dict[int, int] = {}
 
@@ -473,7 +484,7 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
   * ``constrained``: decode under the case's tool-call grammar (``compiler`` defaults to a
     :class:`~pask_jax.grammar.GrammarCompiler` for this tokenizer and the model's vocab).
   * ``tracker(grammar, case) -> Tracker``: per-request tracker; default a plain
-    :class:`~pask_jax.decode.Tracker` for Full KV, and for a PaskRunner one with an
+    :class:`~pask_jax.tracker.Tracker` for Full KV, and for a PaskRunner one with an
     :class:`~pask_jax.grammar.fc_adapter.FCAdapter` (structural tags, §3.3), as the CLI does.
   * ``prompt_labels``: prompt-span tags for the PASK prefill plan (default: on for PaskRunner).
   * ``sampling``: a :class:`~pask_jax.decode.Sampling`; default greedy with ``max_tokens``.
@@ -481,7 +492,8 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
     in the input order either way.  Each request is decoded independently (its own mask and
     cache rows); only float rounding may differ with the padded batch shape.
   """
-  from pask_jax.decode import PaskRunner, Sampling, Tracker, generate
+  from pask_jax.decode import PaskRunner, Sampling, generate
+  from pask_jax.tracker import Tracker
   pask = isinstance(runner, PaskRunner)
   batch = min(batch or runner.batch, runner.batch)
   if prompt_labels is None:
@@ -499,7 +511,8 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
     else:
       tracker = lambda g, c: Tracker(g)
   sampling = sampling or Sampling(max_tokens=max_tokens)
-  preps = prepare(cases, tokenizer, arch=runner.cfg.arch, compiler=compiler if constrained else None,
+  preps = prepare(cases, tokenizer, arch=runner.cfg.arch,
+                  compiler=compiler if constrained else None,
                   style=style, prompt_labels=prompt_labels)
   order = sorted(range(len(preps)), key=lambda i: len(preps[i].ids)) if sort else \
       list(range(len(preps)))

@@ -10,7 +10,6 @@ arguments: rerunning the same command resumes; a different one is refused, namin
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -44,7 +43,7 @@ def run(args) -> int:
   import jax
   from tqdm import tqdm
 
-  from calibrate import alg1, bfcl, stack, tasks
+  from calibrate import alg1, bfcl, tasks
   from pask_jax.decode import capacity_for
   from pask_jax.grammar import GrammarCompiler
 
@@ -53,12 +52,13 @@ def run(args) -> int:
     raise SystemExit(f"error: unknown BFCL categories {unknown}; choose from "
                      f"{', '.join(bfcl.NONLIVE + bfcl.LIVE)}")
   if args.max_cases is not None and args.max_cases < 2:
-    raise SystemExit("error: --max-cases must be at least 2 (calibration and development need cases)")
+    raise SystemExit("error: --max-cases must be at least 2 "
+                     "(calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
-  from pask_jax.cli import _load_model, _need_bfcl
-  _need_bfcl()
-  m = _load_model(args.model, args.dtype)
+  from pask_jax import platform
+  bfcl.need()
+  m = platform.load_model_or_exit(args.model, args.dtype)
   tok = m.tokenizer
   t0 = time.perf_counter()
 
@@ -107,7 +107,8 @@ def run(args) -> int:
     json.dump(rec, f, indent=1, sort_keys=True, default=float)
   comp_ = rec["composed"]
   print(f"policy: {os.path.join(args.out, 'policy')}\n"
-        f"dev accuracy {comp_['dev_accuracy']:.3f} (all-high {comp_['dev_reference_accuracy']:.3f}),"
+        f"dev accuracy {comp_['dev_accuracy']:.3f} "
+        f"(all-high {comp_['dev_reference_accuracy']:.3f}),"
         f" measured B total {comp_['measured_B_total']:.3f} (prefill "
         f"{comp_['measured_B_prefill']:.3f}, decode {comp_['measured_B_decode']:.3f}); "
         f"B_D {comp_['b_d']:.3f}, B_P {comp_['b_p']:.3f}; wall {rec['wall_s']:.0f} s")

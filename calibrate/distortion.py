@@ -24,7 +24,7 @@ import numpy as np
 
 from pask_jax import kv_dense
 from pallas_kernels import int4
-from pask_jax import tags as T
+from pask_jax import actions as Act
 
 
 def _capture_attend(carry, layer, q, k, v, positions):
@@ -89,8 +89,8 @@ def _distortion(q, k, v, act, u_lo, u_hi, n, *, sink, window, group_of, n_groups
     sq = jnp.einsum("ukgd,tkd->kgut", qf, kq)
 
     def out(a):                                                       # a: [T] action in group
-      low = old & (a[None, :] == T.L)                                 # [U, T]
-      gone = old & (a[None, :] == T.R)
+      low = old & (a[None, :] == Act.L)                                 # [U, T]
+      gone = old & (a[None, :] == Act.R)
       s = jnp.where(low, sq, se)
       s = jnp.where(vis & ~gone, s, -jnp.inf)
       p = jax.nn.softmax(s, axis=-1)
@@ -99,7 +99,7 @@ def _distortion(q, k, v, act, u_lo, u_hi, n, *, sink, window, group_of, n_groups
       o = jnp.einsum("kgut,tkd->ukgd", p - pl, vf) + jnp.einsum("kgut,tkd->ukgd", pl, vq)
       return o.reshape(U, Hq, D)
 
-    ref = out(jnp.full((Tn,), T.H, jnp.int32))
+    ref = out(jnp.full((Tn,), Act.H, jnp.int32))
     o = jax.vmap(out)(act[:, :, gi].astype(jnp.int32))               # [A, U, Hq, D]
     d = jnp.max(jnp.sum((o - ref[None]) ** 2, axis=-1), axis=-1)     # [A, U]
     d = jnp.sum(jnp.where(qmask[None], d, 0.0), axis=-1)             # [A]
@@ -121,7 +121,7 @@ def distortion(q, k, v, act: np.ndarray, n_prompt: int, n_decode_q: int, *, sink
   U = max(32, -(-n_decode_q // 32) * 32)
   Tn = -(-max(n, n_prompt + U) // bucket) * bucket
   pad = lambda x: jnp.pad(x, ((0, 0), (0, Tn - n)) + ((0, 0),) * (x.ndim - 2))
-  a = np.full((act.shape[0], Tn, act.shape[2]), T.H, np.int8)
+  a = np.full((act.shape[0], Tn, act.shape[2]), Act.H, np.int8)
   a[:, :n] = act
   return np.asarray(_distortion(pad(q), pad(k), pad(v), jnp.asarray(a), n_prompt,
                                 n_prompt + n_decode_q, n, sink=sink, window=window,

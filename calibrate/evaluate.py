@@ -76,7 +76,7 @@ class BFCLTask:
             max_cases: int | None = None, skip: int = 0) -> list:
     cats = tuple(categories) if categories else self.bfcl.NONLIVE
     cs = self.bfcl.load(cats, split=SPLIT_NAMES.get(split, split), seed=self.seed)
-    return _cap_per_category(cs, max_cases, skip)
+    return cap_per_category(cs, max_cases, skip)
 
   def prepare(self, cases, prompt_labels: bool) -> list[Prepared]:
     ps = self.bfcl.prepare(cases, self.tok, arch=self.arch, prompt_labels=prompt_labels,
@@ -87,7 +87,7 @@ class BFCLTask:
     return self.bfcl.score(case, text, complete=complete, fmt=self.fmt)
 
 
-def _cap_per_category(cases: list, max_cases: int | None, skip: int = 0) -> list:
+def cap_per_category(cases: list, max_cases: int | None, skip: int = 0) -> list:
   """Per category, in order, the cases after the first ``skip``, at most ``max_cases`` of them (a
   deterministic cut: runs over disjoint slices of one split can be pooled by :func:`merge`)."""
   if skip < 0:
@@ -283,7 +283,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   (:func:`batch_size`).  ``progress``: True for a tqdm bar that advances as each case finishes,
   False for none, or a factory ``progress(total=, desc=)`` of an object with ``update(n)`` and
   ``close()``."""
-  from pask_jax.decode import Sampling, Tracker, generate
+  from pask_jax.decode import Sampling, generate
+  from pask_jax.tracker import Tracker
   check_config(rc)
   if cases is None:
     cases = s.task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
@@ -421,8 +422,8 @@ def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "smal
   """Dev-split tuning (paper C.3): measure ``gen`` (mean generated tokens under Full KV), then per
   method pick the grid point with the best overall accuracy at ``budget`` (ties: headline
   accuracy, then measured B closest to the target) and record that point's own mean generated
-  length as the method's ``gen`` (its ĝ for budget matching).  Returns (and writes ``out``/knobs.json,
-  ``out``/tune.csv) the frozen knobs."""
+  length as the method's ``gen`` (its ĝ for budget matching).  Returns (and writes
+  ``out``/knobs.json, ``out``/tune.csv) the frozen knobs."""
   if SPLIT_NAMES.get(split) == "test":
     raise ValueError("tuning on the test split is not allowed (C.3: dev only, frozen before test)")
   budget = BU.check_target(budget)
@@ -568,7 +569,7 @@ def report(dirs: Sequence[str], out: str) -> str:
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(md)
-  _plot(runs, os.path.join(out, "accuracy_vs_B.png"))
+  plot_runs(runs, os.path.join(out, "accuracy_vs_B.png"))
   return md
 
 
@@ -584,7 +585,7 @@ def _fit(lo: float, hi: float, pad: float, floor: float, bounds: tuple[float, fl
   return max(bounds[0], lo - m), min(bounds[1], hi + m)
 
 
-def _plot(runs: list[dict], path: str) -> dict | None:
+def plot_runs(runs: list[dict], path: str) -> dict | None:
   """Headline accuracy (simple + multiple; overall when absent) against measured total B, with
   binomial standard-error bars (sqrt(p (1 - p) / n), n the headline cases of that run) and axes
   fitted to the data (Full KV is a line with its ±1 s.e. band).  Returns what it drew."""

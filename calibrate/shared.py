@@ -10,7 +10,7 @@ A :class:`Forest` holds, per request, a prefix tree whose live nodes are the pre
 at now.  Each node caches what a row needs there — the accepted token's (tag candidates,
 parser-state id), ``terminated`` and the next-token bitmask row — and owns one tracker positioned
 after its prefix.  When rows at a node accept different tokens, each new child gets a
-:meth:`~pask_jax.decode.Tracker.fork` of the node's tracker (XGrammar copies the parser state; the
+:meth:`~pask_jax.tracker.Tracker.fork` of the node's tracker (XGrammar copies the parser state; the
 adapter copies its scan state) and the last row to leave takes the tracker itself, so a
 divergence costs one fork, never a replay of the prefix.  A node that every row has left is
 dropped (its mask and children), so memory follows the live rows, not the tree.  Results are

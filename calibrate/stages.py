@@ -27,7 +27,7 @@ class StageMismatch(ValueError):
   """A saved stage was computed for another model, task, split or arguments."""
 
 
-# --- fingerprints ----------------------------------------------------------------------------------
+# --- fingerprints ---------------------------------------------------------------------------------
 
 def _case_key(case: Any) -> str:
   if case is None:
@@ -82,7 +82,7 @@ def differences(saved: dict, now: dict) -> list[str]:
   return out
 
 
-# --- encoding: JSON plus numpy arrays, no pickle -----------------------------------------------------
+# --- encoding: JSON plus numpy arrays, no pickle --------------------------------------------------
 
 def _enc(x: Any, arrays: dict[str, np.ndarray]) -> Any:
   from calibrate.stack import Outcome
@@ -129,7 +129,7 @@ def _dec(x: Any, arrays) -> Any:
   raise ValueError(f"unknown stage record {sorted(x)}")
 
 
-# --- files -------------------------------------------------------------------------------------------
+# --- files ----------------------------------------------------------------------------------------
 
 def path(work: str, stage: str) -> str:
   return os.path.join(work, f"{stage}.npz")

@@ -53,7 +53,8 @@ class ModelConfig:
   n_kv_heads: int
   head_dim: int
   rope_theta: float = 10000.0
-  # None, or (as a dict or sorted item tuple) rope_type "llama3" and factor / low_freq_factor / high_freq_factor /
+  # None, or (as a dict or sorted item tuple) rope_type "llama3" and factor / low_freq_factor /
+  # high_freq_factor /
   # original_max_position_embeddings (HF's keys).
   rope_scaling: Any = None
   rms_eps: float = 1e-6

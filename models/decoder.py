@@ -231,7 +231,8 @@ def set_layout(model: Decoder, layout: str) -> Decoder:
     blocks = [{n: w[...] for n, w in vars(b).items() if isinstance(w, nnx.Variable)}
               for b in model.layers]
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    split = {"w_qkv": (("wq", "wk", "wv"), (hq, hq + hkv)), "b_qkv": (("bq", "bk", "bv"), (hq, hq + hkv)),
+    split = {"w_qkv": (("wq", "wk", "wv"), (hq, hq + hkv)),
+             "b_qkv": (("bq", "bk", "bv"), (hq, hq + hkv)),
              "w_gu": (("w_gate", "w_up"), (cfg.intermediate,))}
     for name in list(blocks[0]):
       w = jnp.stack([b.pop(name) for b in blocks])

@@ -18,7 +18,6 @@ import json
 import os
 from typing import Any, Callable, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -28,7 +28,8 @@ def _package_dir(name: str, pip_name: str) -> str:
 
 
 def cache_dir() -> str:
-  d = os.environ.get("PASK_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pask-jax")
+  d = os.environ.get("PASK_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                       "pask-jax")
   os.makedirs(d, exist_ok=True)
   return d
 

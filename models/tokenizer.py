@@ -48,7 +48,8 @@ def _pre_tokenizer(pre: str):
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
 # GGUF metadata ids of the special tokens, as transformers' GGUF tokenizer converter reads them.
-_GGUF_SPECIAL = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+_GGUF_SPECIAL = {"bos_token": "tokenizer.ggml.bos_token_id",
+                 "eos_token": "tokenizer.ggml.eos_token_id",
                  "unk_token": "tokenizer.ggml.unknown_token_id",
                  "pad_token": "tokenizer.ggml.padding_token_id"}
 

@@ -68,7 +68,8 @@ def f16_bits_to_f32(h: jax.Array) -> jax.Array:
 
 
 def scale_bits(scale: jax.Array) -> jax.Array:
-  """fp16 ``[..., 2]`` (K, V) -> int32 ``[...]``: K bits low, V bits high (one small fused pass, 4 B a row)."""
+  """fp16 ``[..., 2]`` (K, V) -> int32 ``[...]``: K bits low, V bits high (one small fused pass,
+  4 B a row)."""
   u = jax.lax.bitcast_convert_type(scale, jnp.uint16)            # [..., 2]
   u = u.astype(jnp.uint32)
   return jax.lax.bitcast_convert_type(u[..., 0] | (u[..., 1] << 16), jnp.int32)

@@ -62,7 +62,7 @@ def _time(fn, args, reps=20):
 def run(shapes, out_dir, *, gens=None, log=print):
   import jax
 
-  from pallas_kernels import synth
+  from pallas_kernels.testing import synth
   from pallas_kernels.gpu import aot as gpu_aot
   from pallas_kernels.gpu import decode_attention_gpu
   from pallas_kernels.tpu import aot as tpu_aot
@@ -152,7 +152,7 @@ def run(shapes, out_dir, *, gens=None, log=print):
     w.writeheader()
     for r in rows:
       w.writerow({c: r.get(c, "") for c in cols})
-  _plot(rows, os.path.join(out_dir, "compare_kernels.png"))
+  plot(rows, os.path.join(out_dir, "compare_kernels.png"))
   return rows
 
 
@@ -166,7 +166,7 @@ def _fmt(r):
           f"{r.get('resources', '')}")
 
 
-def _plot(rows, path):
+def plot(rows, path):
   """Bars of what was MEASURED on this host, per shape: each kernel natively on its own
   accelerator, or its wall time in Pallas interpret mode (on a CPU host: an emulation, not
   kernel speed), and the jnp reference under XLA.  Roofline estimates for other chips are not
@@ -214,7 +214,8 @@ def _plot(rows, path):
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="pask-jax compare-kernels", description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog="pask-jax compare-kernels",
+                               description=__doc__.split("\n\n")[0])
   ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="B:Hq:Hkv:D:CTX[,...]")
   ap.add_argument("--out", default="compare_kernels_out", help="folder for the CSV and PNG")
   ap.add_argument("--tpu-gens", default=None, help="comma list among v5e,v6e,tpu7x (default all)")
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     traceback.print_exc()
     return 1
   print(f"wrote {os.path.join(a.out, 'compare_kernels.csv')} and .png")
-  bad = [r for r in rows if r.get("rel_err") is None or r["rel_err"] > 1e-2 or not r.get("compiled")]
+  bad = [r for r in rows
+         if r.get("rel_err") is None or r["rel_err"] > 1e-2 or not r.get("compiled")]
   return 1 if bad else 0
 
 

@@ -10,8 +10,8 @@ Shapes (B = batch, W = recent-window slots, Hkv = KV heads, D = head dim, page =
   filled in order, so the visible slots are always a prefix ``[0, min(count, W))``.
 * ``HighPool``: BF16 pages of this layer.  Pages are shared by all sequences; which pages a
   sequence owns, in order, is in ``PageMaps.hi_pages``.
-* ``LowPool``: packed INT4 pages of this layer (half-split nibble layout, see ``pallas_kernels.int4``)
-  with fp16 scales, ``scale[..., 0]`` for K and ``scale[..., 1]`` for V.
+* ``LowPool``: packed INT4 pages of this layer (half-split nibble layout, see
+  ``pallas_kernels.int4``) with fp16 scales, ``scale[..., 0]`` for K and ``scale[..., 1]`` for V.
 * ``PageMaps``: the page tables and lengths of this layer's *group* (layers in a group share
   actions, hence maps).  Entry ``j`` of sequence ``b`` lives in page ``pages[b, j // page]`` at row
   ``j % page``; entries ``j >= len[b]`` are invisible (and may hold garbage).

@@ -22,19 +22,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import sys
 import threading
 import weakref
 from typing import Any, Sequence
 
 _lock = threading.Lock()
 _runners: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
-def _platform() -> None:
-  if "jax" not in sys.modules:   # a CPU-only host with the AOT extras: don't wake the plugins
-    from pask_jax.cli import _pick_platform
-    _pick_platform()
 
 
 # --- results ---------------------------------------------------------------------------------
@@ -71,28 +64,14 @@ class Prompt:
 
 # --- models and policies -----------------------------------------------------------------------
 
-def _dtype(dtype):
-  import jax
-  import jax.numpy as jnp
-  if dtype == "auto":
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-  if isinstance(dtype, str):
-    try:
-      return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-    except KeyError:
-      raise ValueError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}") from None
-  return dtype
-
-
 def load_model(name_or_path: str | None = None, *, dtype: Any = "auto"):
   """A registered name (default ``smollm2-135m-instruct``; ``qwen2.5-coder-0.5b-instruct``), a
   GGUF file or an HF checkpoint directory -> :class:`models.Loaded` ``(cfg, model, tokenizer)``.
 
   Raises ``FileNotFoundError`` / ``ValueError`` with a one-line message naming what is wrong
   (missing files, including tokenizer.json, are found before any weight loads)."""
-  _platform()
-  from models import load
-  return load(name_or_path, dtype=_dtype(dtype), need_tokenizer=True)
+  from pask_jax import platform
+  return platform.load_model(name_or_path, dtype_name=dtype)
 
 
 def load_policy(policy: Any, model):
@@ -212,7 +191,7 @@ def _parse(text: str, prompt: Prompt) -> tuple[list[dict] | None, str | None]:
 
 
 def _tracker(model, prompt: Prompt, pol):
-  from pask_jax.decode import Tracker
+  from pask_jax.tracker import Tracker
   if pol is not None and prompt.tools:   # structural tags of the tool-call output (§3.3)
     from pask_jax import policy as P
     from pask_jax.grammar.fc_adapter import FCAdapter

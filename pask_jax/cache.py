@@ -36,14 +36,14 @@ once per step):
     window, hi, lo, maps = kernel_inputs(cache.layers, cache, g(ℓ))      # stacked [L, ...]
     out = pallas_kernels.decode_attention(q_ℓ, window, hi, lo, maps, layer=ℓ)
 
-(``write_layer(layer_slice(cache, ℓ), ...)`` + ``set_layer`` is the same update on a copy of
-one layer's arrays: simpler to test, but a copy of the layer's pools per layer and step.)
+(:mod:`pask_jax.testing.cache` has the same update on a copy of one layer's arrays, simpler
+and written independently, for tests to compare against.)
 
 ``begin_step`` moves the evicted token's bookkeeping (lengths, positions, overflow) and records the
-new token's position and pending actions; ``write_step`` / ``write_layer`` copies/quantizes the evicted token's
+new token's position and pending actions; ``write_step`` copies/quantizes the evicted token's
 K/V into the pools of that layer (it must read the window slot before overwriting it, so both
-happen there) and writes the new K/V into the window.  ``append`` does the whole thing for
-K/V of all layers at once (tests, prefill-free tools).
+happen there) and writes the new K/V into the window; :func:`evict_step` does the evictions of
+every layer at once first when the step writes the window only.
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pallas_kernels import int4
 from pask_jax import tags as T
+from pask_jax import actions as Act
 
 
 @flax.struct.dataclass
@@ -145,7 +145,8 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
 
   z = lambda shape, dt: jnp.zeros(shape, dt)
   layers = LayerKV(
-      win_k=z((n_layers, B, W, Hkv, D), jnp.bfloat16), win_v=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
+      win_k=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
+      win_v=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
       hi_k=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       hi_v=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       lo_k=z((n_layers, B * n_lo, page, Hkv, D // 2), jnp.uint8),
@@ -195,7 +196,7 @@ def _quant_kv(k: jax.Array, v: jax.Array):
 
 def _force_sink(actions: jax.Array, pos: jax.Array, sink: int) -> jax.Array:
   """Sink positions stay H forever (B.2): ``actions [..., G]``, ``pos [...]``."""
-  return jnp.where((pos < sink)[..., None], jnp.int8(T.H), actions.astype(jnp.int8))
+  return jnp.where((pos < sink)[..., None], jnp.int8(Act.H), actions.astype(jnp.int8))
 
 
 # ---- prefill ----------------------------------------------------------------------------------
@@ -245,8 +246,8 @@ def prefill_rows(cache: Cache, plan: jax.Array, n_tokens: int,
     dest = jnp.where(sel, _flat_row(pages, j, cache.page, rows), rows)
     return sel, j, dest, rows
 
-  sel_h, j_h, dest_h, rows_h = pool(T.H, cache.hi_pages, cache.hi_len, lay.hi_k)
-  sel_l, j_l, dest_l, rows_l = pool(T.L, cache.lo_pages, cache.lo_len, lay.lo_k)
+  sel_h, j_h, dest_h, rows_h = pool(Act.H, cache.hi_pages, cache.hi_len, lay.hi_k)
+  sel_l, j_l, dest_l, rows_l = pool(Act.L, cache.lo_pages, cache.lo_len, lay.lo_k)
   # Positions and lengths per group.
   gi, bi = jnp.arange(G)[:, None, None], jnp.arange(B)[None, :, None]
   tt = jnp.broadcast_to(t[None], (G, B, Tn))
@@ -302,7 +303,7 @@ def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None
   """Shared bookkeeping of one decode step -> (cache with new maps/positions/pending, StepPlan).
 
   actions: int [B, G] pending actions of the new token (controller output); active: bool [B]
-  (default all) — an inactive sequence is left untouched by this step and by ``write_layer``.
+  (default all) — an inactive sequence is left untouched by this step and by ``write_step``.
   The new token takes position ``count[b]`` and slot ``count[b] % W``; the token it displaces
   (position count - W, if any) is materialized by its pending actions.
   """
@@ -329,8 +330,10 @@ def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None
 
   rows_h = cache.layers.hi_k.shape[1] * page
   rows_l = cache.layers.lo_k.shape[1] * page
-  dest_h, hi_len, hi_pos, lost_h = one_pool(T.H, cache.hi_pages, cache.hi_len, cache.hi_pos, rows_h)
-  dest_l, lo_len, lo_pos, lost_l = one_pool(T.L, cache.lo_pages, cache.lo_len, cache.lo_pos, rows_l)
+  dest_h, hi_len, hi_pos, lost_h = one_pool(Act.H, cache.hi_pages, cache.hi_len, cache.hi_pos,
+                                            rows_h)
+  dest_l, lo_len, lo_pos, lost_l = one_pool(Act.L, cache.lo_pages, cache.lo_len, cache.lo_pos,
+                                            rows_l)
   wslot = jnp.where(act_on, slot, W)                                 # W: dropped
   new_act = _force_sink(actions, p, cache.sink)
   cache = cache.replace(
@@ -355,27 +358,6 @@ def set_pending(cache: Cache, actions: jax.Array, mask: jax.Array) -> Cache:
   slot = jnp.where(on, p % W, W)                                     # W: dropped
   return cache.replace(win_act=cache.win_act.at[jnp.arange(B), slot].set(
       _force_sink(actions, p, cache.sink), mode="drop"))
-
-
-def write_layer(lkv: LayerKV, plan: StepPlan, g, k: jax.Array, v: jax.Array) -> LayerKV:
-  """One layer's K/V update for a step: materialize the evicted window token into this layer's
-  pools (by group ``g``'s decision, ``g`` may be traced) and write the new ``k, v [B, Hkv, D]``
-  into the window.  ``lkv`` is one layer's arrays (no layer axis)."""
-  B, W = lkv.win_k.shape[:2]
-  chex.assert_shape(k, (B,) + lkv.win_k.shape[2:])
-  bi = jnp.arange(B)
-  read = jnp.minimum(plan.slot, W - 1)
-  old_k, old_v = lkv.win_k[bi, read], lkv.win_v[bi, read]            # [B, Hkv, D]
-  dh, dl = plan.dest_hi[g], plan.dest_lo[g]                          # [B]
-  hi_k = _flat(lkv.hi_k).at[dh].set(old_k, mode="drop").reshape(lkv.hi_k.shape)
-  hi_v = _flat(lkv.hi_v).at[dh].set(old_v, mode="drop").reshape(lkv.hi_v.shape)
-  kq, vq, s = _quant_kv(old_k, old_v)
-  lo_k = _flat(lkv.lo_k).at[dl].set(kq, mode="drop").reshape(lkv.lo_k.shape)
-  lo_v = _flat(lkv.lo_v).at[dl].set(vq, mode="drop").reshape(lkv.lo_v.shape)
-  lo_s = _flat(lkv.lo_s).at[dl].set(s, mode="drop").reshape(lkv.lo_s.shape)
-  win_k = lkv.win_k.at[bi, plan.slot].set(k.astype(lkv.win_k.dtype), mode="drop")
-  win_v = lkv.win_v.at[bi, plan.slot].set(v.astype(lkv.win_v.dtype), mode="drop")
-  return LayerKV(win_k=win_k, win_v=win_v, hi_k=hi_k, hi_v=hi_v, lo_k=lo_k, lo_v=lo_v, lo_s=lo_s)
 
 
 def evict_step(cache: Cache, plan: StepPlan) -> Cache:
@@ -405,10 +387,12 @@ def evict_step(cache: Cache, plan: StepPlan) -> Cache:
 
 def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array, *,
                evict: bool = True) -> Cache:
-  """``write_layer`` for layer ``layer`` (may be traced) on the stacked arrays: scatters only the
+  """One layer's K/V update for a step, for layer ``layer`` (may be traced) on the stacked
+  arrays: materialize the evicted window token into this layer's pools (by the layer group's
+  decision) and write the new ``k, v [B, Hkv, D]`` into the window.  It scatters only the
   rows that change (the evicted token's pool row, the new window row).  In a jitted step whose
   cache is donated, or a ``lax.scan`` carry, XLA does these in place, so a step costs O(rows
-  written) rather than a copy of every layer's pools (``layer_slice`` + ``set_layer``).
+  written) rather than a copy of every layer's pools.
   ``evict=False``: :func:`evict_step` already moved the evicted token; write the window only."""
   lay = cache.layers
   B, W = lay.win_k.shape[1:3]
@@ -460,15 +444,6 @@ def _put_rows(x: jax.Array, layer, rows: jax.Array, val: jax.Array) -> jax.Array
   return jax.lax.platform_dependent(x, layer, rows, val, cpu=bits_scatter, default=scatter)
 
 
-def layer_slice(cache: Cache, layer) -> LayerKV:
-  """Layer ``layer``'s arrays (``layer`` may be traced)."""
-  return jax.tree.map(lambda x: x[layer], cache.layers)
-
-
-def set_layer(cache: Cache, layer, lkv: LayerKV) -> Cache:
-  return cache.replace(layers=jax.tree.map(lambda x, y: x.at[layer].set(y), cache.layers, lkv))
-
-
 def group_array(cache: Cache) -> jax.Array:
   """``int32[L]``: the layer group of every layer (for a lax.scan over layers)."""
   return jnp.asarray(cache.group_of, jnp.int32)
@@ -482,36 +457,6 @@ def kernel_inputs(lkv: LayerKV, cache: Cache, g) -> tuple[Window, HighPool, LowP
           HighPool(lkv.hi_k, lkv.hi_v),
           LowPool(lkv.lo_k, lkv.lo_v, lkv.lo_s),
           PageMaps(cache.hi_pages[g], cache.hi_len[g], cache.lo_pages[g], cache.lo_len[g]))
-
-
-def layer_inputs(cache: Cache, layer: int):
-  """``kernel_inputs`` for layer ``layer`` of a cache (static layer index)."""
-  return kernel_inputs(layer_slice(cache, layer), cache, cache.group_of[layer])
-
-
-def append(cache: Cache, k: jax.Array, v: jax.Array, actions: jax.Array,
-           active: jax.Array | None = None) -> Cache:
-  """A whole decode-step update from every layer's K/V ``[L, B, Hkv, D]`` (scan over layers)."""
-  chex.assert_shape(k, (cache.n_layers, cache.batch) + cache.layers.win_k.shape[3:])
-  cache, plan = begin_step(cache, actions, active)
-
-  def body(_, xs):
-    lkv, kl, vl, g = xs
-    return None, write_layer(lkv, plan, g, kl, vl)
-
-  _, layers = jax.lax.scan(body, None, (cache.layers, k, v, group_array(cache)))
-  return cache.replace(layers=layers)
-
-
-# ---- inspection (host side, tests, ledger) ----------------------------------------------------
-
-def stored_positions(cache: Cache, g: int, b: int) -> dict[str, list[int]]:
-  """Absolute positions visible to group ``g`` of sequence ``b``: hi, lo (entry order), window."""
-  hl, ll = int(cache.hi_len[g, b]), int(cache.lo_len[g, b])
-  wl = int(cache.win_len[b])
-  return {"hi": np.asarray(cache.hi_pos[g, b, :hl]).tolist(),
-          "lo": np.asarray(cache.lo_pos[g, b, :ll]).tolist(),
-          "win": np.asarray(cache.win_pos[b, :wl]).tolist()}
 
 
 # ---- engine-owned paging (serve/) -------------------------------------------------------------
@@ -554,7 +499,8 @@ def _slot_state(cache: Cache, hi_row: jax.Array, lo_row: jax.Array) -> dict:
   return dict(
       win_pos=jnp.full((1, W), -1, jnp.int32), win_act=jnp.zeros((1, W, G), jnp.int8),
       count=jnp.zeros((1,), jnp.int32),
-      hi_pages=rows(hi_row, cache.hi_pages.shape[2]), lo_pages=rows(lo_row, cache.lo_pages.shape[2]),
+      hi_pages=rows(hi_row, cache.hi_pages.shape[2]),
+      lo_pages=rows(lo_row, cache.lo_pages.shape[2]),
       hi_len=jnp.zeros((G, 1), jnp.int32), lo_len=jnp.zeros((G, 1), jnp.int32),
       hi_pos=jnp.full((G, 1, cache.hi_pos.shape[2]), -1, jnp.int32),
       lo_pos=jnp.full((G, 1, cache.lo_pos.shape[2]), -1, jnp.int32),

@@ -6,19 +6,7 @@ import json
 import os
 import sys
 
-
-def _pick_platform() -> None:
-  """Run on the CPU when this host has no accelerator, unless the user chose a platform.
-
-  The ahead-of-time compile extras install the CUDA plugin and libtpu even on CPU-only hosts,
-  where JAX would otherwise try (and loudly fail) to initialize them.
-  """
-  if "JAX_PLATFORMS" in os.environ:
-    return
-  has_gpu = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
-  has_tpu = os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
-  if not (has_gpu or has_tpu):
-    os.environ["JAX_PLATFORMS"] = "cpu"
+from pask_jax import platform
 
 
 def _read_json(path: str, what: str):
@@ -52,7 +40,7 @@ def cmd_generate(args) -> int:
     raise SystemExit("error: --prompt is empty (with --raw nothing else is sent to the model)")
   schema = _read_json(args.json_schema, "JSON schema") if args.json_schema else None
   tools = _read_json(args.tools, "tools") if args.tools else None
-  m = _load_model(args.model, args.dtype)
+  m = platform.load_model_or_exit(args.model, args.dtype)
   try:
     g = api.generate(m, args.prompt, system=args.system or None, tools=tools, json_schema=schema,
                      tool_format=args.tool_format, policy=args.policy,
@@ -105,26 +93,9 @@ def cmd_compare_kernels(args, rest) -> int:
   return compare.main(rest)
 
 
-def _load_model(name, dtype_name):
-  from pask_jax import api
-  try:
-    return api.load_model(name, dtype=dtype_name)
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"error: {e}")
-
-
-def _need_bfcl() -> None:
-  """The BFCL task's data and checker, or a one-line error naming the install (before loading)."""
-  from calibrate import bfcl
-  try:
-    bfcl.require()
-  except bfcl.BFCLMissing as e:
-    raise SystemExit(f"error: {e}")
-
-
 def cmd_eval(args) -> int:
   """``pask-jax eval``: one method at one budget on a BFCL split (see calibrate.evaluate)."""
-  from calibrate import evaluate as E
+  from calibrate import bfcl, evaluate as E
   rc = E.RunConfig(args.method, args.budget, args.split,
                    tuple(args.categories) if args.categories else None, args.max_cases,
                    args.max_tokens, args.policy,
@@ -133,8 +104,8 @@ def cmd_eval(args) -> int:
     E.check_config(rc)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  _need_bfcl()
-  m = _load_model(args.model, args.dtype)
+  bfcl.need()
+  m = platform.load_model_or_exit(args.model, args.dtype)
   try:
     s = E.Session(m, batch=args.batch)
     meta = E.run(s, rc, args.out)
@@ -152,9 +123,9 @@ def cmd_eval(args) -> int:
 
 def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
-  from calibrate import evaluate as E
-  _need_bfcl()
-  m = _load_model(args.model, args.dtype)
+  from calibrate import bfcl, evaluate as E
+  bfcl.need()
+  m = platform.load_model_or_exit(args.model, args.dtype)
   try:
     s = E.Session(m, batch=args.batch)
     res = E.tune(s, args.methods, args.budget, grid=args.grid, split=args.split,
@@ -211,7 +182,7 @@ _share = _arg(float, lambda v: 0 < v < 1, "a fraction in (0, 1)")
 
 
 def main(argv: list[str] | None = None) -> int:
-  _pick_platform()
+  platform.pick()
   ap = argparse.ArgumentParser(prog="pask-jax", description="PASK structured-generation KV tools")
   sub = ap.add_subparsers(dest="cmd", required=True)
   g = sub.add_parser("generate", help="generate text (optionally under a JSON schema or tools)")
@@ -286,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="CPU seconds one grammar (schema or tool set) may take to compile")
   s.add_argument("--log-level", default="info",
                  choices=["critical", "error", "warning", "info", "debug", "trace"])
-  sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels", add_help=False)
+  sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels",
+                 add_help=False)
   from pask_jax.baselines import METHODS
   e = sub.add_parser("eval", help="accuracy and measured KV budget of one method on BFCL")
   e.add_argument("--model", default=None, help="as for generate (default: smollm2-135m-instruct)")

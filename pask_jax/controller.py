@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from pask_jax import tags as T
+from pask_jax import actions as Act
 from pask_jax.policy import FrozenPolicy
 
 
@@ -66,7 +67,7 @@ def resolve(policy: FrozenPolicy, tag_ids: jax.Array):
   valid = ids >= 0                                   # [C]; PAD and STOP are negative
   known = valid & (ids < policy.action.shape[0])     # outside the table: no entry -> H
   safe = jnp.where(known, ids, 0)
-  H = jnp.int32(T.H)
+  H = jnp.int32(Act.H)
   a0 = jnp.where(known[:, None], policy.action[safe].astype(jnp.int32), H)   # [C, G]
   fl = jnp.where(known[:, None], policy.floor[safe].astype(jnp.int32), H)
   pr = jnp.where(known[:, None, None], policy.prio[safe], jnp.nan)          # [C, G, 2]
@@ -111,7 +112,7 @@ def _promote(a, prio, cost, budget):
   def body(_, carry):
     a, stopped = carry
     p = prio[gi, jnp.clip(a, 0, 1)]           # R→L is index 0, L→H index 1
-    elig = (a < T.H) & ~jnp.isnan(p)
+    elig = (a < Act.H) & ~jnp.isnan(p)
     key = jnp.where(elig, p, -jnp.inf)
     # Ties go to the upper group: argmax over the reversed axis.
     best = G - 1 - jnp.argmax(key[::-1])
@@ -142,7 +143,7 @@ def control(policy: FrozenPolicy, tag_ids: jax.Array, state_id: jax.Array, balan
   a = _demote(a, floor, prio, policy.cost, budget)
   promoted = _promote(a, prio, policy.cost, budget)
   a = jnp.where(crit & unique, promoted, a)
-  a = jnp.where(stop, T.R, a)
+  a = jnp.where(stop, Act.R, a)
   spent = total_cost(policy, a)
   new_balance = jnp.where(stop, balance, balance - spent + policy.allowance)
   return a.astype(jnp.int8), new_balance
@@ -167,7 +168,7 @@ def _prefill_one(policy: FrozenPolicy, cands: jax.Array, n: jax.Array):
   _, floor, prio, _, _ = jax.vmap(lambda c: resolve(policy, c))(cands)   # [T, G], [T, G, 2]
   t = jnp.arange(Tn)
   real = t < n
-  floor = jnp.where((t < policy.sink)[:, None], T.H, floor)              # sinks: H, no upgrades
+  floor = jnp.where((t < policy.sink)[:, None], Act.H, floor)              # sinks: H, no upgrades
   cost = policy.cost                                                     # [3, G]
   gi = jnp.arange(G)[None, :]
   base = jnp.where(real[:, None], cost[floor, gi], 0.0)                  # [T, G]
@@ -177,8 +178,8 @@ def _prefill_one(policy: FrozenPolicy, cands: jax.Array, n: jax.Array):
   # steps then reproduces "repeatedly take the best eligible upgrade".
   p0 = prio[jnp.arange(Tn)[:, None], gi, jnp.clip(floor, 0, 1)]          # [T, G]
   p1 = prio[jnp.arange(Tn)[:, None], gi, jnp.clip(floor + 1, 0, 1)]
-  ok0 = real[:, None] & (floor < T.H) & ~jnp.isnan(p0)
-  ok1 = ok0 & (floor + 1 < T.H) & ~jnp.isnan(p1)
+  ok0 = real[:, None] & (floor < Act.H) & ~jnp.isnan(p0)
+  ok1 = ok0 & (floor + 1 < Act.H) & ~jnp.isnan(p1)
   k0 = jnp.where(ok0, p0, -jnp.inf)
   k1 = jnp.where(ok1, jnp.minimum(p0, p1), -jnp.inf)
   d0 = cost[jnp.clip(floor + 1, 0, 2), gi] - cost[floor, gi]
@@ -194,7 +195,7 @@ def _prefill_one(policy: FrozenPolicy, cands: jax.Array, n: jax.Array):
   fits = jnp.cumprod((used <= target) & ok[order]).astype(bool)
   take = jnp.zeros_like(ok).at[order].set(fits)
   up = take.reshape(Tn, G, 2).sum(-1)
-  act = jnp.where(real[:, None], floor + up, T.R).astype(jnp.int8)
+  act = jnp.where(real[:, None], floor + up, Act.R).astype(jnp.int8)
   excess = jnp.maximum(jnp.sum(base) - target, 0.0)
   return act, excess
 

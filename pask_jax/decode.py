@@ -33,13 +33,15 @@ from models import decoder
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
 from pask_jax import tags as T
+from pask_jax import actions as Act
 from pask_jax.grammar.matcher import Grammar, new_bitmask
 from pask_jax.sample import apply_bitmask, sample
+from pask_jax.tracker import FREE_TAG, Tracker
 
 PREFILL_BUCKET = 64
 PREFILL_CHUNK = 512
-# Tag of a token generated without a grammar adapter (free text) and of an unlabeled prompt token.
-FREE_TAG = T.candidates(T.fc(T.Cls.FREE_GENERATION))
+# FREE_TAG (tracker.py): a token generated without a grammar adapter; PROMPT_TAG: an unlabeled
+# prompt token.
 PROMPT_TAG = T.candidates(T.prompt(T.PromptLabel.PROTECTED_CONTENT))
 
 
@@ -285,7 +287,7 @@ class PaskRunner:
       cache = pcache.set_pending(cache, actions, decide)
     with jax.named_scope("ledger"):
       led = ledger.record_decode(led, actions, decide, cache.count - 1, sink=tmpl.sink)
-    logits, cache = self._write_and_attend(params, cache, tokens, jnp.full_like(actions, T.H),
+    logits, cache = self._write_and_attend(params, cache, tokens, jnp.full_like(actions, Act.H),
                                            active)
     with jax.named_scope("ledger"):
       led = ledger.record_live(led, cache, tmpl.cost, tmpl.c_full)
@@ -332,43 +334,6 @@ def prompt_candidates(prompt_tags, lengths: np.ndarray, Tn: int) -> np.ndarray:
   cands[np.arange(Tn)[None, :] >= np.asarray(lengths)[:, None]] = T.PAD
   return cands
 
-
-class Tracker:
-  """One request's grammar matcher and structural-tag adapter on the host.
-
-  ``accept(token) -> (tag ids int32[4], parser-state id)``.  Without an adapter every token gets
-  :data:`FREE_TAG` and the unseen state id -1 (pooled reserve).
-  """
-
-  def __init__(self, grammar: Grammar | None = None, adapter: Any = None):
-    self.matcher = grammar.matcher() if grammar is not None else None
-    self.adapter = adapter
-
-  def fill(self, bits: np.ndarray, row: int) -> None:
-    """Write row ``row`` of the next-token bitmask (every word: all ones when unconstrained)."""
-    if self.matcher is not None:
-      self.matcher.fill(bits, row)
-    else:
-      bits[row] = -1
-
-  def fork(self) -> "Tracker":
-    """An independent tracker in the same parser and adapter state."""
-    new = object.__new__(type(self))
-    new.__dict__.update(self.__dict__)
-    new.matcher = self.matcher.fork() if self.matcher is not None else None
-    new.adapter = self.adapter.fork() if self.adapter is not None else None
-    return new
-
-  def accept(self, token: int) -> tuple[np.ndarray, int]:
-    if self.adapter is not None:
-      return self.adapter.accept(self.matcher, token)
-    if self.matcher is not None and not self.matcher.accept(token):
-      raise RuntimeError(f"grammar rejected token {token} it allowed")
-    return FREE_TAG, -1
-
-  @property
-  def terminated(self) -> bool:
-    return self.matcher is not None and self.matcher.terminated
 
 def _round_out(result, dtype):
   out, cache = result

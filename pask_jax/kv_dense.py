@@ -21,7 +21,8 @@ class DenseCache(NamedTuple):
 def init(n_layers: int, batch: int, capacity: int, n_kv_heads: int, head_dim: int,
          dtype=jnp.bfloat16) -> DenseCache:
   shape = (n_layers, batch, capacity, n_kv_heads, head_dim)
-  return DenseCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+  return DenseCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                    jnp.zeros((batch,), jnp.int32))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax import tags as T
+from pask_jax import actions as Act
 
 
 @flax.struct.dataclass
@@ -54,7 +54,7 @@ def record_prefill(led: Ledger, plan: jax.Array, lengths: jax.Array | None = Non
   B, Tn, G = plan.shape
   n = jnp.full((B,), Tn, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
   t = jnp.arange(Tn)[None]
-  act = jnp.where((t < sink)[..., None], T.H, plan.astype(jnp.int32))
+  act = jnp.where((t < sink)[..., None], Act.H, plan.astype(jnp.int32))
   return led.replace(prefill_counts=led.prefill_counts + _counts(act, t < n[:, None]),
                      n_prompt=led.n_prompt + n)
 
@@ -68,7 +68,7 @@ def record_decode(led: Ledger, actions: jax.Array, charged: jax.Array | None = N
   c = jnp.ones((B,), bool) if charged is None else jnp.asarray(charged, bool)
   a = actions.astype(jnp.int32)
   if positions is not None:
-    a = jnp.where((jnp.asarray(positions) < sink)[:, None], T.H, a)
+    a = jnp.where((jnp.asarray(positions) < sink)[:, None], Act.H, a)
   return led.replace(decode_counts=led.decode_counts + _counts(a[:, None], c[:, None]),
                      n_gen=led.n_gen + c.astype(jnp.int32))
 
@@ -76,8 +76,8 @@ def record_decode(led: Ledger, actions: jax.Array, charged: jax.Array | None = N
 def live_payload(cache, cost: jax.Array, c_full: jax.Array) -> jax.Array:
   """Live payload bits ``[B]`` of a :class:`pask_jax.cache.Cache`: BF16 pool entries at m(H, c),
   INT4 entries at m(L, c) (scales included), window slots at C_full each."""
-  hi = jnp.sum(cache.hi_len.astype(jnp.float32) * cost[T.H][:, None], axis=0)
-  lo = jnp.sum(cache.lo_len.astype(jnp.float32) * cost[T.L][:, None], axis=0)
+  hi = jnp.sum(cache.hi_len.astype(jnp.float32) * cost[Act.H][:, None], axis=0)
+  lo = jnp.sum(cache.lo_len.astype(jnp.float32) * cost[Act.L][:, None], axis=0)
   return hi + lo + cache.win_len.astype(jnp.float32) * c_full
 
 
@@ -100,7 +100,7 @@ def measured_b(led: Ledger, cost: jax.Array, c_full: jax.Array) -> jax.Array:
 def summary(led: Ledger, policy) -> list[dict]:
   """Host-side report per request, float64 from the integer counts (JSON-able)."""
   cost = np.asarray(policy.cost, np.float64)     # [3, G]
-  c_full = float(np.asarray(policy.cost, np.float64)[T.H].sum())
+  c_full = float(np.asarray(policy.cost, np.float64)[Act.H].sum())
   pc, dc = np.asarray(led.prefill_counts, np.int64), np.asarray(led.decode_counts, np.int64)
   out = []
   for b in range(pc.shape[0]):
@@ -109,7 +109,7 @@ def summary(led: Ledger, policy) -> list[dict]:
     dec = float((dc[b] * cost.T).sum())
     full_p, full_d = npf * c_full, ngn * c_full
     ratio = lambda x, y: (x / y) if y else float("nan")
-    names = lambda c: {g: dict(zip(T.ACTION_NAMES, map(int, c[g]))) for g in range(c.shape[0])}
+    names = lambda c: {g: dict(zip(Act.NAMES, map(int, c[g]))) for g in range(c.shape[0])}
     out.append({
         "n_prompt": npf, "n_gen": ngn,
         "prefill_bits": pre, "decode_bits": dec, "full_kv_bits": full_p + full_d,
@@ -126,7 +126,7 @@ def format_summary(rows: list[dict]) -> str:
   """One line per request for the CLI."""
   lines = []
   for i, r in enumerate(rows):
-    d = {a: sum(c[a] for c in r["decode_counts"].values()) for a in T.ACTION_NAMES}
+    d = {a: sum(c[a] for c in r["decode_counts"].values()) for a in Act.NAMES}
     lines.append(
         f"[{i}] prompt {r['n_prompt']} gen {r['n_gen']}: measured B {r['measured_B']:.3f} "
         f"(prefill {r['prefill_B']:.3f}, decode {r['decode_B']:.3f}); live "

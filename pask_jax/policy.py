@@ -31,7 +31,6 @@ including the sparse calibrated entries).
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pask_jax import tags as T
+from pask_jax import actions as Act
 
 FORMAT = "pask-policy/1"
 DEFAULT_SINK = 4
@@ -49,8 +49,10 @@ DEFAULT_WINDOW = 32
 TIE_ORDER = ("demote: ascending stored priority, NaN last, ties -> lower layer group first; "
              "promote: descending priority, ties -> upper layer group first; "
              "ids: ascending tag id (tags.all_ids)")
-QUANTIZER = {"bits": 4, "symmetric": True, "granularity": "per (token, KV head) row, K and V separate",
-             "scale": "fp16(max|x|/7), floor smallest positive fp16 (bumped one fp16 up if max|x|/s>7.5)",
+QUANTIZER = {"bits": 4, "symmetric": True,
+             "granularity": "per (token, KV head) row, K and V separate",
+             "scale": "fp16(max|x|/7), floor smallest positive fp16 "
+                      "(bumped one fp16 up if max|x|/s>7.5)",
              "codes": "clip(round(x/s), -7, 7)", "zero_row": "codes 0, scale 1",
              "layout": "half-split nibbles: byte i = x[i] | x[i+D/2] << 4"}
 PAYLOAD = {"unit": "bits", "n_c": "2*sum_{l in c} Hkv_l*d_l", "k_c": "2*sum_{l in c} Hkv_l",
@@ -97,8 +99,8 @@ def cost_model(n_layers: int, n_kv_heads: int | Sequence[int], head_dim: int | S
     n_c = 2 * sum(heads[l] * dims[l] for l in range(lo, hi))
     k_c = 2 * sum(heads[l] for l in range(lo, hi))
     p_c = 2 * sum(heads[l] * (dims[l] % 2) for l in range(lo, hi))
-    m[T.H, g] = 16 * n_c
-    m[T.L, g] = 4 * n_c + 16 * k_c + 4 * p_c
+    m[Act.H, g] = 16 * n_c
+    m[Act.L, g] = 4 * n_c + 16 * k_c + 4 * p_c
   return m
 
 
@@ -158,7 +160,7 @@ def _check_entry(tag_id: int, e: Entry, n_groups: int):
   a, f = list(e.action), list(e.floor)
   if len(a) != n_groups or len(f) != n_groups:
     raise ValueError(f"entry {T.describe(tag_id)}: need {n_groups} groups, got {a}, {f}")
-  if not all(x in (T.R, T.L, T.H) for x in a + f):
+  if not all(x in (Act.R, Act.L, Act.H) for x in a + f):
     raise ValueError(f"entry {T.describe(tag_id)}: actions must be 0/1/2 (R/L/H), got {a}, {f}")
   if not T.is_well_formed(tag_id):
     raise ValueError(f"entry for malformed tag id {tag_id}")
@@ -177,8 +179,8 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
   :func:`identity_of`; ``None`` makes a model-independent template (see :func:`bind`).
   """
   G = n_groups
-  action = np.full((T.N_IDS, G), T.H, np.int8)
-  floor = np.full((T.N_IDS, G), T.H, np.int8)
+  action = np.full((T.N_IDS, G), Act.H, np.int8)
+  floor = np.full((T.N_IDS, G), Act.H, np.int8)
   prio = np.full((T.N_IDS, G, 2), np.nan, np.float32)
   crit = np.zeros((T.N_IDS,), bool)
   for i, e in entries.items():
@@ -208,12 +210,13 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
       "sink": int(sink), "window": int(window), "thresholds": thresholds,
       "budgets": {"b_d": float(b_d), "b_p": float(b_p)},
       "reserve": {"k": int(reserve_k), "beta": float(reserve_beta), "unit": "c_full",
-                  "pooled": float(pooled), "per_state": {str(i): float(v) for i, v in enumerate(res)}},
+                  "pooled": float(pooled),
+                  "per_state": {str(i): float(v) for i, v in enumerate(res)}},
       "fallback": "parent chain (class,role,state,next)->(class,role,state)->(class,role)->class, "
                   "precomputed; nothing compatible -> H action and floor; no score -> no promotion",
       "tie_order": TIE_ORDER,
-      "entries": {T.describe(int(i)): {"id": int(i), "action": [T.ACTION_NAMES[a] for a in e.action],
-                                       "floor": [T.ACTION_NAMES[a] for a in e.floor],
+      "entries": {T.describe(int(i)): {"id": int(i), "action": [Act.NAMES[a] for a in e.action],
+                                       "floor": [Act.NAMES[a] for a in e.floor],
                                        "prio": (np.asarray(e.prio, float).reshape(G, 2).tolist()
                                                 if e.prio is not None else None)}
                   for i, e in sorted(entries.items())},
@@ -238,10 +241,10 @@ def bind(pol: FrozenPolicy, model: Any, tokenizer_hash: str | None = None) -> Fr
   cost = cost_model(ident["n_layers"], ident["n_kv_heads"], ident["head_dim"], G)
   rec["model"] = ident
   rec["layer_boundaries"] = list(T.layer_boundaries(int(ident["n_layers"]), G))
-  rec["payload_cost"]["m_bits"] = {"R": cost[T.R].tolist(), "L": cost[T.L].tolist(),
-                                   "H": cost[T.H].tolist()}
-  rec["payload_cost"]["c_full_bits"] = float(cost[T.H].sum())
-  return pol.replace(cost=jnp.asarray(cost, jnp.float32), c_full=jnp.float32(cost[T.H].sum()),
+  rec["payload_cost"]["m_bits"] = {"R": cost[Act.R].tolist(), "L": cost[Act.L].tolist(),
+                                   "H": cost[Act.H].tolist()}
+  rec["payload_cost"]["c_full_bits"] = float(cost[Act.H].sum())
+  return pol.replace(cost=jnp.asarray(cost, jnp.float32), c_full=jnp.float32(cost[Act.H].sum()),
                      record_json=json.dumps(rec, sort_keys=True))
 
 
@@ -372,7 +375,7 @@ def all_high(model: Any = None, *, n_groups: int = 3, sink: int = DEFAULT_SINK,
                extra={"name": "all-high"})
 
 
-def _demo_entries(n_groups: int) -> dict[int, Entry]:
+def demo_entries(n_groups: int) -> dict[int, Entry]:
   """Hand-written (not calibrated) entries; three-group values stretched to ``n_groups``."""
   Cl = T.Cls
   # (action lower/middle/upper, floor lower/middle/upper)
@@ -404,7 +407,7 @@ def _demo_entries(n_groups: int) -> dict[int, Entry]:
       T.prompt(P.ENUM_CONSTRAINT): ("LHH", "LLH"),
       T.prompt(P.SCHEMA_DESCRIPTION): ("RLL", "RRR"),
   }
-  code = {"R": T.R, "L": T.L, "H": T.H}
+  code = {"R": Act.R, "L": Act.L, "H": Act.H}
   stretch = lambda s: [code[s[min(2, g * 3 // n_groups)]] for g in range(n_groups)]
   out = {}
   for i, (a, f) in {**fc, **sq, **pr}.items():
@@ -419,7 +422,7 @@ def demo(model: Any = None, *, n_groups: int = 3, b_d: float = 0.5, b_p: float =
          tokenizer_hash: str | None = None) -> FrozenPolicy:
   """A hand-written policy that compresses: scaffold → R/L, function names and required
   arguments H in the upper groups, free text L; B_D = B_P = 0.5, Γ = 0.  Not calibrated."""
-  return build(_demo_entries(n_groups), model, n_groups=n_groups, b_d=b_d, b_p=b_p, pooled=0.0,
+  return build(demo_entries(n_groups), model, n_groups=n_groups, b_d=b_d, b_p=b_p, pooled=0.0,
                sink=sink, window=window, tokenizer_hash=tokenizer_hash, adapter="any",
                extra={"name": "demo", "note": "hand-written, not calibrated"})
 
@@ -436,8 +439,8 @@ def resolve(name_or_dir: str, model: Any = None, tokenizer_hash: str | None = No
 
 def describe(pol: FrozenPolicy, tag_id: int) -> str:
   """``fc:pure_scaffold -> action RRL floor RRR`` for logs."""
-  a = "".join(T.ACTION_NAMES[int(x)] for x in np.asarray(pol.action[tag_id]))
-  f = "".join(T.ACTION_NAMES[int(x)] for x in np.asarray(pol.floor[tag_id]))
+  a = "".join(Act.NAMES[int(x)] for x in np.asarray(pol.action[tag_id]))
+  f = "".join(Act.NAMES[int(x)] for x in np.asarray(pol.floor[tag_id]))
   return f"{T.describe(tag_id)} -> action {a} floor {f}"
 
 
@@ -445,7 +448,7 @@ def from_record(rec: Mapping[str, Any]) -> FrozenPolicy:
   """Rebuild a policy from its readable ``policy.json`` record alone (entries, reserve, budgets,
   sink/window, model identity): :func:`build` is deterministic, so this equals the saved arrays."""
   check_record(rec)
-  code = {n: i for i, n in enumerate(T.ACTION_NAMES)}
+  code = {n: i for i, n in enumerate(Act.NAMES)}
   ents = {int(e["id"]): Entry([code[a] for a in e["action"]], [code[a] for a in e["floor"]],
                               e["prio"]) for e in rec["entries"].values()}
   res = rec["reserve"]

@@ -21,7 +21,8 @@ def apply_bitmask(logits: jax.Array, bits: jax.Array) -> jax.Array:
   return jnp.where(unpack_bitmask(bits, logits.shape[-1]), logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array,
+           top_p: jax.Array) -> jax.Array:
   """logits [B, V] (already masked) -> tokens [B] int32.
 
   The sort that nucleus sampling needs runs only when some sequence samples (``lax.cond``), so

@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 
+
 class Family(enum.IntEnum):
   FC = 0       # function calling (BFCL)
   SQL = 1      # text-to-SQL (BIRD)
@@ -99,10 +100,6 @@ N_IDS = 1 << (_FAM_SH + _FAM_BITS)  # 4096: the policy table's first axis
 N_CAND = 4   # candidate ids per token (Eq. 12)
 PAD = -1     # candidate padding
 STOP = -2    # reserved id of a stop token (charges nothing, B.7)
-
-# Actions (docs/DESIGN.md: int8, R < L < H; "max" is protection order).
-R, L, H = 0, 1, 2
-ACTION_NAMES = ("R", "L", "H")
 
 
 def pack(family, cls, role=0, state=0, nxt=0):

@@ -37,9 +37,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pask_jax.cli import _pick_platform  # noqa: E402
+from pask_jax import platform
 
 
 def policy_for(where: str | None, b: float) -> str | None:
@@ -81,7 +79,7 @@ def main(argv=None) -> int:
                   help="rerun streaming/snapkv once when measured B misses the target by more")
   ap.add_argument("--no-progress", action="store_true")
   a = ap.parse_args(argv)
-  _pick_platform()
+  platform.pick()
   for b in a.budgets + [a.tune_budget]:
     if not 0 < b <= 1:
       ap.error(f"budgets must be in (0, 1], got {b}")
@@ -89,10 +87,9 @@ def main(argv=None) -> int:
     ap.error("--policy is required when pask is among --methods")
 
   from calibrate import evaluate as E
-  from pask_jax.cli import _load_model
   t_all = time.perf_counter()
   timing: dict[str, float] = {}
-  m = _load_model(a.model, a.dtype)
+  m = platform.load_model_or_exit(a.model, a.dtype)
   s = E.Session(m, batch=a.batch)
   os.makedirs(a.out, exist_ok=True)
   prog = not a.no_progress

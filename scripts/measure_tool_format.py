@@ -26,7 +26,6 @@ def main(argv=None):
   ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": a.prompt}], tools=tools))
   runner = Runner(m.model, batch=1, capacity=-(-(len(ids) + a.max_tokens) // 64) * 64)
   from pask_jax.decode import pad_prompts
-  import jax.numpy as jnp
   t, l = pad_prompts([ids], 1, runner.capacity)
   logits, _ = runner.prefill_all(runner.new_cache(), t, l)
   lp = np.asarray(jax.nn.log_softmax(logits[0]))

@@ -1,53 +1,17 @@
-"""Reference log-probabilities from an independent implementation (transformers + torch, fp32).
+"""Store the transformers reference log-probabilities (:mod:`pask_jax.testing.parity`) that
+``tests/test_parity.py`` compares our decoder against.
 
-Loads a GGUF with ``transformers`` (its own GGUF reader, tokenizer conversion and modelling code),
-greedily continues each prompt for ``--new`` tokens, then records for every position from the last
-prompt token on: the top-``--topk`` token ids and log-probabilities, and the greedy token.  The CI
-test ``tests/test_parity.py`` compares our decoder against the stored file; ``--check`` runs the
-live comparison instead (the opt-in path, needs torch + transformers + accelerate).
-
-    python scripts/parity_reference.py --model smollm2-135m-instruct --out tests/data/parity_smollm2.npz
+    python scripts/parity_reference.py --model smollm2-135m-instruct \\
+        --out tests/data/parity_smollm2.npz
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 
 import numpy as np
 
-PROMPTS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a Python function that reverses a string."}],
-    [{"role": "system", "content": "You answer in JSON."},
-     {"role": "user", "content": "Give me the weather in Tokyo as {\"city\": ..., \"temp_c\": ...}."}],
-]
-
-
-def reference(gguf_path: str, new: int, topk: int) -> dict:
-  import torch
-  from transformers import AutoModelForCausalLM, AutoTokenizer
-  d = tempfile.mkdtemp()
-  os.symlink(os.path.abspath(gguf_path), os.path.join(d, "m.gguf"))
-  tok = AutoTokenizer.from_pretrained(d, gguf_file="m.gguf")
-  model = AutoModelForCausalLM.from_pretrained(d, gguf_file="m.gguf", dtype=torch.float32).eval()
-  out = {"prompts": json.dumps(PROMPTS), "new": new, "topk": topk}
-  for i, msgs in enumerate(PROMPTS):
-    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False).input_ids
-    with torch.no_grad():
-      gen = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
-                           pad_token_id=tok.eos_token_id)[0].tolist()
-      logits = model(torch.tensor([gen])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)[len(ids) - 1:len(gen)].numpy()
-    top = np.argsort(-lp, -1)[:, :topk]
-    out[f"ids_{i}"] = np.array(gen, np.int32)
-    out[f"plen_{i}"] = len(ids)
-    out[f"top_{i}"] = top.astype(np.int32)
-    out[f"toplp_{i}"] = np.take_along_axis(lp, top, -1).astype(np.float32)
-  return out
+from pask_jax.testing.parity import reference
 
 
 def main(argv=None) -> int:
@@ -57,7 +21,6 @@ def main(argv=None) -> int:
   ap.add_argument("--new", type=int, default=16)
   ap.add_argument("--topk", type=int, default=64)
   args = ap.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from models import registry
   ref = reference(registry.resolve(args.model), args.new, args.topk)
   if args.out:

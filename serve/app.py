@@ -62,8 +62,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pask_jax import tags as T
-from pask_jax.decode import Tracker
+from pask_jax import actions as Act
+from pask_jax.tracker import Tracker
 from serve.engine import Engine, Request
 from serve.guard import Guard
 from serve.metrics import Metrics
@@ -260,7 +260,7 @@ def _one_line(e: BaseException) -> str:
 def _usage(result: dict) -> dict:
   led = _finite(result["ledger"])
   totals = {a: sum(g[a] for part in ("prefill_counts", "decode_counts")
-                   for g in led[part].values()) for a in T.ACTION_NAMES}
+                   for g in led[part].values()) for a in Act.NAMES}
   n_p, n_c = result["prompt_tokens"], len(result["tokens"])
   return {"prompt_tokens": n_p, "completion_tokens": n_c, "total_tokens": n_p + n_c,
           "pask": {"prompt_kv_bits": led["prefill_bits"], "decode_kv_bits": led["decode_bits"],
@@ -430,7 +430,7 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
     if body.stream:
       usage = bool(body.stream_options and body.stream_options.include_usage)
       metrics.http.labels("200").inc()
-      return StreamingResponse(_stream(req, q, resp, meta, usage, metrics),
+      return StreamingResponse(sse_chunks(req, q, resp, meta, usage, metrics),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
     kind, payload = None, None
@@ -476,8 +476,8 @@ def _observe(metrics: Metrics, result: dict, t_arrive: float) -> None:
     metrics.queue.observe(result["queue_s"])
 
 
-async def _stream(req: Request, q: asyncio.Queue, resp: Responder, meta: dict, usage: bool,
-                  metrics: Metrics):
+async def sse_chunks(req: Request, q: asyncio.Queue, resp: Responder, meta: dict, usage: bool,
+                     metrics: Metrics):
   """SSE chunks.  Text deltas stream as they decode; with tools, the text before a call block
   streams too (the tail that could begin the block's trigger is held back), the calls arrive
   as ``tool_calls`` deltas once complete."""

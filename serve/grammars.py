@@ -90,7 +90,7 @@ def _worker_main(fd: int) -> None:
   except OSError:
     pass
   from pask_jax.grammar import GrammarCompiler, GrammarError
-  from pask_jax.grammar.matcher import xgrammar_message
+  from pask_jax.grammar.errors import xgrammar_message
   comp = GrammarCompiler(_Vocab(token_bytes, stop_ids), vocab_size, threads=1)
   hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
   conn.send(("ready", os.getpid()))
@@ -134,13 +134,13 @@ class _Worker:
     import sys
     from multiprocessing.connection import Connection
     mine, theirs = socket.socketpair()
+    # Started in the directory that holds this ``serve`` package: ``-c`` puts the working
+    # directory first on the child's path, so the child runs the same code as this process.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     self.proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from serve.grammars import _worker_main; "
          "_worker_main(int(sys.argv[1]))", str(theirs.fileno())],
-        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        pass_fds=(theirs.fileno(),), cwd=root, stdin=subprocess.DEVNULL)
     theirs.close()
     self.conn = Connection(mine.detach())
     self.conn.send(self.args)

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from pask_jax import tags as T
+from pask_jax import actions as Act
 
 _LAT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
         20.0, 40.0, 80.0, 160.0, 640.0)
@@ -84,7 +84,7 @@ class _EngineCollector:
                   g("payload_bits"))
     yield counter("kv_full_bits", "Full-KV payload for the same lengths", full)
     yield counter("actions", "R/L/H actions over prompt and decode tokens and layer groups",
-                  labels=["action"], samples=[([a], g("actions_" + a)) for a in T.ACTION_NAMES])
+                  labels=["action"], samples=[([a], g("actions_" + a)) for a in Act.NAMES])
     yield counter("cache_overflows", "requests whose cache dropped an entry (should be 0)",
                   g("overflow"))
     if self.grammars is not None:

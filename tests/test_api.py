@@ -60,7 +60,7 @@ def test_import_is_cheap_and_lazy():
 
 def test_bad_input_is_named():
   import pask_jax as pj
-  from helpers import smollm2
+  from pask_jax.testing import smollm2
   m = smollm2()
   with pytest.raises(ValueError, match="invalid JSON schema"):
     pj.prepare(m, "hi", json_schema={"type": "objekt"})

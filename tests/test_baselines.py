@@ -2,17 +2,14 @@
 model, and budget matching."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY
+from pask_jax.testing import TINY
 from models import random_model
-from pask_jax import cache as pc
+from pask_jax.testing import cache as tcache
 from pask_jax import ledger
-from pallas_kernels import int4
-from pask_jax import tags as T
 from pask_jax.baselines import budget as BU
 from pask_jax.baselines import h2o, int4, mikv, snapkv, streaming
 from pask_jax.baselines.masked import Config, MaskedRunner, plan, qdq
@@ -35,7 +32,8 @@ def arr(*xs):
 # --- rules on hand-built patterns ----------------------------------------------------------------
 
 def test_h2o_keeps_planted_heavy_hitters():
-  S, n, sink, recent = 96, int(RNG.integers(60, 96)), int(RNG.integers(1, 5)), int(RNG.integers(4, 12))
+  S, n = 96, int(RNG.integers(60, 96))
+  sink, recent = int(RNG.integers(1, 5)), int(RNG.integers(4, 12))
   score = RNG.random((3, S)).astype(np.float32) * 0.1
   mid = np.arange(sink, n - recent)
   planted = [RNG.choice(mid, 5, replace=False) for _ in range(3)]
@@ -219,7 +217,7 @@ def test_streaming_and_int4_policies_on_the_pask_cache():
     tokens, lengths = pad_prompts([prompt], 1, 128)
     _, (cache, _, led) = r.begin(tokens, lengths)
     for g in range(pol.n_groups):
-      pos = pc.stored_positions(cache, g, 0)
+      pos = tcache.stored_positions(cache, g, 0)
       assert sorted(pos["hi"]) == list(range(sink))
       assert sorted(pos["lo"]) == ([] if kind == "streaming" else list(range(sink, n - w)))
       assert sorted(pos["win"]) == list(range(n - w, n))

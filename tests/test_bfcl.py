@@ -127,7 +127,8 @@ def test_reference_answers_fit_schema_and_checker(cases):
 def test_checker_hand_written(cases):
   sp = cases["simple_python_0"]
   assert bfcl.check(sp, [{"calculate_triangle_area": {"base": 10, "height": 5}}])[0]
-  assert bfcl.check(sp, [{"calculate_triangle_area": {"base": 10, "height": 5, "unit": "units"}}])[0]
+  assert bfcl.check(sp,
+                    [{"calculate_triangle_area": {"base": 10, "height": 5, "unit": "units"}}])[0]
   ok, err = bfcl.check(sp, [{"calculate_triangle_area": {"base": 5, "height": 10}}])
   assert not ok and "value_error" in err
   assert not bfcl.check(sp, [{"calculate_triangle_area": {"base": 10}}])[0]
@@ -161,11 +162,12 @@ def test_per_call_fraction(cases):
   assert bfcl.per_call(pa, [bad, a, bad]) == 0.5
   assert bfcl.per_call(pa, [bad]) == 0.0 and bfcl.per_call(pa, None) == 0.0
   pm = cases["parallel_multiple_0"]
-  s = {"math_toolkit.sum_of_multiples": {"lower_limit": 1, "upper_limit": 1000, "multiples": [3, 5]}}
+  s = {"math_toolkit.sum_of_multiples": {"lower_limit": 1, "upper_limit": 1000,
+                                         "multiples": [3, 5]}}
   assert bfcl.per_call(pm, [s]) == 0.5 and not bfcl.check(pm, [s])[0]
   # maximum matching, not greedy: call 0 fits both expected, call 1 only the first
-  assert bfcl._matching([[True, True], [True, False]]) == 2
-  assert bfcl._matching([[True, False], [True, False]]) == 1
+  assert bfcl.max_matching([[True, True], [True, False]]) == 2
+  assert bfcl.max_matching([[True, False], [True, False]]) == 1
 
 
 # --- parsing and scoring of model text -----------------------------------------------------------
@@ -234,7 +236,7 @@ def test_live_categories_load():
 def test_run_cases_smollm2_full_kv():
   """Two simple cases through SmolLM2 with Full KV under the tool-call grammar.  The model is too
   weak to be right reliably: this checks the pipeline, not accuracy."""
-  from helpers import smollm2
+  from pask_jax.testing import smollm2
   from pask_jax.decode import Runner
   m = smollm2()
   cs = bfcl.load(["simple_python"], split="calibration")[:2]
@@ -285,15 +287,13 @@ def test_grammar_accepts_reference_and_checker_passes(cases, which):
   """Per family format (SmolLM2: json_list; Qwen2: fenced JSON at indent 2), the case grammar
   accepts the correct answer token by token, stops, and the scored text passes."""
   import os
-  import sys
   from pask_jax.grammar import GrammarCompiler
   if which == "qwen":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-    from export_tokenizer import load as load_tokenizer
+    from pask_jax.testing import load_tokenizer
     tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
     arch = "qwen2"
   else:
-    from helpers import smollm2
+    from pask_jax.testing import smollm2
     tok, arch = smollm2().tokenizer, "llama"
   fmt, indent = bfcl.style_for(arch)
   assert (fmt, indent) == {"qwen": ("fenced_json", 2), "smollm2": ("json_list", None)}[which]
@@ -312,7 +312,8 @@ def test_grammar_accepts_reference_and_checker_passes(cases, which):
   # the prompt goes through the template's own tools section when it has one
   prompt = bfcl.render(cases["parallel_0"], tok, fmt)
   if which == "qwen":
-    assert "<tools>" in prompt and json.dumps(cases["parallel_0"].tools[0], ensure_ascii=False) in prompt
+    assert "<tools>" in prompt and json.dumps(cases["parallel_0"].tools[0],
+                                              ensure_ascii=False) in prompt
   else:
     assert "<tools>" not in prompt and "You can call these functions" in prompt
   assert cases["parallel_0"].messages[0]["content"] in prompt

@@ -6,14 +6,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import reference
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pask_jax import cache as KC
+from pask_jax.testing import cache as tcache
 from pallas_kernels import int4
-from pask_jax import tags as T
+from pask_jax import actions as Act
 
 # 4 layers -> groups [0,2), [2,3), [3,4): group 0 has two layers sharing maps.
 NL, B, HKV, D, W, SINK, G = 4, 3, 2, 8, 4, 2, 3
@@ -25,7 +25,7 @@ def _fresh(cap=CAP, page=PAGE):
 
 
 _prefill = jax.jit(KC.materialize_prefill)
-_append = jax.jit(KC.append)
+_append = jax.jit(tcache.append)
 
 
 class Brute:
@@ -36,14 +36,14 @@ class Brute:
 
   def add(self, b, k, v, act):
     p = len(self.toks[b])
-    act = np.full(G, T.H) if p < SINK else np.asarray(act)
+    act = np.full(G, Act.H) if p < SINK else np.asarray(act)
     self.toks[b].append((np.asarray(k, np.float32), np.asarray(v, np.float32), act))
 
   def expect(self, b, g):
     n = len(self.toks[b])
     win = list(range(max(0, n - W), n))
-    hi = [p for p in range(max(0, n - W)) if self.toks[b][p][2][g] == T.H]
-    lo = [p for p in range(max(0, n - W)) if self.toks[b][p][2][g] == T.L]
+    hi = [p for p in range(max(0, n - W)) if self.toks[b][p][2][g] == Act.H]
+    lo = [p for p in range(max(0, n - W)) if self.toks[b][p][2][g] == Act.L]
     return hi, lo, win
 
 
@@ -52,22 +52,21 @@ def _bf16(x):
 
 
 def _check(cache, brute):
-  lay = jax.tree.map(np.asarray, cache.layers)
   for b in range(B):
     n = len(brute.toks[b])
     assert int(cache.count[b]) == n and not bool(cache.overflow[b])
     for g in range(G):
       hi, lo, win = brute.expect(b, g)
-      got = KC.stored_positions(cache, g, b)
+      got = tcache.stored_positions(cache, g, b)
       assert got["hi"] == hi and got["lo"] == lo, (b, g, got, hi, lo)
       assert sorted(got["win"]) == win
       # every visible key exactly once, and exactly the non-released ones
       vis = got["hi"] + got["lo"] + got["win"]
       assert len(vis) == len(set(vis))
       assert set(vis) == set(range(n)) - {p for p in range(max(0, n - W))
-                                          if brute.toks[b][p][2][g] == T.R}
+                                          if brute.toks[b][p][2][g] == Act.R}
       for l in [l for l in range(NL) if cache.group_of[l] == g]:
-        window, hp, lp, maps = KC.layer_inputs(cache, l)
+        window, hp, lp, maps = tcache.layer_inputs(cache, l)
         for j, p in enumerate(hi):
           pg = int(maps.hi_pages[b, j // PAGE])
           np.testing.assert_array_equal(np.asarray(hp.k[pg, j % PAGE], np.float32),
@@ -150,7 +149,7 @@ def test_pools_only_grow_and_positions_survive():
             assert np.array_equal(a.layers.lo_k[l, pg, j % PAGE], b.layers.lo_k[l, pg, j % PAGE])
   # released positions leave gaps, and the surviving ones keep their absolute positions
   last = hist[-1]
-  pos = KC.stored_positions(last, 0, 0)
+  pos = tcache.stored_positions(last, 0, 0)
   assert pos["hi"] == sorted(pos["hi"]) and pos["lo"] == sorted(pos["lo"])
 
 
@@ -160,18 +159,18 @@ def test_sinks_forced_high():
   plan = jnp.zeros((B, TP, G), jnp.int8)    # release everything
   cache = _prefill(cache, k, k, plan, None)
   for g in range(G):
-    assert KC.stored_positions(cache, g, 0)["hi"] == list(range(SINK))
-    assert KC.stored_positions(cache, g, 0)["lo"] == []
+    assert tcache.stored_positions(cache, g, 0)["hi"] == list(range(SINK))
+    assert tcache.stored_positions(cache, g, 0)["lo"] == []
 
 
 def test_overflow_is_flagged_not_clamped():
   cache = KC.init(NL, B, HKV, D, capacity=2, window=W, sink=0, n_groups=G, page=2)
   k = jnp.arange(NL * B * TP * HKV * D, dtype=jnp.float32).reshape(NL, B, TP, HKV, D)
-  plan = jnp.full((B, TP, G), T.H, jnp.int8)
+  plan = jnp.full((B, TP, G), Act.H, jnp.int8)
   cache = _prefill(cache, k, k, plan, None)
   assert bool(jnp.all(cache.overflow))
   # the two entries that fit are intact (no later write clamped onto them)
-  assert KC.stored_positions(cache, 0, 1)["hi"] == [0, 1]
+  assert tcache.stored_positions(cache, 0, 1)["hi"] == [0, 1]
   np.testing.assert_array_equal(np.asarray(cache.layers.hi_k[0, 1 * 1, 1], np.float32),
                                 np.asarray(k[0, 1, 1], np.float32))
 
@@ -181,7 +180,7 @@ def test_compiles_once_across_appends():
 
   def step(cache, k, v, a):
     traces.append(1)
-    return KC.append(cache, k, v, a)
+    return tcache.append(cache, k, v, a)
 
   f = jax.jit(step)
   cache = _fresh()
@@ -207,13 +206,13 @@ def test_per_layer_split_equals_append():
   c2, plan = KC.begin_step(cache, act)
   q = jnp.asarray(rng.normal(size=(B, 2 * HKV, D)), jnp.float32)
   for l in range(NL):
-    lkv = KC.write_layer(KC.layer_slice(c2, l), plan, c2.group_of[l], kn[l], kn[l])
+    lkv = tcache.write_layer(tcache.layer_slice(c2, l), plan, c2.group_of[l], kn[l], kn[l])
     win, hi, lo, maps = KC.kernel_inputs(lkv, c2, c2.group_of[l])
     assert isinstance(win, Window) and isinstance(hi, HighPool) and isinstance(lo, LowPool)
     assert isinstance(maps, PageMaps)
     out = reference.decode_attention_reference(q, win, hi, lo, maps)
     assert out.shape == (B, 2 * HKV, D) and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
-    c2 = KC.set_layer(c2, l, lkv)
+    c2 = tcache.set_layer(c2, l, lkv)
   for x, y in zip(jax.tree.leaves(c2), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # The in-place form: write_step on the stacked arrays (traced layer, as in a scan over layers)
@@ -224,7 +223,7 @@ def test_per_layer_split_equals_append():
     c3 = step(c3, plan, jnp.int32(l), kn[l], kn[l])
     got = reference.decode_attention_reference(q, *KC.kernel_inputs(c3.layers, c3, c3.group_of[l]),
                                                jnp.int32(l))
-    one = reference.decode_attention_reference(q, *KC.layer_inputs(c3, l))
+    one = reference.decode_attention_reference(q, *tcache.layer_inputs(c3, l))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32))
   for x, y in zip(jax.tree.leaves(c3), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -254,12 +253,13 @@ def test_attention_sees_exactly_the_stored_keys():
   for l in range(NL):
     g = cache.group_of[l]
     out = np.asarray(reference.decode_attention_reference(
-        jnp.asarray(q), *KC.layer_inputs(cache, l)), np.float32)
+        jnp.asarray(q), *tcache.layer_inputs(cache, l)), np.float32)
     for b in range(B):
       hi, lo, win = brute.expect(b, g)
       ks, vs = [], []
       for p in hi + win:
-        ks.append(_bf16(brute.toks[b][p][0][l])); vs.append(_bf16(brute.toks[b][p][1][l]))
+        ks.append(_bf16(brute.toks[b][p][0][l]))
+        vs.append(_bf16(brute.toks[b][p][1][l]))
       for p in lo:
         for lst, x in ((ks, brute.toks[b][p][0][l]), (vs, brute.toks[b][p][1][l])):
           lst.append(np.asarray(int4.dequantize(*int4.quantize_packed(

@@ -5,11 +5,12 @@ import numpy as np
 
 import pallas_kernels
 from pask_jax import cache as C
+from pask_jax.testing import cache as tcache
 
 L, Hkv, D, W, PAGE, CAP, G = 3, 2, 8, 4, 4, 16, 3
 P_HI, P_LO = 10, 9
 # jitted: eager scatters over the whole cache cost seconds per call on CPU
-append = jax.jit(C.append)
+append = jax.jit(tcache.append)
 materialize = jax.jit(C.materialize_prefill)
 
 
@@ -34,7 +35,7 @@ def _attend(cache, b, q):
   """Reference attention of sequence b for every layer -> [L, Hkv*2, D]."""
   outs = []
   for layer in range(L):
-    win, hi, lo, maps = C.layer_inputs(cache, layer)
+    win, hi, lo, maps = tcache.layer_inputs(cache, layer)
     pick = lambda t: jax.tree.map(lambda x: x[b:b + 1] if x.ndim and x.shape[0] == cache.batch
                                   else x, t)
     out = pallas_kernels.decode_attention(q, pick(win), hi, lo, pick(maps), backend="reference")
@@ -60,8 +61,8 @@ def test_insert_slot_matches_dense_prefill_and_touches_only_its_pages():
   ref = materialize(C.init(L, 1, Hkv, D, capacity=CAP, window=W, sink=1, n_groups=G,
                                      page=PAGE), k, v, plan, n)
   for g in range(G):
-    assert C.stored_positions(c, g, 1) == C.stored_positions(ref, g, 0)
-    assert C.stored_positions(c, g, 0) == {"hi": [], "lo": [], "win": []}
+    assert tcache.stored_positions(c, g, 1) == tcache.stored_positions(ref, g, 0)
+    assert tcache.stored_positions(c, g, 0) == {"hi": [], "lo": [], "win": []}
   assert int(c.count[1]) == 11 and int(c.count[0]) == 0 and int(c.count[2]) == 0
   # Pages outside the slot's rows stay zero: nothing leaked into another slot's future pages.
   hk = np.asarray(c.layers.hi_k, np.float32)
@@ -95,14 +96,15 @@ def test_two_slots_then_decode_steps_and_release():
   q = jnp.asarray(r.normal(size=(1, 2 * Hkv, D)), jnp.float32)
   for b, ref in ((0, refs[0]), (2, refs[1])):
     for g in range(G):
-      assert C.stored_positions(c, g, b) == C.stored_positions(ref, g, 0)
+      assert tcache.stored_positions(c, g, b) == tcache.stored_positions(ref, g, 0)
     np.testing.assert_allclose(_attend(c, b, q), _attend(ref, 0, q), rtol=1e-5, atol=1e-5)
   assert int(c.count[1]) == 0 and not bool(c.overflow.any())
   c = jax.jit(C.release_slot)(c, jnp.int32(2))
   assert int(c.count[2]) == 0 and int(c.hi_len[:, 2].sum()) == 0
-  assert (np.asarray(c.hi_pages[:, 2]) == P_HI).all() and (np.asarray(c.lo_pages[:, 2]) == P_LO).all()
+  assert (np.asarray(c.hi_pages[:, 2]) == P_HI).all()
+  assert (np.asarray(c.lo_pages[:, 2]) == P_LO).all()
   for g in range(G):   # slot 0 unaffected by releasing slot 2
-    assert C.stored_positions(c, g, 0) == C.stored_positions(refs[0], g, 0)
+    assert tcache.stored_positions(c, g, 0) == tcache.stored_positions(refs[0], g, 0)
 
 
 def test_per_group_pages_assigned_on_demand_match_dense_layout():
@@ -153,7 +155,7 @@ def test_per_group_pages_assigned_on_demand_match_dense_layout():
     ref = append(ref, kk[:, 1:2], vv[:, 1:2], jnp.asarray(act[1:2]))
   assert assigned > 0 and not bool(c.overflow.any())
   for g in range(G):
-    assert C.stored_positions(c, g, 1) == C.stored_positions(ref, g, 0)
+    assert tcache.stored_positions(c, g, 1) == tcache.stored_positions(ref, g, 0)
   assert (np.asarray(c.hi_len[:, 1]) == length["hi"]).all()
   assert (np.asarray(c.lo_len[:, 1]) == length["lo"]).all()
   q = jnp.asarray(r.normal(size=(1, 2 * Hkv, D)), jnp.float32)

@@ -2,7 +2,6 @@
 is exact: the pipeline end to end, Eq. 5/6 floors, nested greedy paths (Prop. 2), the reserve
 (Eq. 16, Prop. 4), Eq. 9 selection, resume, and stacked (vmapped) == sequential interventions."""
 import json
-import math
 import os
 import subprocess
 import sys
@@ -10,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import smollm2
-from models import ModelConfig, random_model
+from pask_jax.testing import smollm2, tiny_llama
+from models import random_model
 from pask_jax import policy as P
-from pask_jax import tags as T
+from pask_jax import actions as Act
 from pask_jax.decode import Runner, Sampling, generate
 
 from calibrate import alg1, stack as S, tasks
@@ -24,18 +23,11 @@ CFG = alg1.Config(thresholds=((0.0, 0.0), (0.2, 0.4)), prefill_thresholds=((0.0,
 CAP = 256
 
 
-def tiny(vocab):
-  cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden=64, intermediate=96, n_layers=3,
-                    n_heads=4, n_kv_heads=2, head_dim=16, rope_theta=10000.0,
-                    tie_embeddings=True)
-  return random_model(cfg, seed=0)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   from pask_jax.grammar import GrammarCompiler
   tok = smollm2().tokenizer
-  model = tiny(smollm2().cfg.vocab_size)
+  model = tiny_llama(smollm2().cfg.vocab_size)
   comp = GrammarCompiler(tok, model.cfg.vocab_size)
   task = tasks.SyntheticTask(tok, comp, 8, seed=0)
   # The exact oracle: the call a Full-KV (dense cache) run of the same model writes.
@@ -73,17 +65,17 @@ def test_envelope_and_floors_follow_thresholds(setup):
   C, *_ = setup
   assert alg1.envelope(-0.1, -0.2) == (0.0, 0.0)
   assert alg1.envelope(0.1, 0.05) == (0.1, 0.1)      # releasing is at least as bad as INT4
-  assert alg1.floor_of(0.3, 0.3, (0.1, 0.2)) == T.H
-  assert alg1.floor_of(0.05, 0.1, (0.1, 0.2)) == T.R
-  assert alg1.floor_of(0.05, 0.15, (0.1, 0.2)) == T.L
+  assert alg1.floor_of(0.3, 0.3, (0.1, 0.2)) == Act.H
+  assert alg1.floor_of(0.05, 0.1, (0.1, 0.2)) == Act.R
+  assert alg1.floor_of(0.05, 0.15, (0.1, 0.2)) == Act.L
   for kind in ("decode", "prefill"):
     prev = None
     for tau in sorted(CFG.thresholds):
       f = C.floors(kind, tau)
       for (i, g), a in f.items():
-        vl = max(0.0, C.V[(kind, i, g, T.L)])
-        vr = max(vl, C.V[(kind, i, g, T.R)])
-        assert a == (T.H if vl > tau[1] else T.R if vr <= tau[0] else T.L)
+        vl = max(0.0, C.V[(kind, i, g, Act.L)])
+        vr = max(vl, C.V[(kind, i, g, Act.R)])
+        assert a == (Act.H if vl > tau[1] else Act.R if vr <= tau[0] else Act.L)
       if prev is not None:           # looser thresholds never raise a floor
         assert all(f[k] <= prev[k] for k in f)
       prev = f
@@ -94,7 +86,7 @@ def test_greedy_paths_are_nested_with_nondecreasing_nominal_cost(setup):
   for tau in CFG.thresholds:
     f = C.floors("decode", tau)
     path = alg1.greedy_path(f, C.rho_dec)
-    assert path[0] == f and all(a == T.H for a in path[-1].values())
+    assert path[0] == f and all(a == Act.H for a in path[-1].values())
     for a, b in zip(path, path[1:]):
       assert all(b[k] >= a[k] for k in a) and sum(b[k] - a[k] for k in a) == 1
   for c in C.dec_cands:
@@ -104,13 +96,14 @@ def test_greedy_paths_are_nested_with_nondecreasing_nominal_cost(setup):
 
 def test_priorities_eq8():
   cost = np.array([[0.0] * 3, [10.0] * 3, [32.0] * 3])
-  d = {(5, 0, T.R): 3.0, (5, 0, T.L): 1.0}
+  d = {(5, 0, Act.R): 3.0, (5, 0, Act.L): 1.0}
   rho = alg1.priorities(d, {5: 2.0}, cost, [(5, 0)])
   assert rho[(5, 0)] == pytest.approx(((3 - 1) / (2 * 10), 1 / (2 * 22)))
 
 
 def brute_deficit(f, b, k, u):
-  return max([0.0] + [sum(f[u + 1:u + 1 + h]) - h * b for h in range(1, min(k, len(f) - 1 - u) + 1)])
+  return max([0.0] + [sum(f[u + 1:u + 1 + h]) - h * b
+                      for h in range(1, min(k, len(f) - 1 - u) + 1)])
 
 
 def test_reserve_meets_prop4_on_its_sample(setup):
@@ -127,7 +120,7 @@ def test_reserve_meets_prop4_on_its_sample(setup):
   G = CFG.n_groups
   checked = 0
   for c in C.dec_cands:
-    fpol = P.build(alg1._entries(c["floors"], c["floors"], None, G), C.ident, n_groups=G)
+    fpol = P.build(alg1.policy_entries(c["floors"], c["floors"], None, G), C.ident, n_groups=G)
     fc = [C.cost[alg1.resolve_rows(fpol, x)[1], np.arange(G)[None]].sum(1) for x in cands]
     b = float(c["policy"].b_d) * C.c_full
     gam, pooled, per = alg1.reserve(fc, states, b, C.c_full, CFG.reserve_k, CFG.reserve_beta)
@@ -183,11 +176,9 @@ def test_stacked_interventions_equal_sequential(setup):
 
 
 SHARDED = r"""
-import os, sys
-sys.path.insert(0, "tests")
-import jax, numpy as np
-from helpers import smollm2
-from test_calibrate import tiny, CAP
+import jax
+from pask_jax.testing import smollm2, tiny_llama as tiny
+CAP = 256
 from pask_jax.grammar import GrammarCompiler
 from pask_jax import policy as P
 from calibrate import alg1, stack as S, tasks
@@ -199,10 +190,13 @@ task.expected = [[{"name": "set_mode", "arguments": {"mode": "eco", "level": "lo
 cfg = alg1.Config(sink=2, window=4)
 tmpl = P.all_high(model.cfg, sink=2, window=4)
 ids = [T for T in (258, 162, 290)]
-pols = [tmpl] + [alg1.intervention(model.cfg, cfg, i, g, a, []) for i in (149, 150) for g in (0, 2) for a in (0, 1)][:7]
+pols = [tmpl] + [alg1.intervention(model.cfg, cfg, i, g, a, [])
+                 for i in (149, 150) for g in (0, 2) for a in (0, 1)][:7]
 a = S.run_stack(S.runner_factory(model, tmpl, CAP), task, pols, rows=16, max_tokens=32)
-b = S.run_stack(S.runner_factory(model, tmpl, CAP, devices=jax.devices()), task, pols, rows=16, max_tokens=32)
-assert all(x.tokens == y.tokens and x.ledger == y.ledger for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+b = S.run_stack(S.runner_factory(model, tmpl, CAP, devices=jax.devices()), task, pols, rows=16,
+                max_tokens=32)
+assert all(x.tokens == y.tokens and x.ledger == y.ledger
+           for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 print("SHARDED-OK", len({tuple(o.tokens) for r in a for o in r}))
 """
 

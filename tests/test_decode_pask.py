@@ -8,15 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY, relerr, smollm2
+from pask_jax.testing import TINY, relerr, smollm2
 from models import random_model
 from pallas_kernels import decode_attention_reference
 from pask_jax import cache as pc
+from pask_jax.testing import cache as tcache
 from pask_jax import kv_dense
 from pallas_kernels import int4
 from pask_jax import policy as P
 from pask_jax import tags as T
-from pask_jax.decode import FREE_TAG, PaskRunner, Runner, Sampling, generate, pad_prompts
+from pask_jax import actions as Act
+from pask_jax.decode import PaskRunner, Runner, Sampling, generate, pad_prompts
+from pask_jax.tracker import FREE_TAG
 
 
 def teacher_forced(full, pask, policy, prompt, continuation):
@@ -88,15 +91,16 @@ def test_all_high_equals_full_kv_random_model(window):
 def _run_cache(k, v, actions, window, sink=0):
   """Append K/V [N, L, B, Hkv, D] step by step with actions [N, B, G]."""
   N, L, B, Hkv, D = k.shape
-  c = pc.init(L, B, Hkv, D, capacity=N, window=window, sink=sink, n_groups=actions.shape[-1], page=4)
-  append = jax.jit(pc.append)
+  c = pc.init(L, B, Hkv, D, capacity=N, window=window, sink=sink, n_groups=actions.shape[-1],
+              page=4)
+  append = jax.jit(tcache.append)
   for t in range(N):
     c = append(c, k[t], v[t], actions[t])
   return c
 
 
 def _attend_all_layers(c, q):
-  return jnp.stack([decode_attention_reference(q, *pc.layer_inputs(c, l))
+  return jnp.stack([decode_attention_reference(q, *tcache.layer_inputs(c, l))
                     for l in range(c.n_layers)])
 
 
@@ -111,7 +115,7 @@ def test_released_tokens_do_not_influence_attention():
   # Perturb every token released in some group, in the layers of that group, once it has left
   # the window; nothing visible may change.
   groups = np.asarray(T.group_of_layer(L, G))
-  rel = (acts[:N - W] == T.R)                                    # [N-W, B, G]
+  rel = (acts[:N - W] == Act.R)                                    # [N-W, B, G]
   mask = np.zeros((N, L, B, 1, 1), bool)
   mask[:N - W] = rel[:, None, :, :].repeat(L, 1)[:, np.arange(L), :, groups][..., None, None] \
       if False else np.transpose(rel[:, :, groups], (0, 2, 1))[..., None, None]
@@ -134,7 +138,7 @@ def test_low_tokens_match_dequantized_values():
   N, L, B, Hkv, D, G, W = 20, 3, 1, 2, 16, 3, 4
   k = jnp.asarray(rng.normal(size=(N, L, B, Hkv, D)), jnp.bfloat16)
   v = jnp.asarray(rng.normal(size=(N, L, B, Hkv, D)), jnp.bfloat16)
-  acts = np.full((N, B, G), T.L, np.int8)
+  acts = np.full((N, B, G), Act.L, np.int8)
   c = _run_cache(k, v, jnp.asarray(acts), W)
   q = jnp.asarray(rng.normal(size=(B, 2 * Hkv, D)), jnp.float32)
   got = _attend_all_layers(c, q).astype(jnp.float32)
@@ -142,7 +146,8 @@ def test_low_tokens_match_dequantized_values():
     kk, vv = k[:, l], v[:, l]                                   # [N, B, Hkv, D]
     kq = jnp.concatenate([int4.dequantize(*int4.quantize_packed(kk[:N - W])), kk[N - W:]])
     vq = jnp.concatenate([int4.dequantize(*int4.quantize_packed(vv[:N - W])), vv[N - W:]])
-    dense = lambda a, b: kv_dense.attention(q[:, None], jnp.moveaxis(a, 0, 1), jnp.moveaxis(b, 0, 1),
+    dense = lambda a, b: kv_dense.attention(q[:, None], jnp.moveaxis(a, 0, 1),
+                                            jnp.moveaxis(b, 0, 1),
                                             jnp.array([[N - 1]] * B), jnp.array([N] * B))[:, 0]
     want = dense(kq, vq)
     assert relerr(got[l], want.astype(jnp.bfloat16).astype(jnp.float32)) < 1e-2

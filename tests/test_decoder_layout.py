@@ -50,7 +50,7 @@ def test_unrolled_matches_stacked(family):
   got = _logits(model, tokens)
   for g, w in zip(got, want):
     err = np.linalg.norm(g - w) / np.linalg.norm(w)
-    assert err < 1e-5, err          # fp32: only the matmul blocking of the fused projections differs
+    assert err < 1e-5, err    # fp32: only the matmul blocking of the fused projections differs
   decoder.set_layout(model, "stacked")
   after = model.layer_params()
   assert set(after) == set(before)

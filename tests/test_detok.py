@@ -5,7 +5,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
-from helpers import smollm2
+from pask_jax.testing import smollm2
 from serve.detok import Detokenizer
 
 

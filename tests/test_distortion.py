@@ -13,7 +13,7 @@ import numpy as np
 
 from calibrate import distortion as RD
 from pallas_kernels import int4
-from pask_jax import tags as T
+from pask_jax import actions as Act
 
 
 def _deq(x):
@@ -38,17 +38,17 @@ def _oracle(q, k, v, act, n_prompt, n_dec, sink, window, group_of, n_groups):
           keys, vals = [], []
           for t in range(u + 1):
             old = t >= sink and t <= u - window
-            act_t = a[t] if old else T.H
-            if act_t == T.R:
+            act_t = a[t] if old else Act.H
+            if act_t == Act.R:
               continue
-            keys.append(kq[l, t, kv] if act_t == T.L else k[l, t, kv])
-            vals.append(vq[l, t, kv] if act_t == T.L else v[l, t, kv])
+            keys.append(kq[l, t, kv] if act_t == Act.L else k[l, t, kv])
+            vals.append(vq[l, t, kv] if act_t == Act.L else v[l, t, kv])
           s = np.array([q[l, u, h] @ kk for kk in keys]) / np.sqrt(D)
           p = np.exp(s - s.max())
           p /= p.sum()
           o[h] = p @ np.array(vals)
         return o
-      ref = attend(np.full(n, T.H))
+      ref = attend(np.full(n, Act.H))
       for ai in range(act.shape[0]):
         o = attend(act[ai, :, gi])
         out[ai, gi] += np.max(np.sum((o - ref) ** 2, axis=-1))
@@ -64,7 +64,7 @@ def test_runtime_d_matches_an_explicit_float64_computation():
   k = (rng.standard_normal((L, n, Hkv, D)) * rng.uniform(0.5, 3, (1, 1, Hkv, 1))).astype(np.float32)
   v = rng.standard_normal((L, n, Hkv, D)).astype(np.float32)
   # Interventions: all R, all L, all H, and random mixes, per token and group.
-  act = np.stack([np.full((n, G), T.R), np.full((n, G), T.L), np.full((n, G), T.H)]
+  act = np.stack([np.full((n, G), Act.R), np.full((n, G), Act.L), np.full((n, G), Act.H)]
                  + [rng.integers(0, 3, (n, G)) for _ in range(3)]).astype(np.int8)
   got = RD.distortion(q, k, v, act, n_prompt, n_dec, sink=sink, window=window,
                       group_of=group_of, n_groups=G)

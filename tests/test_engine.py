@@ -15,10 +15,12 @@ import pytest
 from models import ModelConfig, gguf_io, random_model, registry
 from models.tokenizer import Tokenizer
 from pask_jax import policy as P
+from pask_jax import actions as Act
 from pask_jax import tags as T
-from pask_jax.decode import PaskRunner, Runner, Sampling, Tracker, generate
+from pask_jax.decode import PaskRunner, Runner, Sampling, generate
 from pask_jax.grammar import FCAdapter, GrammarCompiler, tool_call_grammar
 from pask_jax.grammar.prompt_spans import label_prompt
+from pask_jax.tracker import Tracker
 from serve.engine import (DenseEngine, Engine, Request, expected_mix, page_bytes, reachable,
                           size_pools)
 
@@ -64,10 +66,10 @@ def pol(name):
     # Prompt text R at its floor, promoted to L by the prefill budget (about 2/3 of it); free
     # generation L or R: most entries need an INT4 page or none, few a BF16 page.
     prio = [[1.0, 0.5]] * 3
-    ents = {T.prompt(T.PromptLabel.PROTECTED_CONTENT): P.Entry([T.L] * 3, [T.R] * 3, prio),
-            T.fc(T.Cls.FREE_GENERATION): P.Entry([T.L] * 3, [T.R] * 3, prio)}
+    ents = {T.prompt(T.PromptLabel.PROTECTED_CONTENT): P.Entry([Act.L] * 3, [Act.R] * 3, prio),
+            T.fc(T.Cls.FREE_GENERATION): P.Entry([Act.L] * 3, [Act.R] * 3, prio)}
     return P.build(ents, CFG, b_d=0.2, b_p=0.2, window=8, sink=2)
-  return P.build(P._demo_entries(3), CFG, b_d=0.5, b_p=0.5, window=8, sink=2)
+  return P.build(P.demo_entries(3), CFG, b_d=0.5, b_p=0.5, window=8, sink=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,10 +196,10 @@ def test_size_pools_splits_the_budget_by_the_expected_mix():
 def test_expected_mix_rules():
   assert expected_mix(pol("all-high"))[:2] == (1.0, 0.0)
   h, l, why = expected_mix(pol("demo"))
-  rho = float(np.asarray(pol("demo").cost)[T.L].sum() / np.asarray(pol("demo").cost)[T.H].sum())
+  rho = float(np.asarray(pol("demo").cost)[Act.L].sum() / np.asarray(pol("demo").cost)[Act.H].sum())
   assert h == pytest.approx((0.5 - rho) / (1 - rho)) and l == pytest.approx(1 - h)
   assert "B=0.50" in why
-  rec = P.build(P._demo_entries(3), CFG, b_d=0.3, b_p=0.3, extra={"kv_mix": [0.1, 0.8]})
+  rec = P.build(P.demo_entries(3), CFG, b_d=0.3, b_p=0.3, extra={"kv_mix": [0.1, 0.8]})
   assert expected_mix(rec) == (0.1, 0.8, "policy record extra.kv_mix")
   assert reachable(pol("all-high")) == (True, False) and reachable(pol("demo")) == (True, True)
 
@@ -223,7 +225,7 @@ def test_pages_follow_the_prompt_plan_and_the_device_tables():
   e._iterate()   # admission + prefill, then one decode step (at most one eviction per slot)
   for r in [r for r in e.running if r is not None]:
     done = r.prompt_plan[:len(r.ids) - e.window]
-    for X, code in enumerate((T.H, T.L)):
+    for X, code in enumerate((Act.H, Act.L)):
       extra = e.pages.lens[X, :, r.slot] - (done == code).sum(0)
       assert ((extra == 0) | (extra == 1)).all()
   for _ in range(2000):

@@ -2,10 +2,8 @@
 oracle), every method; tuning, report and CLI errors."""
 import csv
 import dataclasses
-import gzip
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ from calibrate import evaluate as E
 from pask_jax import policy as P
 from pask_jax.grammar import GrammarCompiler, tool_call_grammar
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from export_tokenizer import load as load_tokenizer  # noqa: E402
+from pask_jax.testing import load_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 RNG = np.random.default_rng()
@@ -53,13 +50,14 @@ class EnumTask:
       filler = " ".join(rng.choice(["please", "the", "wall", "now", "colour", "room"],
                                    int(rng.integers(60, 100))))
       out.append(Case(f"{split}_{i}", cats[i % 3], c, f"{filler}. Paint it {c}."))
-    return E._cap_per_category(out, max_cases, skip)   # the harness's own per-category cut
+    return E.cap_per_category(out, max_cases, skip)   # the harness's own per-category cut
 
   def prepare(self, cases, prompt_labels):
     from pask_jax.grammar.prompt_spans import label_prompt
     out = []
     for c in cases:
-      ids, tags = label_prompt(self.tok, c.text) if prompt_labels else (self.tok.encode(c.text), None)
+      ids, tags = (label_prompt(self.tok, c.text) if prompt_labels
+                   else (self.tok.encode(c.text), None))
       out.append(E.Prepared(c, ids, tags, self.grammar))
     return out
 
@@ -264,11 +262,12 @@ def test_batches_fit_the_cases_and_progress_is_per_case(session, runs, monkeypat
 
 def test_missing_bfcl_eval_is_one_line_naming_the_install(tmp_path, monkeypatch):
   import importlib.util
-  from pask_jax import cli
+  from pask_jax import cli, platform
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "bfcl_eval" else real(name, *a))
-  monkeypatch.setattr(cli, "_load_model", lambda *a: pytest.fail("model loaded before the check"))
+  monkeypatch.setattr(platform, "load_model",
+                      lambda *a: pytest.fail("model loaded before the check"))
   for argv in (["eval", "--method", "full", "--out", str(tmp_path)],
                ["tune", "--out", str(tmp_path)], ["calibrate", "--out", str(tmp_path)]):
     with pytest.raises(SystemExit) as e:
@@ -286,7 +285,7 @@ def test_plot_has_binomial_error_bars_and_fitted_axes(tmp_path):
   runs = [mk("full", 1.0, 0.6, 160, 1.0), mk("h2o", 0.33, 0.3, 160, 0.27),
           mk("h2o", 0.5, 0.45, 160, 0.5), mk("pask", 0.33, 0.55, 80, 0.31),
           mk("pask", 0.6, 0.58, 80, 0.6)]
-  drawn = E._plot(runs, str(tmp_path / "p.png"))
+  drawn = E.plot_runs(runs, str(tmp_path / "p.png"))
   assert (tmp_path / "p.png").stat().st_size > 1000
   xs, ys, es = drawn["series"]["PASK"]
   assert ys == pytest.approx([55.0, 58.0]) and xs == [0.31, 0.6]

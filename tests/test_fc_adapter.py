@@ -1,4 +1,5 @@
-"""Function-calling adapter: golden token-by-token tags with the real Qwen2.5 and SmolLM2 vocabularies.
+"""Function-calling adapter: golden token-by-token tags with the real Qwen2.5 and SmolLM2
+vocabularies.
 
 Goldens are written by hand from the rules in pask_jax/grammar/fc_adapter.py's docstring (forced
 prefix from the jump-forward string, roles from the schema), not produced by the adapter.
@@ -7,18 +8,16 @@ Code: class P/B/F (pure_scaffold, schema_bearing, free_generation), role s/r/o/d
 """
 import functools
 import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from export_tokenizer import load as load_tokenizer  # noqa: E402
+from pask_jax.testing import load_tokenizer, smollm2_grammars
 
-from pask_jax import tags as T  # noqa: E402
-from pask_jax.grammar import FORMATS, GrammarCompiler, tool_call_grammar  # noqa: E402
-from pask_jax.grammar.fc_adapter import FCAdapter, _coarsen  # noqa: E402
-from pask_jax.grammar.frontier import StateVocab  # noqa: E402
+from pask_jax import tags as T
+from pask_jax.grammar import FORMATS, GrammarCompiler, tool_call_grammar
+from pask_jax.grammar.fc_adapter import FCAdapter, coarsen
+from pask_jax.grammar.frontier import StateVocab
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 _C = {"P": T.Cls.PURE_SCAFFOLD, "B": T.Cls.SCHEMA_BEARING, "F": T.Cls.FREE_GENERATION}
@@ -31,8 +30,9 @@ WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"},
                                      "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
     "required": ["city"]}}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
-                                           "required": ["tz"]}}
+TIME = {"name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                       "required": ["tz"]}}
 FLIGHT = {"name": "book_flight", "parameters": {"type": "object", "properties": {
     "passenger": {"type": "object", "properties": {"name": {"type": "string"},
                                                    "age": {"type": "integer"}},
@@ -55,12 +55,6 @@ def qwen():
   return tok, GrammarCompiler(tok, tok.vocab_size)
 
 
-@functools.lru_cache(maxsize=None)
-def smol():
-  from models import gguf_io, registry
-  from models.tokenizer import Tokenizer
-  tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
-  return tok, GrammarCompiler(tok, tok.vocab_size)
 
 
 def run(tok, gc, tools, fmt, indent, text, vocab=None):
@@ -106,7 +100,7 @@ def test_required_optional_enum_qwen_fenced_indent2():
 
 
 def test_parallel_two_functions_smollm2_json_list():
-  tok, gc = smol()
+  tok, gc = smollm2_grammars()
   text = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
           '{"name": "get_time", "arguments": {"tz": "CET"}}]')
   call_head = [("{\"", "Ps b N"), ("name", "Ps b N"), ('":', "Ps b N"), (' "', "Ps b N"),
@@ -202,9 +196,10 @@ def test_rejected_token_raises_and_coarsen():
   ad, m = FCAdapter(g, tok), g.matcher()
   with pytest.raises(RuntimeError, match="rejected"):
     ad.accept(m, tok.encode("hello")[0])
-  ids = [T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, s, n) for s in (1, 2) for n in (1, 2)]
+  ids = [T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, s, n)
+         for s in (1, 2) for n in (1, 2)]
   ids.append(T.fc(T.Cls.FREE_GENERATION, T.FCRole.REQUIRED, 2, 1))
-  out = _coarsen(ids)
+  out = coarsen(ids)
   assert len(out) <= T.N_CAND and set(out) == {
       T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, 1),
       T.fc(T.Cls.PURE_SCAFFOLD, T.FCRole.SCAFFOLD_SEPARATOR, 2),

@@ -1,4 +1,5 @@
-"""Guard for XGrammar's private frontier string (pinned versions) and the parser-state vocabulary."""
+"""Guard for XGrammar's private frontier string (pinned versions) and the parser-state
+vocabulary."""
 import pytest
 
 from pask_jax.grammar import frontier as F
@@ -6,7 +7,7 @@ from pask_jax.grammar import frontier as F
 SAMPLE = """There are 4 steps in history. Last step: [
 ParserState(rule_id=1, sequence_id=8, element_id=8, rule_start_pos=0, sub_element_id=0), 
 ParserState(rule_id=12, sequence_id=40, element_id=-1, rule_start_pos=20, sub_element_id=3), 
-]"""
+]"""  # noqa: W291 (the dump as XGrammar prints it)
 
 
 def test_parse_known_state_string():

@@ -5,7 +5,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from helpers import smollm2
+from pask_jax.testing import smollm2
 from models import ModelConfig, random_model
 from pask_jax.decode import Runner, Sampling, generate
 from pask_jax.grammar import (FORMATS, GrammarCompiler, GrammarError, parse_calls,
@@ -23,7 +23,8 @@ def setup():
 
 def random_schema(rng, depth=0):
   """Bounded random schemas (so a random model finishes within the token budget)."""
-  kinds = ["string", "integer", "boolean", "enum", "number"] + (["object", "array"] if depth < 2 else [])
+  kinds = (["string", "integer", "boolean", "enum", "number"]
+           + (["object", "array"] if depth < 2 else []))
   k = kinds[rng.integers(len(kinds))]
   if k == "string":
     return {"type": "string", "maxLength": int(rng.integers(1, 6))}
@@ -78,7 +79,8 @@ TOOLS = [
 def test_tool_calls_parse_and_name_declared_tools(setup, fmt):
   tok, runner, gc = setup
   g = tool_call_grammar(gc, TOOLS, fmt)
-  res = generate(runner, tok, [tok.encode("Call a tool.")] * runner.batch, grammars=[g] * runner.batch,
+  res = generate(runner, tok, [tok.encode("Call a tool.")] * runner.batch,
+                 grammars=[g] * runner.batch,
                  sampling=Sampling(max_tokens=400, temperature=1.0, seed=11))
   schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
   for r in res:
@@ -105,7 +107,8 @@ def test_several_calls_in_one_answer(setup):
 
 def test_rollback_restores_state(setup):
   tok, _, gc = setup
-  g = gc.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+  g = gc.json_schema({"type": "object", "properties": {"x": {"type": "integer"}},
+                      "required": ["x"]})
   m = g.matcher()
   ids = tok.encode('{"x": 12')
   before = np.zeros((1, -(-gc.vocab_size // 32)), np.int32)

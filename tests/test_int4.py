@@ -1,5 +1,6 @@
 """The INT4 storage format (pallas_kernels.int4; B.5, docs/DESIGN.md): error bound, layout,
-bit-exactness across jit/eager/an independent oracle, fp16 range, and the GPU kernel's bit tricks."""
+bit-exactness across jit/eager/an independent oracle, fp16 range, and the GPU kernel's bit
+tricks."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -11,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pallas_kernels import int4
+from pallas_kernels.testing.quant import adversarial_rows
 
 D = 8
 # Magnitudes from subnormal-fp16 scales (max|x| ~ 1e-7) to large activations; bf16-representable
@@ -97,28 +99,9 @@ def test_odd_dimension_rejected():
   raise AssertionError("odd D accepted")
 
 
-def _adversarial_rows(rng, n=512):
-  """Rows whose elements sit exactly on, and one f32 ulp either side of, the rounding midpoints
-  (c + 1/2)·s of their own scale, plus huge, tiny and subnormal-scale rows."""
-  base = rng.standard_normal((n, D)).astype(np.float32) * rng.choice([1e-6, 1e-3, 1.0, 300.0],
-                                                                     (n, 1)).astype(np.float32)
-  _, s = int4.quantize_numpy(base)
-  s = s.astype(np.float32)[:, None]
-  half = rng.integers(-7, 7, (n, D)).astype(np.float32) + 0.5
-  mid = (half * s).astype(np.float32)
-  nudge = rng.choice([-1, 0, 0, 1], (n, D))
-  mid = np.where(nudge > 0, np.nextafter(mid, np.float32(np.inf)),
-                 np.where(nudge < 0, np.nextafter(mid, -np.float32(np.inf)), mid))
-  rows = base.copy()
-  keep = rng.random((n, D)) < 0.75
-  rows[keep] = mid[keep]          # most elements on midpoints; the max element keeps the scale
-  big = rng.standard_normal((8, D)).astype(np.float32) * np.float32(1e6)      # scale > fp16 max
-  return np.concatenate([rows, big]).astype(np.float32)
-
-
 def test_same_bits_under_jit_eager_and_oracle():
   rng = np.random.default_rng(11)
-  x = _adversarial_rows(rng)
+  x = adversarial_rows(rng, d=D)
   want_c, want_s = int4.quantize_numpy(x)
   eager_c, eager_s = int4.quantize(jnp.asarray(x))
   jit_c, jit_s = jax.jit(int4.quantize)(jnp.asarray(x))
@@ -154,7 +137,8 @@ def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
 
 
 def _lop3(a, b, c, lut: int):
-  """PTX lop3.b32: bitwise f(a, b, c) where the truth table is indexed by (a=0xF0, b=0xCC, c=0xAA)."""
+  """PTX lop3.b32: bitwise f(a, b, c) where the truth table is indexed by (a=0xF0, b=0xCC,
+  c=0xAA)."""
   out = np.zeros_like(a)
   for bit in range(8):
     if lut >> bit & 1:
@@ -166,14 +150,14 @@ def _lop3(a, b, c, lut: int):
 
 
 def _asm_unpack(words: np.ndarray, high: bool) -> np.ndarray:
-  """The inline PTX of pallas_kernels/gpu/decode.py (_ASM_UNPACK_LO/_HI), 4 bytes per 32-bit
+  """The inline PTX of pallas_kernels/gpu/decode.py (ASM_UNPACK_LO/HI), 4 bytes per 32-bit
   register in element order (Triton's elementwise_inline_asm with pack=4), -> 4 bf16 bit patterns
   per word (two 16-bit lanes of $0, then of $1)."""
   from pallas_kernels.gpu import decode as g
-  src = g._ASM_UNPACK_HI if high else g._ASM_UNPACK_LO
+  src = g.ASM_UNPACK_HI if high else g.ASM_UNPACK_LO
   # Pin the exact instruction sequence this emulation models.
-  assert [ln.split()[0] for ln in src.splitlines() if ln.strip().endswith(";") and "reg" not in ln] \
-      == (["prmt.b32"] * 2 + (["shr.u32"] * 2 if high else []) + ["lop3.b32"] * 2)
+  ops = [ln.split()[0] for ln in src.splitlines() if ln.strip().endswith(";") and "reg" not in ln]
+  assert ops == (["prmt.b32"] * 2 + (["shr.u32"] * 2 if high else []) + ["lop3.b32"] * 2)
   assert "0x3130" in src and "0x3332" in src and "0x000F000F, 0x43084308, 0x6A" in src
   w = words.astype(np.int64)
   t0, t1 = _prmt(w, w, 0x3130), _prmt(w, w, 0x3332)
@@ -200,14 +184,14 @@ def test_asm_dequant_matches_codes_for_every_byte():
     for high in (False, True):
       got = _bf16_value(_asm_unpack(words.astype(np.uint32), high))         # [256, 4]
       want = codes[:, 4:] if high else codes[:, :4]
-      np.testing.assert_array_equal(got, want.astype(np.float32) + g._OFF)
+      np.testing.assert_array_equal(got, want.astype(np.float32) + g.BITS_OFFSET)
 
 
 def test_bits_dequant_matches_asm_emulation():
   """The "bits" path (what interpret mode runs) gives the same bf16 patterns as the asm."""
   from pallas_kernels.gpu import decode as g
   x = jnp.arange(256, dtype=jnp.uint8).reshape(64, 4)
-  lo, hi = g._unpack(x, "bits")
+  lo, hi = g.unpack_halves(x, "bits")
   words = np.asarray(x).astype(np.uint32)
   words = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
   for got, high in ((lo, False), (hi, True)):

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from pask_jax import cache as KC
+from pask_jax.testing import cache as tcache
 from pask_jax import controller as C
 from pask_jax import ledger as LG
 from pask_jax import policy as P
 from pask_jax import tags as T
+from pask_jax import actions as Act
 
 MODEL = {"n_layers": 4, "n_kv_heads": 2, "head_dim": 8}
 B, TP, STEPS, HKV, D, NL = 2, 10, 12, 2, 8, 4
@@ -35,7 +37,7 @@ def _step(pol, cache, led, bal, k, v, tag_ids, states, stop, active):
   acts, nbal = C.control_batch(pol, tag_ids, states, bal, stop)
   bal = jnp.where(active, nbal, bal)
   led = LG.record_decode(led, acts, active & ~stop, cache.count, pol.sink)
-  cache = KC.append(cache, k, v, acts, active & ~stop)
+  cache = tcache.append(cache, k, v, acts, active & ~stop)
   return cache, LG.record_live(led, cache, pol.cost, pol.c_full), bal, acts
 
 
@@ -49,7 +51,7 @@ def _run(pol, seed=0):
   k = rng.normal(size=(NL, B, TP, HKV, D)).astype(np.float32)
   cache, led, plan = _prefill(pol, cache, led, k, k, cands, lengths)
   cost = np.asarray(pol.cost, np.float64)
-  want_pre = [sum(cost[np.where(t < pol.sink, T.H, np.asarray(plan)[b, t]), np.arange(3)].sum()
+  want_pre = [sum(cost[np.where(t < pol.sink, Act.H, np.asarray(plan)[b, t]), np.arange(3)].sum()
                   for t in range(lengths[b])) for b in range(B)]
   bal = jnp.broadcast_to(C.initial_balance(pol), (B,))
   spent, n_gen = np.zeros(B), np.zeros(B, int)
@@ -88,9 +90,10 @@ def test_ledger_end_to_end(name):
     # live payload from the cache contents
     live = 0.0
     for g in range(3):
-      pos = KC.stored_positions(cache, g, i)
-      live += len(pos["hi"]) * float(pol.cost[T.H, g]) + len(pos["lo"]) * float(pol.cost[T.L, g])
-    live += len(KC.stored_positions(cache, 0, i)["win"]) * c_full
+      pos = tcache.stored_positions(cache, g, i)
+      live += (len(pos["hi"]) * float(pol.cost[Act.H, g])
+               + len(pos["lo"]) * float(pol.cost[Act.L, g]))
+    live += len(tcache.stored_positions(cache, 0, i)["win"]) * c_full
     assert r["live_bits"] == pytest.approx(live)
     assert r["peak_live_bits"] == pytest.approx(peak[i])
   got_b = np.asarray(LG.measured_b(led, pol.cost, pol.c_full))
@@ -117,4 +120,4 @@ def test_counts_and_sink_rule():
   assert np.asarray(led.decode_counts)[1].sum() == 0 and led.n_gen.tolist() == [1, 0]
   led = LG.record_decode(led, jnp.asarray([[0, 0, 0], [0, 0, 0]]), None,
                          positions=jnp.asarray([0, 9]), sink=1)
-  assert np.asarray(led.decode_counts)[0, :, T.H].tolist() == [1, 1, 1]
+  assert np.asarray(led.decode_counts)[0, :, Act.H].tolist() == [1, 1, 1]

@@ -1,13 +1,12 @@
 """Decoder correctness on random configs, HF-checkpoint loading against transformers, bad input."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY, full_logprobs, relerr
+from pask_jax.testing import TINY, full_logprobs, relerr
 from models import ModelConfig, UnknownArchitectureError, load, load_gguf, load_hf, random_model
 from pask_jax import kv_dense
 from pask_jax.decode import CapacityError, Runner, Sampling, generate
@@ -96,7 +95,8 @@ def test_sampling_is_seeded():
     decode = staticmethod(str)
 
   run = lambda seed: generate(runner, Tok(), [[1, 2, 3]],
-                              sampling=Sampling(max_tokens=12, temperature=1.0, seed=seed))[0].tokens
+                              sampling=Sampling(max_tokens=12, temperature=1.0,
+                                                seed=seed))[0].tokens
   assert run(3) == run(3)
   assert run(3) != run(4)
 
@@ -218,7 +218,6 @@ def test_unsupported_variants_are_refused_by_name(tmp_path):
     ModelConfig.from_hf({k: v for k, v in base.items() if k != "hidden_size"})
   # A tensor the decoder would not use (here: a llama checkpoint with q/k/v biases whose config
   # does not say so) is an error, not a silently different model.
-  import torch
   import transformers
   cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                                  num_hidden_layers=2, num_attention_heads=4, attention_bias=True)

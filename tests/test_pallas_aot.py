@@ -8,13 +8,13 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pytest  # noqa: E402
+import pytest
 
-from pallas_kernels import synth  # noqa: E402
-from pallas_kernels.gpu import aot as gpu_aot  # noqa: E402
-from pallas_kernels.gpu import decode_attention_gpu  # noqa: E402
-from pallas_kernels.tpu import aot as tpu_aot  # noqa: E402
-from pallas_kernels.tpu import decode_attention_tpu  # noqa: E402
+from pallas_kernels.testing import synth
+from pallas_kernels.gpu import aot as gpu_aot
+from pallas_kernels.gpu import decode_attention_gpu
+from pallas_kernels.tpu import aot as tpu_aot
+from pallas_kernels.tpu import decode_attention_tpu
 
 # The two model shapes (Qwen3-4B-like 32q/8kv d128; Qwen2.5-0.5B 14q/2kv d64), small pools.
 SHAPES = {
@@ -66,7 +66,8 @@ def test_pask_decode_step_updates_the_stacked_cache_in_place_on_gpu():
   import jax.numpy as jnp
   from models import ModelConfig, random_model
   from pask_jax import ledger, policy as P
-  from pask_jax.decode import FREE_TAG, PaskRunner
+  from pask_jax.decode import PaskRunner
+  from pask_jax.tracker import FREE_TAG
   cfg = ModelConfig(arch="qwen3", vocab_size=512, hidden=256, intermediate=512, n_layers=3,
                     n_heads=8, n_kv_heads=2, head_dim=64, rope_theta=1e6, tie_embeddings=True,
                     max_position=4096, name="tiny")

@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from pallas_kernels import compare  # noqa: E402
+from pallas_kernels import compare
 
 
 def test_compare_kernels_writes_table_csv_and_png(tmp_path, capsys):
@@ -30,7 +30,7 @@ def test_picture_shows_what_this_host_measured():
           dict(base, backend="tpu v6e (pallas mosaic)", interp_us=700.0, estimate_us=0.005)]
   import tempfile
   with tempfile.TemporaryDirectory() as d:
-    series = compare._plot(rows, os.path.join(d, "p.png"))
+    series = compare.plot(rows, os.path.join(d, "p.png"))
   assert series == {"gpu kernel (pallas triton), Pallas interpret mode on cpu (cpu)": [900.0],
                     "jnp reference (XLA) on cpu (cpu)": [50.0],
                     "tpu kernel (pallas mosaic), Pallas interpret mode on cpu (cpu)": [700.0]}
@@ -39,6 +39,6 @@ def test_picture_shows_what_this_host_measured():
          dict(base, host="gpu (NVIDIA H200)", backend="tpu v5e (pallas mosaic)",
               interp_us=9000.0, estimate_us=200.0)]
   with tempfile.TemporaryDirectory() as d:
-    series = compare._plot(gpu, os.path.join(d, "p.png"))
+    series = compare.plot(gpu, os.path.join(d, "p.png"))
   assert "gpu kernel (pallas triton), native on gpu (NVIDIA H200)" in series
   assert not any("estimate" in k for k in series)

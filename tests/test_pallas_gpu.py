@@ -9,12 +9,12 @@ import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import pytest
 
-from pallas_kernels import synth  # noqa: E402
-from pallas_kernels.gpu import decode_attention_gpu, partials_gpu  # noqa: E402
+from pallas_kernels.testing import synth
+from pallas_kernels.gpu import decode_attention_gpu, partials_gpu
 
 # Small blocks and chunks force several splits per partition and partial last blocks.
 SMALL = dict(block_lo=32, block_hi=16, block_w=16, chunk_lo=96, chunk_hi=48)

@@ -3,13 +3,13 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import pallas_kernels as pk  # noqa: E402
-from pallas_kernels import common, reference, synth  # noqa: E402
+import pallas_kernels as pk
+from pallas_kernels import common, synth
 
 
 @pytest.mark.parametrize("hq,hkv,d,page,lens", [

@@ -9,12 +9,12 @@ import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+import jax
+import pytest
+from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import synth  # noqa: E402
-from pallas_kernels.tpu import decode_attention_tpu, partials_tpu  # noqa: E402
+from pallas_kernels.testing import synth
+from pallas_kernels.tpu import decode_attention_tpu, partials_tpu
 
 
 def _check(case, seed, tol=3e-5, **kw):

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import full_logprobs, smollm2
+from pask_jax.testing import full_logprobs, smollm2
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "parity_smollm2.npz")
 TOL = 5e-3
@@ -57,9 +57,7 @@ def test_live_against_transformers():
 
   ``PASK_LIVE_MODEL=qwen2.5-coder-0.5b-instruct`` runs it for the Qwen GGUF (not in CI: 500 MB).
   """
-  import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-  from parity_reference import reference
+  from pask_jax.testing.parity import reference
   from models import registry
   name = os.environ.get("PASK_LIVE_MODEL")
   ref = reference(registry.resolve(name), 16, 64)

@@ -12,8 +12,9 @@ import pytest
 
 from pask_jax import policy as P
 from pask_jax import tags as T
+from pask_jax import actions as Act
 
-R, L, H = T.R, T.L, T.H
+R, L, H = Act.R, Act.L, Act.H
 
 
 @dataclasses.dataclass

@@ -7,17 +7,15 @@ e enum_constraint, d schema_description; several letters = candidates in text or
 import functools
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from export_tokenizer import load as load_tokenizer  # noqa: E402
+from pask_jax.testing import load_tokenizer, smollm2_tokenizer
 
-from pask_jax import tags as T  # noqa: E402
-from pask_jax.grammar import tools_system_prompt  # noqa: E402
-from pask_jax.grammar.prompt_spans import char_labels, label_prompt, spans  # noqa: E402
+from pask_jax import tags as T
+from pask_jax.grammar import tools_system_prompt
+from pask_jax.grammar.prompt_spans import char_labels, label_prompt, spans
 
 P = T.PromptLabel
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
@@ -35,11 +33,6 @@ def qwen():
   return load_tokenizer(DATA)
 
 
-@functools.lru_cache(maxsize=None)
-def smol():
-  from models import gguf_io, registry
-  from models.tokenizer import Tokenizer
-  return Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
 
 
 def rows(tok, text):
@@ -83,8 +76,9 @@ def test_qwen_tools_block_golden():
 
 
 def test_smollm2_ddl_golden():
-  tok = smol()
-  text = "Schema:\nCREATE TABLE team (\n  id INTEGER PRIMARY KEY,\n  name VARCHAR(20) NOT NULL\n);\nQ: how many?"
+  tok = smollm2_tokenizer()
+  text = ("Schema:\nCREATE TABLE team (\n  id INTEGER PRIMARY KEY,\n  name VARCHAR(20) NOT NULL\n"
+          ");\nQ: how many?")
   golden = [
       ("Schema", "p"), (":", "p"), ("\n", "p"), ("CREATE", "s"), (" TABLE", "s"),
       (" team", "sf"),               # crosses scaffold space and the table name
@@ -102,9 +96,9 @@ def test_ddl_constraints_and_quoted_identifiers():
           'FOREIGN KEY (oid) REFERENCES orders(id));')
   got = {(text[a:b], lab) for a, b, lab in spans(text)}
   for want in [("order items", P.FUNCTION_NAME), ("oid", P.PARAMETER_KEY), ("qty", P.PARAMETER_KEY),
-               ("DEFAULT", P.ENUM_CONSTRAINT), ("1", P.ENUM_CONSTRAINT), ("FOREIGN", P.ENUM_CONSTRAINT),
-               ("REFERENCES", P.ENUM_CONSTRAINT), ("orders", P.FUNCTION_NAME), ("id", P.PARAMETER_KEY),
-               ("INT", P.TYPE_CONSTRAINT)]:
+               ("DEFAULT", P.ENUM_CONSTRAINT), ("1", P.ENUM_CONSTRAINT),
+               ("FOREIGN", P.ENUM_CONSTRAINT), ("REFERENCES", P.ENUM_CONSTRAINT),
+               ("orders", P.FUNCTION_NAME), ("id", P.PARAMETER_KEY), ("INT", P.TYPE_CONSTRAINT)]:
     assert want in got, want
 
 
@@ -126,7 +120,7 @@ def test_invalid_spans_keep_the_default():
 
 def test_system_message_tools_smollm2():
   """SmolLM2's template ignores tools: the tool list goes in the system message as JSON lines."""
-  tok = smol()
+  tok = smollm2_tokenizer()
   sys_msg = tools_system_prompt(TOOLS, "json_list")
   text = tok.apply_chat_template([{"role": "system", "content": sys_msg},
                                   {"role": "user", "content": "What time is it in Paris?"}])
@@ -151,13 +145,13 @@ def _reference_json_spans(text, lab):
     if j < 0:
       return
     try:
-      val, end = S._DEC.raw_decode(text, j)
+      val, end = json.JSONDecoder().raw_decode(text, j)
     except ValueError:
       i = j + 1
       continue
     if S.is_tools(val):
       lab[j:end] = P.SCHEMA_SCAFFOLD
-      S._JsonLabeler(text, lab).value(j, (None, False, False))
+      S.JsonLabeler(text, lab).value(j, (None, False, False))
       i = end
     else:
       i = j + 1
@@ -174,7 +168,7 @@ def test_linear_scanner_agrees_with_raw_decode():
     a = np.full(len(text), int(P.PROTECTED_CONTENT), np.int8)
     b = a.copy()
     _reference_json_spans(text, a)
-    S._json_spans(text, b)
+    S.json_spans(text, b)
     assert (a == b).all(), text
 
 

@@ -14,16 +14,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from pask_jax.grammar import GrammarCompiler, GrammarError, tool_call_grammar
+from pask_jax.grammar import GrammarError, tool_call_grammar
 from pask_jax.grammar.schema_check import SchemaError, prepare
+from pask_jax.testing import accepts_text, smollm2_grammars
 
 
-@functools.lru_cache(maxsize=None)
-def smol():
-  from models import gguf_io, registry
-  from models.tokenizer import Tokenizer
-  tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
-  return tok, GrammarCompiler(tok, tok.vocab_size)
 
 
 def accepts(schema, text: str) -> bool:
@@ -168,7 +163,7 @@ def _single_bytes(tok):
 
 @pytest.mark.parametrize("schema", ACCEPTED, ids=[json.dumps(s)[:40] for s in ACCEPTED])
 def test_accepted_schemas_hold_exactly(schema):
-  tok, gc = smol()
+  tok, gc = smollm2_grammars()
   g = gc.json_schema(schema)
   rng = random.Random(0)
   done = 0
@@ -189,50 +184,45 @@ def test_prepare_is_identity_on_plain_schemas():
 
 def test_tool_refs_resolve_against_the_parameters():
   """Issue 16 item 3: $ref inside a tool's parameters means the parameters, not the wrapper."""
-  tok, gc = smol()
+  tok, gc = smollm2_grammars()
   defs = {"type": "object", "$defs": {"City": {"enum": ["Paris", "Rome"]}},
           "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}
   g = tool_call_grammar(gc, [{"name": "f", "parameters": defs}], "json_list", check=True)
   ok = '[{"name": "f", "arguments": {"city": "Paris"}}]'
-  assert _accepts_text(tok, g, ok)
-  assert not _accepts_text(tok, g, '[{"name": "f", "arguments": {"city": "Oslo"}}]')
+  assert accepts_text(tok, g, ok)
+  assert not accepts_text(tok, g, '[{"name": "f", "arguments": {"city": "Oslo"}}]')
   old = {"type": "object", "definitions": {"N": {"type": "integer", "maximum": 5}},
          "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"]}
   g = tool_call_grammar(gc, [{"name": "f", "parameters": old}], "json_list", check=True)
-  assert _accepts_text(tok, g, '[{"name": "f", "arguments": {"n": 5}}]')
-  assert not _accepts_text(tok, g, '[{"name": "f", "arguments": {"n": 6}}]')
+  assert accepts_text(tok, g, '[{"name": "f", "arguments": {"n": 5}}]')
+  assert not accepts_text(tok, g, '[{"name": "f", "arguments": {"n": 6}}]')
   # '#' is the parameters object itself (recursion), not the call object.
   rec = {"type": "object", "properties": {"sub": {"$ref": "#"}, "v": {"type": "integer"}},
          "required": ["v"]}
   g = tool_call_grammar(gc, [{"name": "f", "parameters": rec}], "json_list", check=True)
-  assert _accepts_text(tok, g, '[{"name": "f", "arguments": {"sub": {"v": 2}, "v": 1}}]')
-  assert not _accepts_text(tok, g, '[{"name": "f", "arguments": {"sub": {"name": "f"}, "v": 1}}]')
+  assert accepts_text(tok, g, '[{"name": "f", "arguments": {"sub": {"v": 2}, "v": 1}}]')
+  assert not accepts_text(tok, g, '[{"name": "f", "arguments": {"sub": {"name": "f"}, "v": 1}}]')
   # A pointer into the call object does not exist in the parameters.
   with pytest.raises(GrammarError, match=r"tools\[0\].parameters: .*points nowhere"):
     tool_call_grammar(gc, [{"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"$ref": "#/properties/name"}}}}], "json_list",
         check=True)
   # Two tools with the same def name do not collide.
-  a = {"type": "object", "$defs": {"T": {"type": "integer"}}, "properties": {"t": {"$ref": "#/$defs/T"}},
+  a = {"type": "object", "$defs": {"T": {"type": "integer"}},
+       "properties": {"t": {"$ref": "#/$defs/T"}},
        "required": ["t"]}
-  b = {"type": "object", "$defs": {"T": {"type": "boolean"}}, "properties": {"t": {"$ref": "#/$defs/T"}},
+  b = {"type": "object", "$defs": {"T": {"type": "boolean"}},
+       "properties": {"t": {"$ref": "#/$defs/T"}},
        "required": ["t"]}
   g = tool_call_grammar(gc, [{"name": "a", "parameters": a}, {"name": "b", "parameters": b}],
                         "json_list", check=True)
-  assert _accepts_text(tok, g, '[{"name": "a", "arguments": {"t": 1}}, {"name": "b", "arguments": {"t": true}}]')
-  assert not _accepts_text(tok, g, '[{"name": "a", "arguments": {"t": true}}]')
-
-
-def _accepts_text(tok, g, text: str) -> bool:
-  m = g.matcher()
-  for t in tok.encode(text):
-    if not m.accept(t):
-      return False
-  return m.accept(tok.stop_ids[0])
+  assert accepts_text(tok, g, '[{"name": "a", "arguments": {"t": 1}}, '
+                              '{"name": "b", "arguments": {"t": true}}]')
+  assert not accepts_text(tok, g, '[{"name": "a", "arguments": {"t": true}}]')
 
 
 def test_xgrammar_messages_are_one_clean_line():
-  _, gc = smol()
+  _, gc = smollm2_grammars()
   with pytest.raises(GrammarError) as e:
     gc.json_schema({"type": "integer", "minimum": 5, "maximum": 3})
   msg = str(e.value)

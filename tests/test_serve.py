@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pask_jax.decode import PaskRunner, Sampling, generate
-from serve_helpers import (HI_PAGES, LO_PAGES, MODEL, TIMEOUT, WEATHER, idle, metrics,
+from serve_helpers import (HI_PAGES, MODEL, TIMEOUT, WEATHER, idle, metrics,
                            pages_all_free)
 from serve_helpers import client as make_client
 from serve_helpers import server as start_server

@@ -109,7 +109,8 @@ def _same_socket_twice(base, first: bytes, second: bytes):
 
 def test_keep_alive_survives_errors(base):
   good = json.dumps({"model": MODEL, "max_tokens": 1, "messages": MSG}).encode()
-  for bad in (b"{not json", b'{"model": "x"}', json.dumps({"model": "nope", "messages": MSG}).encode(),
+  for bad in (b"{not json", b'{"model": "x"}',
+              json.dumps({"model": "nope", "messages": MSG}).encode(),
               b"[" * 6000):
     (s1, _, sock1), (s2, body, sock2) = _same_socket_twice(base, bad, good)
     assert 400 <= s1 < 500 and s2 == 200, (bad[:30], s1, s2, body)

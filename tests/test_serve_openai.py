@@ -9,19 +9,16 @@ import asyncio
 import json
 import math
 import os
-import sys
 
 import httpx
 import jsonschema
-import numpy as np
 import openai
 import pytest
 
-from serve_helpers import MODEL, WEATHER, idle, metrics, pages_all_free
+from serve_helpers import MODEL, WEATHER, idle, pages_all_free
 from serve_helpers import client as make_client
 from serve_helpers import server as start_server
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 MSG = [{"role": "user", "content": "Hi"}]
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
@@ -50,35 +47,35 @@ def _args(call, tools):
 def test_auto_grammar_admits_text_or_calls():
   """"auto": free text until the format's trigger, then a constrained call (XGrammar triggered
   structural tags); parallel_tool_calls=false: at most one call, nothing after it."""
-  from test_schema_check import _accepts_text, smol
+  from pask_jax.testing import accepts_text, smollm2_grammars
 
   from pask_jax.grammar import tool_call_grammar
-  tok, gc = smol()
+  tok, gc = smollm2_grammars()
   tools = [WEATHER[0], TIME]
   call = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
   two = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", ' \
         '"arguments": {"tz": "UTC"}}]'
   g = tool_call_grammar(gc, tools, "json_list", choice="auto", check=True)
   for text in ("Hello! How are you?", "", "Sure: " + call, call, two, call + " and " + call):
-    assert _accepts_text(tok, g, text), text
+    assert accepts_text(tok, g, text), text
   for text in ('[{"name": "nope", "arguments": {}}]',
                '[{"name": "get_time", "arguments": {"tz": "PST"}}]'):
-    assert not _accepts_text(tok, g, text), text
+    assert not accepts_text(tok, g, text), text
   one = tool_call_grammar(gc, tools, "json_list", choice="auto", max_calls=1, check=True)
-  assert _accepts_text(tok, one, "Sure: " + call) and _accepts_text(tok, one, "text only")
-  assert not _accepts_text(tok, one, two) and not _accepts_text(tok, one, call + " more")
+  assert accepts_text(tok, one, "Sure: " + call) and accepts_text(tok, one, "text only")
+  assert not accepts_text(tok, one, two) and not accepts_text(tok, one, call + " more")
   req = tool_call_grammar(gc, tools, "json_list", choice="required", max_calls=1, check=True)
-  assert _accepts_text(tok, req, call) and not _accepts_text(tok, req, "text")
-  assert not _accepts_text(tok, req, two)
+  assert accepts_text(tok, req, call) and not accepts_text(tok, req, "text")
+  assert not accepts_text(tok, req, two)
 
 
 def test_auto_adapter_tags_free_text_as_free_generation():
-  from test_schema_check import smol
+  from pask_jax.testing import smollm2_grammars
 
   from pask_jax import tags as T
   from pask_jax.grammar import tool_call_grammar
   from pask_jax.grammar.toolcall import adapter_for
-  tok, gc = smol()
+  tok, gc = smollm2_grammars()
   g = tool_call_grammar(gc, [WEATHER[0]], "json_list", choice="auto", check=True)
   ad, m = adapter_for(g, tok), g.matcher()
   text = 'Sure. [{"name": "get_weather", "arguments": {"city": "Oslo"}}] Done.'
@@ -188,7 +185,7 @@ def _prep(tok, arch):
 def test_multi_turn_rendered_as_the_qwen_template_expects():
   """Arguments reach a tools template as an object (no double encoding), the tool result as
   the template's tool turn."""
-  from export_tokenizer import load as load_tokenizer
+  from pask_jax.testing import load_tokenizer
   tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
   text = _prep(tok, "qwen2")(messages=_turns(), tools=WEATHER)
   assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
@@ -198,8 +195,8 @@ def test_multi_turn_rendered_as_the_qwen_template_expects():
 
 
 def test_multi_turn_rendered_for_a_template_without_tools():
-  from test_schema_check import smol
-  tok, _ = smol()
+  from pask_jax.testing import smollm2_grammars
+  tok, _ = smollm2_grammars()
   text = _prep(tok, "llama")(messages=_turns(), tools=WEATHER)
   # The template cannot render tool_calls: the call is written as the model writes calls.
   assert '<|im_start|>assistant\n[{"name": "get_weather", "arguments": {"city": "Paris"}}]' in text
@@ -268,7 +265,7 @@ def test_logprobs_and_top_logprobs(client, server_engine):
     assert e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-5
     assert bytes(e.bytes).decode("utf-8", "replace") == e.token
   # The first token comes from the full-precision prefill: its log-prob is the model's.
-  from helpers import full_logprobs
+  from pask_jax.testing import full_logprobs
   from pask_jax.grammar.prompt_spans import label_prompt
   tok = server_engine.tok
   ids, _ = label_prompt(tok, tok.apply_chat_template([{"role": "user", "content": "Say hello."}]))
@@ -372,11 +369,11 @@ def test_stream_usage_only_when_asked(client):
 def test_stream_with_tools_splits_text_and_calls():
   """The streamed answer of an auto request: text deltas first (the tail that could begin the
   call trigger held back), the calls as one tool_calls delta once complete."""
-  from test_schema_check import smol
+  from pask_jax.testing import smollm2_grammars
 
-  from serve.app import Responder, _stream
+  from serve.app import Responder, sse_chunks
   from serve.metrics import Metrics
-  tok, _ = smol()
+  tok, _ = smollm2_grammars()
   text = 'Let me check. [{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
   deltas = ["Let me", " check.", " [", '{"name"', ': "get_weather", "arguments": ',
             '{"city": "Oslo"}}]']
@@ -396,7 +393,8 @@ def test_stream_with_tools_splits_text_and_calls():
                            "prompt_tokens": 5, "ledger": led, "overflow": False}))
     meta = {"id": "c", "created": 0, "model": MODEL, "t_arrive": 0.0, "logprobs": None}
     m = Metrics(type("E", (), {"snapshot": lambda s: {}, "alive": True})())
-    return [x async for x in _stream(Req(), q, Responder(tok, "json_list", True), meta, False, m)]
+    return [x async for x in sse_chunks(Req(), q, Responder(tok, "json_list", True), meta, False,
+                                        m)]
 
   chunks = [json.loads(c[6:]) for c in asyncio.run(run()) if c.startswith("data: {")]
   content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)

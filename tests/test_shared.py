@@ -3,22 +3,20 @@ vocabulary: rows that share a prefix share one parser, a divergence forks it, an
 exactly the masks, tags, parser states and termination of its own private tracker."""
 import functools
 import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from export_tokenizer import load as load_tokenizer  # noqa: E402
+from pask_jax.testing import load_tokenizer
 
-from calibrate.shared import Forest  # noqa: E402
-from calibrate.stack import Recorder  # noqa: E402
-from pask_jax.grammar import GrammarCompiler  # noqa: E402
-from pask_jax.grammar.fc_adapter import FCAdapter  # noqa: E402
-from pask_jax.grammar.frontier import StateVocab  # noqa: E402
-from pask_jax.grammar.matcher import new_bitmask  # noqa: E402
-from pask_jax.grammar.sql import SQLAdapter, sql_grammar  # noqa: E402
-from pask_jax.grammar.toolcall import tool_call_grammar  # noqa: E402
+from calibrate.shared import Forest
+from calibrate.stack import Recorder
+from pask_jax.grammar import GrammarCompiler
+from pask_jax.grammar.fc_adapter import FCAdapter
+from pask_jax.grammar.frontier import StateVocab
+from pask_jax.grammar.matcher import new_bitmask
+from pask_jax.grammar.sql import SQLAdapter, sql_grammar
+from pask_jax.grammar.toolcall import tool_call_grammar
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 RNG = np.random.default_rng()

@@ -6,16 +6,14 @@ s/b/c (stable, boundary, critical), next L/N; "+" joins candidates.
 """
 import functools
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from export_tokenizer import load as load_tokenizer  # noqa: E402
+from pask_jax.testing import load_tokenizer
 
-from pask_jax import tags as T  # noqa: E402
-from pask_jax.grammar import GrammarCompiler, GrammarError  # noqa: E402
-from pask_jax.grammar.sql import SQLAdapter, schema_from_ddl, sql_grammar  # noqa: E402
+from pask_jax import tags as T
+from pask_jax.grammar import GrammarCompiler, GrammarError
+from pask_jax.grammar.sql import SQLAdapter, schema_from_ddl, sql_grammar
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 DDL = """CREATE TABLE singer (singer_id INTEGER PRIMARY KEY, name TEXT NOT NULL, country TEXT,
@@ -84,10 +82,10 @@ def test_join_and_predicate_golden_qwen():
 GOOD = [
     "SELECT * FROM singer",
     "SELECT DISTINCT country FROM singer ORDER BY country ASC LIMIT 5;",
-    "SELECT country, COUNT(*) FROM singer GROUP BY country HAVING COUNT(*) > 1 ORDER BY COUNT(*) DESC",
-    "SELECT COUNT(DISTINCT T1.name) AS n FROM singer AS T1 LEFT JOIN concert AS T2 ON T1.singer_id = T2.singer_id",
-    "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM concert WHERE year BETWEEN 2010 AND 2015)",
-    "SELECT T.name FROM (SELECT name, age FROM singer) AS T WHERE T.age >= 30 OR NOT (name LIKE 'A%')",
+    "SELECT country, COUNT(*) FROM singer GROUP BY country HAVING COUNT(*) > 1 ORDER BY COUNT(*) DESC",  # noqa: E501
+    "SELECT COUNT(DISTINCT T1.name) AS n FROM singer AS T1 LEFT JOIN concert AS T2 ON T1.singer_id = T2.singer_id",  # noqa: E501
+    "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM concert WHERE year BETWEEN 2010 AND 2015)",  # noqa: E501
+    "SELECT T.name FROM (SELECT name, age FROM singer) AS T WHERE T.age >= 30 OR NOT (name LIKE 'A%')",  # noqa: E501
     "SELECT name FROM singer WHERE country IS NOT NULL AND age NOT IN (1, 2) AND name = 'O''Hara'",
     'SELECT "full name" FROM singer',
     "SELECT AVG(age), MAX(age) FROM singer, concert WHERE singer.singer_id = concert.singer_id",

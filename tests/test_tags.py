@@ -37,7 +37,8 @@ def test_fields_and_names():
 
 
 def test_parent_chain():
-  c, r, s, n = T.Cls.SCHEMA_BEARING, T.FCRole.OPTIONAL, T.FCState.BOUNDARY, T.Next.LOOKAHEAD_CRITICAL
+  c, r, s = T.Cls.SCHEMA_BEARING, T.FCRole.OPTIONAL, T.FCState.BOUNDARY
+  n = T.Next.LOOKAHEAD_CRITICAL
   assert T.parents(T.fc(c, r, s, n)) == [T.fc(c, r, s, n), T.fc(c, r, s), T.fc(c, r), T.fc(c)]
   assert T.parents(T.fc(c, r)) == [T.fc(c, r), T.fc(c)]
   assert T.parents(T.fc(c)) == [T.fc(c)]

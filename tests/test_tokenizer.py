@@ -101,7 +101,7 @@ LLAMA3 = r"""{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (the model's template, verbatim)
 
 # Mistral-style, written WITHOUT whitespace control so that trim_blocks / lstrip_blocks matter.
 MISTRAL = """{{ bos_token }}
@@ -246,7 +246,8 @@ def test_tojson_and_kwargs_like_transformers(base_tok):
   tpl = ("{{ messages[0].content | tojson }}|{{ tools | tojson(indent=2, sort_keys=true) }}|"
          "{{ bos_token }}|{{ date_string | default('none') }}|{% generation %}x{% endgeneration %}"
          "|{{ namespace(a=1).a }}|{{ dict(b=2).b }}")
-  ours = Tokenizer(base_tok.tok, chat_template=tpl, stop_ids=[], special_tokens={"bos_token": "<B>"})
+  ours = Tokenizer(base_tok.tok, chat_template=tpl, stop_ids=[],
+                   special_tokens={"bos_token": "<B>"})
   hf = _hf_from(ours, tpl, {"bos_token": "<B>"})
   msgs = [{"role": "user", "content": "<b>&'\"</b> ☃"}]
   for kw in ({}, {"date_string": "1 Jan", "bos_token": "<override>"}):
@@ -258,15 +259,18 @@ def test_tojson_and_kwargs_like_transformers(base_tok):
 def test_continue_final_message_and_named_templates(tmp_path, base_tok):
   tpls = {"default": "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
                      "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
-          "tool_use": "TOOLS {{ (tools or []) | length }} {% for m in messages %}{{ m.content }}{% endfor %}"}
+          "tool_use": "TOOLS {{ (tools or []) | length }} "
+                      "{% for m in messages %}{{ m.content }}{% endfor %}"}
   d = _hf_dir(tmp_path, base_tok, tpls, {"eos_token": "</s>"})
   ours, hf = Tokenizer.from_hf_dir(d), transformers.AutoTokenizer.from_pretrained(d)
-  assert set(ours.chat_templates) == {"default", "tool_use"} and ours.chat_template == tpls["default"]
+  assert set(ours.chat_templates) == {"default",
+                                      "tool_use"} and ours.chat_template == tpls["default"]
   msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "The answer is"}]
   for kw in ({"tools": TOOLS, "add_generation_prompt": False},
              {"continue_final_message": True, "add_generation_prompt": False},
              {"chat_template": "tool_use", "add_generation_prompt": False}):
-    assert ours.apply_chat_template(msgs, **kw) == hf.apply_chat_template(msgs, tokenize=False, **kw)
+    assert ours.apply_chat_template(msgs, **kw) == hf.apply_chat_template(msgs, tokenize=False,
+                                                                          **kw)
   assert ours.apply_chat_template(msgs, continue_final_message=True).endswith("The answer is")
 
 

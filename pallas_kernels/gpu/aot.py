@@ -100,7 +100,8 @@ def triton_modules(fn, *args, **kwargs) -> list[tuple[str, bytes, dict]]:
 
 
 def find_ptxas() -> str:
-  """A ptxas new enough for PTX 9.0 (CUDA 13): $PTXAS, PATH, /usr/local/cuda*, pip nvidia-cuda-nvcc."""
+  """A ptxas new enough for PTX 9.0 (CUDA 13): $PTXAS, PATH, /usr/local/cuda*, pip
+  nvidia-cuda-nvcc."""
   cands = [os.environ.get("PTXAS"), shutil.which("ptxas")]
   cands += sorted(glob.glob("/usr/local/cuda*/bin/ptxas"), reverse=True)
   import site

@@ -34,7 +34,7 @@ from pallas_kernels import common
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 _LO, _HI, _WIN = 0, 1, 2
-_OFF = 136.0   # INT4 "bits" dequant: bf16(0x4300 | (n ^ 8)) == n + 136
+BITS_OFFSET = 136.0   # INT4 "bits" dequant: bf16(0x4300 | (n ^ 8)) == n + 136
 _NUM_SMS = 132  # H100 / H200: "auto" gives a large INT4 partition its own launch
 
 
@@ -68,7 +68,8 @@ def _pv(p, v, exact, with_sum=False):
   return (out, jnp.sum(fed, axis=1)) if with_sum else out
 
 
-def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4_prefetch, page_lo, page_hi, n_lo,
+def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4_prefetch, page_lo,
+            page_hi, n_lo,
             n_hi, chunk_lo, chunk_hi, chunk_w, bk_lo, bk_hi, bk_w, c, has_lo, has_hi, has_w):
   # lens_ref [8] i32 (lo, hi, win lengths; lo and window row bases of this layer and sequence,
   # -, -, -); q_ref [M, D] bf16.  Pools and window hold every layer, scales only this layer's;
@@ -129,9 +130,10 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
     start = split * chunk
     end = jnp.minimum(start + chunk, lens_ref[_LO])
     bk = bk_lo
-    off = 0.0 if int4_dequant == "cvt" else _OFF
+    off = 0.0 if int4_dequant == "cvt" else BITS_OFFSET
     # q . (code + OFF) = q . code + OFF * sum(q): subtract the second term (FP32, once).
-    q_off = off * (jnp.sum(ql.astype(jnp.float32), axis=1) + jnp.sum(qh.astype(jnp.float32), axis=1))
+    q_off = off * (jnp.sum(ql.astype(jnp.float32), axis=1)
+                   + jnp.sum(qh.astype(jnp.float32), axis=1))
 
     def where(i):
       pos = start + i * bk + jnp.arange(bk)
@@ -152,13 +154,13 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
     def step(i, kraw, vraw, sc, carry):
       ol, oh, m, l = carry
       valid = where(i)[1]
-      kl, kh = _unpack(kraw, int4_dequant)
+      kl, kh = unpack_halves(kraw, int4_dequant)
       ks, vs = _scales(sc)
       s = plgpu.dot(ql, kl, trans_b=True) + plgpu.dot(qh, kh, trans_b=True) - q_off[:, None]
       s = s * (ks * c)[None, :]
       p, alpha, m, l = _online((m, l), s, valid)
       pv = p * vs[None, :]
-      vl, vh = _unpack(vraw, int4_dequant)
+      vl, vh = unpack_halves(vraw, int4_dequant)
       # Same offset on the V side: p . (code + OFF) - OFF * sum(p), with the p actually fed.
       ol_b, psum = _pv(pv, vl, exact_pv_lo, with_sum=True)
       oh_b = _pv(pv, vh, exact_pv_lo)
@@ -207,14 +209,14 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
 
 
 # $0, $1 <- four bytes of $2 (byte j -> 16-bit lane j): bf16 bits ((nibble ^ 8) | 0x4300).
-_ASM_UNPACK_LO = """{
+ASM_UNPACK_LO = """{
 .reg .b32 t0, t1;
 prmt.b32 t0, $2, $2, 0x3130;
 prmt.b32 t1, $2, $2, 0x3332;
 lop3.b32 $0, t0, 0x000F000F, 0x43084308, 0x6A;
 lop3.b32 $1, t1, 0x000F000F, 0x43084308, 0x6A;
 }"""
-_ASM_UNPACK_HI = """{
+ASM_UNPACK_HI = """{
 .reg .b32 t0, t1;
 prmt.b32 t0, $2, $2, 0x3130;
 prmt.b32 t1, $2, $2, 0x3332;
@@ -234,8 +236,9 @@ def _spread(length, n, bk):
   return lax.div(per + (bk - 1), bk) * bk
 
 
-def _unpack(x, mode):
-  """[bk, D/2] u8 -> (low, high) halves as bf16: exact codes ("cvt") or code + OFF ("bits", "asm")."""
+def unpack_halves(x, mode):
+  """[bk, D/2] u8 -> (low, high) halves as bf16: exact codes ("cvt") or code + BITS_OFFSET
+  ("bits", "asm")."""
   if mode == "cvt":  # exact codes via int -> float conversions (slow on Hopper)
     x = x.astype(jnp.int32)
     lo = lax.shift_right_arithmetic(lax.shift_left(x, 28), 28)
@@ -249,7 +252,7 @@ def _unpack(x, mode):
     sds = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)]
     asm = lambda code: plgpu.elementwise_inline_asm(code, args=[x], constraints="=r,=r,r", pack=4,
                                                     result_shape_dtypes=sds)[0]
-    return asm(_ASM_UNPACK_LO), asm(_ASM_UNPACK_HI)
+    return asm(ASM_UNPACK_LO), asm(ASM_UNPACK_HI)
   # "bits": bf16 with bits 0x4300 | u is 128 + u exactly (7 mantissa bits), and u = n ^ 8 maps
   # the signed nibble n to n + 8, so the value is code + OFF with integer ops only.  The OFF is
   # removed after the MMA.
@@ -287,8 +290,8 @@ def _plan(cap, bk, chunk):
 
 
 _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
-          "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse", "num_warps_lo",
-          "num_stages_lo", "interpret")
+          "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse",
+          "num_warps_lo", "num_stages_lo", "interpret")
 
 
 def stack_inputs(window: Window, hi: HighPool, lo: LowPool, layer):
@@ -305,7 +308,8 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
                  num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
-                 exact_pv_lo: bool | None = None, int4_dequant: str | None = None, int4_prefetch: bool | None = None,
+                 exact_pv_lo: bool | None = None, int4_dequant: str | None = None,
+                 int4_prefetch: bool | None = None,
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten).
@@ -397,7 +401,8 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
         _kernel, g=g, page_lo=page_lo, page_hi=page_hi, n_lo=n_lo_, n_hi=n_hi_,
         chunk_lo=chunk_lo, chunk_hi=chunk_hi, chunk_w=chunk_w, bk_lo=block_lo, bk_hi=block_hi,
         bk_w=block_w, c=c, has_lo=bool(n_lo_), has_hi=bool(n_hi_), has_w=bool(n_w_),
-        exact_pv=exact_pv, exact_pv_lo=exact_pv_lo, int4_dequant=int4_dequant, int4_prefetch=int4_prefetch)
+        exact_pv=exact_pv, exact_pv_lo=exact_pv_lo, int4_dequant=int4_dequant,
+        int4_prefetch=int4_prefetch)
     return pl.pallas_call(
         kernel,
         grid=(hkv, ns, b),   # heads fastest: they share table/scale sectors and DRAM pages

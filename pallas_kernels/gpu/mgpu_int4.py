@@ -36,7 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-N_PAD = 16   # wgmma N: query heads of one KV head padded; 16 so the bf16 P^T tile rows are 32 bytes (the smallest swizzle)
+# wgmma N: the query heads of one KV head, padded; 16 so the bf16 P^T tile's rows are 32 bytes,
+# the smallest swizzle.
+N_PAD = 16
 LOG2E = math.log2(math.e)
 _FLOOR = -1e30   # finite "minus infinity" for the running max: empty tiles give alpha = 1, p = 0
 SM90_SMEM = 232448   # bytes of shared memory a Hopper block may use (the H200's limit)
@@ -210,7 +212,7 @@ def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2) -> None:
 
 
 def int4_view(packed: jax.Array) -> jax.Array:
-  """Our half-split bytes ``uint8[..., D/2]`` (``pallas_kernels.int4``) read as jax int4 ``[..., D]``.
+  """Half-split bytes ``uint8[..., D/2]`` (``pallas_kernels.int4``) read as jax int4 ``[..., D]``.
 
   Element 2j of the view is logical element j and element 2j+1 is j + D/2, so attention over the
   view equals attention over the logical row once q's columns go through :func:`interleave`.
@@ -219,7 +221,7 @@ def int4_view(packed: jax.Array) -> jax.Array:
 
 
 def interleave(x: jax.Array) -> jax.Array:
-  """Columns ``[0, D/2, 1, D/2 + 1, ...]`` of ``x[..., D]``: q for keys read by :func:`int4_view`."""
+  """Columns ``[0, D/2, 1, D/2 + 1, ...]`` of ``x[..., D]``: q for keys read by ``int4_view``."""
   half = x.shape[-1] // 2
   return jnp.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
 

@@ -44,7 +44,8 @@ def _pv(p, v, exact):
   return f(hi) + f((p - hi.astype(jnp.float32)).astype(jnp.bfloat16))
 
 
-def _kernel(lens_ref, tlo_ref, thi_ref, lay_ref, *refs, exact_pv, hkv, g, page_lo, page_hi, n_lo, n_hi, steps, c,
+def _kernel(lens_ref, tlo_ref, thi_ref, lay_ref, *refs, exact_pv, hkv, g, page_lo, page_hi, n_lo,
+            n_hi, steps, c,
             has_lo, has_hi):
   # Scalar prefetch (SMEM): lens [3*B] (lo, hi, win per sequence), tlo [B*n_lo], thi [B*n_hi],
   # lay [1] (the layer; only the index maps use it).
@@ -266,7 +267,8 @@ def decode_attention_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
                          interpret=False):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
   hq = q.shape[1]
-  o, m, l = partials_tpu(q, window, hi, lo, maps, layer, scale=scale, splits=splits, exact_pv=exact_pv,
+  o, m, l = partials_tpu(q, window, hi, lo, maps, layer, scale=scale, splits=splits,
+                         exact_pv=exact_pv,
                          interpret=interpret)
   out, _ = common.merge(o, m, l, axis=1)
   return out[:, :hq].astype(jnp.bfloat16)

@@ -24,13 +24,13 @@ from typing import Callable
 import numpy as np
 
 from pask_jax import policy as P
-from pask_jax import tags as T
+from pask_jax import actions as Act
 
 
 def entry_bits(head_dim: int) -> tuple[float, float]:
   """(H, L) bits of one (token, layer, KV head) entry: the cost model with one layer and head."""
   m = P.cost_model(1, 1, head_dim, 1)
-  return float(m[T.H, 0]), float(m[T.L, 0])
+  return float(m[Act.H, 0]), float(m[Act.L, 0])
 
 
 def low_ratio(head_dim: int) -> float:

@@ -12,12 +12,12 @@ as for PASK).  Fixed-profile: B ≈ m(L)/m(H) (0.27 for d = 64) plus the sinks, 
 from __future__ import annotations
 
 from pask_jax import policy as P
-from pask_jax import tags as T
+from pask_jax import actions as Act
 from pask_jax.baselines import _tables
 
 
 def policy(model, *, sink: int = P.DEFAULT_SINK, window: int = P.DEFAULT_WINDOW,
            tokenizer_hash: str | None = None):
   """All-L policy with the given sinks and recent window."""
-  return _tables.uniform(model, T.L, sink=sink, window=window, name="int4",
+  return _tables.uniform(model, Act.L, sink=sink, window=window, name="int4",
                          tokenizer_hash=tokenizer_hash)

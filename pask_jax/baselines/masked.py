@@ -18,9 +18,9 @@ float32 so that INT4-simulated rows hold the dequantized values exactly.  Wall t
 is therefore not comparable with PASK's kernels; accuracy and measured B are.
 
 Evicted entries are masked out of attention (their slots stay allocated); INT4 entries hold
-``dequant(quant(x))`` with :func:`pallas_kernels.int4.quantize` (per (token, head) row, fp16 scale).  The
-method and all its knobs are traced arrays (:class:`Rule`), so one compilation serves every method,
-budget and tuning configuration of a run.
+``dequant(quant(x))`` with :func:`pallas_kernels.int4.quantize` (per (token, head) row, fp16
+scale).  The method and all its knobs are traced arrays (:class:`Rule`), so one compilation serves
+every method, budget and tuning configuration of a run.
 """
 from __future__ import annotations
 
@@ -257,10 +257,12 @@ class MaskedRunner:
 
     def attend(st, layer, q, k, v, positions):
       Hkv = k.shape[2]
-      kc = st.k.at[layer, bi, pos].set(jnp.where(active[:, None, None], k[:, 0], st.k[layer, bi, pos])
-                                       .astype(jnp.float32), mode="drop")
-      vc = st.v.at[layer, bi, pos].set(jnp.where(active[:, None, None], v[:, 0], st.v[layer, bi, pos])
-                                       .astype(jnp.float32), mode="drop")
+      kc = st.k.at[layer, bi, pos].set(
+          jnp.where(active[:, None, None], k[:, 0], st.k[layer, bi, pos]).astype(jnp.float32),
+          mode="drop")
+      vc = st.v.at[layer, bi, pos].set(
+          jnp.where(active[:, None, None], v[:, 0], st.v[layer, bi, pos]).astype(jnp.float32),
+          mode="drop")
       keep = st.keep[layer] | (here & active[:, None])[:, None]        # [B, Hkv, S]
       low = st.low[layer]
       vis = (keep | here[:, None]) & (slot <= pos[:, None])[:, None]

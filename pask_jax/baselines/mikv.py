@@ -5,8 +5,8 @@ precision, the rest are kept at low precision instead of being evicted.
 Here, as in the PASK paper's reproduction (C.3: "H2O-style cumulative-attention importance"): the
 H2O rule of :mod:`pask_jax.baselines.h2o` picks the high tier (sinks, recent window and the heavy
 hitters, ``ceil(h·t)`` entries per (layer, KV head) after t tokens); every other entry is demoted
-to INT4 with PASK's exact quantizer (:mod:`pallas_kernels.int4`: 4-bit symmetric, per (token, head) row,
-fp16 scales — so MiKV's group-size knob is fixed at the row, d, and its low-bit width at 4).
+to INT4 with PASK's exact quantizer (:mod:`pallas_kernels.int4`: 4-bit symmetric, per (token, head)
+row, fp16 scales — so MiKV's group-size knob is fixed at the row, d, and its low-bit width at 4).
 Demotion is irreversible (the BF16 values are gone, as in PASK's cache).  Nothing is evicted, so
 B = h + (1 - h)·q with q = m(L)/m(H): the high ratio h is set from the target B by
 :func:`high_ratio` (any target below q is unreachable).  Runs on

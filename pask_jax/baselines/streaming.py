@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pask_jax import tags as T
+from pask_jax import actions as Act
 from pask_jax.baselines import _tables
 from pask_jax.baselines.budget import bisect
 
@@ -25,7 +25,7 @@ DEFAULT_SINK = 4
 
 def policy(model, *, sink: int = DEFAULT_SINK, window: int, tokenizer_hash: str | None = None):
   """All-R policy with the given sinks and recent window."""
-  return _tables.uniform(model, T.R, sink=sink, window=window, name="streaming",
+  return _tables.uniform(model, Act.R, sink=sink, window=window, name="streaming",
                          tokenizer_hash=tokenizer_hash)
 
 

@@ -123,7 +123,7 @@ class Adapter:
       for cr in (tg if isinstance(tg[0], tuple) else (tg,)):
         groups[cr] = groups.get(cr, False) or i >= n_forced
     ids = list(dict.fromkeys(self._pack(c, r, crit, nxt) for (c, r), crit in groups.items()))
-    return T.candidates(*_coarsen(ids))
+    return T.candidates(*coarsen(ids))
 
   def _state_id(self, matcher) -> int:
     if self.vocab is None:
@@ -148,7 +148,7 @@ def _frontier(grammar) -> Frontier:
   return fr
 
 
-def _coarsen(ids: list[int]) -> list[int]:
+def coarsen(ids: list[int]) -> list[int]:
   """More than N_CAND candidates: replace them by their parents (drop next, then state, role)."""
   for _ in range(3):
     if len(ids) <= T.N_CAND:

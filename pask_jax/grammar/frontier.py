@@ -57,7 +57,8 @@ def check_version(version: str | None = None) -> None:
   if v not in SUPPORTED:
     raise FrontierError(
         f"xgrammar {v} is installed, but the parser-frontier reader is pinned to "
-        f"{', '.join(SUPPORTED)}: it parses the private GrammarMatcher._debug_print_internal_state() "
+        f"{', '.join(SUPPORTED)}: it parses the private "
+        "GrammarMatcher._debug_print_internal_state() "
         "string. Re-check that format (tests/test_frontier.py) and add the version to "
         "pask_jax.grammar.frontier.SUPPORTED, or install xgrammar==0.2.9.")
 

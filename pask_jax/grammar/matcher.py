@@ -8,27 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 import numpy as np
 
-
-class GrammarError(ValueError):
-  """A schema or grammar that XGrammar cannot compile."""
+from pask_jax.grammar.errors import GrammarError, xgrammar_message
 
 
-_CPP = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?\.(?:cc|h|cpp):\d+: (?:Check failed: .*? is false: )?")
-
-
-def xgrammar_message(e: BaseException) -> str:
-  """XGrammar's error as one clean line: without its C++ timestamp, file and line."""
-  msg = _CPP.sub("", str(e)).strip()
-  return " ".join(msg.split()) or type(e).__name__
-
-
-def _xgr():
-  import xgrammar  # heavy import (torch): only when a grammar is used
+def import_xgrammar():
+  """The xgrammar module, imported on first use (it imports torch)."""
+  import xgrammar
   return xgrammar
 
 
@@ -36,7 +25,7 @@ class GrammarCompiler:
   """Compiles grammars for one tokenizer/model pair (vocab size = the model's logits width)."""
 
   def __init__(self, tokenizer, vocab_size: int, threads: int = 2):
-    xgr = _xgr()
+    xgr = import_xgrammar()
     vocab = list(tokenizer.token_bytes())
     vocab += [b""] * (vocab_size - len(vocab))  # padding rows of the lm_head: never allowed
     self.vocab_size = vocab_size
@@ -62,7 +51,7 @@ class GrammarCompiler:
     return Grammar(compiled, "json_schema", source=text)
 
   def ebnf(self, text: str, root: str = "root") -> "Grammar":
-    xgr = _xgr()
+    xgr = import_xgrammar()
     try:
       compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(text, root_rule_name=root))
     except Exception as e:
@@ -92,7 +81,7 @@ class Matcher:
   """One request's parser state. ``fill`` writes the allowed-token bitmask for the next step."""
 
   def __init__(self, grammar: Grammar):
-    xgr = _xgr()
+    xgr = import_xgrammar()
     self.grammar = grammar
     self.m = xgr.GrammarMatcher(grammar.compiled, max_rollback_tokens=-1)
 

@@ -68,7 +68,7 @@ def is_tools(x) -> bool:
   return _tool_fn(x) is not None
 
 
-class _JsonLabeler:
+class JsonLabeler:
   """Labels the characters of one valid JSON value (tool schemas) in ``lab``."""
 
   def __init__(self, text: str, lab: np.ndarray):
@@ -253,7 +253,7 @@ class _Scanner:
     return end
 
 
-def _json_spans(text: str, lab: np.ndarray) -> None:
+def json_spans(text: str, lab: np.ndarray) -> None:
   """Label every tool-schema JSON value of ``text`` (the first valid value at each bracket, as
   ``raw_decode`` would take it; a value that is not tools is searched inside).  Linear time."""
   sc = _Scanner(text)
@@ -278,7 +278,7 @@ def _json_spans(text: str, lab: np.ndarray) -> None:
         continue
       if is_tools(val):
         lab[j:e] = P.SCHEMA_SCAFFOLD
-        _JsonLabeler(text, lab).value(j, (None, False, False))
+        JsonLabeler(text, lab).value(j, (None, False, False))
         i = e
       else:
         i = j + 1  # a non-tool JSON value may still contain a tool list deeper in
@@ -403,7 +403,7 @@ def _ddl_spans(text: str, lab: np.ndarray) -> None:
 def char_labels(text: str) -> np.ndarray:
   """PromptLabel value of every character of ``text`` (int8[len(text)])."""
   lab = np.full((len(text),), int(P.PROTECTED_CONTENT), np.int8)
-  _json_spans(text, lab)
+  json_spans(text, lab)
   _ddl_spans(text, lab)
   return lab
 

@@ -46,12 +46,11 @@ the outputs, which stay valid.
 """
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 from urllib.parse import unquote
 
-from pask_jax.grammar.matcher import GrammarError
+from pask_jax.grammar.errors import GrammarError
 
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -204,6 +203,30 @@ def _canon(v: Any) -> str:
 
 def _name(ref: str) -> str:
   return unquote(ref[len("#/$defs/"):]).replace("~1", "/").replace("~0", "~")
+
+
+def scoped(params: Any, prefix: str, defs: dict) -> Any:
+  """``params`` with its own ``$defs`` moved into ``defs`` (as ``PREFIX.NAME``) and every local
+  ``$ref`` rewritten to point there, so refs resolve against the parameters, not an object that
+  wraps them (``#`` becomes the parameters themselves, kept as ``defs[prefix]`` if used)."""
+  if not isinstance(params, dict):
+    return params
+  params = local_refs(params)
+  own = params.pop("$defs", {})
+
+  def fix(node, at):
+    if isinstance(node, dict) and isinstance(node.get("$ref"), str):
+      r = node["$ref"]
+      node["$ref"] = _ptr("#/$defs", prefix) if r == "#" else _ptr(
+          "#/$defs", f"{prefix}.{_name(r)}")
+    return node
+
+  body = _walk(params, fix, "#")
+  for k, v in own.items():
+    defs[f"{prefix}.{k}"] = _walk(v, fix, "#")
+  if json.dumps(_ptr("#/$defs", prefix)) in json.dumps(body) + json.dumps(own):
+    defs[prefix] = body
+  return body
 
 
 class _Norm:

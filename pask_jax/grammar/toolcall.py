@@ -32,10 +32,12 @@ from typing import Any
 
 from pask_jax import tags as T
 from pask_jax.grammar.fc_adapter import FCAdapter
-from pask_jax.grammar.matcher import GrammarCompiler, GrammarError, Grammar, _xgr
+from pask_jax.grammar.matcher import Grammar, GrammarCompiler, GrammarError, import_xgrammar
+from pask_jax.grammar.schema_check import scoped
 
 FORMATS = ("fenced_json", "tool_call_tags", "json_list")
-# Measured defaults per model family (see module docstring): (format, JSON indent); override per call.
+# Measured defaults per model family (see module docstring): (format, JSON indent); override per
+# call.
 DEFAULT_STYLE = {"qwen2": ("fenced_json", 2), "qwen3": ("tool_call_tags", None),
                  "llama": ("json_list", None)}
 DEFAULT_FORMAT = {k: v[0] for k, v in DEFAULT_STYLE.items()}
@@ -72,37 +74,12 @@ def normalize_tools(tools: list[dict], check: bool = True) -> list[dict]:
   return out
 
 
-def _scoped(params: Any, i: int, defs: dict) -> Any:
-  """``params`` with its own ``$defs`` moved into ``defs`` (as ``tool{i}.NAME``) and every local
-  ``$ref`` rewritten to point there, so refs resolve against the parameters, not the call
-  object that wraps them (``#`` becomes the parameters themselves)."""
-  from pask_jax.grammar.schema_check import _name, _ptr, _walk, local_refs
-  if not isinstance(params, dict):
-    return params
-  params = local_refs(params)
-  own = params.pop("$defs", {})
-
-  def fix(node, at):
-    if isinstance(node, dict) and isinstance(node.get("$ref"), str):
-      r = node["$ref"]
-      node["$ref"] = _ptr("#/$defs", f"tool{i}") if r == "#" else _ptr(
-          "#/$defs", f"tool{i}.{_name(r)}")
-    return node
-
-  body = _walk(params, fix, "#")
-  for k, v in own.items():
-    defs[f"tool{i}.{k}"] = _walk(v, fix, "#")
-  if '"#/$defs/tool%d"' % i in json.dumps(body) + json.dumps(own):
-    defs[f"tool{i}"] = body
-  return body
-
-
 def call_schema(tools: list[dict]) -> dict:
   """JSON schema of one call object: ``{"name": const, "arguments": <tool parameters>}``."""
   defs: dict = {}
   alts = [{"type": "object",
            "properties": {"name": {"const": t["name"]},
-                          "arguments": _scoped(t["parameters"], i, defs)},
+                          "arguments": scoped(t["parameters"], f"tool{i}", defs)},
            "required": ["name", "arguments"], "additionalProperties": False}
           for i, t in enumerate(tools)]
   out = alts[0] if len(alts) == 1 else {"anyOf": alts}
@@ -129,12 +106,12 @@ TRIGGERS = {"fenced_json": "```json", "tool_call_tags": "<tool_call>", "json_lis
 
 
 def _call_ebnf(tools: list[dict], indent: int | None) -> str:
-  xgr = _xgr()
+  xgr = import_xgrammar()
   try:
     call = str(xgr.Grammar.from_json_schema(json.dumps(call_schema(tools)), any_whitespace=False,
                                             strict_mode=True, indent=indent))
   except Exception as e:
-    from pask_jax.grammar.matcher import xgrammar_message
+    from pask_jax.grammar.errors import xgrammar_message
     raise GrammarError(f"XGrammar cannot compile the tool schemas: {xgrammar_message(e)}") \
         from None
   return _rename_root(call, "call")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from pask_jax import tags as T
-from pask_jax.decode import FREE_TAG
+from pask_jax.tracker import FREE_TAG
 from pask_jax.grammar.matcher import new_bitmask
 
 

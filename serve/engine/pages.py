@@ -15,10 +15,10 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax import tags as T
+from pask_jax import actions as Act
 
 HI, LO = 0, 1           # pool index
-CODE = (T.H, T.L)       # the action stored in each pool
+CODE = (Act.H, Act.L)       # the action stored in each pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +152,13 @@ class PagePools:
     """The actions [k, G] of the tokens just written at positions ``p`` of slots ``rows`` (sinks
     are H), for later evictions."""
     a = actions.astype(np.int8)
-    self.acts[rows, p] = np.where((p < self.sink)[:, None], np.int8(T.H), a)
+    self.acts[rows, p] = np.where((p < self.sink)[:, None], np.int8(Act.H), a)
 
   def record_late(self, acts, rows) -> None:
     """A deferred forward's decided actions (device [B, G]) for ``rows``: (slot, position)."""
     a = np.asarray(acts).astype(np.int8)
     for b, p in rows:
-      self.acts[b, p] = T.H if p < self.sink else a[b]
+      self.acts[b, p] = Act.H if p < self.sink else a[b]
 
   def actions(self, b: int, n: int) -> np.ndarray:
     """The actions of slot ``b``'s first ``n`` positions (a copy)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pask_jax.decode import Tracker
+from pask_jax.tracker import Tracker
 
 _ids = itertools.count(1)
 

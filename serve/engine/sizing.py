@@ -19,7 +19,7 @@ import math
 import jax
 import numpy as np
 
-from pask_jax import tags as T
+from pask_jax import actions as Act
 from pask_jax.decode import PREFILL_CHUNK
 
 PREFILL_CHUNKS = (64, 128, 256, 512)   # prefill piece sizes (each one of the buckets below)
@@ -60,9 +60,9 @@ def reachable(policy) -> tuple[bool, bool]:
   f = np.asarray(policy.floor).astype(np.int32)
   p = np.asarray(policy.prio)
   top = np.maximum(a, f)
-  top = np.where((top == T.R) & np.isfinite(p[..., 0]), T.L, top)
-  top = np.where((top == T.L) & np.isfinite(p[..., 1]), T.H, top)
-  return bool(np.any(top == T.H)), bool(np.any((f <= T.L) & (top >= T.L)))
+  top = np.where((top == Act.R) & np.isfinite(p[..., 0]), Act.L, top)
+  top = np.where((top == Act.L) & np.isfinite(p[..., 1]), Act.H, top)
+  return bool(np.any(top == Act.H)), bool(np.any((f <= Act.L) & (top >= Act.L)))
 
 
 def worst_pages(policy, n_tokens: int, page: int) -> tuple[int, int]:
@@ -91,7 +91,7 @@ def expected_mix(policy) -> tuple[float, float, str]:
   if not can_h:
     return 0.0, 1.0, "policy never stores H beyond sinks: all L"
   cost = np.asarray(policy.cost, np.float64)
-  rho = float(cost[T.L].sum() / cost[T.H].sum()) if cost[T.H].sum() > 0 else 0.26
+  rho = float(cost[Act.L].sum() / cost[Act.H].sum()) if cost[Act.H].sum() > 0 else 0.26
   h = min(1.0, max(0.0, (B - rho) / (1.0 - rho)))
   return h, 1.0 - h, f"policy budget B={B:.2f} spent with no R (rho={rho:.3f})"
 

@@ -32,7 +32,7 @@ from flax import nnx
 
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
-from pask_jax import tags as T
+from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
 from pask_jax.sample import apply_bitmask, nucleus
 from serve.engine.pages import NoPages, PagePools
@@ -204,7 +204,7 @@ class PagedStep(Step):
       cands = prompt_candidates([r.tags], np.array([n]), Tn)
       plan = np.asarray(self._plan(self.policy, jnp.asarray(cands), jnp.asarray([n], jnp.int32)))
       plan = plan[0, :n].copy()
-      plan[:self.policy.sink] = T.H   # the cache forces sinks H
+      plan[:self.policy.sink] = Act.H   # the cache forces sinks H
       r.plan = r.prompt_plan = plan
       seconds = time.perf_counter() - t0
     return self.pages.need(r.plan), seconds

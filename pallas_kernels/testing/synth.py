@@ -1,8 +1,9 @@
 """Random kernel inputs that honour the cache contract, for tests, compare-kernels and benches.
 
 Never zeros: K/V are N(0, 1) (scaled per head so scores are not flat).  Everything the contract
-calls invisible is poisoned -- NaN in BF16 slots beyond a length, NaN fp16 scales, garbage page-table
-entries (out of range) beyond a sequence's pages -- so any leak of invisible data shows as NaN.
+calls invisible is poisoned -- NaN in BF16 slots beyond a length, NaN fp16 scales, garbage
+page-table entries (out of range) beyond a sequence's pages -- so any leak of invisible data shows
+as NaN.
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool =
   window = Window(bf(kw), bf(vw), jnp.asarray(win_len))
   hi = HighPool(bf(khi), bf(vhi))
   lo = LowPool(jnp.asarray(kc, jnp.uint8), jnp.asarray(vc, jnp.uint8), jnp.asarray(sc, jnp.float16))
-  maps = PageMaps(jnp.asarray(hi_tbl), jnp.asarray(hi_len), jnp.asarray(lo_tbl), jnp.asarray(lo_len))
+  maps = PageMaps(jnp.asarray(hi_tbl), jnp.asarray(hi_len), jnp.asarray(lo_tbl),
+                  jnp.asarray(lo_len))
   return bf(q), window, hi, lo, maps
 
 
