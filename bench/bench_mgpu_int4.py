@@ -4,7 +4,7 @@ Per variant (tile, pipeline stages, context splits) at the 4B-like and 0.5B head
 relative error norm against ``attend_reference`` with ragged lengths (some splits empty), then the
 kernel time at full length over the bytes it reads (K and V codes + f32 scales). One JSON line each.
 
-  python bench/bench_mgpu_int4.py --out $OUT/int4.jsonl [--quick]
+  python bench/bench_mgpu_int4.py --out $OUT/int4.jsonl [--quick | --table | --upcasts]
 """
 from __future__ import annotations
 
@@ -43,11 +43,15 @@ def main() -> None:
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--n", type=int, default=32768)
   ap.add_argument("--iters", type=int, default=30)
+  ap.add_argument("--upcasts", action="store_true",
+                  help="the A-operand upcast variants (k_upcast x v_upcast) at the best knobs")
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()
   if a.table:
     return table(a)
+  if a.upcasts:
+    return upcasts(a)
   if a.quick:
     grid = {"4b": [(128, 2, 8, "dim")], "0.5b": [(128, 2, 32, "dim")]}
   else:
@@ -78,6 +82,37 @@ def main() -> None:
           row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
                      tb=traceback.format_exc()[-4000:])
         print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "tb"}), flush=True)
+        fo.write(json.dumps(row) + "\n")
+        fo.flush()
+
+
+def upcasts(a) -> None:
+  """Each (k_upcast, v_upcast) at 128-row tiles, 2 stages, dim-major V, the best splits."""
+  print(jax.devices(), jax.__version__, flush=True)
+  pairs = [("bf16", "bf16"), ("bf16_up4", "bf16"), ("bf16", "bf16_up4"),
+           ("bf16_up4", "bf16_up4"), ("s8", "bf16"), ("s8", "bf16_up4")]
+  with open(a.out, "w") as fo:
+    for name, splits in (("4b", 8), ("0.5b", 32)):
+      q, k, kscale, v, vscale, lens, g, d = inputs(name, a.n)
+      vt = jnp.swapaxes(v, 1, 2)
+      sm = d ** -0.5
+      ref = mgpu_int4.attend_reference(q, k, kscale, v, vscale, lens, sm_scale=sm)[:, :g]
+      full = jnp.full_like(lens, a.n)
+      for ku, vu in pairs:
+        knobs = dict(tile=128, stages=2, splits=splits, v_major="dim", k_upcast=ku, v_upcast=vu)
+        row = dict(shape=name, bh=q.shape[0], d=d, n=a.n, **knobs)
+        try:
+          out = mgpu_int4.attend(q, k, kscale, vt, vscale, lens, sm_scale=sm, **knobs)[:, :g]
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          qin, extra = (q, ()) if ku != "s8" else (mgpu_int4.split_q(q)[0],
+                                                   (mgpu_int4.split_q(q)[1],))
+          f = jax.jit(lambda *x, kn=tuple(knobs.items()): mgpu_int4.partition(*x, **dict(kn)))
+          sec = kernel_time(f, (qin, k, kscale, vt, vscale, full, *extra), a.iters)
+          nbytes = q.shape[0] * a.n * (d + 8)
+          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}")
+        print(json.dumps(row), flush=True)
         fo.write(json.dumps(row) + "\n")
         fo.flush()
 

@@ -59,6 +59,31 @@ def test_algorithm_matches_float32_attention(g, d, v_major):
     assert rel(out[b], ref[b]) < 4e-3, b
 
 
+@pytest.mark.parametrize("g,d", [(1, 64), (7, 64), (4, 128), (8, 128)])
+def test_int8_split_scores_match_float32_attention(g, d):
+  """k_upcast="s8": q as two int8 halves, two exact integer products per tile, combined in f32."""
+  n = 1024
+  q, k, ks, v, vs, lens = make(g, d, n, [n, 333, 1, 900], seed=40 + g)
+  sm = d ** -0.5
+  q8, qscale = M.split_q(q)
+  assert q8.dtype == jnp.int8 and q8.shape == (4, 2, M.N_PAD, d) and qscale.shape == (4,)
+  back = qscale[:, None, None] * (q8[:, 0].astype(jnp.float32) + q8[:, 1] / M.Q_LO)
+  err = jnp.abs(back - q.astype(jnp.float32)).max(axis=(1, 2))
+  assert bool(jnp.all(err <= qscale / M.Q_LO * 0.5 + 1e-7))   # half a low-half step
+  parts = M.partition_reference(q8, k, ks, jnp.swapaxes(v, 1, 2), vs, lens, qscale, tile=64,
+                                splits=4, k_upcast="s8", qk_scale=sm * M.LOG2E)
+  out = M.merge(*parts)[:, :g]
+  ref = M.attend_reference(q, k, ks, v, vs, lens, sm_scale=sm)[:, :g]
+  bf16 = M.merge(*M.partition_reference(q, k, ks, jnp.swapaxes(v, 1, 2), vs, lens, tile=64,
+                                        splits=4, qk_scale=sm * M.LOG2E))[:, :g]
+  # The bf16 P^T of the PV MMA sets the floor (1.6-2.8e-3 by seed); the int8 split of q adds
+  # nothing visible on top of it.
+  assert rel(out, ref) < 3e-3 and rel(out, ref) <= rel(bf16, ref) + 1e-4
+  with pytest.raises(ValueError, match="split_q"):
+    M.partition_reference(q, k, ks, jnp.swapaxes(v, 1, 2), vs, lens, tile=64, splits=4,
+                          k_upcast="s8")
+
+
 def test_empty_rows_give_zeros_not_nan():
   q, k, ks, v, vs, _ = make(4, 64, 512, [0, 0], seed=3)
   lens = jnp.asarray([0, 300], jnp.int32)
@@ -116,19 +141,26 @@ def test_bad_shapes_are_one_line_errors():
     M.partition_reference(q, k, ks, v, vs, lens, tile=64, splits=2, v_major="rows")
 
 
-def _lower(d, v_major, tile, stages=2, splits=4, bh=4, n=4096):
+def _lower(d, v_major, tile, stages=2, splits=4, bh=4, n=4096, k_upcast="bf16",
+           v_upcast="bf16"):
   S = jax.ShapeDtypeStruct
   v_shape = (bh, n, d) if v_major == "token" else (bh, d, n)
-  args = (S((bh, M.N_PAD, d), jnp.bfloat16), S((bh, n, d), jnp.int4), S((bh, n), jnp.float32),
+  s8 = k_upcast == "s8"
+  q = S((bh, 2, M.N_PAD, d), jnp.int8) if s8 else S((bh, M.N_PAD, d), jnp.bfloat16)
+  args = (q, S((bh, n, d), jnp.int4), S((bh, n), jnp.float32),
           S(v_shape, jnp.int4), S((bh, n), jnp.float32), S((bh,), jnp.int32))
+  args += (S((bh,), jnp.float32),) if s8 else ()
   return M.partition.trace(*args, tile=tile, stages=stages, splits=splits, v_major=v_major,
-                           qk_scale=0.1).lower(lowering_platforms=("cuda",))
+                           qk_scale=0.1, k_upcast=k_upcast, v_upcast=v_upcast,
+                           ).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("d,v_major,tile", [(128, "dim", 128), (64, "dim", 128),
-                                            (128, "token", 64), (64, "token", 128)])
-def test_kernel_lowers_to_mosaic_gpu(d, v_major, tile):
-  text = _lower(d, v_major, tile).as_text()
+@pytest.mark.parametrize("d,v_major,tile,k_upcast,v_upcast", [
+    (128, "dim", 128, "bf16", "bf16"), (64, "dim", 128, "bf16", "bf16"),
+    (128, "token", 64, "bf16", "bf16"), (64, "token", 128, "bf16", "bf16"),
+    (128, "dim", 128, "bf16_up4", "bf16_up4"), (64, "dim", 128, "s8", "bf16_up4")])
+def test_kernel_lowers_to_mosaic_gpu(d, v_major, tile, k_upcast, v_upcast):
+  text = _lower(d, v_major, tile, k_upcast=k_upcast, v_upcast=v_upcast).as_text()
   assert "mosaic_gpu" in text
 
 

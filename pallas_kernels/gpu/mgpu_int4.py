@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 N_PAD = 16
 LOG2E = math.log2(math.e)
 _FLOOR = -1e30   # finite "minus infinity" for the running max: empty tiles give alpha = 1, p = 0
+Q_LO = 254.0        # q's int8 low half is in units of scale / Q_LO (split_q)
 SM90_SMEM = 232448   # bytes of shared memory a Hopper block may use (the H200's limit)
 _SCRATCH = 8192      # Mosaic GPU's reduction scratch and barriers, rounded up
 
@@ -72,17 +73,28 @@ def _transforms(minor: int, dtype, what: str, swz: int | None = None):
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
-                                             "qk_scale"))
-def partition(q, k, ks, v, vs, lens, *, tile: int = 128, stages: int = 2, splits: int = 8,
-              lazy_sum: bool = True, v_major: str = "dim", qk_scale: float = 1.0):
+                                             "qk_scale", "k_upcast", "v_upcast"))
+def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: int = 2,
+              splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
+              qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16"):
   """-> (o[BH, splits, D, 16] f32 unnormalized O^T, m[BH, splits, D, 16], l[BH, splits, D, 16]).
 
   ``v_major="token"``: ``v[BH, N, D]``, upcast into a bf16 shared-memory tile read transposed.
   ``v_major="dim"``: ``v[BH, D, N]`` (V stored transposed), upcast in registers straight into
   wgmma's A operand like K, so no bf16 tile round trip.
+
+  How an INT4 tile becomes an A operand (``k_upcast`` for K, ``v_upcast`` for dim-major V):
+  ``"bf16"`` loads it in the 16-bit wgmma layout and upcasts there; ``"bf16_up4"`` loads it in
+  the 4x-upcast layout (32-bit shared-memory loads), relayouts the packed codes (two shuffles per
+  register) and upcasts; ``"s8"`` (K only) upcasts to int8 in the 8-bit layout for two s8 wgmmas
+  against ``q`` split into int8 halves (``q[BH, 2, 16, D]`` int8 and ``qscale[BH]`` f32 from
+  :func:`split_q`), exact integer products combined in f32.
   """
   bh, n, d = k.shape
-  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages)
+  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages,
+         k_upcast=k_upcast, v_upcast=v_upcast, qscale=qscale)
+  if qscale is None:
+    qscale = jnp.ones((bh,), jnp.float32)
   steps = n // tile // splits
   k_elems, k_tr = _transforms(d, k.dtype, "keys")
   q_elems, q_tr = _transforms(d, q.dtype, "queries")
@@ -94,7 +106,18 @@ def partition(q, k, ks, v, vs, lens, *, tile: int = 128, stages: int = 2, splits
   row = plgpu.Layout.WGMMA.reduce(1)
   col = plgpu.Layout.WGMMA.reduce(0)
 
-  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, o_gmem, m_gmem, l_gmem,
+  s8 = k_upcast == "s8"
+
+  def operand(ref, how):
+    """An INT4 shared-memory tile -> wgmma A operand registers (bf16, or int8 for "s8")."""
+    if how == "s8":
+      return _load(ref, plgpu.Layout.WGMMA_8BIT).astype(jnp.int8)
+    if how == "bf16_up4":
+      x = plgpu.layout_cast(_load(ref, plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
+      return x.astype(jnp.bfloat16)
+    return ref[...].astype(jnp.bfloat16)
+
+  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, o_gmem, m_gmem, l_gmem,
            q_smem, vb_smem, p_smem, o_smem, bar):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
@@ -106,14 +129,29 @@ def partition(q, k, ks, v, vs, lens, *, tile: int = 128, stages: int = 2, splits
       m, l, acc = carry
 
       def scores(acc_ref):
-        kr = k_smem[...]
+        kr = operand(k_smem, k_upcast)
         for j in range(d // kslice):
           sl = slice(j * kslice, (j + 1) * kslice)
-          plgpu.wgmma(acc_ref, kr[:, sl].astype(jnp.bfloat16), q_smem.at[:, sl].T)
+          plgpu.wgmma(acc_ref, kr[:, sl], q_smem.at[:, sl].T)
         return acc_ref[...]
 
-      s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
-      s = s * lax.broadcast_in_dim(_load(ks_smem, row) * qk_scale, s.shape, [0])
+      def scores_s8(refs):
+        hi, lo = refs
+        kr = operand(k_smem, "s8")
+        for j in range(d // kslice):
+          sl = slice(j * kslice, (j + 1) * kslice)
+          plgpu.wgmma(hi, kr[:, sl], q_smem.at[0, :, sl].T)
+          plgpu.wgmma(lo, kr[:, sl], q_smem.at[1, :, sl].T)
+
+      if s8:
+        zero = plgpu.layout_cast(jnp.zeros((tile, N_PAD), jnp.int32), plgpu.Layout.WGMMA)
+        hi, lo = pl.run_state(scores_s8)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
+        s = hi.astype(jnp.float32) + lo.astype(jnp.float32) * (1.0 / Q_LO)
+        scale = _load(ks_smem, row) * (qk_scale * qs_gmem[b])
+      else:
+        s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
+        scale = _load(ks_smem, row) * qk_scale
+      s = s * lax.broadcast_in_dim(scale, s.shape, [0])
       first = (sp * steps + idx[0]) * tile
       tok = plgpu.broadcasted_iota(jnp.int32, (tile, N_PAD), 0, layout=plgpu.Layout.WGMMA)
       s = jnp.where(tok + first < length, s, -jnp.inf)
@@ -134,7 +172,7 @@ def partition(q, k, ks, v, vs, lens, *, tile: int = 128, stages: int = 2, splits
         if v_major == "token":
           plgpu.wgmma(acc_ref, vb_smem.T, p_smem)
         else:
-          plgpu.wgmma(acc_ref, v_smem[...].astype(jnp.bfloat16), p_smem)
+          plgpu.wgmma(acc_ref, operand(v_smem, v_upcast), p_smem)
         return acc_ref[...]
 
       # A fresh accumulator plus an add ([D, 16] adds) instead of run_state over the old one.
@@ -180,23 +218,33 @@ def partition(q, k, ks, v, vs, lens, *, tile: int = 128, stages: int = 2, splits
       grid=(bh, splits),
       grid_names=("bh", "sp"),
       scratch_types=dict(
-          q_smem=plgpu.SMEM((N_PAD, d), q.dtype, transforms=q_tr),
+          q_smem=plgpu.SMEM(q.shape[1:], q.dtype, transforms=q_tr),
           vb_smem=plgpu.SMEM((tile if v_major == "token" else 8, d), jnp.bfloat16,
                              transforms=vb_tr),   # unused (8 rows) when V is dim-major
           p_smem=plgpu.SMEM((tile, N_PAD), jnp.bfloat16, transforms=p_tr),
           o_smem=plgpu.SMEM((d, N_PAD), jnp.float32),
           bar=plgpu.Barrier(),
       ),
-  )(q, k, ks, v, vs, lens)
+  )(q, k, ks, v, vs, lens, qscale)
 
 
-def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2) -> None:
+def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="bf16",
+           v_upcast="bf16", qscale=None) -> None:
   """One-line errors for shapes the kernel cannot take (before Mosaic GPU sees them)."""
   if v_major not in ("token", "dim"):
     raise ValueError(f"v_major must be 'token' or 'dim', got {v_major!r}")
+  if k_upcast not in ("bf16", "bf16_up4", "s8"):
+    raise ValueError(f"k_upcast must be 'bf16', 'bf16_up4' or 's8', got {k_upcast!r}")
+  if v_upcast not in ("bf16", "bf16_up4"):
+    raise ValueError(f"v_upcast must be 'bf16' or 'bf16_up4', got {v_upcast!r}")
   bh, n, d = k.shape
   v_shape = (bh, n, d) if v_major == "token" else (bh, d, n)
-  want = {"q": (bh, N_PAD, d), "v": v_shape, "ks": (bh, n), "vs": (bh, n), "lens": (bh,)}
+  s8 = k_upcast == "s8"
+  want = {"q": (bh, 2, N_PAD, d) if s8 else (bh, N_PAD, d), "v": v_shape, "ks": (bh, n),
+          "vs": (bh, n), "lens": (bh,)}
+  if s8 and (q.dtype != jnp.int8 or qscale is None or tuple(qscale.shape) != (bh,)):
+    raise ValueError("k_upcast='s8' takes q as int8 [BH, 2, 16, D] halves with qscale [BH] "
+                     "(see split_q)")
   for name, arr in (("q", q), ("v", v), ("ks", ks), ("vs", vs), ("lens", lens)):
     if tuple(arr.shape) != want[name]:
       raise ValueError(f"{name} must have shape {want[name]} for k {tuple(k.shape)} "
@@ -226,6 +274,17 @@ def interleave(x: jax.Array) -> jax.Array:
   return jnp.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
 
 
+def split_q(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``q[BH, 16, D]`` -> (int8 ``[BH, 2, 16, D]`` halves, f32 ``scale[BH]``) with
+  ``q ~= scale * (hi + lo / Q_LO)`` to about ``max|q| / (2 * 127 * Q_LO)``: finer than bf16."""
+  qf = q.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(qf), axis=(1, 2)) / 127.0
+  scale = jnp.where(scale > 0, scale, 1.0)
+  hi = jnp.clip(jnp.round(qf / scale[:, None, None]), -127, 127)
+  lo = jnp.clip(jnp.round((qf / scale[:, None, None] - hi) * Q_LO), -127, 127)
+  return jnp.stack([hi, lo], axis=1).astype(jnp.int8), scale
+
+
 def merge(o, m, l):
   """Splits -> ``out[BH, 16, D]`` f32 by the log-sum-exp rule (base 2)."""
   m, l = m[:, :, 0, :], l[:, :, 0, :]                     # [BH, S, 16]
@@ -238,20 +297,29 @@ def merge(o, m, l):
 
 def attend(q, k, ks, v, vs, lens, *, sm_scale: float, **knobs):
   """Softmax attention of ``q[BH, 16, D]`` over the INT4 keys/values -> ``[BH, 16, D]`` f32."""
+  if knobs.get("k_upcast") == "s8":
+    q8, qscale = split_q(q)
+    return merge(*partition(q8, k, ks, v, vs, lens, qscale, qk_scale=sm_scale * LOG2E, **knobs))
   return merge(*partition(q.astype(jnp.bfloat16), k, ks, v, vs, lens,
                           qk_scale=sm_scale * LOG2E, **knobs))
 
 
 
-def partition_reference(q, k, ks, v, vs, lens, *, tile: int = 128, splits: int = 8,
-                        v_major: str = "dim", qk_scale: float = 1.0, **_):
-  """:func:`partition` in jnp: the same tiles, splits, masks, bf16 roundings and outputs."""
-  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major)
+def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, splits: int = 8,
+                        v_major: str = "dim", qk_scale: float = 1.0, k_upcast: str = "bf16",
+                        v_upcast: str = "bf16", **_):
+  """:func:`partition` in jnp: the same tiles, splits, masks, roundings and outputs."""
+  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, k_upcast=k_upcast,
+         v_upcast=v_upcast, qscale=qscale)
   bh, n, d = k.shape
   steps = n // tile // splits
   vt = v if v_major == "token" else jnp.swapaxes(v, 1, 2)              # [BH, N, D]
-  s = jnp.einsum("bgd,bnd->bng", q.astype(jnp.bfloat16).astype(jnp.float32),
-                 k.astype(jnp.float32))                                 # exact bf16 products
+  kf = k.astype(jnp.float32)
+  if k_upcast == "s8":     # two exact integer products, combined in f32 as the kernel does
+    hi, lo = (jnp.einsum("bgd,bnd->bng", q[:, i].astype(jnp.float32), kf) for i in (0, 1))
+    s = (hi + lo * (1.0 / Q_LO)) * qscale[:, None, None]
+  else:
+    s = jnp.einsum("bgd,bnd->bng", q.astype(jnp.bfloat16).astype(jnp.float32), kf)
   s = s * (ks * qk_scale)[..., None]
   s = jnp.where(jnp.arange(n)[None, :, None] < lens[:, None, None], s, -jnp.inf)
   tiles = lambda x: jnp.moveaxis(x.reshape(bh, splits, steps, tile, *x.shape[2:]), 2, 0)
