@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import common, synth
+from pallas_kernels import common
+from pallas_kernels.testing import synth
 
 
 @pytest.mark.parametrize("hq,hkv,d,page,lens", [
