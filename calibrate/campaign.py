@@ -567,7 +567,8 @@ def run_cell(session: E.Session, cell: Cell, plan: Plan, *, load_s: float | None
            "labels": {"model": cell.model.label, "method": cell.method.label,
                       "split": cell.split.label, "part": cell.part},
            **meta,
-           "model_path": cell.model_path, "dtype": cell.model.dtype, "seed": plan.seed,
+           "model_spec": cell.model.spec, "model_path": cell.model_path,
+           "dtype": cell.model.dtype, "seed": plan.seed,
            "split_rule": f"calibrate.bfcl.assign_splits, seed {plan.seed}"
            if plan.task == "bfcl" else plan.task,
            "policy": cell.policy, "knobs": cell.knobs, "plan_batch": plan.batch,
@@ -604,13 +605,21 @@ class Outcome:
 
 @contextlib.contextmanager
 def _lock(folder: str):
+  """One campaign at a time on a results folder; partial cells of a killed one are removed."""
   import fcntl
   os.makedirs(folder, exist_ok=True)
+  ignore = os.path.join(folder, ".gitignore")
+  if not os.path.exists(ignore):   # the cells are committed, the lock and partial cells not
+    with open(ignore, "w") as f:
+      f.write(f".lock\n{PARTIAL}*/\n")
   with open(os.path.join(folder, ".lock"), "w") as f:
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
       raise PlanError(f"another campaign is running on {folder}") from None
+    for e in os.scandir(folder):
+      if e.name.startswith(PARTIAL):
+        shutil.rmtree(e.path, ignore_errors=True)
     yield
 
 
@@ -619,12 +628,15 @@ def _say(msg: str) -> None:
 
 
 def run(plan: Plan, *, time_limit: float | None = None, task: Any = None,
-        progress: Any = False, log: Callable[[str], None] = _say,
-        clock: Callable[[], float] = time.monotonic) -> Outcome:
+        progress: Any = False, copy_to: str | None = None,
+        log: Callable[[str], None] = _say, clock: Callable[[], float] = time.monotonic) -> Outcome:
   """Run the plan's cells that are not done and are expected to finish within ``time_limit``
-  seconds (from now; None: all), one model loaded at a time.  A cell that fails with a
+  seconds (from now; None: all), one model loaded at a time.  A cell is started only when its
+  expected time fits in what is left; a running cell is not cut.  A cell that fails with a
   ``ValueError`` (e.g. a budget its method cannot reach) is reported and the rest go on; any
-  other exception stops the campaign, leaving no trace of the interrupted cell."""
+  other exception stops the campaign, leaving no trace of the interrupted cell.  ``copy_to``:
+  also copy each finished cell to ``copy_to/<plan name>/<key>/`` as soon as it is written (a
+  machine whose results come back from one folder)."""
   t0 = clock()
   task = task or TASKS[plan.task]()
   todo = cells(plan, task)
@@ -659,6 +671,8 @@ def run(plan: Plan, *, time_limit: float | None = None, task: Any = None,
         out.failed.append((cell, str(e)))
         log(f"{tag}: failed: {e}")
         continue
+      if copy_to:
+        shutil.copytree(cell.dir, os.path.join(copy_to, plan.name, cell.key), dirs_exist_ok=True)
       est.add(doc)
       out.ran.append(cell)
       hd = doc["headline"] or {"accuracy": doc["accuracy"], "se": doc["se"]}

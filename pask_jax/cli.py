@@ -189,7 +189,8 @@ def cmd_campaign(args) -> int:
     if args.dry_run:
       print(C.describe(plan, C.cells(plan)))
       return 0
-    out = C.run(plan, time_limit=args.time_limit, progress=not args.no_progress)
+    out = C.run(plan, time_limit=args.time_limit, progress=not args.no_progress,
+                copy_to=args.copy_to)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   for cell, msg in out.failed:
@@ -366,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                        "start (also 10m, 1.5h; default: no limit)")
   cp.add_argument("--dry-run", action="store_true", help="list the cells and which are done")
   cp.add_argument("--results", default=None, help="results root (default results/campaign)")
+  cp.add_argument("--copy-to", default=None, metavar="DIR",
+                  help="also copy each finished cell to DIR/<plan name>/<key>/ as it completes")
   cp.add_argument("--no-progress", action="store_true")
   args, rest = ap.parse_known_args(argv)
   if args.cmd == "compare-kernels":

@@ -155,7 +155,7 @@ def counting_run(monkeypatch, clock=None, seconds=0.0):
 def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
   plan = C.load_plan(write_plan(env), str(env / "results"))
   calls = counting_run(monkeypatch)
-  out = C.run(plan, task=task, log=lambda s: None)
+  out = C.run(plan, task=task, copy_to=str(env / "back"), log=lambda s: None)
   assert [len(x) for x in (out.ran, out.done_before, out.left, out.failed)] == [3, 0, 0, 0]
   assert len(calls) == 3
   for cell in out.ran:
@@ -172,12 +172,16 @@ def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
     assert doc["measured_B"]["total_B"] == pytest.approx(np.mean([r["total_B"] for r in rows]))
     assert len(doc["git"]["commit"]) == 40 and doc["jax"]["backend"] == "cpu"
     assert doc["timings"]["cell_s"] >= 0 and doc["labels"]["model"] == "tiny"
+    copy = env / "back" / "t" / cell.key
+    assert json.load(open(copy / "cell.json")) == doc and (copy / "cases.jsonl").exists()
   assert task.loads >= 1
   # the same cases for every method: the split and its seed are the plan's
   assert len({json.dumps(json.load(open(os.path.join(c.dir, "cell.json")))["material"]["cases"])
               for c in out.ran}) == 1
 
+  (env / "results" / "t" / (C.PARTIAL + "0123")).mkdir()   # left by a killed campaign
   again = C.run(plan, task=task, log=lambda s: None)
+  assert not (env / "results" / "t" / (C.PARTIAL + "0123")).exists()
   assert len(again.ran) == 0 and len(again.done_before) == 3 and len(calls) == 3
 
   assert cli.main(["campaign", plan.path, "--results", str(env / "results"), "--dry-run"]) == 0
@@ -246,7 +250,7 @@ def test_interrupted_cell_leaves_no_cell_json_and_reruns(env, task, monkeypatch)
   with pytest.raises(KeyboardInterrupt):
     C.run(plan, task=task, log=lambda s: None)
   assert [c.done for c in C.cells(plan, task)] == [True, False, False]
-  assert sorted(os.listdir(plan.folder)) == [".lock", cs[0].key]
+  assert sorted(os.listdir(plan.folder)) == [".gitignore", ".lock", cs[0].key]
   monkeypatch.undo()
   monkeypatch.setenv("PASK_JAX_CACHE", str(env / "cache"))
   out = C.run(plan, task=task, log=lambda s: None)
