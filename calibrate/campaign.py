@@ -56,7 +56,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -64,7 +63,8 @@ import subprocess
 import sys
 import time
 import tomllib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from calibrate import evaluate as E
 
@@ -195,7 +195,8 @@ def load_plan(path: str, results: str | None = None) -> Plan:
                  rule="one of " + ", ".join(DTYPES))
     models.append(Model(label, spec, dtype))
   if not models:
-    raise PlanError("models: the plan has no models (add e.g. [models] m = \"smollm2-135m-instruct\")")
+    raise PlanError("models: the plan has no models (add e.g. [models] m = "
+                    "\"smollm2-135m-instruct\")")
 
   methods = []
   for label, v in _get(t, "methods", "plan", dict, {}).items():

@@ -27,6 +27,7 @@ CATS = ("simple_python", "multiple", "parallel")
 
 def load_tokenizer(path):
   from tokenizers import Tokenizer as HFTokenizer
+
   from models.tokenizer import Tokenizer
   with gzip.open(path, "rb") as f:
     rec = json.loads(f.read())
@@ -34,6 +35,11 @@ def load_tokenizer(path):
                    chat_template=rec["chat_template"], stop_ids=rec["stop_ids"],
                    bos_id=rec["bos_id"], add_bos=rec["add_bos"], vocab_size=rec["vocab_size"],
                    special_tokens=rec.get("special_tokens"))
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
 
 
 @dataclasses.dataclass
@@ -160,7 +166,7 @@ def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
   assert len(calls) == 3
   for cell in out.ran:
     assert sorted(os.listdir(cell.dir)) == ["cases.jsonl", "cell.json"]
-    doc = json.load(open(os.path.join(cell.dir, "cell.json")))
+    doc = read_json(os.path.join(cell.dir, "cell.json"))
     rows = E.read_cases(cell.dir)
     assert doc["key"] == cell.key == C.cell_key(doc["material"])
     assert doc["n"] == len(rows) == 3 and {r["category"] for r in rows} == set(CATS)
@@ -173,10 +179,10 @@ def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
     assert len(doc["git"]["commit"]) == 40 and doc["jax"]["backend"] == "cpu"
     assert doc["timings"]["cell_s"] >= 0 and doc["labels"]["model"] == "tiny"
     copy = env / "back" / "t" / cell.key
-    assert json.load(open(copy / "cell.json")) == doc and (copy / "cases.jsonl").exists()
+    assert read_json(copy / "cell.json") == doc and (copy / "cases.jsonl").exists()
   assert task.loads >= 1
   # the same cases for every method: the split and its seed are the plan's
-  assert len({json.dumps(json.load(open(os.path.join(c.dir, "cell.json")))["material"]["cases"])
+  assert len({json.dumps(read_json(os.path.join(c.dir, "cell.json"))["material"]["cases"])
               for c in out.ran}) == 1
 
   (env / "results" / "t" / (C.PARTIAL + "0123")).mkdir()   # left by a killed campaign
@@ -197,7 +203,7 @@ def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
   assert "skipped" in cap.err and "tune" in cap.err
   rows = [l for l in cap.out.splitlines() if l.startswith("| ") and "target B" not in l]
   assert len(rows) == 3 and rows[0].startswith("| full ")
-  doc = json.load(open(os.path.join(out.ran[0].dir, "cell.json")))
+  doc = read_json(os.path.join(out.ran[0].dir, "cell.json"))
   h = doc["headline"]
   assert f"{100 * h['accuracy']:.2f} ± {100 * h['se']:.2f}" in rows[0]
   assert rows[0].rstrip(" |").endswith("2 / 3")
