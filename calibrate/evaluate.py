@@ -546,24 +546,29 @@ def load_runs(dirs: Sequence[str]) -> list[dict]:
   return out
 
 
-def report(dirs: Sequence[str], out: str) -> str:
-  """Markdown table + PNG of headline (simple+multiple) accuracy against measured total B."""
-  runs = load_runs(dirs)
+def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None = None) -> str:
+  """Markdown table + PNG of headline (simple+multiple) accuracy against measured total B, of the
+  run directories ``dirs`` or of ``runs`` already loaded (summary dicts, e.g. pooled cells of
+  :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n."""
+  runs = load_runs(dirs) if runs is None else list(runs)
   runs.sort(key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS else 99,
                            r["budget"]))
   cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple")
           if any(c in r["categories"] for r in runs)]
-  head = ["method", "target B", "measured B (prefill / decode / total)", "simple+multiple",
-          "overall"] + cats + [f"{c} per-call" for c in cats if c.startswith("parallel")] + ["n"]
+  head = ["method", "target B", "measured B (prefill / decode / total)",
+          "simple+multiple ± s.e.", "overall ± s.e."] + cats + \
+      [f"{c} per-call" for c in cats if c.startswith("parallel")] + ["n (simple+multiple / all)"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   pct = lambda d, k="accuracy": f"{100 * d[k]:.2f}" if d else "–"
+  se = lambda d: f"{pct(d)} ± {100 * binomial_se(d['accuracy'], d['n']):.2f}" if d else "–"
   for r in runs:
     c = r["categories"]
-    o = c["overall"]
+    o, h = c["overall"], c.get("simple+multiple")
     row = [r["method"], "–" if r["method"] == "full" else f"{r['budget']:.2f}",
            f"{o['prefill_B']:.3f} / {o['decode_B']:.3f} / {o['total_B']:.3f}",
-           pct(c.get("simple+multiple")), pct(o)] + [pct(c.get(k)) for k in cats]
-    row += [pct(c.get(k), "per_call") for k in cats if k.startswith("parallel")] + [str(o["n"])]
+           se(h), se(o)] + [pct(c.get(k)) for k in cats]
+    row += [pct(c.get(k), "per_call") for k in cats if k.startswith("parallel")]
+    row += [f"{h['n'] if h else '–'} / {o['n']}"]
     lines.append("| " + " | ".join(row) + " |")
   md = "\n".join(lines) + "\n"
   os.makedirs(out, exist_ok=True)

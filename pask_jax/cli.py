@@ -138,14 +138,38 @@ def cmd_tune(args) -> int:
 
 
 def cmd_report(args) -> int:
-  """``pask-jax report``: markdown table + accuracy-vs-B plot from eval run directories."""
-  from calibrate import evaluate as E
+  """``pask-jax report``: markdown tables + accuracy-vs-B plots from eval run directories and
+  campaign cells (see calibrate.campaign.report)."""
+  from calibrate import campaign as C
   try:
-    print(E.report(args.runs, args.out), end="")
+    md, files = C.report(args.runs, args.out, results=args.results)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  print(f"wrote {args.out}/report.md and {args.out}/accuracy_vs_B.png", file=sys.stderr)
+  print(md, end="")
+  print(f"wrote {', '.join(files)}", file=sys.stderr)
   return 0
+
+
+def cmd_campaign(args) -> int:
+  """``pask-jax campaign``: the plan's cells not yet done, as many as fit in --time-limit."""
+  from calibrate import campaign as C
+  try:
+    plan = C.load_plan(args.plan, args.results)
+    if plan.task == "bfcl":
+      _need_bfcl()
+    if args.dry_run:
+      print(C.describe(plan, C.cells(plan)))
+      return 0
+    out = C.run(plan, time_limit=args.time_limit, progress=not args.no_progress,
+                copy_to=args.copy_to)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  for cell, msg in out.failed:
+    print(f"failed: {cell.label} ({cell.key}): {msg}", file=sys.stderr)
+  print(f"campaign {plan.name}: ran {len(out.ran)}, done before {len(out.done_before)}, left "
+        f"{len(out.left)} (not in the time limit), failed {len(out.failed)}; results in "
+        f"{plan.folder}", file=sys.stderr)
+  return 1 if out.failed else 0
 
 
 def cmd_merge(args) -> int:
@@ -297,9 +321,27 @@ def main(argv: list[str] | None = None) -> int:
   mg = sub.add_parser("merge", help="pool eval runs of one configuration over disjoint slices")
   mg.add_argument("runs", nargs="+", help="eval output directories (same method, budget, split)")
   mg.add_argument("--out", required=True)
-  r = sub.add_parser("report", help="markdown table + accuracy-vs-B plot of eval runs")
-  r.add_argument("runs", nargs="+", help="eval output directories")
+  r = sub.add_parser("report", help="markdown table + accuracy-vs-B plot of eval runs and "
+                                     "campaign cells")
+  r.add_argument("runs", nargs="+",
+                 help="eval output directories, campaign cells, folders of them (a plan's "
+                      "results folder) or plan files; other folders are skipped")
   r.add_argument("--out", required=True)
+  r.add_argument("--results", default=None, help="campaign results root of plan files "
+                                                   "(default results/campaign)")
+  from calibrate.campaign import parse_duration
+  cp = sub.add_parser("campaign", help="run a plan of eval cells, resumably, in a time limit")
+  cp.add_argument("plan", help="PLAN.toml (see README, 'Accuracy campaign')")
+  cp.add_argument("--time-limit", type=_arg(parse_duration, lambda v: v > 0,
+                                            "a duration such as 600, 10m or 1.5h"),
+                  default=None, metavar="S",
+                  help="start a cell only if it is expected to finish within S seconds of the "
+                       "start (also 10m, 1.5h; default: no limit)")
+  cp.add_argument("--dry-run", action="store_true", help="list the cells and which are done")
+  cp.add_argument("--results", default=None, help="results root (default results/campaign)")
+  cp.add_argument("--copy-to", default=None, metavar="DIR",
+                  help="also copy each finished cell to DIR/<plan name>/<key>/ as it completes")
+  cp.add_argument("--no-progress", action="store_true")
   args, rest = ap.parse_known_args(argv)
   if args.cmd == "compare-kernels":
     return cmd_compare_kernels(args, rest)
@@ -320,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_serve(args)
   if args.cmd == "report":
     return cmd_report(args)
+  if args.cmd == "campaign":
+    return cmd_campaign(args)
   if args.cmd == "merge":
     return cmd_merge(args)
   if args.cmd == "calibrate":

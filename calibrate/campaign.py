@@ -1,0 +1,824 @@
+"""A resumable accuracy campaign: a plan of cells, run piece by piece, results kept per cell.
+
+``pask-jax campaign PLAN.toml [--time-limit S] [--dry-run]`` walks the cells of a plan (model ×
+method × budget × split slice), skips the cells whose results are already in the results folder,
+runs (through :func:`calibrate.evaluate.run`, the evaluator of ``pask-jax eval``) those expected to
+finish within the time given, and stops cleanly.  ``pask-jax report`` pools and tabulates the cells.
+
+A plan (TOML; relative paths are relative to the current directory)::
+
+    name = "qwen05-bfcl"            # results go to RESULTS/<name>/ (RESULTS: results/campaign)
+    task = "bfcl"                   # the only task so far
+    seed = 0                        # the split seed (calibrate.bfcl.assign_splits, paper C.1)
+    batch = 64                      # most sequences per generation batch (not in the cell key)
+    max_tokens = 128
+    case_seconds = 2.0              # time per case assumed before any cell of a model/method ran
+    load_seconds = 60.0             # time to load a model, likewise
+
+    [models]
+    qwen05 = "qwen2.5-coder-0.5b-instruct"          # registered name, GGUF file or HF directory
+    # qwen05 = { model = "...", dtype = "bfloat16" }  # dtype: auto (default), float32, bfloat16
+
+    [methods.full]                                   # the table name is the label
+    [methods.h2o]
+    budgets = [0.33, 0.5]
+    knobs = "runs/tune/knobs.json"                   # from pask-jax tune; or an inline table
+    [methods.pask]
+    budgets = [0.33, 0.5]
+    policy = "policies/qwen2.5-coder-0.5b-instruct-bfcl/B{budget:.2f}"   # {budget}, {model}
+    [methods.pask-demo]
+    method = "pask"                                  # the method, when the label is not one
+    policy = "demo"
+    budgets = [0.5]
+
+    [splits.test]
+    split = "test"                  # cal | dev | test: the code's seeded 1:1:3 split
+    categories = ["simple_python", "multiple"]   # default: the four non-live ones
+    skip = 0                        # per category: leave out the first N (in file order)
+    cases = 80                      # per category: at most N after those (default: all)
+    chunk = 20                      # optional: one cell per 20 cases per category
+    # ids = ["simple_python_3", ...]  # or exactly these cases (of the split)
+
+A cell is identified by the sha256 (first :data:`KEY_LEN` hex digits) of the canonical JSON of its
+key material: the task, the model fingerprint (sha256 of the weights file, or of every file of a
+checkpoint directory, computed once and cached by path, size and mtime) and dtype, the method, the
+target budget, the settings that change its answers (max_tokens; the method's own knobs with the
+generated-length estimate ĝ its budget matching uses; the policy's fingerprint), the split and the
+case ids.  Labels, plan order, batch size and file paths are not in it.  Its folder
+``RESULTS/<plan name>/<key>/`` holds ``cell.json`` (the summary of ``pask-jax eval`` plus the key
+material, n, accuracy, binomial standard error, measured B, timings, git commit, jax and devices)
+and ``cases.jsonl``.  A cell is written in ``.partial-<key>/`` and renamed into place when complete,
+so an interrupted cell leaves no ``cell.json`` and runs again next time.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from calibrate import evaluate as E
+
+RESULTS = os.path.join("results", "campaign")
+KEY_LEN = 16
+CELL = "cell.json"
+PARTIAL = ".partial-"
+DTYPES = ("auto", "float32", "bfloat16")
+# Budget-matched methods: their settings are solved from the target and the estimate ĝ.
+MATCHED = ("streaming", "h2o", "snapkv", "mikv")
+_TOP = {"name", "task", "seed", "batch", "max_tokens", "case_seconds", "load_seconds", "models",
+        "methods", "splits"}
+_METHOD = {"method", "budgets", "policy", "knobs"}
+_SPLIT = {"split", "categories", "skip", "cases", "chunk", "ids"}
+_MODEL = {"model", "dtype"}
+
+
+class PlanError(ValueError):
+  """A plan that cannot run; the one-line message names the offending key."""
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  label: str
+  spec: str           # registered name, GGUF file or HF checkpoint directory
+  dtype: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  label: str
+  method: str
+  budgets: tuple[float, ...]
+  policy: str | None = None         # pask: a built-in name or a directory pattern
+  knobs: str | dict | None = None    # a knobs file pattern or an inline knobs table
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  label: str
+  split: str
+  categories: tuple[str, ...] | None = None
+  skip: int = 0
+  cases: int | None = None
+  chunk: int | None = None
+  ids: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  name: str
+  path: str
+  folder: str          # RESULTS/<name>
+  task: str
+  seed: int
+  batch: int
+  max_tokens: int
+  case_seconds: float
+  load_seconds: float
+  models: tuple[Model, ...]
+  methods: tuple[Method, ...]
+  splits: tuple[Split, ...]
+
+
+def _check_keys(table: dict, allowed: set, where: str) -> None:
+  bad = sorted(set(table) - allowed)
+  if bad:
+    raise PlanError(f"{where}.{bad[0]}: unknown key; allowed: {', '.join(sorted(allowed))}")
+
+
+def _get(table: dict, key: str, where: str, kind, default=None, ok=None, rule: str = ""):
+  """``table[key]`` checked to be a ``kind`` (and ``ok``), or ``default`` when absent."""
+  if key not in table:
+    return default
+  v = table[key]
+  if kind is float and isinstance(v, int) and not isinstance(v, bool):
+    v = float(v)
+  if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or (ok and not ok(v)):
+    name = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+    raise PlanError(f"{where}.{key}: expected {rule or name}, got {v!r}")
+  return v
+
+
+def _strings(table: dict, key: str, where: str) -> tuple[str, ...] | None:
+  v = _get(table, key, where, list, ok=lambda x: x and all(isinstance(s, str) and s for s in x),
+           rule="a non-empty list of strings")
+  return None if v is None else tuple(v)
+
+
+def load_plan(path: str, results: str | None = None) -> Plan:
+  """Read and check a plan (one-line :class:`PlanError` naming the key for a bad one)."""
+  from pask_jax.baselines import METHODS
+  from pask_jax.baselines import budget as BU
+  if not os.path.isfile(path):
+    raise PlanError(f"plan file not found: {path}")
+  try:
+    with open(path, "rb") as f:
+      t = tomllib.load(f)
+  except tomllib.TOMLDecodeError as e:
+    raise PlanError(f"{path} is not valid TOML: {e}") from None
+  _check_keys(t, _TOP, "plan")
+  stem = os.path.splitext(os.path.basename(path))[0]
+  name = _get(t, "name", "plan", str, stem, ok=lambda s: re.fullmatch(r"[\w.+-]+", s),
+              rule="a name of letters, digits, '.', '+', '-', '_'")
+  task = _get(t, "task", "plan", str, "bfcl", ok=lambda s: s in TASKS,
+              rule="one of " + ", ".join(TASKS))
+  pos = lambda x: x >= 1
+  seed = _get(t, "seed", "plan", int, 0)
+  batch = _get(t, "batch", "plan", int, 64, ok=pos, rule="a positive integer")
+  max_tokens = _get(t, "max_tokens", "plan", int, 128, ok=pos, rule="a positive integer")
+  case_s = _get(t, "case_seconds", "plan", float, 2.0, ok=lambda x: x >= 0, rule="seconds >= 0")
+  load_s = _get(t, "load_seconds", "plan", float, 60.0, ok=lambda x: x >= 0, rule="seconds >= 0")
+
+  models = []
+  for label, v in _get(t, "models", "plan", dict, {}).items():
+    where = f"models.{label}"
+    if isinstance(v, str):
+      v = {"model": v}
+    if not isinstance(v, dict):
+      raise PlanError(f"{where}: expected a model name or path, or a table with model and dtype")
+    _check_keys(v, _MODEL, where)
+    spec = _get(v, "model", where, str, ok=bool, rule="a model name or path")
+    if spec is None:
+      raise PlanError(f"{where}.model: missing (a registered name, GGUF file or HF directory)")
+    dtype = _get(v, "dtype", where, str, "auto", ok=lambda s: s in DTYPES,
+                 rule="one of " + ", ".join(DTYPES))
+    models.append(Model(label, spec, dtype))
+  if not models:
+    raise PlanError("models: the plan has no models (add e.g. [models] m = "
+                    "\"smollm2-135m-instruct\")")
+
+  methods = []
+  for label, v in _get(t, "methods", "plan", dict, {}).items():
+    where = f"methods.{label}"
+    if not isinstance(v, dict):
+      raise PlanError(f"{where}: expected a table")
+    _check_keys(v, _METHOD, where)
+    m = _get(v, "method", where, str, label)
+    if m not in METHODS:
+      raise PlanError(f"{where}.method: unknown method {m!r}; choose from {', '.join(METHODS)}")
+    budgets = _get(v, "budgets", where, list, None,
+                   ok=lambda x: x and all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                          for b in x), rule="a non-empty list of numbers")
+    if budgets is None:
+      if m not in ("full", "int4"):
+        raise PlanError(f"{where}.budgets: missing (method {m} needs target budgets in (0, 1])")
+      budgets = [1.0]   # full and int4 have no target: one cell at the nominal B = 1
+    if m == "full" and budgets != [1.0]:
+      raise PlanError(f"{where}.budgets: method full has no budget (leave budgets out)")
+    for b in budgets:
+      try:
+        BU.check_target(float(b))
+      except ValueError as e:
+        raise PlanError(f"{where}.budgets: {e}") from None
+    policy = _get(v, "policy", where, str, ok=bool, rule="a policy name or directory")
+    if m == "pask" and policy is None:
+      raise PlanError(f"{where}.policy: missing (method pask needs a policy directory, or demo)")
+    if m != "pask" and policy is not None:
+      raise PlanError(f"{where}.policy: only method pask takes a policy")
+    knobs = _get(v, "knobs", where, (str, dict))
+    methods.append(Method(label, m, tuple(float(b) for b in dict.fromkeys(budgets)), policy,
+                          knobs))
+  if not methods:
+    raise PlanError("methods: the plan has no methods (add e.g. [methods.full])")
+
+  splits = []
+  for label, v in _get(t, "splits", "plan", dict, {}).items():
+    where = f"splits.{label}"
+    if not isinstance(v, dict):
+      raise PlanError(f"{where}: expected a table")
+    _check_keys(v, _SPLIT, where)
+    sp = _get(v, "split", where, str, ok=lambda s: s in E.SPLIT_NAMES, rule="cal, dev or test")
+    if sp is None:
+      raise PlanError(f"{where}.split: missing (cal, dev or test)")
+    ids = _strings(v, "ids", where)
+    if ids is not None and ({"skip", "cases", "chunk"} & set(v)):
+      raise PlanError(f"{where}.ids: give either ids or skip/cases/chunk, not both")
+    splits.append(Split(label, sp, _strings(v, "categories", where),
+                        _get(v, "skip", where, int, 0, ok=lambda x: x >= 0, rule="an integer >= 0"),
+                        _get(v, "cases", where, int, ok=pos, rule="a positive integer"),
+                        _get(v, "chunk", where, int, ok=pos, rule="a positive integer"), ids))
+  if not splits:
+    raise PlanError("splits: the plan has no splits (add e.g. [splits.test] split = \"test\")")
+  folder = os.path.join(results or RESULTS, name)
+  return Plan(name, path, folder, task, seed, batch, max_tokens, case_s, load_s, tuple(models),
+              tuple(methods), tuple(splits))
+
+
+# --- fingerprints ---------------------------------------------------------------------------------
+
+def _sha256_file(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _files(d: str) -> list[str]:
+  out = []
+  for root, dirs, names in os.walk(d):
+    dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+    out += [os.path.join(root, n) for n in sorted(names) if not n.startswith(".")]
+  return out
+
+
+def fingerprint(path: str) -> str:
+  """sha256 of a file, or of a directory's files (relative path and content digest of each, in
+  order; hidden files left out).  Cached by real path, sizes and mtimes in the pask-jax cache
+  (``$PASK_JAX_CACHE``), so a multi-GB checkpoint is read once."""
+  from models import registry
+  real = os.path.realpath(path)
+  files = _files(real) if os.path.isdir(real) else [real]
+  stamp = [[os.path.relpath(f, real) if f != real else "", os.path.getsize(f),
+            os.stat(f).st_mtime_ns] for f in files]
+  store = os.path.join(registry.cache_dir(), "fingerprints.json")
+  try:
+    with open(store) as f:
+      cache = json.load(f)
+  except (OSError, ValueError):
+    cache = {}
+  hit = cache.get(real)
+  if hit and hit.get("stamp") == stamp:
+    return hit["sha256"]
+  if os.path.isdir(real):
+    h = hashlib.sha256()
+    for (rel, _, _), f in zip(stamp, files):
+      h.update(f"{rel}\0{_sha256_file(f)}\n".encode())
+    digest = h.hexdigest()
+  else:
+    digest = _sha256_file(real)
+  cache[real] = {"stamp": stamp, "sha256": digest}
+  tmp = f"{store}.{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(cache, f)
+  os.replace(tmp, store)
+  return digest
+
+
+def model_path(model: Model) -> str:
+  """The weights a model label names (registered names resolved), or a PlanError naming it."""
+  from models import registry
+  try:
+    path = registry.resolve(model.spec)
+  except (FileNotFoundError, ValueError) as e:
+    raise PlanError(f"models.{model.label}: {e}") from None
+  if not os.path.exists(path):
+    raise PlanError(f"models.{model.label}: model not found: {path} (not a file, a directory, "
+                    f"nor one of the registered names: {', '.join(registry.NAMES)})")
+  return path
+
+
+# --- tasks ----------------------------------------------------------------------------------------
+
+class BFCL:
+  """What the campaign needs of the BFCL task: a split's cases before any model loads (the
+  code's own split, :func:`calibrate.bfcl.load`), and an evaluation session for a model."""
+  name = "bfcl"
+
+  def cases(self, split: str, categories: Sequence[str] | None, seed: int) -> list:
+    from calibrate import bfcl
+    return bfcl.load(tuple(categories) if categories else bfcl.NONLIVE,
+                     split=E.SPLIT_NAMES[split], seed=seed)
+
+  def session(self, path: str, dtype: str, batch: int, seed: int) -> E.Session:
+    from pask_jax import api
+    from pask_jax.grammar import GrammarCompiler
+    m = api.load_model(path, dtype=dtype)
+    gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
+    task = E.BFCLTask(m.tokenizer, m.cfg.arch, gc, seed=seed)
+    return E.Session(m, task, batch=batch, compiler=gc)
+
+
+TASKS: dict[str, Callable[[], Any]] = {"bfcl": BFCL}
+
+
+# --- cells ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  key: str
+  material: dict        # what the key hashes (see the module docstring)
+  model: Model
+  method: Method
+  budget: float
+  split: Split
+  part: int | None      # the chunk of the split, when it is chunked
+  cases: tuple          # the task's case objects, in the split's order
+  model_path: str
+  policy: str | None     # the resolved policy (pask)
+  knobs: dict | None     # the knobs the run gets
+  dir: str
+
+  @property
+  def done(self) -> bool:
+    return os.path.isfile(os.path.join(self.dir, CELL))
+
+  @property
+  def slice_label(self) -> str:
+    return self.split.label + ("" if self.part is None else f"#{self.part}")
+
+  @property
+  def label(self) -> str:
+    b = "" if self.method.method in ("full", "int4") and self.budget == 1 else \
+        f" B={self.budget:g}"
+    return f"{self.model.label} {self.method.label}{b} {self.slice_label}"
+
+
+def canonical(obj: Any) -> str:
+  return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def cell_key(material: dict) -> str:
+  """The short hash of a cell's key material (see the module docstring)."""
+  return hashlib.sha256(canonical(material).encode()).hexdigest()[:KEY_LEN]
+
+
+def _select(split: Split, every: list, seed: int) -> list[list]:
+  """The split entry's cases (per category: after ``skip``, at most ``cases``; or ``ids``),
+  chunked into one list per cell."""
+  where = f"splits.{split.label}"
+  if split.ids is not None:
+    by_id = {c.id: c for c in every}
+    for i in split.ids:
+      if i not in by_id:
+        raise PlanError(f"{where}.ids: case {i!r} is not in the {split.split} split (seed {seed})"
+                        f" of categories {', '.join(sorted({c.category for c in every}))}")
+    chosen = [c for c in every if c.id in set(split.ids)]
+    return [chosen]
+  per: dict[str, list] = {}
+  for c in every:
+    per.setdefault(c.category, []).append(c)
+  end = None if split.cases is None else split.skip + split.cases
+  per = {k: v[split.skip:end] for k, v in per.items()}
+  if not any(per.values()):
+    raise PlanError(f"{where}: selects no cases (skip {split.skip} per category)")
+  if split.chunk is None:
+    return [[c for v in per.values() for c in v]]
+  parts = -(-max(len(v) for v in per.values()) // split.chunk)
+  return [[c for v in per.values() for c in v[i * split.chunk:(i + 1) * split.chunk]]
+          for i in range(parts)]
+
+
+def _knobs(method: Method, model: Model) -> dict | None:
+  where = f"methods.{method.label}.knobs"
+  if method.knobs is None or isinstance(method.knobs, dict):
+    return method.knobs
+  path = method.knobs.format(model=model.label)
+  if not os.path.isfile(path):
+    raise PlanError(f"{where}: file not found: {path}")
+  try:
+    return E.read_knobs(path)
+  except ValueError as e:
+    raise PlanError(f"{where}: {path} is not valid JSON: {e}") from None
+
+
+def _policy(method: Method, model: Model, budget: float) -> tuple[str | None, dict | None]:
+  from pask_jax import policy as P
+  if method.policy is None:
+    return None, None
+  if method.policy in P.BUILTIN:
+    return method.policy, {"builtin": method.policy}
+  try:
+    d = method.policy.format(budget=budget, model=model.label)
+  except (KeyError, IndexError, ValueError) as e:
+    raise PlanError(f"methods.{method.label}.policy: bad pattern {method.policy!r} ({e}); "
+                    "fields: {budget}, {model}") from None
+  if not os.path.isfile(os.path.join(d, "policy.json")):
+    raise PlanError(f"methods.{method.label}.policy: no policy directory {d} (model "
+                    f"{model.label}, B={budget:g})")
+  return d, {"sha256": fingerprint(d)}
+
+
+def _settings(method: str, knobs: dict | None, policy_fp: dict | None, max_tokens: int) -> dict:
+  """What of a run's configuration changes its answers (beyond model, budget and cases)."""
+  out: dict[str, Any] = {"max_tokens": max_tokens}
+  kn = E.merged_knobs(knobs)
+  if method in MATCHED:
+    own = dict(kn.get(method, {}))
+    own["gen"] = float(own.get("gen", kn["gen"]))   # the ĝ its budget matching uses
+    out["knobs"] = own
+  elif method == "int4":
+    out["knobs"] = {k: v for k, v in kn["int4"].items() if k != "gen"}
+  if policy_fp is not None:
+    out["policy"] = policy_fp
+  return out
+
+
+def cells(plan: Plan, task: Any = None) -> list[Cell]:
+  """Every cell of the plan, in plan order (model, split, slice, method, budget)."""
+  task = task or TASKS[plan.task]()
+  split_cases: dict[str, list[list]] = {}
+  for sp in plan.splits:
+    try:
+      every = task.cases(sp.split, sp.categories, plan.seed)
+    except ValueError as e:
+      raise PlanError(f"splits.{sp.label}: {e}") from None
+    split_cases[sp.label] = _select(sp, every, plan.seed)
+  out = []
+  for mo in plan.models:
+    path = model_path(mo)
+    model_fp = {"sha256": fingerprint(path), "dtype": mo.dtype}
+    for sp in plan.splits:
+      parts = split_cases[sp.label]
+      for i, cs in enumerate(parts):
+        ids = sorted(f"{c.category}/{c.id}" for c in cs)
+        for me in plan.methods:
+          knobs = _knobs(me, mo)
+          for b in me.budgets:
+            policy, policy_fp = _policy(me, mo, b)
+            material = {"task": task.name, "model": model_fp, "method": me.method, "budget": b,
+                        "settings": _settings(me.method, knobs, policy_fp, plan.max_tokens),
+                        "split": E.SPLIT_NAMES[sp.split], "cases": ids}
+            key = cell_key(material)
+            out.append(Cell(key, material, mo, me, b, sp, i if sp.chunk else None, tuple(cs),
+                            path, policy, knobs, os.path.join(plan.folder, key)))
+  return out
+
+
+# --- running --------------------------------------------------------------------------------------
+
+def read_cell(d: str) -> dict:
+  with open(os.path.join(d, CELL)) as f:
+    return {**json.load(f), "dir": d}
+
+
+class Estimator:
+  """Expected seconds of a cell: its cases times the per-case time of finished cells of the same
+  model and method (else of the same model, else the plan's ``case_seconds``), plus the model's
+  load time when it is not loaded yet (measured before, else the plan's ``load_seconds``)."""
+
+  def __init__(self, plan: Plan, done: Sequence[dict]):
+    self.plan = plan
+    self.rate: dict[tuple, list[float]] = {}
+    self.load: dict[str, float] = {}
+    for c in done:
+      self.add(c)
+
+  def add(self, c: dict) -> None:
+    fp = canonical(c["material"]["model"])
+    t = c["timings"]
+    for k in ((fp, c["method"]), (fp,)):
+      r = self.rate.setdefault(k, [0.0, 0])
+      r[0] += t["cell_s"]
+      r[1] += c["n"]
+    if t.get("load_s") is not None:
+      self.load[fp] = t["load_s"]
+
+  def seconds(self, cell: Cell, loaded: bool) -> float:
+    fp = canonical(cell.material["model"])
+    per = self.plan.case_seconds
+    for k in ((fp, cell.method.method), (fp,)):
+      if self.rate.get(k, [0, 0])[1]:
+        per = self.rate[k][0] / self.rate[k][1]
+        break
+    load = 0.0 if loaded else self.load.get(fp, self.plan.load_seconds)
+    return len(cell.cases) * per + load
+
+
+def _git() -> dict:
+  def git(*a):
+    try:
+      return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10,
+                            check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return None
+  commit = git("rev-parse", "HEAD")
+  status = git("status", "--porcelain", "--untracked-files=no")
+  return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def _jax() -> dict:
+  import jax
+  import jaxlib
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+          "devices": [d.device_kind for d in jax.devices()]}
+
+
+def _stamp() -> str:
+  return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_cell(session: E.Session, cell: Cell, plan: Plan, *, load_s: float | None = None,
+             progress: Any = False, clock: Callable[[], float] = time.monotonic) -> dict:
+  """Evaluate one cell and write its folder (``cell.json`` + ``cases.jsonl``), atomically: the
+  run writes ``.partial-<key>/``, renamed to ``<key>/`` once complete; on any exception the
+  partial folder is removed and the exception goes on."""
+  part = os.path.join(plan.folder, PARTIAL + cell.key)
+  shutil.rmtree(part, ignore_errors=True)
+  rc = E.RunConfig(cell.method.method, cell.budget, cell.split.split, cell.split.categories,
+                   max_tokens=plan.max_tokens, policy=cell.policy, knobs=cell.knobs)
+  try:
+    started, t0 = _stamp(), clock()
+    meta = E.run(session, rc, part, progress=progress, cases=list(cell.cases))
+    cell_s = clock() - t0
+    c = meta["categories"]
+    o, h = c["overall"], c.get("simple+multiple")
+    doc = {"key": cell.key, "plan": plan.name, "material": cell.material,
+           "labels": {"model": cell.model.label, "method": cell.method.label,
+                      "split": cell.split.label, "part": cell.part},
+           **meta,
+           "model_spec": cell.model.spec, "model_path": cell.model_path,
+           "dtype": cell.model.dtype, "seed": plan.seed,
+           "split_rule": f"calibrate.bfcl.assign_splits, seed {plan.seed}"
+           if plan.task == "bfcl" else plan.task,
+           "policy": cell.policy, "knobs": cell.knobs, "plan_batch": plan.batch,
+           "n": o["n"], "accuracy": o["accuracy"], "se": E.binomial_se(o["accuracy"], o["n"]),
+           "headline": None if h is None else {"n": h["n"], "accuracy": h["accuracy"],
+                                               "se": E.binomial_se(h["accuracy"], h["n"])},
+           "measured_B": {k: o[k] for k in ("prefill_B", "decode_B", "total_B",
+                                            "total_B_weighted")},
+           "timings": {"cell_s": cell_s, "eval_wall_s": meta["wall_s"], "load_s": load_s,
+                       "started": started, "finished": _stamp()},
+           "git": _git(), "jax": _jax()}
+    for name in ("summary.json", "summary.csv"):   # cell.json holds all of the summary
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(part, name))
+    with open(os.path.join(part, CELL), "w") as f:
+      json.dump(doc, f, indent=1)
+      f.write("\n")
+    if os.path.isdir(cell.dir):   # a folder without cell.json (left by hand): replaced
+      shutil.rmtree(cell.dir)
+    os.replace(part, cell.dir)
+  except BaseException:
+    shutil.rmtree(part, ignore_errors=True)
+    raise
+  return {**doc, "dir": cell.dir}
+
+
+@dataclasses.dataclass
+class Outcome:
+  done_before: list[Cell] = dataclasses.field(default_factory=list)
+  ran: list[Cell] = dataclasses.field(default_factory=list)
+  left: list[Cell] = dataclasses.field(default_factory=list)      # did not fit in the time
+  failed: list[tuple[Cell, str]] = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _lock(folder: str):
+  """One campaign at a time on a results folder; partial cells of a killed one are removed."""
+  import fcntl
+  os.makedirs(folder, exist_ok=True)
+  ignore = os.path.join(folder, ".gitignore")
+  if not os.path.exists(ignore):   # the cells are committed, the lock and partial cells not
+    with open(ignore, "w") as f:
+      f.write(f".lock\n{PARTIAL}*/\n")
+  with open(os.path.join(folder, ".lock"), "w") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      raise PlanError(f"another campaign is running on {folder}") from None
+    for e in os.scandir(folder):
+      if e.name.startswith(PARTIAL):
+        shutil.rmtree(e.path, ignore_errors=True)
+    yield
+
+
+def _say(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def run(plan: Plan, *, time_limit: float | None = None, task: Any = None,
+        progress: Any = False, copy_to: str | None = None,
+        log: Callable[[str], None] = _say, clock: Callable[[], float] = time.monotonic) -> Outcome:
+  """Run the plan's cells that are not done and are expected to finish within ``time_limit``
+  seconds (from now; None: all), one model loaded at a time.  A cell is started only when its
+  expected time fits in what is left; a running cell is not cut.  A cell that fails with a
+  ``ValueError`` (e.g. a budget its method cannot reach) is reported and the rest go on; any
+  other exception stops the campaign, leaving no trace of the interrupted cell.  ``copy_to``:
+  also copy each finished cell to ``copy_to/<plan name>/<key>/`` as soon as it is written (a
+  machine whose results come back from one folder)."""
+  t0 = clock()
+  task = task or TASKS[plan.task]()
+  todo = cells(plan, task)
+  out = Outcome()
+  with _lock(plan.folder):
+    done = [read_cell(c.dir) for c in todo if c.done]
+    est = Estimator(plan, done)
+    loaded: tuple[str, Any] | None = None
+    for i, cell in enumerate(todo):
+      tag = f"[{i + 1}/{len(todo)}] {cell.label}"
+      if cell.done:
+        out.done_before.append(cell)
+        continue
+      here = loaded is not None and loaded[0] == cell.model.label
+      need = est.seconds(cell, here)
+      spent = clock() - t0
+      if time_limit is not None and spent + need > time_limit:
+        out.left.append(cell)
+        log(f"{tag}: left for later (expected {need:.0f} s, {time_limit - spent:.0f} s left)")
+        continue
+      load_s = None
+      if not here:
+        loaded = None   # the previous model's session goes before the next loads
+        t = clock()
+        loaded = (cell.model.label, task.session(cell.model_path, cell.model.dtype, plan.batch,
+                                                 plan.seed))
+        load_s = clock() - t
+      log(f"{tag}: {len(cell.cases)} cases, expected {need:.0f} s")
+      try:
+        doc = run_cell(loaded[1], cell, plan, load_s=load_s, progress=progress, clock=clock)
+      except ValueError as e:
+        out.failed.append((cell, str(e)))
+        log(f"{tag}: failed: {e}")
+        continue
+      if copy_to:
+        shutil.copytree(cell.dir, os.path.join(copy_to, plan.name, cell.key), dirs_exist_ok=True)
+      est.add(doc)
+      out.ran.append(cell)
+      hd = doc["headline"] or {"accuracy": doc["accuracy"], "se": doc["se"]}
+      log(f"{tag}: accuracy {100 * hd['accuracy']:.2f} ± {100 * hd['se']:.2f}%, measured B "
+          f"{doc['measured_B']['total_B']:.3f}, {doc['timings']['cell_s']:.1f} s -> {cell.dir}")
+  return out
+
+
+def describe(plan: Plan, cs: Sequence[Cell]) -> str:
+  """The dry-run listing: one line per cell (key, status, cases, what it is), and a total."""
+  done = [read_cell(c.dir) for c in cs if c.done]
+  est = Estimator(plan, done)
+  lines = [f"plan {plan.name}: {len(cs)} cells under {plan.folder}"]
+  todo_s = 0.0
+  seen: set[str] = set()
+  for c in cs:
+    if c.done:
+      st = "done"
+    else:
+      s = est.seconds(c, c.model.label in seen)
+      seen.add(c.model.label)
+      todo_s += s
+      st = f"todo ~{s:.0f} s"
+    lines.append(f"{c.key}  {st:>14}  {len(c.cases):5d} cases  {c.label}")
+  n_done = sum(c.done for c in cs)
+  lines.append(f"{n_done} done, {len(cs) - n_done} to run (~{todo_s:.0f} s expected)")
+  return "\n".join(lines)
+
+
+def parse_duration(text: str) -> float:
+  """Seconds from ``600``, ``600s``, ``10m`` or ``1.5h``."""
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smh]?)\s*", text)
+  if not m:
+    raise ValueError(f"expected a duration such as 600, 10m or 1.5h, got {text!r}")
+  return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+def _group(material: dict) -> str:
+  """Cells of one configuration over different cases pool into one row."""
+  return cell_key({k: v for k, v in material.items() if k != "cases"})
+
+
+def _walk(path: str, runs: list, cells_: list, skipped: list) -> None:
+  if os.path.isfile(os.path.join(path, CELL)):
+    cells_.append(read_cell(path))
+    return
+  if os.path.isfile(os.path.join(path, "summary.json")):
+    runs.extend(E.load_runs([path]))
+    return
+  before = len(runs) + len(cells_)
+  subs = sorted(e.path for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+  inner: list[str] = []
+  for s in subs:
+    _walk(s, runs, cells_, inner)
+  if len(runs) + len(cells_) == before:
+    skipped.append(path)
+  else:
+    skipped.extend(inner)
+
+
+def collect(paths: Sequence[str], *, results: str | None = None,
+            log: Callable[[str], None] = _say) -> list[dict]:
+  """Runs for :func:`calibrate.evaluate.report` from eval run folders, campaign cells, folders
+  holding either (a plan's results folder, ``results/campaign``), or plan files (their results
+  folder).  Folders that hold neither are skipped with a note; cells of one configuration over
+  different cases are pooled into one run (each case counted once)."""
+  runs: list[dict] = []
+  found: list[dict] = []
+  for p in paths:
+    if p.endswith(".toml") and os.path.isfile(p):
+      p = load_plan(p, results).folder
+    if not os.path.isdir(p):
+      raise ValueError(f"{p}: no such folder (an eval run, a campaign cell or a folder of them)")
+    skipped: list[str] = []
+    _walk(p, runs, found, skipped)
+    for s in skipped:
+      log(f"report: skipped {s}: not an eval run or a campaign cell")
+  groups: dict[str, list[dict]] = {}
+  for c in found:
+    groups.setdefault(_group(c["material"]), []).append(c)
+  for g, cs in groups.items():
+    rows, seen = [], set()
+    for c in sorted(cs, key=lambda c: c["key"]):
+      for r in E.read_cases(c["dir"]):
+        if (r["category"], r["id"]) not in seen:
+          seen.add((r["category"], r["id"]))
+          rows.append(r)
+    first = cs[0]
+    meta = {k: v for k, v in first.items() if k not in ("dir", "key", "labels")}
+    meta.update(label=first["labels"]["method"], model_label=first["labels"]["model"],
+                group=g, cells=[c["key"] for c in cs], n_cases=len(rows),
+                categories=E.summarize(rows), dir=os.path.dirname(first["dir"]))
+    runs.append(meta)
+  if not runs:
+    raise ValueError(f"no eval runs or campaign cells in {', '.join(paths)} (no summary.json or "
+                     f"{CELL})")
+  return runs
+
+
+def _section(r: dict) -> tuple[str, str]:
+  """(key, title) of the table a run goes in: one per model and split."""
+  if "material" in r:
+    m = r["material"]
+    key = canonical([m["model"], m["task"], m["split"]])
+    return key, f"{r['model_label']} ({m['model']['dtype']}), {m['task']} {m['split']}"
+  ident = r.get("model_identity") or {"model": r.get("model")}
+  key = canonical([ident, r.get("task"), r.get("split")])
+  return key, f"{r.get('model', '?')}, {r.get('task', '?')} {r.get('split', '?')}"
+
+
+def report(paths: Sequence[str], out: str, *, results: str | None = None,
+           log: Callable[[str], None] = _say) -> tuple[str, list[str]]:
+  """Tables (with n and binomial standard errors) and accuracy-vs-B plots (error bars) of every
+  run and cell under ``paths``: one table and plot per model and split; with one, ``out``/report.md
+  and ``out``/accuracy_vs_B.png as ``pask-jax report`` always wrote.  Returns the markdown and
+  the files written."""
+  runs = collect(paths, results=results, log=log)
+  sections: dict[str, tuple[str, list[dict]]] = {}
+  for r in runs:
+    k, title = _section(r)
+    sections.setdefault(k, (title, []))[1].append(r)
+  for _, rs in sections.values():
+    named: dict[tuple, list[dict]] = {}
+    for r in rs:
+      if "label" in r:
+        r["method"] = r["label"]   # the plan's label names the row and the plot's series
+      named.setdefault((r["method"], r["budget"]), []).append(r)
+    for same in named.values():
+      if len(same) > 1:   # one label, several settings: tell them apart
+        for r in same:
+          r["method"] += f" [{(r.get('group') or r['dir'])[-6:]}]"
+  if len(sections) == 1:
+    (_, rs), = sections.values()
+    md = E.report(None, out, runs=rs)
+    return md, [os.path.join(out, "report.md"), os.path.join(out, "accuracy_vs_B.png")]
+  parts, files = [], []
+  for i, (title, rs) in enumerate(sorted(sections.values(), key=lambda s: s[0])):
+    slug = f"{i + 1:02d}-" + re.sub(r"[^\w.+-]+", "_", title).strip("_")[:60]
+    md = E.report(None, os.path.join(out, slug), runs=rs)
+    files.append(os.path.join(out, slug, "accuracy_vs_B.png"))
+    parts.append(f"## {title}\n\n{md}\n![accuracy vs B]({slug}/accuracy_vs_B.png)\n")
+  text = "\n".join(parts)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "report.md"), "w") as f:
+    f.write(text)
+  return text, [os.path.join(out, "report.md")] + files

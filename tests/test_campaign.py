@@ -1,0 +1,366 @@
+"""The resumable campaign (calibrate.campaign) end to end on a tiny random model with a synthetic
+enum task (exact oracle) through the real evaluator (calibrate.evaluate.run): cells run, resume,
+fit a time limit, survive an interrupted cell, pool into the report; keys; bad plans; and the
+BFCL split selection against the evaluator's own."""
+import dataclasses
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from calibrate import campaign as C
+from calibrate import evaluate as E
+from models import Loaded, ModelConfig, random_model
+from pask_jax import cli
+from pask_jax.grammar import GrammarCompiler, tool_call_grammar
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
+COLORS = ["red", "green", "blue", "amber"]
+TOOL = {"type": "function", "function": {"name": "paint", "description": "Paint the wall",
+                                         "parameters": {"type": "object", "properties": {
+                                             "color": {"type": "string", "enum": COLORS}},
+                                             "required": ["color"]}}}
+CATS = ("simple_python", "multiple", "parallel")
+
+
+def load_tokenizer(path):
+  from tokenizers import Tokenizer as HFTokenizer
+
+  from models.tokenizer import Tokenizer
+  with gzip.open(path, "rb") as f:
+    rec = json.loads(f.read())
+  return Tokenizer(HFTokenizer.from_str(json.dumps(rec["tokenizer"])),
+                   chat_template=rec["chat_template"], stop_ids=rec["stop_ids"],
+                   bos_id=rec["bos_id"], add_bos=rec["add_bos"], vocab_size=rec["vocab_size"],
+                   special_tokens=rec.get("special_tokens"))
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+@dataclasses.dataclass
+class Case:
+  id: str
+  category: str
+  target: str
+  text: str
+
+
+class EnumEval:
+  """The evaluator's side of the task: prompts, one enum tool-call grammar, the exact oracle."""
+  name = "enum"
+
+  def __init__(self, tok, compiler):
+    self.tok = tok
+    self.grammar = tool_call_grammar(compiler, [TOOL], "json_list", max_calls=1)
+
+  def prepare(self, cases, prompt_labels):
+    return [E.Prepared(c, self.tok.encode(c.text), None, self.grammar) for c in cases]
+
+  def score(self, case, text, complete):
+    if not complete:
+      return {"calls": None, "passed": False, "per_call": 0.0, "error": "incomplete"}
+    calls = json.loads(text)
+    ok = calls == [{"name": "paint", "arguments": {"color": case.target}}]
+    return {"calls": calls, "passed": ok, "per_call": float(ok), "error": ""}
+
+
+class EnumCampaign:
+  """The campaign's side: a split's cases (6 per split, 2 per category, fixed by the seed) before
+  any model, and one session (the tiny model, built once) for every load."""
+  name = "enum"
+
+  def __init__(self):
+    self.tok = load_tokenizer(DATA)
+    self.loads = 0
+    self._session = None
+
+  def cases(self, split, categories, seed):
+    rng = np.random.default_rng([seed, len(split)])
+    out = []
+    for i in range(6):
+      c = COLORS[int(rng.integers(4))]
+      filler = " ".join(rng.choice(["please", "the", "wall", "now", "room"], 40))
+      out.append(Case(f"{split}_{i}", CATS[i % 3], c, f"{filler}. Paint it {c}."))
+    return [c for c in out if not categories or c.category in categories]
+
+  def session(self, path, dtype, batch, seed):
+    self.loads += 1
+    if self._session is None:
+      cfg = ModelConfig(arch="qwen2", vocab_size=self.tok.vocab_size, hidden=32, intermediate=48,
+                        n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, rope_theta=1e6,
+                        tie_embeddings=True)
+      m = Loaded(cfg, random_model(cfg, seed=7), self.tok)
+      gc = GrammarCompiler(self.tok, cfg.vocab_size)
+      self._session = E.Session(m, EnumEval(self.tok, gc), batch=batch, compiler=gc)
+    return self._session
+
+
+@pytest.fixture(scope="module")
+def task():
+  return EnumCampaign()
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch, task):
+  monkeypatch.setenv("PASK_JAX_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setitem(C.TASKS, "enum", lambda: task)
+  (tmp_path / "tiny.bin").write_bytes(b"tiny model weights")
+  return tmp_path
+
+
+PLAN = """
+name = "t"
+task = "enum"
+seed = 3
+batch = 4
+max_tokens = 40
+case_seconds = 10
+load_seconds = 0
+
+[models]
+tiny = "{model}"
+
+[methods.full]
+
+[methods.h2o]
+budgets = [0.5, 0.4]
+knobs = {{ gen = 20.0, h2o = {{ sink = 2, recent = 8 }} }}
+
+[splits.test]
+split = "test"
+cases = 1
+"""
+
+
+def write_plan(env, text=None, name="plan.toml", **fmt):
+  p = env / name
+  p.write_text((text or PLAN).format(model=env / "tiny.bin", **fmt))
+  return str(p)
+
+
+def counting_run(monkeypatch, clock=None, seconds=0.0):
+  """E.run, counted (and advancing a fake clock by ``seconds`` per cell)."""
+  real, calls = E.run, []
+
+  def run(*a, **k):
+    calls.append(a[1])
+    out = real(*a, **k)
+    if clock is not None:
+      clock[0] += seconds
+    return out
+
+  monkeypatch.setattr(E, "run", run)
+  return calls
+
+
+def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
+  plan = C.load_plan(write_plan(env), str(env / "results"))
+  calls = counting_run(monkeypatch)
+  out = C.run(plan, task=task, copy_to=str(env / "back"), log=lambda s: None)
+  assert [len(x) for x in (out.ran, out.done_before, out.left, out.failed)] == [3, 0, 0, 0]
+  assert len(calls) == 3
+  for cell in out.ran:
+    assert sorted(os.listdir(cell.dir)) == ["cases.jsonl", "cell.json"]
+    doc = read_json(os.path.join(cell.dir, "cell.json"))
+    rows = E.read_cases(cell.dir)
+    assert doc["key"] == cell.key == C.cell_key(doc["material"])
+    assert doc["n"] == len(rows) == 3 and {r["category"] for r in rows} == set(CATS)
+    p = np.mean([r["passed"] for r in rows])
+    assert doc["accuracy"] == pytest.approx(p)
+    assert doc["se"] == pytest.approx(np.sqrt(p * (1 - p) / 3))
+    assert doc["headline"]["n"] == 2 and doc["seed"] == 3
+    assert doc["material"]["cases"] == sorted(f"{r['category']}/{r['id']}" for r in rows)
+    assert doc["measured_B"]["total_B"] == pytest.approx(np.mean([r["total_B"] for r in rows]))
+    assert len(doc["git"]["commit"]) == 40 and doc["jax"]["backend"] == "cpu"
+    assert doc["timings"]["cell_s"] >= 0 and doc["labels"]["model"] == "tiny"
+    copy = env / "back" / "t" / cell.key
+    assert read_json(copy / "cell.json") == doc and (copy / "cases.jsonl").exists()
+  assert task.loads >= 1
+  # the same cases for every method: the split and its seed are the plan's
+  assert len({json.dumps(read_json(os.path.join(c.dir, "cell.json"))["material"]["cases"])
+              for c in out.ran}) == 1
+
+  (env / "results" / "t" / (C.PARTIAL + "0123")).mkdir()   # left by a killed campaign
+  again = C.run(plan, task=task, log=lambda s: None)
+  assert not (env / "results" / "t" / (C.PARTIAL + "0123")).exists()
+  assert len(again.ran) == 0 and len(again.done_before) == 3 and len(calls) == 3
+
+  assert cli.main(["campaign", plan.path, "--results", str(env / "results"), "--dry-run"]) == 0
+  listing = capsys.readouterr().out
+  assert listing.count("   done  ") == 3 and "3 done, 0 to run" in listing
+
+  # report over the plan's results folder, with a folder that is no run beside it (issue 27)
+  (env / "results" / "t" / "tune").mkdir()
+  (env / "results" / "t" / "tune" / "knobs.json").write_text("{}")
+  assert cli.main(["report", plan.path, "--results", str(env / "results"),
+                   "--out", str(env / "rep")]) == 0
+  cap = capsys.readouterr()
+  assert "skipped" in cap.err and "tune" in cap.err
+  rows = [l for l in cap.out.splitlines() if l.startswith("| ") and "target B" not in l]
+  assert len(rows) == 3 and rows[0].startswith("| full ")
+  doc = read_json(os.path.join(out.ran[0].dir, "cell.json"))
+  h = doc["headline"]
+  assert f"{100 * h['accuracy']:.2f} ± {100 * h['se']:.2f}" in rows[0]
+  assert rows[0].rstrip(" |").endswith("2 / 3")
+  assert (env / "rep" / "accuracy_vs_B.png").stat().st_size > 1000
+
+
+def test_time_limit_runs_what_fits_and_a_later_run_the_rest(env, task, monkeypatch):
+  plan = C.load_plan(write_plan(env), str(env / "results"))
+  clock = [0.0]
+  calls = counting_run(monkeypatch, clock, seconds=30.0)   # every cell "takes" 30 s
+  log = []
+  # 3 cases × case_seconds 10 = 30 s expected per cell: two fit in 65 s, the third does not
+  out = C.run(plan, task=task, time_limit=65, clock=lambda: clock[0], log=log.append)
+  assert len(out.ran) == 2 and len(out.left) == 1 and len(calls) == 2
+  assert not out.left[0].done and not os.path.exists(out.left[0].dir)
+  assert any("left for later" in m for m in log)
+  # measured 10 s per case for h2o on this model: 30 s for the last cell, which 25 s cannot hold
+  out2 = C.run(plan, task=task, time_limit=25, clock=lambda: clock[0], log=log.append)
+  assert len(out2.ran) == 0 and len(out2.left) == 1
+  out3 = C.run(plan, task=task, time_limit=35, clock=lambda: clock[0], log=log.append)
+  assert [c.key for c in out3.ran] == [out.left[0].key] and len(out3.done_before) == 2
+  assert len(calls) == 3
+
+
+def test_interrupted_cell_leaves_no_cell_json_and_reruns(env, task, monkeypatch):
+  plan = C.load_plan(write_plan(env), str(env / "results"))
+  import pask_jax.decode as D
+  real, n = D.generate, [0]
+
+  def dies_in_second_cell(*a, **k):
+    n[0] += 1
+    if n[0] == 2:
+      raise RuntimeError("killed mid-cell")
+    return real(*a, **k)
+
+  monkeypatch.setattr(D, "generate", dies_in_second_cell)
+  with pytest.raises(RuntimeError, match="killed"):
+    C.run(plan, task=task, log=lambda s: None)
+  cs = C.cells(plan, task)
+  assert [c.done for c in cs] == [True, False, False]
+  assert not os.path.exists(cs[1].dir)
+  assert not [d for d in os.listdir(plan.folder) if d.startswith(C.PARTIAL)]
+  monkeypatch.setattr(D, "generate", real)
+
+  # killed after the evaluator wrote the cases, while the cell's record is being put together
+  def dies():
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(C, "_jax", dies)
+  with pytest.raises(KeyboardInterrupt):
+    C.run(plan, task=task, log=lambda s: None)
+  assert [c.done for c in C.cells(plan, task)] == [True, False, False]
+  assert sorted(os.listdir(plan.folder)) == [".gitignore", ".lock", cs[0].key]
+  monkeypatch.undo()
+  monkeypatch.setenv("PASK_JAX_CACHE", str(env / "cache"))
+  out = C.run(plan, task=task, log=lambda s: None)
+  assert [c.key for c in out.ran] == [c.key for c in cs[1:]] and len(out.done_before) == 1
+
+
+def test_cell_key_follows_settings_not_plan_order(env, task):
+  keys = lambda text, **kw: {(c.method.label, c.budget): c.key for c in C.cells(
+      C.load_plan(write_plan(env, text, **kw), str(env / "r")), task)}
+  base = keys(PLAN)
+  assert len(set(base.values())) == 3
+  reordered = PLAN.replace("[methods.full]\n", "").replace("budgets = [0.5, 0.4]",
+                                                           "budgets = [0.4, 0.5]")
+  reordered += "\n[methods.full]\n"
+  assert keys(reordered) == base
+  relabeled = PLAN.replace("tiny =", "small =").replace('name = "t"', 'name = "u"')
+  assert keys(relabeled) == base                       # labels and plan name are not in the key
+  assert keys(PLAN.replace("batch = 4", "batch = 2")) == base   # nor the batch size
+  knob = keys(PLAN.replace("recent = 8", "recent = 16"))
+  assert knob[("full", 1.0)] == base[("full", 1.0)]
+  assert knob[("h2o", 0.5)] != base[("h2o", 0.5)] and knob[("h2o", 0.4)] != base[("h2o", 0.4)]
+  longer = keys(PLAN.replace("max_tokens = 40", "max_tokens = 41"))
+  assert not set(longer.values()) & set(base.values())
+  other_cases = keys(PLAN.replace("cases = 1", "cases = 1\nskip = 1"))
+  assert not set(other_cases.values()) & set(base.values())
+  (env / "tiny.bin").write_bytes(b"other weights")
+  assert not set(keys(PLAN).values()) & set(base.values())
+
+
+def test_chunks_pool_into_one_row(env, task, capsys):
+  plan = C.load_plan(write_plan(env, PLAN.replace("cases = 1", "chunk = 1").replace(
+      "budgets = [0.5, 0.4]", "budgets = [0.5]")), str(env / "results"))
+  cs = C.cells(plan, task)
+  assert len(cs) == 4 and [c.part for c in cs] == [0, 0, 1, 1]
+  assert {len(c.cases) for c in cs} == {3}
+  C.run(plan, task=task, log=lambda s: None)
+  md, _ = C.report([plan.folder], str(env / "rep"), log=lambda s: None)
+  rows = [l for l in md.splitlines() if l.startswith("| ") and "target B" not in l]
+  assert len(rows) == 2 and all(r.rstrip(" |").endswith("4 / 6") for r in rows)
+
+
+def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
+  cases = [
+      (PLAN.replace("[methods.full]", "[methods.lru]"), "methods.lru.method: unknown method"),
+      (PLAN.replace('tiny = "{model}"', 'tiny = "/nowhere/model.gguf"'),
+       "models.tiny: model not found"),
+      (PLAN.replace('split = "test"', 'split = "train"'), "splits.test.split: expected cal"),
+      (PLAN.replace("cases = 1", "cases = 0"), "splits.test.cases: expected a positive"),
+      (PLAN.replace("cases = 1", "cases = 1\nids = [\"nope\"]"), "splits.test.ids: give either"),
+      (PLAN.replace("cases = 1", "skip = 9"), "splits.test: selects no cases"),
+      (PLAN.replace('split = "test"', 'split = "test"\nids = ["test_9"]').replace(
+          "cases = 1", ""), "splits.test.ids: case 'test_9' is not in the test split"),
+      (PLAN.replace("[methods.full]", "[methods.pask]\nbudgets = [0.5]"),
+       "methods.pask.policy: missing"),
+      (PLAN.replace("[methods.full]", "[methods.full]\nbudgets = [0.5]"),
+       "methods.full.budgets: method full has no budget"),
+      (PLAN.replace("[0.5, 0.4]", "[1.5]"), "methods.h2o.budgets:"),
+      (PLAN.replace("[methods.full]", "[methods.full]\npolicy = \"demo\""),
+       "methods.full.policy: only method pask"),
+      (PLAN.replace("seed = 3", "seed = 3\nsed = 4"), "plan.sed: unknown key"),
+      (PLAN.replace("seed = 3", "seed = \"x\""), "plan.seed: expected int"),
+      (PLAN.replace("[methods.full]", "[methods.int4]\nknobs = \"none.json\""),
+       "methods.int4.knobs: file not found"),
+      (PLAN + "]]", "not valid TOML"),
+  ]
+  for text, msg in cases:
+    p = write_plan(env, text)
+    with pytest.raises(SystemExit) as e:
+      cli.main(["campaign", p, "--results", str(env / "r"), "--dry-run"])
+    got = str(e.value.code)
+    assert msg in got and "\n" not in got and got.startswith("error: "), (msg, got)
+  with pytest.raises(SystemExit, match="not found"):
+    cli.main(["campaign", str(env / "missing.toml"), "--dry-run"])
+  with pytest.raises(SystemExit):
+    cli.main(["campaign", write_plan(env), "--time-limit", "soon"])
+  assert "duration" in capsys.readouterr().err
+  assert [C.parse_duration(s) for s in ("90", "90s", "10m", "1.5h")] == [90, 90, 600, 5400]
+
+
+def test_report_skips_folders_that_are_not_runs(env, task, capsys):
+  runs = env / "runs"
+  s = task.session(None, "auto", 4, 0)
+  E.run(s, E.RunConfig("full", 1.0, "test", max_tokens=40), str(runs / "full"), progress=False,
+        cases=task.cases("test", None, 0)[:3])
+  (runs / "tune").mkdir()
+  (runs / "tune" / "knobs.json").write_text("{}")
+  assert cli.main(["report", str(runs / "full"), str(runs / "tune"), "--out",
+                   str(env / "rep")]) == 0
+  cap = capsys.readouterr()
+  assert f"skipped {runs / 'tune'}" in cap.err and "| full |" in cap.out
+  with pytest.raises(SystemExit, match="no eval runs or campaign cells"):
+    cli.main(["report", str(runs / "tune"), "--out", str(env / "rep")])
+
+
+def test_bfcl_selection_is_the_evaluators_split():
+  cats = ("simple_python", "multiple")
+  every = C.BFCL().cases("test", cats, 0)
+  split = C.Split("s", "test", cats, skip=2, cases=3)
+  got, = C._select(split, every, 0)
+  want = E.BFCLTask(None, "qwen2", None).cases("test", cats, max_cases=3, skip=2)
+  assert [c.id for c in got] == [c.id for c in want] and len(got) == 6
+  assert {c.split for c in got} == {"test"}
+  chunked = C._select(dataclasses.replace(split, chunk=2), every, 0)
+  assert [len(p) for p in chunked] == [4, 2]
+  per = lambda cs, cat: [c.id for c in cs if c.category == cat]
+  for cat in cats:   # chunk i: cases 2i, 2i+1 of each category of the selection
+    assert per(chunked[0], cat) == per(want, cat)[:2] and per(chunked[1], cat) == per(want, cat)[2:]
