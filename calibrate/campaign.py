@@ -384,7 +384,7 @@ def cell_key(material: dict) -> str:
   return hashlib.sha256(canonical(material).encode()).hexdigest()[:KEY_LEN]
 
 
-def _select(split: Split, every: list, seed: int) -> list[list]:
+def select(split: Split, every: list, seed: int) -> list[list]:
   """The split entry's cases (per category: after ``skip``, at most ``cases``; or ``ids``),
   chunked into one list per cell."""
   where = f"splits.{split.label}"
@@ -464,7 +464,7 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
       every = task.cases(sp.split, sp.categories, plan.seed)
     except ValueError as e:
       raise PlanError(f"splits.{sp.label}: {e}") from None
-    split_cases[sp.label] = _select(sp, every, plan.seed)
+    split_cases[sp.label] = select(sp, every, plan.seed)
   out = []
   for mo in plan.models:
     path = model_path(mo)

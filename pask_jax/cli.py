@@ -152,11 +152,11 @@ def cmd_report(args) -> int:
 
 def cmd_campaign(args) -> int:
   """``pask-jax campaign``: the plan's cells not yet done, as many as fit in --time-limit."""
-  from calibrate import campaign as C
+  from calibrate import bfcl, campaign as C
   try:
     plan = C.load_plan(args.plan, args.results)
     if plan.task == "bfcl":
-      _need_bfcl()
+      bfcl.need()
     if args.dry_run:
       print(C.describe(plan, C.cells(plan)))
       return 0

@@ -355,11 +355,11 @@ def test_bfcl_selection_is_the_evaluators_split():
   cats = ("simple_python", "multiple")
   every = C.BFCL().cases("test", cats, 0)
   split = C.Split("s", "test", cats, skip=2, cases=3)
-  got, = C._select(split, every, 0)
+  got, = C.select(split, every, 0)
   want = E.BFCLTask(None, "qwen2", None).cases("test", cats, max_cases=3, skip=2)
   assert [c.id for c in got] == [c.id for c in want] and len(got) == 6
   assert {c.split for c in got} == {"test"}
-  chunked = C._select(dataclasses.replace(split, chunk=2), every, 0)
+  chunked = C.select(dataclasses.replace(split, chunk=2), every, 0)
   assert [len(p) for p in chunked] == [4, 2]
   per = lambda cs, cat: [c.id for c in cs if c.category == cat]
   for cat in cats:   # chunk i: cases 2i, 2i+1 of each category of the selection
