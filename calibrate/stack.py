@@ -69,7 +69,7 @@ class StackRunner(dec.PaskRunner):
     self.policy = stack([template] * n_policies)
     # The overlapped loop's forward (controller one step late); only the cache is donated, so
     # a step's ledger can still be read after the next step ran (generate_overlapped).
-    self.forward = jax.jit(self.deferred_fn, donate_argnums=(2,))
+    self.forward = jax.jit(self._forward, donate_argnums=(2,))
     self.local = None
     if mesh is not None and mesh.size > 1:
       self._shard_over(mesh, model, capacity, page, backend)
@@ -88,9 +88,17 @@ class StackRunner(dec.PaskRunner):
     self.commit = sm(self.local._commit, (rows, rows, rep, rep, rep, rep))
     self.step = sm(self.local._step, (rep, rows, rows, rows, rows, rows, rows, rows, rep, rows,
                                       rows))
-    self.forward = jax.jit(jax.shard_map(self.local.deferred_fn, mesh=mesh,
-                                         in_specs=(rep,) + (rows,) * 9, out_specs=rows,
+    self.forward = jax.jit(jax.shard_map(self.local._forward, mesh=mesh,
+                                         in_specs=(rep,) + (rows,) * 6, out_specs=rows,
                                          check_vma=False), donate_argnums=(2,))
+
+  def _forward(self, params, policy, cache, budget, led, tokens, host):
+    """:meth:`~pask_jax.decode.PaskRunner.deferred_fn` with its per-row host inputs in one
+    int32 array (one transfer per step, not four): ``host [B, N_CAND + 3]`` = the previous
+    token's tags, its parser-state id, decide it, feed ``tokens``."""
+    n = T.N_CAND
+    return self.deferred_fn(params, policy, cache, budget, led, tokens, host[:, :n], host[:, n],
+                            host[:, n + 1] > 0, host[:, n + 2] > 0)
 
   def use(self, policy_stack: P.FrozenPolicy) -> None:
     if policy_stack.action.shape[0] != self.V:
@@ -221,6 +229,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)
   key = jax.random.key(sampling.seed)
   bits = dec.new_bitmask(B, vocab)
+  sampled = sampling.temperature > 0    # greedy picks ignore the key: no split per step
 
   t0 = clock()
   tokens, lengths = dec.pad_prompts(prompts, B, runner.capacity)
@@ -228,8 +237,8 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   running = np.arange(B) < n
   _fill(bits, trackers, running)
   key, sub = jax.random.split(key)
-  # Arrays handed to the device are never written afterwards (a CPU device may alias them);
-  # ``bits`` is rewritten only after the pick that read it has returned its tokens.
+  # An array handed to the device is not written while a call may still read it (a CPU device
+  # may alias it): ``bits`` is rewritten only once the pick that read it returned its tokens.
   pick = runner.select(logits, jnp.asarray(bits), sub, temp, top_p)
   t1 = None
   out: list[list[int]] = [[] for _ in range(n)]
@@ -246,15 +255,15 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
     before = (led.live_bits, led.peak_live_bits)
     ta = clock()
     if feed.any() or decide.any():
-      logits, cache, budget, led, _ = runner.forward(
-          runner.params, runner.policy, cache, budget, led, pick, jnp.asarray(tag_ids),
-          jnp.asarray(state_ids), jnp.asarray(decide), jnp.asarray(feed))
+      host = np.concatenate([tag_ids, state_ids[:, None], decide[:, None], feed[:, None]],
+                            axis=1, dtype=np.int32)
+      logits, cache, budget, led, _ = runner.forward(runner.params, runner.policy, cache, budget,
+                                                     led, pick, jnp.asarray(host))
       tm["steps"] += 1
     tb = clock()
     y = np.asarray(pick)    # waits for the pick only: the forward just launched runs meanwhile
     tc = clock()
     t1 = t1 or tc
-    tag_ids, state_ids = tag_ids.copy(), state_ids.copy()
     decide = np.zeros((B,), bool)
     for b in np.flatnonzero(running):
       tok = int(y[b])
@@ -278,7 +287,8 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
       tm["host_s"] += clock() - tc
       break
     _fill(bits, trackers, running)
-    key, sub = jax.random.split(key)
+    if sampled:
+      key, sub = jax.random.split(key)
     td = clock()
     pick = runner.select(logits, jnp.asarray(bits), sub, temp, top_p)
     te = clock()
