@@ -197,7 +197,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   device step: the same tokens, tracker records and ledgers.
 
   As the serving engine's overlapped loop (serve/engine/): the step is split into the forward
-  (``runner.forward`` = :meth:`~pask_jax.decode.PaskRunner.deferred_fn`, the controller one step
+  (``runner.forward``: :meth:`~pask_jax.decode.PaskRunner.deferred_fn`, the controller one step
   late) and the pick (``runner.select``), and forward t+1 is launched fed with pick t's tokens
   still on the device.  Only then does the host read token t (pick t is done; forward t+1 runs
   meanwhile), accept it in the trackers (tags, parser states, stop checks) and fill the mask
@@ -219,7 +219,9 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
       raise dec.CapacityError(
           f"prompt {i} has {len(p)} tokens; with max_tokens={mt} it needs {len(p) + mt} > "
           f"capacity {runner.capacity}")
-  trackers = list(trackers) + [dec.Tracker() for _ in range(B - len(trackers))]
+  if len(trackers) != n:
+    raise ValueError(f"got {len(trackers)} trackers for {n} prompts")
+  trackers = list(trackers) + [dec.Tracker() for _ in range(B - n)]
   tm = timers if timers is not None else {}
   for k in ("launch_s", "wait_s", "host_s", "steps"):
     tm.setdefault(k, 0)
@@ -296,6 +298,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
     tm["wait_s"] += tc - tb
     tm["host_s"] += td - tc
   t2 = clock()
+  t1 = t1 or t2
   led = jax.tree.map(np.asarray, led)
   if live_from:
     live, peak = led.live_bits.copy(), led.peak_live_bits.copy()

@@ -103,3 +103,5 @@ def test_overlapped_rejects_bad_input(setup):
     S.generate_overlapped(runner, tok, [], trackers=[])
   with pytest.raises(dec.CapacityError, match="capacity"):
     S.generate_overlapped(runner, tok, [[1] * CAP], trackers=[task.tracker(0)])
+  with pytest.raises(ValueError, match="2 trackers for 1 prompts"):
+    S.generate_overlapped(runner, tok, [[1, 2]], trackers=[task.tracker(0)] * 2)
