@@ -17,6 +17,11 @@ all timed in the same process, plus the measured live B.
 converted in place between them).  ``--profile DIR`` also writes a device trace of each timed step
 and its per-op table (``bench/profile_step.py``).  ``--time-limit S`` skips what would start after
 S seconds (rows already measured are kept).
+
+Per step, each row also holds the host time inside the jitted call until it returns
+(``*_launch_ms``) and the device time (``*_device_ms``): the wall time of a step waited for with
+``block_until_ready``, minus its launch (not profiler-based; ``--profile``'s "device busy" is).
+The chained ``*_ms`` is the time per step of steps launched back to back.
 """
 from __future__ import annotations
 
@@ -66,13 +71,27 @@ def main(argv=None) -> int:
   print(f"# {cfg.name}, {jnp.dtype(dt).name}, {dev}, jax {jax.__version__}", flush=True)
 
   def timed(step, n):
-    """Median-free mean over n chained steps after a warm-up; step() returns what to block on."""
+    """After a warm-up: (mean of n chained steps, mean launch, mean device time), seconds.
+
+    Chained: n steps back to back, then one wait (what a loop that never syncs sees).  Then n
+    steps each waited for: launch = host time inside ``step()`` until it returns, device = the
+    rest of that step's wall time until ``block_until_ready`` returns (the device's time on the
+    step, less whatever of it ran during the launch).  step() returns what to block on."""
     jax.block_until_ready(step())
     t0 = time.perf_counter()
     for _ in range(n):
       out = step()
     jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / n
+    chained = (time.perf_counter() - t0) / n
+    launch = device = 0.0
+    for _ in range(n):
+      t0 = time.perf_counter()
+      out = step()
+      t1 = time.perf_counter()
+      jax.block_until_ready(out)
+      t2 = time.perf_counter()
+      launch, device = launch + (t1 - t0), device + (t2 - t1)
+    return chained, launch / n, device / n
 
   def prof(name, step, hlo=None):
     if not a.profile:
@@ -138,20 +157,23 @@ def main(argv=None) -> int:
                                                         tags, sid, act)
             state["s"] = (c, bud, led)
             return logits
-          t = timed(step, S)
+          t, t_launch, t_dev = timed(step, S)
           hlo = None
           if a.profile:
             c_, b_, l_ = state["s"]
             hlo = runner.decode_step.lower(runner.params, pol, c_, b_, l_, tok, tags, sid,
                                            act).compile().as_text()
           name = f"pask_{layout}_b{B}_c{C}_mix{'-'.join(f'{m:.2f}' for m in mix)}"
-          res[mix] = dict(ms=t * 1e3, live_B=live_b, traces=runner.traces["step"],
+          res[mix] = dict(ms=t * 1e3, launch_ms=t_launch * 1e3, device_ms=t_dev * 1e3,
+                          live_B=live_b, traces=runner.traces["step"],
                           profile=prof(name, step, hlo))
           print(f"  {layout} b{B} c{C} mix {tuple(round(m, 2) for m in mix)}: {t * 1e3:.2f} ms "
-                f"(live B {live_b:.3f})", flush=True)
+                f"(launch {t_launch * 1e3:.2f}, device {t_dev * 1e3:.2f}; live B {live_b:.3f})",
+                flush=True)
           state.clear()     # the step closure holds the dict: drop the cache it refers to
           state = runner = step = None   # free this mix's cache before the next
         t_full, prof_full = float("nan"), None
+        full_launch = full_dev = float("nan")
         if not a.no_full and not over():
           full = Runner(model, batch=B, capacity=C + S + 1, cache_dtype=jnp.bfloat16)
           fc = {"c": full.new_cache()._replace(length=jnp.full((B,), C, jnp.int32))}
@@ -161,11 +183,12 @@ def main(argv=None) -> int:
           def fstep():
             nxt, _, fc["c"] = full.step(full.params, fc["c"], tok, bits, key, z, o)
             return nxt
-          t_full = timed(fstep, S)
+          t_full, full_launch, full_dev = timed(fstep, S)
           hlo = full.step.lower(full.params, fc["c"], tok, bits, key, z, o).compile().as_text() \
               if a.profile else None
           prof_full = prof(f"full_{layout}_b{B}_c{C}", fstep, hlo)
-          print(f"  {layout} b{B} c{C} plain-XLA Full KV: {t_full * 1e3:.2f} ms", flush=True)
+          print(f"  {layout} b{B} c{C} plain-XLA Full KV: {t_full * 1e3:.2f} ms (launch "
+                f"{full_launch * 1e3:.2f}, device {full_dev * 1e3:.2f})", flush=True)
           del fc, full
         allbf = res.get((0.0, 0.0, 1.0), {}).get("ms", float("nan"))
         for mix in mixes:
@@ -175,6 +198,10 @@ def main(argv=None) -> int:
           row = {"shape": a.shape, "layout": layout, "batch": B, "context": C,
                  "mix_RLH": [round(float(m), 4) for m in mix], "live_B": r["live_B"],
                  "pask_ms": r["ms"], "all_bf16_ms": allbf, "full_xla_ms": t_full * 1e3,
+                 "pask_launch_ms": r["launch_ms"], "pask_device_ms": r["device_ms"],
+                 "all_bf16_launch_ms": res.get((0.0, 0.0, 1.0), {}).get("launch_ms"),
+                 "all_bf16_device_ms": res.get((0.0, 0.0, 1.0), {}).get("device_ms"),
+                 "full_xla_launch_ms": full_launch * 1e3, "full_xla_device_ms": full_dev * 1e3,
                  "vs_all_bf16": allbf / r["ms"], "vs_full_xla": t_full * 1e3 / r["ms"],
                  "step_traces": r["traces"], "device": dev, "jax": jax.__version__,
                  "profile": r["profile"],
@@ -185,13 +212,14 @@ def main(argv=None) -> int:
             with open(a.json, "a") as f:
               f.write(json.dumps(row) + "\n")
   print(f"\n{'layout':9s} {'B':>3s} {'ctx':>6s} {'mix R/L/H':16s} {'live B':>6s} {'PASK ms':>8s} "
-        f"{'allBF16':>8s} {'XLA full':>8s} {'x allBF16':>9s} {'x XLA':>6s}")
+        f"{'launch':>7s} {'device':>7s} {'allBF16':>8s} {'XLA full':>8s} {'launch':>7s} "
+        f"{'device':>7s} {'x allBF16':>9s} {'x XLA':>6s}")
   for r in rows_out:
     print(f"{r['layout']:9s} {r['batch']:3d} {r['context']:6d} "
           f"{'/'.join(f'{m:.2f}' for m in r['mix_RLH']):16s} {r['live_B']:6.3f} "
-          f"{r['pask_ms']:8.2f} "
-          f"{r['all_bf16_ms']:8.2f} {r['full_xla_ms']:8.2f} {r['vs_all_bf16']:9.2f} "
-          f"{r['vs_full_xla']:6.2f}")
+          f"{r['pask_ms']:8.2f} {r['pask_launch_ms']:7.2f} {r['pask_device_ms']:7.2f} "
+          f"{r['all_bf16_ms']:8.2f} {r['full_xla_ms']:8.2f} {r['full_xla_launch_ms']:7.2f} "
+          f"{r['full_xla_device_ms']:7.2f} {r['vs_all_bf16']:9.2f} {r['vs_full_xla']:6.2f}")
   return 0
 
 

@@ -249,6 +249,7 @@ class Calibration:
     self.progress = progress
     self.log = log
     self.timings: dict[str, float] = {}
+    self.host: dict[str, float] = {}   # generate loops' host seconds (stack.generate_overlapped)
     self.keys = self._fingerprints()
     self._check_work()
 
@@ -301,7 +302,8 @@ class Calibration:
     bar = self.progress(label, len(policies) * len(task.requests)) if self.progress else None
     t0 = time.perf_counter()
     res = S.run_stack(self.runner_for, task, policies, rows=self.cfg.rows,
-                      max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None)
+                      max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None,
+                      timers=self.host)
     if bar:
       bar.close()
     self.timings[label] = self.timings.get(label, 0.0) + time.perf_counter() - t0
@@ -380,7 +382,7 @@ class Calibration:
 
       S.run_stack(self.runner_for, self.cal, pols, rows=self.cfg.rows,
                   max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None,
-                  on_chunk=save)
+                  on_chunk=save, timers=self.host)
       if bar:
         bar.close()
       self.timings["Runtime-V"] = time.perf_counter() - t0
@@ -598,6 +600,7 @@ class Calibration:
                           "b_d": b_d, "b_p": b_p}
     self.timings["total"] = time.perf_counter() - t_all
     record["timings_s"] = dict(self.timings)
+    record["generate_host_s"] = dict(self.host)   # launch / wait / host seconds, steps
     P.save(final, os.path.join(self.out, "policy"))
     with open(os.path.join(self.out, "calibration.json"), "w") as f:
       json.dump(record, f, indent=1, sort_keys=True, default=float)

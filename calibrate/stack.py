@@ -13,12 +13,15 @@ the policies on its own cache, data parallel); results do not depend on it.
 :func:`run_stack` is the driver (chunks of policies and requests of fixed shape so the step
 compiles once, host-side grammar tracking, scoring by a task); :func:`run_sequential` is the
 plain loop over the same policies, kept for the equivalence test and the speed comparison.
+Both generate with :func:`generate_overlapped`: the host's grammar work for token t runs while
+the device computes the forward fed with it (the serving engine's overlap, serve/engine/), with
+the results of :func:`pask_jax.decode.generate`.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,9 @@ class StackRunner(dec.PaskRunner):
     super().__init__(model, template, batch=n_policies * n_requests, capacity=capacity,
                      page=page, backend=backend)
     self.policy = stack([template] * n_policies)
+    # The overlapped loop's forward (controller one step late); only the cache is donated, so
+    # a step's ledger can still be read after the next step ran (generate_overlapped).
+    self.forward = jax.jit(self._forward, donate_argnums=(2,))
     self.local = None
     if mesh is not None and mesh.size > 1:
       self._shard_over(mesh, model, capacity, page, backend)
@@ -82,6 +88,17 @@ class StackRunner(dec.PaskRunner):
     self.commit = sm(self.local._commit, (rows, rows, rep, rep, rep, rep))
     self.step = sm(self.local._step, (rep, rows, rows, rows, rows, rows, rows, rows, rep, rows,
                                       rows))
+    self.forward = jax.jit(jax.shard_map(self.local._forward, mesh=mesh,
+                                         in_specs=(rep,) + (rows,) * 6, out_specs=rows,
+                                         check_vma=False), donate_argnums=(2,))
+
+  def _forward(self, params, policy, cache, budget, led, tokens, host):
+    """:meth:`~pask_jax.decode.PaskRunner.deferred_fn` with its per-row host inputs in one
+    int32 array (one transfer per step, not four): ``host [B, N_CAND + 3]`` = the previous
+    token's tags, its parser-state id, decide it, feed ``tokens``."""
+    n = T.N_CAND
+    return self.deferred_fn(params, policy, cache, budget, led, tokens, host[:, :n], host[:, n],
+                            host[:, n + 1] > 0, host[:, n + 2] > 0)
 
   def use(self, policy_stack: P.FrozenPolicy) -> None:
     if policy_stack.action.shape[0] != self.V:
@@ -164,14 +181,145 @@ class Outcome:
   prompt_len: int
 
 
+def _fill(bits: np.ndarray, trackers, running: np.ndarray) -> None:
+  """The next-token bitmask: a running row's tracker writes its whole row; other rows allow
+  every token (as :func:`pask_jax.decode.generate` does)."""
+  bits[~running] = -1
+  for b in np.flatnonzero(running):
+    trackers[b].fill(bits, b)
+
+
+def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequence[int]], *,
+                        trackers: Sequence, prompt_tags: Sequence[Any] | None = None,
+                        sampling: dec.Sampling = dec.Sampling(),
+                        timers: dict | None = None) -> list[dec.Result]:
+  """:func:`pask_jax.decode.generate` for a :class:`StackRunner` with the host's work under the
+  device step: the same tokens, tracker records and ledgers.
+
+  As the serving engine's overlapped loop (serve/engine/): the step is split into the forward
+  (``runner.forward``: :meth:`~pask_jax.decode.PaskRunner.deferred_fn`, the controller one step
+  late) and the pick (``runner.select``), and forward t+1 is launched fed with pick t's tokens
+  still on the device.  Only then does the host read token t (pick t is done; forward t+1 runs
+  meanwhile), accept it in the trackers (tags, parser states, stop checks) and fill the mask
+  of pick t+1.  The forward decides the token fed one step earlier, from its tags.
+
+  A row whose next token will be its last by length is not fed; a stop token (or the token that
+  completes the grammar) cannot be known ahead: it is fed and never decided, and the row's live
+  payload (``live_bits``, ``peak_live_bits``) is taken from the ledger before that feed, so the
+  ledger is the synchronous loop's.  ``timers`` (optional) accumulates host seconds:
+  ``launch_s`` (inside the forward / pick calls), ``wait_s`` (waiting for a pick's tokens),
+  ``host_s`` (trackers and masks), and ``steps``.
+  """
+  B, vocab = runner.batch, runner.cfg.vocab_size
+  n, mt = len(prompts), sampling.max_tokens
+  if not 0 < n <= B:
+    raise ValueError(f"got {n} prompts for a runner of batch {B}")
+  for i, p in enumerate(prompts):
+    if len(p) + mt > runner.capacity:
+      raise dec.CapacityError(
+          f"prompt {i} has {len(p)} tokens; with max_tokens={mt} it needs {len(p) + mt} > "
+          f"capacity {runner.capacity}")
+  if len(trackers) != n:
+    raise ValueError(f"got {len(trackers)} trackers for {n} prompts")
+  trackers = list(trackers) + [dec.Tracker() for _ in range(B - n)]
+  tm = timers if timers is not None else {}
+  for k in ("launch_s", "wait_s", "host_s", "steps"):
+    tm.setdefault(k, 0)
+  clock = time.perf_counter
+  stops = set(tokenizer.stop_ids)
+  temp = jnp.full((B,), sampling.temperature, jnp.float32)
+  top_p = jnp.full((B,), sampling.top_p, jnp.float32)
+  key = jax.random.key(sampling.seed)
+  bits = dec.new_bitmask(B, vocab)
+  sampled = sampling.temperature > 0    # greedy picks ignore the key: no split per step
+
+  t0 = clock()
+  tokens, lengths = dec.pad_prompts(prompts, B, runner.capacity)
+  logits, (cache, budget, led) = runner.begin(tokens, lengths, prompt_tags)
+  running = np.arange(B) < n
+  _fill(bits, trackers, running)
+  key, sub = jax.random.split(key)
+  # An array handed to the device is not written while a call may still read it (a CPU device
+  # may alias it): ``bits`` is rewritten only once the pick that read it returned its tokens.
+  pick = runner.select(logits, jnp.asarray(bits), sub, temp, top_p)
+  t1 = None
+  out: list[list[int]] = [[] for _ in range(n)]
+  finish = ["length"] * n
+  tag_ids = np.broadcast_to(dec.FREE_TAG, (B, T.N_CAND)).copy()
+  state_ids = np.full((B,), -1, np.int32)
+  decide = np.zeros((B,), bool)      # rows whose fed token the next forward decides
+  count = np.zeros((B,), np.int64)   # accepted tokens per row
+  live_from: dict[int, tuple] = {}   # row -> (live_bits, peak_live_bits) before its stop's feed
+  for _ in range(mt):
+    # Forward: feed the pick's tokens (device) to every running row but those whose token is
+    # their last by length; decide the tokens fed by the previous forward.
+    feed = running & (count + 1 < mt)
+    before = (led.live_bits, led.peak_live_bits)
+    ta = clock()
+    if feed.any() or decide.any():
+      host = np.concatenate([tag_ids, state_ids[:, None], decide[:, None], feed[:, None]],
+                            axis=1, dtype=np.int32)
+      logits, cache, budget, led, _ = runner.forward(runner.params, runner.policy, cache, budget,
+                                                     led, pick, jnp.asarray(host))
+      tm["steps"] += 1
+    tb = clock()
+    y = np.asarray(pick)    # waits for the pick only: the forward just launched runs meanwhile
+    tc = clock()
+    t1 = t1 or tc
+    decide = np.zeros((B,), bool)
+    for b in np.flatnonzero(running):
+      tok = int(y[b])
+      tag_ids[b], state_ids[b] = trackers[b].accept(tok)
+      count[b] += 1
+      if tok in stops or trackers[b].terminated:
+        running[b], finish[b] = False, "stop"
+        if tok not in stops:
+          out[b].append(tok)
+        if feed[b]:
+          live_from[b] = before
+        continue
+      out[b].append(tok)
+      if count[b] >= mt:
+        running[b] = False
+      else:
+        decide[b] = True
+    if not running.any():
+      tm["launch_s"] += tb - ta
+      tm["wait_s"] += tc - tb
+      tm["host_s"] += clock() - tc
+      break
+    _fill(bits, trackers, running)
+    if sampled:
+      key, sub = jax.random.split(key)
+    td = clock()
+    pick = runner.select(logits, jnp.asarray(bits), sub, temp, top_p)
+    te = clock()
+    tm["launch_s"] += (tb - ta) + (te - td)
+    tm["wait_s"] += tc - tb
+    tm["host_s"] += td - tc
+  t2 = clock()
+  t1 = t1 or t2
+  led = jax.tree.map(np.asarray, led)
+  if live_from:
+    live, peak = led.live_bits.copy(), led.peak_live_bits.copy()
+    fetched: dict[int, tuple] = {}
+    for b, src in live_from.items():
+      lv, pk = fetched.setdefault(id(src), tuple(np.asarray(x) for x in src))
+      live[b], peak[b] = lv[b], pk[b]
+    led = led.replace(live_bits=live, peak_live_bits=peak)
+  reports = runner.report((cache, budget, led))
+  return [dec.Result(out[b], tokenizer.decode(out[b]), len(prompts[b]), finish[b], t1 - t0,
+                     t2 - t1, reports[b]) for b in range(n)]
+
+
 def _chunks(n: int, size: int) -> list[range]:
   return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
 def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Sequence,
               *, rows: int = 256, max_tokens: int = 128, progress=None, share: bool = True,
-              on_chunk: Callable[[list[int], list[list[Outcome]]], None] | None = None
-              ) -> list[list[Outcome]]:
+              on_chunk: Callable[[list[int], list[list[Outcome]]], None] | None = None,
+              timers: dict | None = None) -> list[list[Outcome]]:
   """Generate every request of ``task`` under every policy -> ``out[policy][request]``.
 
   ``runner_for(V, N)`` returns a (cached) :class:`StackRunner`; chunks have fixed ``(V, N)`` with
@@ -180,6 +328,7 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
   ``tracker(i)``, ``score(i, text, complete)``).  ``on_chunk(policy_indices, outcomes)`` is called
   as each chunk of policies completes (resumable calibration saves there).  ``share``: rows of
   one request with the same prefix share one parser (:mod:`calibrate.shared`; same results).
+  ``timers``: host seconds per kind, summed over chunks (see :func:`generate_overlapped`).
   """
   from calibrate.shared import Forest
   reqs = task.requests
@@ -204,8 +353,8 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
         trackers = [task.tracker(i) for _ in pidx for i in ridx]
       prompts = [reqs[i].ids for _ in pidx for i in ridx]
       ptags = [reqs[i].prompt_tags for _ in pidx for i in ridx]
-      res = dec.generate(runner, task.tokenizer, prompts, trackers=trackers, prompt_tags=ptags,
-                         sampling=sampling)
+      res = generate_overlapped(runner, task.tokenizer, prompts, trackers=trackers,
+                                prompt_tags=ptags, sampling=sampling, timers=timers)
       for vi, p in enumerate(pidx[:len(pc)]):
         for ni, r in enumerate(ridx[:len(rc)]):
           j = vi * N + ni

@@ -12,6 +12,13 @@ One registry per app (not the process-global one: tests and benchmarks start sev
   queue depth, running, slots, pages free / total per pool (label ``pool`` = bf16 | int4),
   measured B of the finished requests (payload / Full-KV payload, aggregate), request outcomes,
   tokens, decode steps, R/L/H actions, cache overflows, grammar-compile pool state, engine up.
+* Host time per decode step, from the engine's own step timers (``fill_s``, ``dispatch_s``,
+  ``wait_s``, ``accept_s``, ``alloc_s``: what ``bench/bench_serving.py`` reports), as summaries
+  (``_count`` = decode steps, ``_sum`` = seconds): ``pask_step_launch_seconds`` (inside the
+  jitted step calls until they return: the launch, argument transfers included),
+  ``pask_step_wait_seconds`` (waiting for the device's tokens: a device-busy proxy; with the
+  overlapped loop only what the host work did not hide) and ``pask_step_host_seconds`` (the
+  host's own work: masks, page bookkeeping, accepting tokens).
 
 Both exposition formats are served (``Accept: application/openmetrics-text`` picks OpenMetrics),
 and both of prometheus_client's parsers read them (tests/test_serve_openai.py).
@@ -19,7 +26,7 @@ and both of prometheus_client's parsers read them (tests/test_serve_openai.py).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from pask_jax import actions as Act
@@ -74,6 +81,16 @@ class _EngineCollector:
                   g("completion_tokens"))
     yield counter("decode_steps", "batched decode steps", g("decode_steps"))
     yield counter("decode_step_seconds", "time in decode steps", g("decode_step_s"))
+    steps = g("decode_steps")
+    yield SummaryMetricFamily("pask_step_launch_seconds", "host time inside the jitted decode "
+                              "step calls until they return (launch), per step",
+                              count_value=steps, sum_value=g("dispatch_s"))
+    yield SummaryMetricFamily("pask_step_wait_seconds", "host time waiting for the device's "
+                              "tokens (device busy proxy), per step", count_value=steps,
+                              sum_value=g("wait_s"))
+    yield SummaryMetricFamily("pask_step_host_seconds", "host work of a decode step (masks, "
+                              "pages, accepting tokens), per step", count_value=steps,
+                              sum_value=g("fill_s") + g("alloc_s") + g("accept_s"))
     yield counter("decode_rows", "active rows summed over decode steps", g("decode_rows"))
     yield counter("prefill_seconds", "time in prefills", g("prefill_s"))
     yield counter("admission_blocked", "engine iterations where the queue head waited for pages "

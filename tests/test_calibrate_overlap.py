@@ -1,0 +1,107 @@
+"""Calibration's overlapped generate loop (calibrate.stack.generate_overlapped) gives exactly what
+the synchronous loop (pask_jax.decode.generate) gives on a policy stack: tokens, text, finish,
+the trackers' tag and parser-state records, and every ledger field (the R/L/H action counts per
+group, n_gen, live and peak payload) — for rows that end on a stop token (fed before the host
+saw it), by completing the grammar, and by length, greedy and sampled."""
+import numpy as np
+import pytest
+
+from pask_jax.testing.fixtures import smollm2
+from models import ModelConfig, random_model
+from pask_jax import decode as dec
+from pask_jax import policy as P
+from pask_jax import tags as T
+from pask_jax.grammar import GrammarCompiler
+
+from calibrate import stack as S, tasks
+
+CAP = 256
+N_REQ = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+  tok = smollm2().tokenizer
+  cfg = ModelConfig(arch="llama", vocab_size=smollm2().cfg.vocab_size, hidden=64,
+                    intermediate=96, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
+                    rope_theta=10000.0, tie_embeddings=True)
+  model = random_model(cfg, seed=0)
+  task = tasks.SyntheticTask(tok, GrammarCompiler(tok, cfg.vocab_size), N_REQ, seed=0)
+  tmpl = P.all_high(cfg, sink=2, window=4)
+  ids = [T.fc(c) for c in T.Cls]
+  G = tmpl.n_groups
+
+  def pol(action, floor, b_d):
+    ent = {i: P.Entry(list(action), list(floor)) for i in ids}
+    return P.build(ent, cfg, n_groups=G, b_d=b_d, b_p=1.0, sink=2, window=4, adapter="fc")
+  pols = [tmpl,
+          pol([T.R, T.H, T.H], [T.R, T.H, T.H], 1.0),       # release group 0
+          pol([T.L] * G, [T.L] * G, 1.0),                  # INT4 everywhere
+          pol([T.H] * G, [T.R] * G, 0.35)]                 # the controller demotes to a budget
+  runner = S.StackRunner(model, tmpl, n_policies=len(pols), n_requests=N_REQ, capacity=CAP)
+  runner.use(S.stack(pols))
+  return runner, task, tok
+
+
+def both(runner, task, tok, sampling, share):
+  from calibrate.shared import Forest
+  V, N = runner.V, runner.N
+  prompts = [r.ids for _ in range(V) for r in task.requests]
+  ptags = [r.prompt_tags for _ in range(V) for r in task.requests]
+  out = []
+  for loop in (dec.generate, S.generate_overlapped):
+    if share:
+      forest = Forest(task.tracker)
+      trackers = [forest.row(i) for _ in range(V) for i in range(N)]
+    else:
+      trackers = [task.tracker(i) for _ in range(V) for i in range(N)]
+    res = loop(runner, tok, prompts, trackers=trackers, prompt_tags=ptags, sampling=sampling)
+    out.append((res, trackers))
+  return out
+
+
+@pytest.mark.parametrize("max_tokens, temperature, share", [
+    (64, 0.0, True), (64, 0.0, False), (14, 0.0, True), (40, 0.8, True)])
+def test_overlapped_equals_synchronous(setup, max_tokens, temperature, share):
+  runner, task, tok = setup
+  sampling = dec.Sampling(max_tokens=max_tokens, temperature=temperature, seed=3)
+  (ra, ta), (rb, tb) = both(runner, task, tok, sampling, share)
+  assert len(ra) == len(rb) == runner.batch
+  for x, y, tx, ty in zip(ra, rb, ta, tb):
+    assert y.tokens == x.tokens and y.text == x.text and y.finish == x.finish
+    assert y.ledger == x.ledger     # every field: counts per group and action, live, peak
+    np.testing.assert_array_equal(np.asarray(ty.tags), np.asarray(tx.tags))
+    assert ty.states == tx.states
+  finishes = {x.finish for x in ra}
+  if max_tokens == 14:
+    assert finishes == {"length"}
+  else:
+    assert "stop" in finishes       # the speculatively fed last token is exercised
+  # The stack really intervenes: some rows spend R or L actions on generated tokens, and the
+  # policies' outputs are not all the same.
+  low = sum(c["R"] + c["L"] for x in ra for c in x.ledger["decode_counts"].values())
+  assert low > 0
+  assert len({tuple(x.tokens) for x in ra}) > N_REQ
+
+
+def test_overlapped_reports_host_timers(setup):
+  runner, task, tok = setup
+  timers = {}
+  prompts = [r.ids for _ in range(runner.V) for r in task.requests]
+  trackers = [task.tracker(i) for _ in range(runner.V) for i in range(runner.N)]
+  res = S.generate_overlapped(runner, tok, prompts, trackers=trackers,
+                              sampling=dec.Sampling(max_tokens=10), timers=timers)
+  assert set(timers) == {"launch_s", "wait_s", "host_s", "steps"}
+  longest = max(len(r.tokens) for r in res)
+  assert 0 < longest <= timers["steps"] <= longest + 1   # one forward per token (+ a stop's)
+  assert all(timers[k] > 0 for k in ("launch_s", "wait_s", "host_s"))
+
+
+def test_overlapped_rejects_bad_input(setup):
+  runner, task, tok = setup
+  with pytest.raises(ValueError, match="prompts for a runner of batch"):
+    S.generate_overlapped(runner, tok, [], trackers=[])
+  with pytest.raises(dec.CapacityError, match="capacity"):
+    S.generate_overlapped(runner, tok, [[1] * CAP], trackers=[task.tracker(0)])
+  with pytest.raises(ValueError, match="2 trackers for 1 prompts"):
+    S.generate_overlapped(runner, tok, [[1, 2]], trackers=[task.tracker(0)] * 2)
