@@ -10,6 +10,7 @@ from pask_jax.testing.fixtures import smollm2
 from models import ModelConfig, random_model
 from pask_jax import decode as dec
 from pask_jax import policy as P
+from pask_jax import actions as Act
 from pask_jax import tags as T
 from pask_jax.grammar import GrammarCompiler
 
@@ -35,9 +36,9 @@ def setup():
     ent = {i: P.Entry(list(action), list(floor)) for i in ids}
     return P.build(ent, cfg, n_groups=G, b_d=b_d, b_p=1.0, sink=2, window=4, adapter="fc")
   pols = [tmpl,
-          pol([T.R, T.H, T.H], [T.R, T.H, T.H], 1.0),       # release group 0
-          pol([T.L] * G, [T.L] * G, 1.0),                  # INT4 everywhere
-          pol([T.H] * G, [T.R] * G, 0.35)]                 # the controller demotes to a budget
+          pol([Act.R, Act.H, Act.H], [Act.R, Act.H, Act.H], 1.0),       # release group 0
+          pol([Act.L] * G, [Act.L] * G, 1.0),                  # INT4 everywhere
+          pol([Act.H] * G, [Act.R] * G, 0.35)]                 # the controller demotes to a budget
   runner = S.StackRunner(model, tmpl, n_policies=len(pols), n_requests=N_REQ, capacity=CAP)
   runner.use(S.stack(pols))
   return runner, task, tok
