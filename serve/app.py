@@ -9,7 +9,8 @@ With ``api_key`` every route but ``/health`` and ``/metrics`` needs ``Authorizat
 
 The request path, in order (nothing expensive before the length check):
 
-1. :class:`serve.guard.Guard`: body size, JSON nesting depth, lone surrogates, error boundary.
+1. :class:`serve.guard.Guard`: body size, JSON nesting depth, lone surrogates, error boundary;
+   then, with an API key, :class:`serve.guard.Auth` (401).
 2. FastAPI validates the body against :class:`serve.protocol.ChatCompletionRequest` (one
    pydantic layer); every 4xx — validation, 404, 405, 413, 429 — has an OpenAI-style body
    ``{"error": {"message", "type", "param", "code"}}``.
@@ -54,6 +55,7 @@ Choices:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import copy
 import json
@@ -85,14 +87,15 @@ TOOL_CALL_PARSERS = {"hermes": "tool_call_tags", "fenced_json": "fenced_json",
 
 
 def load_chat_template(value: str) -> str:
-  """``--chat-template``: a file path, or the template itself (as vLLM: a value holding ``{``,
-  ``}`` or a newline is a template).  ValueError with a one-line message otherwise."""
-  if any(c in value for c in "{}\n"):
-    return value
+  """``--chat-template``, resolved as vLLM does: a readable file is read; otherwise a value
+  holding ``{``, ``}`` or a newline is the template itself (its ``\\n`` escapes decoded, so a
+  template fits on one line).  ValueError with a one-line message otherwise."""
   try:
     with open(value, encoding="utf-8") as f:
       text = f.read()
   except (OSError, UnicodeDecodeError) as e:
+    if any(c in value for c in "{}\n"):
+      return codecs.decode(value, "unicode_escape") if value.isascii() else value
     why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
     raise ValueError(f"--chat-template {value!r} is neither a readable file ({why}) nor a "
                      "template (it has no '{')") from None

@@ -156,6 +156,8 @@ def test_chat_template_is_a_file_or_inline(tmp_path):
   f = tmp_path / "t.jinja"
   f.write_text(TEMPLATE)
   assert load_chat_template(str(f)) == TEMPLATE == load_chat_template(TEMPLATE)
+  assert load_chat_template("{{ messages[0]['content'] }}\\n") == \
+      "{{ messages[0]['content'] }}\n"   # one-line form: escapes decoded, as vLLM
   for bad in (str(tmp_path / "missing.jinja"), str(tmp_path)):
     with pytest.raises(ValueError, match="neither a readable file"):
       load_chat_template(bad)
