@@ -379,3 +379,41 @@ def test_context_length_error_names_max_tokens(base):
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
     assert f"{max_tokens} in the completion: max_tokens" in err["message"], err
     assert "maximum context length is 256 tokens" in err["message"]
+
+
+def test_hermes_is_qwen25s_native_format():
+  """A Qwen2.5 checkpoint (family default: fenced JSON) served with ``hermes``: its template's
+  ``<tool_call>`` blocks, compact JSON, the ``<tool_call>`` token itself admitted."""
+  import gzip
+  import os
+
+  from tokenizers import Tokenizer as HFTokenizer
+
+  from models.tokenizer import Tokenizer
+  from pask_jax import policy as P
+  from pask_jax.grammar import GrammarCompiler, tool_call_grammar
+  from serve.app import TOOL_CALL_PARSERS, Preparer
+  from serve.protocol import ChatCompletionRequest
+  with gzip.open(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")) as f:
+    rec = json.loads(f.read())   # written by scripts/export_tokenizer.py
+  tok = Tokenizer(HFTokenizer.from_str(json.dumps(rec["tokenizer"])),
+                  chat_template=rec["chat_template"], stop_ids=rec["stop_ids"],
+                  bos_id=rec["bos_id"], add_bos=rec["add_bos"], vocab_size=rec["vocab_size"],
+                  special_tokens=rec.get("special_tokens"))
+
+  def accepts(g, text):
+    m = g.matcher()
+    return all(m.accept(t) for t in tok.encode(text)) and m.accept(tok.stop_ids[0])
+
+  assert "<tool_call>" in tok.chat_template   # Qwen2.5's own instruction
+  engine = type("E", (), {"policy": P.all_high(), "context": 4096})()
+  cfg = type("Cfg", (), {"arch": "qwen2", "vocab_size": tok.vocab_size})()
+  body = ChatCompletionRequest(model="m", messages=MSG, tools=WEATHER)
+  assert Preparer(engine, tok, cfg, None).plan(body).job["fmt"] == "fenced_json"
+  p = Preparer(engine, tok, cfg, None, tool_format=TOOL_CALL_PARSERS["hermes"]).plan(body)
+  assert (p.fmt, p.indent, p.job["fmt"], p.job["indent"]) == ("tool_call_tags", None) * 2
+  g = tool_call_grammar(GrammarCompiler(tok, tok.vocab_size), WEATHER, p.fmt, indent=p.indent)
+  call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+  assert tok.encode(call)[0] == tok.tok.token_to_id("<tool_call>")   # one added token
+  assert accepts(g, call)
+  assert not accepts(g, '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```')
