@@ -75,7 +75,11 @@ def cmd_serve(args) -> int:
                         max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                         grammar_timeout_s=args.grammar_timeout,
                         prefill_chunk=args.prefill_chunk,
-                        prefill_share=args.prefill_share)
+                        prefill_share=args.prefill_share,
+                        api_key=args.api_key or ([os.environ["PASK_API_KEY"]]
+                                                 if os.environ.get("PASK_API_KEY") else None),
+                        chat_template=args.chat_template,
+                        tool_call_parser=args.tool_call_parser)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
@@ -229,11 +233,40 @@ def main(argv: list[str] | None = None) -> int:
   g.add_argument("--policy", default=None,
                  help="decode under PASK with this policy: all-high, demo, or a policy directory "
                       "(default: Full KV)")
-  s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching (PASK)")
-  s.add_argument("--model", default=None, help="as for generate (default: smollm2-135m-instruct)")
-  s.add_argument("--policy", default="all-high", help="all-high (default), demo, or a policy dir")
-  s.add_argument("--host", default="127.0.0.1")
-  s.add_argument("--port", type=int, default=8000)
+  class ServeHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help already says what the default is."""
+
+    def _get_help_string(self, action):
+      if "(default" in (action.help or "") or action.default in (None, False):
+        return action.help
+      return super()._get_help_string(action)
+
+  s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching (PASK)",
+                     formatter_class=ServeHelp,
+                     description="OpenAI-compatible server (vLLM-style flags where they exist).")
+  s.add_argument("--model", default=None, help="GGUF file, HF checkpoint dir, or a registered "
+                                               "name (default: smollm2-135m-instruct)")
+  s.add_argument("--policy", default="all-high",
+                 help="PASK policy: all-high, demo, or a calibrated policy directory")
+  s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  s.add_argument("--port", type=int, default=8000, help="port to listen on")
+  s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                 help="require 'Authorization: Bearer KEY' (one of the keys) on every route "
+                      "but /health and /metrics; a wrong or missing key is a 401 (default: "
+                      "$PASK_API_KEY if set, else no key is required)")
+  s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                 help="Jinja chat template replacing the model's: a file path, or the template "
+                      "itself (a value with '{', '}' or a newline) (default: the model's)")
+  s.add_argument("--tool-call-parser", default=None, choices=["hermes", "fenced_json",
+                                                              "json_list"],
+                 help="the format tool calls are generated (grammar) and parsed in: hermes = "
+                      "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks "
+                      "(Qwen2.5, Hermes; vLLM's hermes), fenced_json = ```json blocks, "
+                      "json_list = a JSON list of calls (default: per model family: qwen2 "
+                      "fenced_json, qwen3 hermes, others json_list)")
+  s.add_argument("--enable-auto-tool-choice", action="store_true",
+                 help="accepted so that vLLM command lines run; tool_choice 'auto' works "
+                      "with or without it (default: off)")
   s.add_argument("--max-num-seqs", "--slots", dest="slots", type=_positive, default=4,
                  metavar="N",
                  help="decode batch: requests decoded together (alias --slots)")
@@ -247,32 +280,38 @@ def main(argv: list[str] | None = None) -> int:
                         "policy's expected H/L mix (default: every slot at full context)")
   mem.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
                    metavar="FRACTION", help="KV budget as this fraction of the device's free "
-                                            "memory after loading the weights (like vLLM)")
+                                            "memory after loading the weights, like vLLM "
+                                            "(default: every slot at full context)")
   s.add_argument("--kv-mix", type=_fraction, nargs=2, default=None, metavar=("H", "L"),
                  help="expected fractions of window-leaving entries stored H and L, for "
                       "sizing (default: from the policy; e.g. from pask_actions_total)")
   s.add_argument("--hi-pages", type=_positive, default=None,
-                 help="BF16 pool size in pages (overrides the budget's)")
+                 help="BF16 pool size in pages, overriding the budget's (default: sized from "
+                      "the budget)")
   s.add_argument("--lo-pages", type=_positive, default=None,
-                 help="INT4 pool size in pages (overrides the budget's)")
+                 help="INT4 pool size in pages, overriding the budget's (default: sized from "
+                      "the budget)")
   s.add_argument("--preemption", choices=["replay", "recompute"], default="replay",
                  help="when a pool runs dry the youngest request is preempted; when readmitted "
                       "its prompt is prefilled again and its generated tokens re-fed through "
-                      "the decode step (replay, default: output continues bit-exactly) or "
-                      "prefilled with the prompt (recompute: one prefill, numerically close)")
+                      "the decode step (replay: output continues bit-exactly) or prefilled "
+                      "with the prompt (recompute: one prefill, numerically close)")
   s.add_argument("--prefill-chunk", type=int, choices=[64, 128, 256, 512], default=512,
                  help="tokens of a prompt prefilled between two decode steps while other "
                       "requests decode (smaller: less stall for them, more steps for the "
-                      "prompt; default 512)")
+                      "prompt)")
   s.add_argument("--prefill-share", type=_share, default=1 / 3,
                  help="the most of the engine's time a long prompt's prefill (several pieces) "
                       "takes while other requests decode; prompts of one piece are not paced "
-                      "and may pass a long one in progress (default 1/3)")
-  s.add_argument("--default-max-tokens", type=int, default=256)
-  s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+                      "and may pass a long one in progress (default: 1/3)")
+  s.add_argument("--default-max-tokens", type=int, default=256,
+                 help="max_tokens of a chat completion that sets none (capped by the room "
+                      "left in --max-model-len)")
+  s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                 help="weights and activations (auto: float32 on CPU, else bfloat16)")
   s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                 help="model name(s) requests must use (default: --model, or "
-                      "smollm2-135m-instruct); responses carry the first")
+                 help="model name(s) requests must use; responses carry the first (default: "
+                      "--model, or smollm2-135m-instruct)")
   s.add_argument("--max-body-bytes", type=int, default=2 << 20,
                  help="largest request body (bytes); larger ones get a 413")
   s.add_argument("--max-json-depth", type=int, default=64,
@@ -280,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
   s.add_argument("--grammar-timeout", type=float, default=10.0,
                  help="CPU seconds one grammar (schema or tool set) may take to compile")
   s.add_argument("--log-level", default="info",
-                 choices=["critical", "error", "warning", "info", "debug", "trace"])
+                 choices=["critical", "error", "warning", "info", "debug", "trace"],
+                 help="uvicorn's log level")
   sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels",
                  add_help=False)
   from pask_jax.baselines import METHODS

@@ -1,11 +1,16 @@
 """The OpenAI-compatible ASGI app (FastAPI) over :class:`serve.engine.Engine`.
 
-Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{id}``,
-``GET /health``, ``GET /metrics`` (prometheus_client; :mod:`serve.metrics`).
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (plain text, no chat template),
+``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize``
+(vLLM's shapes), ``GET /health``, ``GET /metrics`` (prometheus_client; :mod:`serve.metrics`).
+With ``api_key`` every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer``
+(:class:`serve.guard.Auth`).  ``chat_template`` replaces the model's template;
+``tool_call_parser`` picks the tool-call format (:data:`TOOL_CALL_PARSERS`).
 
 The request path, in order (nothing expensive before the length check):
 
-1. :class:`serve.guard.Guard`: body size, JSON nesting depth, lone surrogates, error boundary.
+1. :class:`serve.guard.Guard`: body size, JSON nesting depth, lone surrogates, error boundary;
+   then, with an API key, :class:`serve.guard.Auth` (401).
 2. FastAPI validates the body against :class:`serve.protocol.ChatCompletionRequest` (one
    pydantic layer); every 4xx — validation, 404, 405, 413, 429 — has an OpenAI-style body
    ``{"error": {"message", "type", "param", "code"}}``.
@@ -50,7 +55,9 @@ Choices:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import copy
 import json
 import math
 import time
@@ -65,11 +72,49 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pask_jax import actions as Act
 from pask_jax.tracker import Tracker
 from serve.engine import Engine, Request
-from serve.guard import Guard
+from serve.guard import Auth, Guard
 from serve.metrics import Metrics
-from serve.protocol import ChatCompletionRequest, error_body, validation_error
+from serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                            TokenizeRequest, error_body, validation_error)
 
 MAX_CALLS = 8   # calls per answer with parallel_tool_calls (BFCL's parallel cases need a few)
+# ``--tool-call-parser`` -> the format of pask_jax.grammar.toolcall that both the grammar and the
+# parser of the answer follow.  ``hermes`` is vLLM's name for Qwen2.5's / Hermes'
+# ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` blocks; the other two have no
+# vLLM parser.  None: the measured per-family default (pask_jax.grammar.DEFAULT_STYLE).
+TOOL_CALL_PARSERS = {"hermes": "tool_call_tags", "fenced_json": "fenced_json",
+                     "json_list": "json_list"}
+
+
+def load_chat_template(value: str) -> str:
+  """``--chat-template``, resolved as vLLM does: a readable file is read; otherwise a value
+  holding ``{``, ``}`` or a newline is the template itself (its ``\\n`` escapes decoded, so a
+  template fits on one line).  ValueError with a one-line message otherwise."""
+  try:
+    with open(value, encoding="utf-8") as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    if any(c in value for c in "{}\n"):
+      return codecs.decode(value, "unicode_escape") if value.isascii() else value
+    why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+    raise ValueError(f"--chat-template {value!r} is neither a readable file ({why}) nor a "
+                     "template (it has no '{')") from None
+  if not text.strip():
+    raise ValueError(f"--chat-template {value!r} is an empty file")
+  return text
+
+
+def with_chat_template(tokenizer, template: str):
+  """A copy of ``tokenizer`` whose only (default) chat template is ``template``; ValueError if
+  it cannot render a one-message conversation."""
+  tok = copy.copy(tokenizer)
+  tok.chat_template, tok.chat_templates = template, {"default": template}
+  try:
+    tok.apply_chat_template([{"role": "user", "content": "hi"}])
+  except Exception as e:  # noqa: BLE001 — jinja2 raises many kinds; all are a bad template
+    raise ValueError(f"--chat-template cannot render a one-message conversation: "
+                     f"{_one_line(e)}") from None
+  return tok
 
 
 class BadRequest(Exception):
@@ -104,9 +149,15 @@ class Plan:
 class Preparer:
   """Builds the engine request of a validated body (see the module docstring)."""
 
-  def __init__(self, engine: Engine, tokenizer, cfg, grammars, *, default_max_tokens: int = 256):
+  def __init__(self, engine: Engine, tokenizer, cfg, grammars, *, default_max_tokens: int = 256,
+               tool_format: str | None = None):
     from pask_jax import policy as P
+    from pask_jax.grammar import DEFAULT_STYLE
     self.engine, self.tok, self.cfg, self.grammars = engine, tokenizer, cfg, grammars
+    fmt, indent = DEFAULT_STYLE.get(cfg.arch, ("json_list", None))
+    # A chosen format keeps the family's JSON indent only where it is the family's format.
+    self.style = (fmt, indent) if tool_format in (None, fmt) else (tool_format, None)
+    self.vocab = min(cfg.vocab_size, len(tokenizer.token_bytes()))
     self.state_vocab = P.state_vocab(engine.policy)   # parser-state ids of the reserve Γ
     self.default_max_tokens = default_max_tokens
     tpl = tokenizer.chat_template or ""
@@ -121,7 +172,6 @@ class Preparer:
   # --- 1. structure (cheap, on the event loop) --------------------------------------------
 
   def plan(self, body: ChatCompletionRequest) -> Plan:
-    from pask_jax.grammar import DEFAULT_STYLE
     p = Plan()
     choice = body.tool_choice
     rf = body.response_format
@@ -129,7 +179,7 @@ class Preparer:
       raise BadRequest("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
     if body.tools is not None and not body.tools:
       raise BadRequest("'tools' must not be empty (omit it instead)", "tools")
-    p.fmt, p.indent = DEFAULT_STYLE.get(self.cfg.arch, ("json_list", None))
+    p.fmt, p.indent = self.style
     json_rf = rf is not None and rf.type != "text"
     if body.tools and choice != "none":
       if json_rf:
@@ -211,32 +261,98 @@ class Preparer:
 
   # --- 2. prompt (worker thread) ------------------------------------------------------------
 
-  def prompt(self, p: Plan, body: ChatCompletionRequest) -> tuple[str, list[int], list, int]:
-    """(text, ids, offsets, max_tokens); BadRequest when it cannot fit."""
-    from pask_jax.grammar.prompt_spans import encode
+  def render(self, p: Plan, **kw) -> str:
+    """The transcript rendered with the chat template (``kw``: apply_chat_template's options)."""
     tools = p.tools if self.takes_tools else None
     try:
-      text = self.tok.apply_chat_template(p.messages, tools=tools)
+      return self.tok.apply_chat_template(p.messages, tools=tools, **kw)
     except Exception as e:  # noqa: BLE001 — a template may raise on odd role orders
       raise BadRequest(f"the chat template rejected these messages: {_one_line(e)}",
                        "messages") from None
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    least = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
-    if least + (max_tokens or 1) > self.engine.context:
-      raise BadRequest(f"the prompt has at least {least} tokens; this server's context is "
-                       f"{self.engine.context} tokens", "messages", "context_length_exceeded")
-    ids, offsets = encode(self.tok, text)
+
+  def prompt(self, p: Plan, body: ChatCompletionRequest) -> tuple[str, list[int], list, int]:
+    """(text, ids, offsets, max_tokens); BadRequest when it cannot fit."""
+    text = self.render(p)
+    ids, offsets, max_tokens = self.fit(text, body.max_completion_tokens or body.max_tokens,
+                                        "messages")
+    return text, ids, offsets, max_tokens
+
+  def completion(self, body: CompletionRequest) -> tuple[str, list[int], list, int]:
+    """(text, ids, offsets, max_tokens) of a completions prompt (a string or token ids)."""
+    if isinstance(body.prompt, str):
+      ids, offsets, max_tokens = self.fit(body.prompt, body.max_tokens, "prompt")
+      return body.prompt, ids, offsets, max_tokens
+    ids = self.check_ids(body.prompt, "prompt")
+    text, offsets = self.token_text(ids)
+    _, _, max_tokens = self.fit(text, body.max_tokens, "prompt", ids, offsets)
+    return text, ids, offsets, max_tokens
+
+  def tokenize(self, text: str, special: bool = True) -> list[int]:
+    """The ids the server would feed the model for ``text``; ``special=False``: without the
+    BOS the model's tokenizer adds."""
+    from pask_jax.grammar.prompt_spans import encode
+    if special:
+      return encode(self.tok, text)[0]
+    return list(self.tok.tok.encode(text, add_special_tokens=False).ids)
+
+  def check_ids(self, ids: list[int], param: str) -> list[int]:
+    bad = next((i for i in ids if not 0 <= i < self.vocab), None)
+    if bad is not None:
+      raise BadRequest(f"'{param}' holds the token id {bad}, outside this model's vocabulary "
+                       f"[0, {self.vocab})", param)
+    return list(ids)
+
+  def token_text(self, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The text of token ids and each token's character span (for prompt labels), in linear
+    time: bytes that are not UTF-8 become one character each (surrogateescape)."""
+    tb = self.tok.token_bytes()
+    raw = b"".join(tb[i] for i in ids)
+    text = raw.decode("utf-8", "surrogateescape")
+    char = [0] * (len(raw) + 1)   # byte position -> index of the character holding it
+    pos = 0
+    for c, ch in enumerate(text):
+      n = len(ch.encode("utf-8", "surrogateescape"))
+      char[pos:pos + n] = [c] * n
+      pos += n
+    char[len(raw)] = len(text)
+    offsets, pos = [], 0
+    for i in ids:
+      n = len(tb[i])
+      offsets.append((char[pos], char[pos + n - 1] + 1 if n else char[pos]))
+      pos += n
+    return text, offsets
+
+  def fit(self, text: str, max_tokens: int | None, param: str, ids=None, offsets=None):
+    """(ids, offsets, max_tokens) of a prompt (tokenized here unless ``ids`` are given);
+    BadRequest ``context_length_exceeded`` when it cannot fit, checked on a lower bound of the
+    token count before tokenizing."""
+    from pask_jax.grammar.prompt_spans import encode
+    if ids is None:
+      least = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+      if least + (max_tokens or 1) > self.engine.context:
+        raise BadRequest(self.too_long(least, max_tokens, param, "at least "), param,
+                         "context_length_exceeded")
+      ids, offsets = encode(self.tok, text)
     n = len(ids)
+    if n + (max_tokens or 1) > self.engine.context:
+      raise BadRequest(self.too_long(n, max_tokens, param), param, "context_length_exceeded")
     if max_tokens is None:
-      room = self.engine.context - n
-      if room <= 0:
-        raise BadRequest(f"the prompt has {n} tokens; this server's context is "
-                         f"{self.engine.context} tokens", "messages", "context_length_exceeded")
-      max_tokens = min(self.default_max_tokens, room)
+      max_tokens = min(self.default_max_tokens, self.engine.context - n)
     why = self.engine.fits_ever(n, max_tokens)
     if why:
-      raise BadRequest(why, "messages", "context_length_exceeded")
-    return text, ids, offsets, max_tokens
+      raise BadRequest(why, param, "context_length_exceeded")
+    return ids, offsets, max_tokens
+
+  def too_long(self, n: int, max_tokens: int | None, param: str, least: str = "") -> str:
+    ctx = self.engine.context
+    if max_tokens is None:
+      verb = "have" if param == "messages" else "has"
+      return (f"This model's maximum context length is {ctx} tokens. However, the {param} "
+              f"{verb} {least}{n} tokens, which leaves no room for a completion. Please reduce "
+              f"the length of the {param}.")
+    return (f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{least}{n + max_tokens} tokens ({least}{n} in the {param}, {max_tokens} in the "
+            f"completion: max_tokens). Please reduce the length of the {param} or max_tokens.")
 
   def labels(self, text: str, offsets: list):
     from pask_jax.grammar.prompt_spans import labels
@@ -291,35 +407,66 @@ class Responder:
                 "tool_calls" if finish == "stop" else finish)
     return {"role": "assistant", "content": text, "refusal": None}, finish
 
-  def logprobs(self, result: dict) -> dict | None:
+  def kept(self, result: dict) -> list[tuple[int, float, list, int]] | None:
+    """(token, logprob, alternatives, character offset) of the tokens that start inside the
+    returned text (a stop sequence's tokens go with it); None without logprobs."""
     lps = result.get("logprobs")
     if lps is None or result.get("want_logprobs") is None:
       return None
-    tb = self.tok.token_bytes()
     toks = result["tokens"][:len(lps)]
-    # Keep the tokens that start inside the returned text (a stop sequence's go with it).
-    keep, n_text = [], len(result["text"])
+    out, n_text = [], len(result["text"])
     for k in range(len(toks)):
-      if len(self.tok.decode(toks[:k])) >= n_text and k > 0:
+      at = len(self.tok.decode(toks[:k])) if k else 0
+      if at >= n_text and k > 0:
         break
-      keep.append(k)
+      out.append((toks[k], lps[k][0], lps[k][1], at))
+    return out
+
+  def logprobs(self, result: dict) -> dict | None:
+    """Chat completions' ``logprobs``."""
+    kept = self.kept(result)
+    if kept is None:
+      return None
+    tb = self.tok.token_bytes()
     entry = lambda i, lp: {"token": tb[i].decode("utf-8", "replace"), "logprob": lp,
                            "bytes": list(tb[i])}
-    content = []
-    for k in keep:
-      lp, alts = lps[k]
-      content.append({**entry(toks[k], lp), "top_logprobs": [entry(i, v) for i, v in alts]})
+    content = [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alts]}
+               for t, lp, alts, _ in kept]
     return {"content": content, "refusal": None}
+
+  def text_logprobs(self, result: dict) -> dict | None:
+    """Completions' (legacy) ``logprobs``: tokens, token_logprobs, top_logprobs (token text ->
+    logprob; tokens of the same text collapse, as in OpenAI's format), text_offset."""
+    kept = self.kept(result)
+    if kept is None:
+      return None
+    tb = self.tok.token_bytes()
+    text = lambda i: tb[i].decode("utf-8", "replace")
+    return {"tokens": [text(t) for t, *_ in kept],
+            "token_logprobs": [lp for _, lp, _, _ in kept],
+            "top_logprobs": [{text(i): v for i, v in alts} for _, _, alts, _ in kept],
+            "text_offset": [at for *_, at in kept]}
 
 
 # ---- the app ------------------------------------------------------------------------------
 
 def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = "pask-jax",
                default_max_tokens: int = 256, grammars=None, max_body_bytes: int = 2 << 20,
-               max_json_depth: int = 64, grammar_timeout_s: float = 10.0) -> FastAPI:
+               max_json_depth: int = 64, grammar_timeout_s: float = 10.0,
+               api_key: str | list[str] | None = None, chat_template: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
   """The app.  ``model_name``: the served name(s); responses use the first.  ``grammars``: a
-  :class:`serve.grammars.GrammarPool` (default: one is started here)."""
+  :class:`serve.grammars.GrammarPool` (default: one is started here).  ``api_key``: the key(s)
+  a request must bear (:class:`serve.guard.Auth`).  ``chat_template``: a template (text) that
+  replaces the model's.  ``tool_call_parser``: a name of :data:`TOOL_CALL_PARSERS` (None: the
+  model family's format)."""
   names = [model_name] if isinstance(model_name, str) else list(model_name)
+  if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+    raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; choose one of "
+                     f"{', '.join(TOOL_CALL_PARSERS)}")
+  if chat_template is not None:
+    tokenizer = with_chat_template(tokenizer, chat_template)
+  keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
   if grammars is None:
     from serve.grammars import GrammarPool
     grammars = GrammarPool(tokenizer, cfg.vocab_size, timeout_s=grammar_timeout_s)
@@ -332,9 +479,12 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
 
   app = FastAPI(title="pask-jax", docs_url=None, redoc_url=None, openapi_url=None,
                 lifespan=lifespan)
+  if keys:   # inside the Guard: it reads the body first, so the connection stays usable
+    app.add_middleware(Auth, keys=keys)
   app.add_middleware(Guard, max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
                      on_error=lambda e: metrics.http.labels("500").inc())
-  prep = Preparer(engine, tokenizer, cfg, grammars, default_max_tokens=default_max_tokens)
+  prep = Preparer(engine, tokenizer, cfg, grammars, default_max_tokens=default_max_tokens,
+                  tool_format=TOOL_CALL_PARSERS.get(tool_call_parser))
   app.state.engine, app.state.prep, app.state.grammars = engine, prep, grammars
   app.state.metrics = metrics
 
@@ -344,7 +494,7 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
   @app.exception_handler(RequestValidationError)
   async def _invalid(request, exc):
     body, status = validation_error(list(exc.errors()))
-    if request.url.path == "/v1/chat/completions":
+    if request.url.path in ("/v1/chat/completions", "/v1/completions"):
       metrics.http.labels(str(status)).inc()
     return err(status, body)
 
@@ -391,12 +541,50 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
     data, ctype = metrics.render(request.headers.get("accept", ""))
     return Response(data, media_type=ctype)
 
+  def check_model(name: str | None) -> None:
+    if name is not None and name not in names:
+      raise BadRequest(f"The model `{name}` does not exist.", "model", "model_not_found", 404)
+
+  def submit(req: Request, param: str) -> asyncio.Queue:
+    """Hand ``req`` to the engine; its events arrive on the returned queue."""
+    if not engine.alive:
+      raise BadRequest("the engine is not running", None, None, 503, "server_error")
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    req.emit = lambda kind, payload: loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
+    try:
+      engine.submit(req)
+    except ValueError as e:
+      raise BadRequest(str(e), param, "context_length_exceeded") from None
+    return q
+
+  async def outcome(req: Request, q: asyncio.Queue, request: HTTPRequest):
+    """The engine's result of a non-streamed request, or the error response (client gone: 499,
+    engine failure: 500)."""
+    kind, payload = None, None
+    try:
+      while True:
+        try:
+          kind, payload = await asyncio.wait_for(q.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+          if await request.is_disconnected():
+            metrics.disconnects.inc()
+            req.cancel()
+            return err(499, error_body("client disconnected"))
+          continue
+        if kind == "error":
+          metrics.http.labels("500").inc()
+          return err(500, error_body(payload, "server_error"))
+        if kind == "done":
+          return payload
+    finally:
+      if kind != "done":
+        req.cancel()
+
   @app.post("/v1/chat/completions")
   async def chat(body: ChatCompletionRequest, request: HTTPRequest):
     t_arrive = time.perf_counter()
-    if body.model not in names:
-      raise BadRequest(f"The model `{body.model}` does not exist.", "model", "model_not_found",
-                       404)
+    check_model(body.model)
     if not engine.alive:
       raise BadRequest("the engine is not running", None, None, 503, "server_error")
     p = prep.plan(body)
@@ -417,14 +605,8 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
                   top_p=float(body.top_p if body.top_p is not None else 1.0),
                   seed=int(body.seed or 0) % 2**32, stop=tuple(body.stop or ()),
                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue = asyncio.Queue()
-    req.emit = lambda kind, payload: loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
-    try:
-      engine.submit(req)
-    except ValueError as e:
-      raise BadRequest(str(e), "messages", "context_length_exceeded") from None
-    resp = Responder(tokenizer, p.fmt, p.calls)
+    q = submit(req, "messages")
+    resp = Responder(prep.tok, p.fmt, p.calls)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
             "model": names[0], "t_arrive": t_arrive, "logprobs": body.logprobs}
     if body.stream:
@@ -433,25 +615,9 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
       return StreamingResponse(sse_chunks(req, q, resp, meta, usage, metrics),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
-    kind, payload = None, None
-    try:
-      while True:
-        try:
-          kind, payload = await asyncio.wait_for(q.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-          if await request.is_disconnected():
-            metrics.disconnects.inc()
-            req.cancel()
-            return err(499, error_body("client disconnected"))
-          continue
-        if kind == "error":
-          metrics.http.labels("500").inc()
-          return err(500, error_body(payload, "server_error"))
-        if kind == "done":
-          break
-    finally:
-      if kind != "done":
-        req.cancel()
+    payload = await outcome(req, q, request)
+    if isinstance(payload, Response):
+      return payload
     _observe(metrics, payload, t_arrive)
     metrics.http.labels("200").inc()
     payload["want_logprobs"] = body.logprobs
@@ -461,6 +627,67 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
             "choices": [{"index": 0, "message": msg, "finish_reason": finish,
                          "logprobs": resp.logprobs(payload)}],
             "usage": _usage(payload)}
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, request: HTTPRequest):
+    t_arrive = time.perf_counter()
+    check_model(body.model)
+    if not engine.alive:
+      raise BadRequest("the engine is not running", None, None, 503, "server_error")
+    text, ids, offsets, max_tokens = await asyncio.to_thread(prep.completion, body)
+    tags = await asyncio.to_thread(prep.labels, text, offsets)
+    req = Request(ids=ids, tags=tags, max_tokens=max_tokens, tracker=Tracker(None),
+                  temperature=float(body.temperature or 0.0),
+                  top_p=float(body.top_p if body.top_p is not None else 1.0),
+                  seed=int(body.seed or 0) % 2**32, stop=tuple(body.stop or ()),
+                  logprobs=body.logprobs)
+    q = submit(req, "prompt")
+    resp = Responder(prep.tok, "json_list", False)
+    echo = (body.prompt if isinstance(body.prompt, str) else prep.tok.decode(ids)) \
+        if body.echo else ""
+    meta = {"id": "cmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": names[0], "t_arrive": t_arrive, "logprobs": body.logprobs, "echo": echo}
+    if body.stream:
+      usage = bool(body.stream_options and body.stream_options.include_usage)
+      metrics.http.labels("200").inc()
+      return StreamingResponse(_stream_text(req, q, resp, meta, usage, metrics),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+    payload = await outcome(req, q, request)
+    if isinstance(payload, Response):
+      return payload
+    _observe(metrics, payload, t_arrive)
+    metrics.http.labels("200").inc()
+    payload["want_logprobs"] = body.logprobs
+    return {"id": meta["id"], "object": "text_completion", "created": meta["created"],
+            "model": names[0], "system_fingerprint": None,
+            "choices": [{"index": 0, "text": echo + payload["text"],
+                         "finish_reason": payload["finish"],
+                         "logprobs": resp.text_logprobs(payload)}],
+            "usage": _usage(payload)}
+
+  @app.post("/tokenize")
+  async def tokenize(body: TokenizeRequest):
+    check_model(body.model)
+    if body.prompt is not None:
+      text = body.prompt
+    else:
+      chat = ChatCompletionRequest.model_construct(model=names[0], messages=body.messages,
+                                                   tools=body.tools)
+      p = prep.plan(chat)
+      text = await asyncio.to_thread(prep.render, p,
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message)
+    ids = await asyncio.to_thread(prep.tokenize, text, body.add_special_tokens)
+    strs = [prep.tok.tok.id_to_token(i) for i in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": engine.context, "tokens": ids,
+            "token_strs": strs}
+
+  @app.post("/detokenize")
+  async def detokenize(body: DetokenizeRequest):
+    check_model(body.model)
+    ids = prep.check_ids(body.tokens, "tokens")
+    return {"prompt": await asyncio.to_thread(prep.tok.decode, ids, False)}
 
   return app
 
@@ -551,6 +778,51 @@ async def sse_chunks(req: Request, q: asyncio.Queue, resp: Responder, meta: dict
       req.cancel()
 
 
+async def _stream_text(req: Request, q: asyncio.Queue, resp: Responder, meta: dict, usage: bool,
+                       metrics: Metrics):
+  """SSE chunks of a completion (``text_completion`` objects): the echoed prompt, the text
+  deltas as they decode, then a chunk with the finish_reason and logprobs."""
+
+  def chunk(text: str, finish=None, logprobs=None, choices=True, use=None) -> str:
+    c = {"id": meta["id"], "object": "text_completion", "created": meta["created"],
+         "model": meta["model"], "system_fingerprint": None,
+         "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                      "logprobs": logprobs}] if choices else []}
+    if usage:
+      c["usage"] = use
+    return f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+
+  sent, finished = 0, False
+  try:
+    if meta["echo"]:
+      yield chunk(meta["echo"])
+    while True:
+      kind, payload = await q.get()
+      if kind == "delta":
+        sent += len(payload)
+        yield chunk(payload)
+      elif kind == "error":
+        finished = True
+        metrics.http.labels("500").inc()
+        yield f"data: {json.dumps(error_body(payload, 'server_error'))}\n\n"
+        return
+      else:   # done
+        finished = True
+        _observe(metrics, payload, meta["t_arrive"])
+        payload["want_logprobs"] = meta["logprobs"]
+        if sent < len(payload["text"]):
+          yield chunk(payload["text"][sent:])
+        yield chunk("", payload["finish"], resp.text_logprobs(payload))
+        if usage:
+          yield chunk("", choices=False, use=_usage(payload))
+        yield "data: [DONE]\n\n"
+        return
+  finally:
+    if not finished:
+      metrics.disconnects.inc()
+      req.cancel()
+
+
 def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           context: int = 1024, page: int = 16, hi_pages: int | None = None,
           lo_pages: int | None = None, kv_memory_gb: float | None = None,
@@ -559,20 +831,28 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           warmup: bool = True, served_model_name: list[str] | None = None,
           max_body_bytes: int = 2 << 20, max_json_depth: int = 64,
           grammar_timeout_s: float = 10.0, prefill_chunk: int = 512,
-          prefill_share: float = 1 / 3):
+          prefill_share: float = 1 / 3, api_key: str | list[str] | None = None,
+          chat_template: str | None = None, tool_call_parser: str | None = None):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
-  :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen)."""
+  :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).
+  ``chat_template``: a file path or a template (:func:`load_chat_template`); the other options
+  as for :func:`create_app`."""
   import jax
   import jax.numpy as jnp
 
   from models import load
   from pask_jax import policy as pol_mod
   from serve.grammars import GrammarPool
+  if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+    raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; choose one of "
+                     f"{', '.join(TOOL_CALL_PARSERS)}")
+  template = None if chat_template is None else load_chat_template(chat_template)
   dt = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
         "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
   m = load(model, dtype=dt, need_tokenizer=True)   # refused before any weight loads
   if m.tokenizer is None:
     raise ValueError("this checkpoint has no tokenizer.json; the server needs one")
+  tok = m.tokenizer if template is None else with_chat_template(m.tokenizer, template)
   pol = pol_mod.resolve(policy, m.cfg, tokenizer_hash=m.tokenizer.hash())
   # The compile workers start (import XGrammar) while the engine compiles its step.
   grammars = GrammarPool(m.tokenizer, m.cfg.vocab_size, timeout_s=grammar_timeout_s)
@@ -586,7 +866,8 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
     engine.warmup()
   engine.start()
   names = served_model_name or [model or "smollm2-135m-instruct"]
-  app = create_app(engine, m.tokenizer, m.cfg, model_name=names,
+  app = create_app(engine, tok, m.cfg, model_name=names,
                    default_max_tokens=default_max_tokens, grammars=grammars,
-                   max_body_bytes=max_body_bytes, max_json_depth=max_json_depth)
+                   max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
+                   api_key=api_key, tool_call_parser=tool_call_parser)
   return app, engine

@@ -12,15 +12,19 @@
   5,000 arrays deep raised RecursionError there).
 * **Lone surrogates**: a ``\\ud800`` escape without its pair decodes to a Python string that the
   tokenizer and XGrammar reject with a TypeError; refused here with a 400 naming the byte offset.
+* **API key** (:class:`Auth`, ``--api-key``): a missing or wrong ``Authorization: Bearer`` is a 401
+  with an OpenAI-style body before the route runs.
 * **Error boundary**: an exception escaping the app is answered with an OpenAI-style 500 and *not*
   re-raised.  Re-raising makes uvicorn close the socket after the response had been sent, which
   reset the client's next request on the same keep-alive connection.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+import secrets
 from typing import Any, Callable
 
 import numpy as np
@@ -164,3 +168,49 @@ class Guard:
     await send_json(send, 413, error_body(
         f"the request body has {n} bytes or more; this server's limit is {self.max_body} bytes "
         "(--max-body-bytes)", code="request_too_large"), close=close)
+
+
+class Auth:
+  """Starlette middleware: every path except ``open_paths`` needs ``Authorization: Bearer KEY``
+  with one of ``keys``.  vLLM checks only paths that start with ``/v1`` (``/tokenize``,
+  ``/detokenize``, ``/version``, ``/health`` and ``/metrics`` stay open there); here only
+  ``/health`` and ``/metrics`` are open (probes and scrapers carry no key), compared exactly
+  on the ASGI path.  Keys are compared as SHA-256 digests with ``secrets.compare_digest``
+  against every key, so the time taken says nothing about a key."""
+
+  def __init__(self, app, keys: list[str], open_paths: tuple[str, ...] = ("/health", "/metrics")):
+    if not keys or any(not isinstance(k, str) or not k for k in keys):
+      raise ValueError("an API key must be a non-empty string")
+    self.app, self.open = app, frozenset(open_paths)
+    self.digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
+
+  def allowed(self, headers) -> bool:
+    value = None
+    for k, v in headers or ():
+      if k == b"authorization":
+        value = v
+    if value is None:
+      return False
+    scheme, _, token = value.partition(b" ")
+    if scheme.lower() != b"bearer":
+      return False
+    got = hashlib.sha256(token.strip()).digest()
+    ok = False
+    for d in self.digests:
+      ok |= secrets.compare_digest(got, d)
+    return ok
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http" or scope.get("path") in self.open or \
+        self.allowed(scope.get("headers")):
+      return await self.app(scope, receive, send)
+    has = any(k == b"authorization" for k, _ in scope.get("headers") or ())
+    msg = ("Incorrect API key provided." if has else
+           "You didn't provide an API key. You need to provide your API key in an "
+           "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+    data = json.dumps(error_body(msg, code="invalid_api_key")).encode()
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()),
+                            (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": data})

@@ -1,5 +1,6 @@
-"""The OpenAI chat-completions request as pydantic models (validated by FastAPI), and the
-OpenAI-style error body every 4xx carries.
+"""The request bodies as pydantic models (validated by FastAPI): OpenAI's chat completions and
+(legacy) completions, vLLM's ``/tokenize`` and ``/detokenize``; and the OpenAI-style error body
+every 4xx carries.
 
 One schema layer: every field of the official ``openai`` client's ``CompletionCreateParams`` is
 declared here, in strict mode (``"5"`` is not an integer, ``1`` is not a string), with unknown
@@ -43,8 +44,8 @@ def _text_content(v: Any, required: bool = True) -> Any:
         raise PydanticCustomError("content", "content[{i}] must be an object", {"i": i})
       if p.get("type") != "text":
         raise PydanticCustomError(
-            "content", "content[{i}] has type {t!r}: only text content parts are supported",
-            {"i": i, "t": p.get("type")})
+            "content", "content[{i}] has type {t}: only text content parts are supported",
+            {"i": i, "t": repr(p.get("type"))})
       if set(p) - {"type", "text"} or not isinstance(p.get("text"), str):
         raise PydanticCustomError("content", "content[{i}] must be {{\"type\": \"text\", "
                                   "\"text\": <string>}}", {"i": i})
@@ -198,6 +199,35 @@ class StreamOptions(_Model):
     return v
 
 
+def _one_choice(v, info):
+  if v not in (None, 1):
+    raise _unsupported(f"{info.field_name} > 1", "send one request per choice")
+  return v
+
+
+def _stops(v):
+  if v is None:
+    return None
+  stops = [v] if isinstance(v, str) else v
+  if len(stops) > MAX_STOP:
+    raise PydanticCustomError("stop", "at most {n} stop sequences", {"n": MAX_STOP})
+  if any(not s for s in stops):
+    raise PydanticCustomError("stop", "a stop sequence must not be empty", {})
+  return stops
+
+
+def _no_penalty(v, info):
+  if v:
+    raise _unsupported(f"a nonzero '{info.field_name}'")
+  return v
+
+
+def _no_bias(v):
+  if v:
+    raise _unsupported("'logit_bias'")
+  return v
+
+
 class ChatCompletionRequest(_Model):
   """``POST /v1/chat/completions`` (every field of the official client, see module doc)."""
 
@@ -245,36 +275,23 @@ class ChatCompletionRequest(_Model):
 
   @field_validator("n")
   @classmethod
-  def _n(cls, v):
-    if v not in (None, 1):
-      raise _unsupported("n > 1", "send one request per choice")
-    return v
+  def _n(cls, v, info):
+    return _one_choice(v, info)
 
   @field_validator("stop")
   @classmethod
   def _stop(cls, v):
-    if v is None:
-      return None
-    stops = [v] if isinstance(v, str) else v
-    if len(stops) > MAX_STOP:
-      raise PydanticCustomError("stop", "at most {n} stop sequences", {"n": MAX_STOP})
-    if any(not s for s in stops):
-      raise PydanticCustomError("stop", "a stop sequence must not be empty", {})
-    return stops
+    return _stops(v)
 
   @field_validator("frequency_penalty", "presence_penalty")
   @classmethod
   def _penalty(cls, v, info):
-    if v:
-      raise _unsupported(f"a nonzero '{info.field_name}'")
-    return v
+    return _no_penalty(v, info)
 
   @field_validator("logit_bias")
   @classmethod
   def _bias(cls, v):
-    if v:
-      raise _unsupported("'logit_bias'")
-    return v
+    return _no_bias(v)
 
   @field_validator("store")
   @classmethod
@@ -314,6 +331,125 @@ class ChatCompletionRequest(_Model):
       raise PydanticCustomError("stream_options",
                                 "'stream_options' is only allowed when 'stream' is true", {})
     return self
+
+
+def _one_prompt(v: Any) -> Any:
+  """``prompt``: a string or a list of token ids; a batch of one is unwrapped (``[str]``,
+  ``[[ids]]``), a larger batch is refused (one request per prompt)."""
+  if isinstance(v, list) and v and all(isinstance(x, (str, list)) for x in v):
+    if len(v) > 1:
+      raise _unsupported("a batch of prompts", "send one request per prompt")
+    v = v[0]
+  if isinstance(v, str):
+    if not v:
+      raise PydanticCustomError("prompt", "the prompt must not be empty", {})
+    return v
+  if isinstance(v, list):
+    if not v:
+      raise PydanticCustomError("prompt", "the prompt must not be empty", {})
+    if not all(type(x) is int for x in v):
+      raise PydanticCustomError("prompt", "a token prompt must be a list of integers", {})
+    return v
+  raise PydanticCustomError("prompt", "prompt must be a string or a list of token ids", {})
+
+
+class CompletionRequest(_Model):
+  """``POST /v1/completions``: plain text in, text out (no chat template)."""
+
+  model: str
+  prompt: Any
+  max_tokens: int | None = Field(default=16, ge=1)   # OpenAI's and vLLM's default
+  temperature: float | None = Field(default=None, ge=0, le=2)
+  top_p: float | None = Field(default=None, gt=0, le=1)
+  seed: int | None = Field(default=None, ge=-2**63, lt=2**64)
+  stop: str | list[str] | None = None
+  stream: bool | None = None
+  stream_options: StreamOptions | None = None
+  logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+  echo: bool | None = None
+  n: int | None = Field(default=None, ge=1)
+  best_of: int | None = Field(default=None, ge=1)
+  user: str | None = None
+  frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+  presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+  logit_bias: dict[str, Any] | None = None
+  suffix: str | None = None
+
+  @field_validator("prompt", mode="before")
+  @classmethod
+  def _prompt(cls, v):
+    return _one_prompt(v)
+
+  @field_validator("n", "best_of")
+  @classmethod
+  def _n(cls, v, info):
+    return _one_choice(v, info)
+
+  @field_validator("stop")
+  @classmethod
+  def _stop(cls, v):
+    return _stops(v)
+
+  @field_validator("frequency_penalty", "presence_penalty")
+  @classmethod
+  def _penalty(cls, v, info):
+    return _no_penalty(v, info)
+
+  @field_validator("logit_bias")
+  @classmethod
+  def _bias(cls, v):
+    return _no_bias(v)
+
+  @field_validator("suffix")
+  @classmethod
+  def _suffix(cls, v):
+    if v:
+      raise _unsupported("'suffix'")
+    return v
+
+  @model_validator(mode="after")
+  def _together(self):
+    if self.stream_options is not None and not self.stream:
+      raise PydanticCustomError("stream_options",
+                                "'stream_options' is only allowed when 'stream' is true", {})
+    if self.echo and self.logprobs is not None:
+      raise _unsupported("'echo' with 'logprobs'", "the prompt's log-probs are not computed")
+    return self
+
+
+class TokenizeRequest(_Model):
+  """``POST /tokenize`` (vLLM's shape): a ``prompt``, or ``messages`` rendered with the chat
+  template (as a chat completion would render them, ``tools`` included)."""
+
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[Message] | None = None
+  tools: list[Tool] | None = None
+  add_special_tokens: bool | None = None   # default: True for a prompt, False for messages
+  add_generation_prompt: bool = True
+  continue_final_message: bool = False
+  return_token_strs: bool = False
+
+  @model_validator(mode="after")
+  def _one(self):
+    if (self.prompt is None) == (self.messages is None):
+      raise PydanticCustomError("prompt", "give exactly one of 'prompt' and 'messages'", {})
+    if self.messages is not None and not self.messages:
+      raise PydanticCustomError("messages", "'messages' must not be empty", {})
+    if self.prompt is not None and (self.tools is not None or self.continue_final_message):
+      raise PydanticCustomError("prompt", "'tools' and 'continue_final_message' need "
+                                "'messages'", {})
+    if self.continue_final_message and self.add_generation_prompt:
+      raise PydanticCustomError("continue_final_message", "'continue_final_message' needs "
+                                "'add_generation_prompt': false", {})
+    return self
+
+
+class DetokenizeRequest(_Model):
+  """``POST /detokenize`` (vLLM's shape)."""
+
+  model: str | None = None
+  tokens: list[int]
 
 
 # ---- error bodies ---------------------------------------------------------------------------
@@ -371,10 +507,12 @@ def validation_error(errors: list[dict]) -> tuple[dict, int]:
     return error_body("the request body must be a JSON object"), 400
   if kind == "unsupported":
     return error_body(msg, param=param, code="unsupported_parameter"), 400
-  if param is None and kind in ("top_logprobs", "stream_options"):
+  if param is None and kind in ("top_logprobs", "stream_options", "prompt", "messages",
+                                 "continue_final_message"):
     param = kind
   return error_body(f"Invalid value for {param!r}: {msg}" if param else msg, param=param), 400
 
 
-__all__ = ["ChatCompletionRequest", "ValidationError", "error_body", "validation_error",
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "TokenizeRequest", "DetokenizeRequest",
+           "ValidationError", "error_body", "validation_error",
            "param_of", "MAX_TOP_LOGPROBS", "MAX_STOP"]

@@ -30,11 +30,34 @@ WEATHER = [{"type": "function", "function": {
 @functools.lru_cache(maxsize=None)
 def server() -> tuple[str, object, object]:
   """(base url, engine, app), started on first use and stopped at exit."""
-  import uvicorn
-
   from serve.app import build
   app, engine = build(None, "demo", slots=4, context=256, hi_pages=HI_PAGES, lo_pages=LO_PAGES,
                       default_max_tokens=32, served_model_name=[MODEL, "smollm2"])
+  return listen(app, engine.stop), engine, app
+
+
+@functools.lru_cache(maxsize=None)
+def options_server() -> tuple[str, object]:
+  """(base url, app): a second app over the shared server's engine and grammar pool (no second
+  model or compile) with the serve options on: ``api_key=KEY``, ``chat_template=TEMPLATE``
+  (ignores tools: they reach the model in a system message), ``tool_call_parser="hermes"``."""
+  from serve.app import create_app
+  _, engine, first = server()
+  prep = first.state.prep
+  app = create_app(engine, prep.tok, prep.cfg, model_name=MODEL, default_max_tokens=32,
+                   grammars=first.state.grammars, api_key=KEY, chat_template=TEMPLATE,
+                   tool_call_parser="hermes")
+  return listen(app), app
+
+
+KEY = "sk-test-0123456789"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}")
+
+
+def listen(app, on_stop=None) -> str:
+  """Serve ``app`` on a free loopback port (a background thread, stopped at exit); its URL."""
+  import uvicorn
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
   port = sock.getsockname()[1]
@@ -50,11 +73,12 @@ def server() -> tuple[str, object, object]:
   def stop():
     srv.should_exit = True
     th.join(10)
-    engine.stop()
+    if on_stop is not None:
+      on_stop()
     sock.close()
 
   atexit.register(stop)
-  return f"http://127.0.0.1:{port}", engine, app
+  return f"http://127.0.0.1:{port}"
 
 
 def client(base: str) -> openai.OpenAI:

@@ -318,8 +318,8 @@ def test_deep_response_format_is_a_clear_400(base):
 
 
 def test_404_405_413_bodies_are_openai_style(base):
-  e = err(httpx.post(base + "/v1/completions", json={}, timeout=10), 404)
-  assert e["message"] == "Invalid URL (POST /v1/completions)" and e["type"] == \
+  e = err(httpx.post(base + "/v1/embeddings", json={}, timeout=10), 404)
+  assert e["message"] == "Invalid URL (POST /v1/embeddings)" and e["type"] == \
       "invalid_request_error"
   e = err(httpx.get(base + URL, timeout=10), 405)
   assert "GET" in e["message"]
