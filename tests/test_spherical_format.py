@@ -297,3 +297,18 @@ def test_calibrated_sigma_changes_the_steps():
   c1, _ = S.encode(jnp.asarray(x), sp)
   assert not np.array_equal(np.asarray(c0)[:, 32:], np.asarray(c1)[:, 32:])
   np.testing.assert_array_equal(np.asarray(c0)[:, :32], np.asarray(c1)[:, :32])
+
+
+@pytest.mark.parametrize("layout", tuple(S.LAYOUTS))
+def test_a_key_equal_to_the_mean_decodes_to_the_mean(layout):
+  # x = 0 has no direction: codes are fixed (level 1 code 0), the radius is 0, nothing is NaN.
+  d = 64
+  sp = S.spec(layout, d)
+  mu = jnp.asarray(np.random.default_rng(8).standard_normal((2, d)), jnp.bfloat16).astype(jnp.float32)
+  k = jnp.broadcast_to(mu, (3, 2, d)).astype(jnp.bfloat16)
+  packed, side = jax.jit(S.encode_key, static_argnums=3)(k, mu, S.rotation(d, 0), sp)
+  codes = np.asarray(S.unpack(packed, sp))
+  assert np.all(codes[..., :d // 2] == 0)
+  assert np.all(np.asarray(S.side_radius(side)) == 0)
+  kt = np.asarray(S.decode_key(packed, side, mu, S.rotation(d, 0), sp))
+  np.testing.assert_array_equal(kt, np.broadcast_to(np.asarray(mu), kt.shape))
