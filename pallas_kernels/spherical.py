@@ -29,6 +29,7 @@ in a fixed order) has the same bits everywhere.
 The logit of a stored key for a query q is ``(q·μ + r̃·CosFromAngles(Π_ℓ q, φ̃))/√D``
 (:func:`scores`); CosFromAngles works on the angles, never on a rebuilt dense key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,9 +46,9 @@ FP16_MAX = float(np.finfo(np.float16).max)
 # Tier layouts: (level-1 bits, higher-level bits).
 LAYOUTS = {"A4": (4, 4), "A42": (4, 2), "A2": (2, 2)}
 VALUE_FORMATS = ("bf16", "int4")
-SIDE_BYTES = 4            # u32 side word: fp16 radius | fp16 value scale
-POSITION_BYTES = 4        # per stored item (i32 position)
-TABLE_ENTRY_BYTES = 4     # per page (i32 page-table entry)
+SIDE_BYTES = 4  # u32 side word: fp16 radius | fp16 value scale
+POSITION_BYTES = 4  # per stored item (i32 position)
+TABLE_ENTRY_BYTES = 4  # per page (i32 page-table entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Spec:
   per-level angle scale ``sigma`` of levels 2..n (None: the isotropic ``2^{-(ℓ+1)/2}``).
 
   Hashable, so it can be a static argument; ``sigma`` is a tuple of Python floats."""
+
   d: int
   b1: int
   bh: int
@@ -67,8 +69,9 @@ class Spec:
     if (self.b1, self.bh) not in LAYOUTS.values():
       raise ValueError(f"(b1, bh) = ({self.b1}, {self.bh}) is not a tier layout {LAYOUTS}")
     if self.sigma is not None and len(self.sigma) != self.levels - 1:
-      raise ValueError(f"sigma needs {self.levels - 1} values (levels 2..{self.levels}), "
-                       f"got {len(self.sigma)}")
+      raise ValueError(
+        f"sigma needs {self.levels - 1} values (levels 2..{self.levels}), got {len(self.sigma)}"
+      )
     if self.sigma is not None and not all(s > 0 for s in self.sigma):
       raise ValueError(f"sigma must be positive, got {self.sigma}")
 
@@ -95,6 +98,7 @@ def spec(layout: str, d: int, sigma=None) -> Spec:
 
 
 # --- rotation and centering --------------------------------------------------------------------
+
 
 def hadamard(d: int) -> np.ndarray:
   """Sylvester–Hadamard matrix H_d (entries ±1), float64."""
@@ -127,21 +131,24 @@ def key_mean(k: np.ndarray, sink: int = 4) -> np.ndarray:
 
 
 def to_code_space(k: jax.Array, mu: jax.Array, rot: jax.Array) -> jax.Array:
-  """``x = Π (k − μ)`` in f32: ``k [..., H, D]``, ``mu [H, D]`` (or broadcastable), ``rot [D, D]``."""
+  """``x = Π (k − μ)`` in f32: ``k [..., H, D]``, ``mu [H, D]`` (or broadcastable),
+  ``rot [D, D]``."""
   x0 = k.astype(jnp.float32) - jnp.asarray(mu, jnp.float32)
-  return jnp.einsum("...d,ed->...e", x0, jnp.asarray(rot, jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
+  return jnp.einsum(
+    "...d,ed->...e", x0, jnp.asarray(rot, jnp.float32), precision=jax.lax.Precision.HIGHEST
+  )
 
 
 # --- quantizer constants (float64 in numpy, then fixed f32 tables) ----------------------------
 
+
 def steps(sp: Spec) -> np.ndarray:
   """Angle bin width per level 1..n (float64)."""
   n = sp.levels
-  out = [2 * math.pi / 2 ** sp.b1]
+  out = [2 * math.pi / 2**sp.b1]
   for lvl in range(2, n + 1):
     sig = 2.0 ** (-(lvl + 1) / 2) if sp.sigma is None else sp.sigma[lvl - 2]
-    out.append(min(MAX_STEP[sp.bh] * sig, (math.pi / 2) / 2 ** sp.bh))
+    out.append(min(MAX_STEP[sp.bh] * sig, (math.pi / 2) / 2**sp.bh))
   return np.asarray(out)
 
 
@@ -160,24 +167,24 @@ def boundaries(sp: Spec, level: int) -> np.ndarray:
   ``π/4 + (j − 2^{bh−1})Δ_ℓ``, j = 1..2^{bh}−1 (the outer bins reach 0 and π/2)."""
   dl = steps(sp)[level - 1]
   if level == 1:
-    return -math.pi + dl * np.arange(2 ** sp.b1)
+    return -math.pi + dl * np.arange(2**sp.b1)
   half = 2 ** (sp.bh - 1)
-  return math.pi / 4 + (np.arange(1, 2 ** sp.bh) - half) * dl
+  return math.pi / 4 + (np.arange(1, 2**sp.bh) - half) * dl
 
 
 def centers(sp: Spec, level: int) -> np.ndarray:
   """Decoded angle of every code of a level (float64)."""
   dl = steps(sp)[level - 1]
   if level == 1:
-    return -math.pi + (np.arange(2 ** sp.b1) + 0.5) * dl
-  return math.pi / 4 + (np.arange(2 ** sp.bh) + 0.5 - 2 ** (sp.bh - 1)) * dl
+    return -math.pi + (np.arange(2**sp.b1) + 0.5) * dl
+  return math.pi / 4 + (np.arange(2**sp.bh) + 0.5 - 2 ** (sp.bh - 1)) * dl
 
 
 def level_of_position(d: int) -> np.ndarray:
   """Tree level of each of the D code positions (0 for the pad)."""
   out, off, width, lvl = np.zeros(d, np.int32), 0, d // 2, 1
   while width >= 1:
-    out[off:off + width] = lvl
+    out[off : off + width] = lvl
     off, width, lvl = off + width, width // 2, lvl + 1
   return out
 
@@ -190,12 +197,13 @@ def trig_tables(sp: Spec) -> tuple[np.ndarray, np.ndarray]:
   lv = level_of_position(sp.d)
   for lvl in range(1, sp.levels + 1):
     c, s = _exact_trig(centers(sp, lvl))
-    ct[lv == lvl, :len(c)] = c
-    st[lv == lvl, :len(s)] = s
+    ct[lv == lvl, : len(c)] = c
+    st[lv == lvl, : len(s)] = s
   return ct.astype(np.float32), st.astype(np.float32)
 
 
 # --- encode ------------------------------------------------------------------------------------
+
 
 def _level1_codes(a: jax.Array, b: jax.Array, sp: Spec) -> jax.Array:
   """Codes of the full-circle angles ``atan2(b, a)``: the bin j with the point at or
@@ -204,7 +212,7 @@ def _level1_codes(a: jax.Array, b: jax.Array, sp: Spec) -> jax.Array:
   vector, which has no direction, gets code 0)."""
   c, s = _exact_trig(boundaries(sp, 1))
   c, s = c.astype(np.float32), s.astype(np.float32)
-  left = b[..., None] * c >= a[..., None] * s                         # [..., D/2, 2^b1]
+  left = b[..., None] * c >= a[..., None] * s  # [..., D/2, 2^b1]
   inside = left & ~jnp.roll(left, -1, axis=-1)
   code = jnp.sum(jnp.where(inside, jnp.arange(len(c), dtype=jnp.int32), 0), axis=-1)
   return code.astype(jnp.int32)
@@ -231,7 +239,7 @@ def encode(x: jax.Array, sp: Spec) -> tuple[jax.Array, jax.Array]:
     a, b = rho[..., 0::2], rho[..., 1::2]
     parts.append(_upper_codes(a, b, sp, lvl))
     rho = jnp.sqrt(a * a + b * b)
-  parts.append(jnp.zeros(x.shape[:-1] + (1,), jnp.int32))             # pad
+  parts.append(jnp.zeros(x.shape[:-1] + (1,), jnp.int32))  # pad
   return jnp.concatenate(parts, axis=-1), rho[..., 0]
 
 
@@ -241,8 +249,8 @@ def encode_numpy(x: np.ndarray, sp: Spec) -> tuple[np.ndarray, np.ndarray, np.nd
   x = np.asarray(x, np.float64)
   a, b = x[..., 0::2], x[..., 1::2]
   phi1 = np.arctan2(b, a)
-  phi1 = np.where(phi1 == -np.pi, np.pi, phi1)                       # (−π, π]
-  codes = [np.floor((phi1 + np.pi) / steps(sp)[0]).astype(np.int64) % 2 ** sp.b1]
+  phi1 = np.where(phi1 == -np.pi, np.pi, phi1)  # (−π, π]
+  codes = [np.floor((phi1 + np.pi) / steps(sp)[0]).astype(np.int64) % 2**sp.b1]
   angles = [phi1]
   rho = np.hypot(a, b)
   half = 2 ** (sp.bh - 1)
@@ -250,15 +258,19 @@ def encode_numpy(x: np.ndarray, sp: Spec) -> tuple[np.ndarray, np.ndarray, np.nd
     a, b = rho[..., 0::2], rho[..., 1::2]
     phi = np.arctan2(b, a)
     c = np.floor((phi - np.pi / 4) / steps(sp)[lvl - 1]).astype(np.int64) + half
-    codes.append(np.clip(c, 0, 2 ** sp.bh - 1))
+    codes.append(np.clip(c, 0, 2**sp.bh - 1))
     angles.append(phi)
     rho = np.hypot(a, b)
   pad = np.zeros(x.shape[:-1] + (1,))
-  return (np.concatenate(codes + [pad.astype(np.int64)], -1).astype(np.int32), rho[..., 0],
-          np.concatenate(angles + [pad], -1))
+  return (
+    np.concatenate(codes + [pad.astype(np.int64)], -1).astype(np.int32),
+    rho[..., 0],
+    np.concatenate(angles + [pad], -1),
+  )
 
 
 # --- packing -----------------------------------------------------------------------------------
+
 
 def _pack_split(c: jax.Array, bits: int) -> jax.Array:
   """``c [..., N]`` -> ``uint8 [..., N·bits/8]``: byte i = Σ_j c_{i + j·N/per} << bits·j."""
@@ -266,13 +278,13 @@ def _pack_split(c: jax.Array, bits: int) -> jax.Array:
   n = c.shape[-1] // per
   out = jnp.zeros(c.shape[:-1] + (n,), jnp.int32)
   for j in range(per):
-    out = out | ((c[..., j * n:(j + 1) * n] & (2 ** bits - 1)) << (bits * j))
+    out = out | ((c[..., j * n : (j + 1) * n] & (2**bits - 1)) << (bits * j))
   return out.astype(jnp.uint8)
 
 
 def _unpack_split(p: jax.Array, bits: int) -> jax.Array:
-  p = p.astype(jnp.int32)                                             # TPU shifts need int32
-  return jnp.concatenate([(p >> (bits * j)) & (2 ** bits - 1) for j in range(8 // bits)], -1)
+  p = p.astype(jnp.int32)  # TPU shifts need int32
+  return jnp.concatenate([(p >> (bits * j)) & (2**bits - 1) for j in range(8 // bits)], -1)
 
 
 def pack(codes: jax.Array, sp: Spec) -> jax.Array:
@@ -291,21 +303,25 @@ def pack(codes: jax.Array, sp: Spec) -> jax.Array:
 
 
 def unpack(packed: jax.Array, sp: Spec) -> jax.Array:
-  """Inverse of :func:`pack`: ``uint8 [..., sp.code_bytes]`` -> tree-order codes ``int32 [..., D]``."""
+  """Inverse of :func:`pack`: ``uint8 [..., sp.code_bytes]`` -> tree-order codes
+  ``int32 [..., D]``."""
   if packed.shape[-1] != sp.code_bytes:
-    raise ValueError(f"packed codes have {packed.shape[-1]} bytes, {sp.layout} at D={sp.d} "
-                     f"has {sp.code_bytes}")
+    raise ValueError(
+      f"packed codes have {packed.shape[-1]} bytes, {sp.layout} at D={sp.d} has {sp.code_bytes}"
+    )
   if sp.b1 == sp.bh:
     return _unpack_split(packed, sp.b1)
   n1 = sp.d // 2 * sp.b1 // 8
-  return jnp.concatenate([_unpack_split(packed[..., :n1], sp.b1),
-                          _unpack_split(packed[..., n1:], sp.bh)], -1)
+  return jnp.concatenate(
+    [_unpack_split(packed[..., :n1], sp.b1), _unpack_split(packed[..., n1:], sp.bh)], -1
+  )
 
 
 def side_word(radius: jax.Array, value_scale: jax.Array | None = None) -> jax.Array:
   """u32 side word: fp16 radius (low half) | fp16 value scale (high half; 0 for BF16 values)."""
   bits = lambda v: jax.lax.bitcast_convert_type(
-      jnp.minimum(v.astype(jnp.float32), FP16_MAX).astype(jnp.float16), jnp.uint16)
+    jnp.minimum(v.astype(jnp.float32), FP16_MAX).astype(jnp.float16), jnp.uint16
+  )
   lo = bits(radius).astype(jnp.uint32)
   hi = jnp.zeros_like(lo) if value_scale is None else bits(value_scale).astype(jnp.uint32)
   return lo | (hi << 16)
@@ -324,6 +340,7 @@ def side_value_scale(side: jax.Array) -> jax.Array:
 
 
 # --- decode and CosFromAngles ------------------------------------------------------------------
+
 
 def angle_trig(codes: jax.Array, sp: Spec) -> tuple[jax.Array, jax.Array]:
   """Tree-order codes ``[..., D]`` -> (cos φ̃, sin φ̃) f32 ``[..., D]`` from the exact tables."""
@@ -345,7 +362,7 @@ def direction(cos: jax.Array, sin: jax.Array) -> jax.Array:
   """Unit direction ũ ``[..., D]`` from tree-order cos/sin (top-down; products only)."""
   sl = _level_slices(cos.shape[-1])
   u = jnp.ones(cos.shape[:-1] + (1,), jnp.float32)
-  for s in reversed(sl):                                             # level n .. 1
+  for s in reversed(sl):  # level n .. 1
     u = jnp.stack([u * cos[..., s], u * sin[..., s]], -1).reshape(u.shape[:-1] + (-1,))
   return u
 
@@ -363,37 +380,50 @@ def cos_from_angles(qr: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return v[..., 0]
 
 
-def decode_key(packed: jax.Array, side: jax.Array, mu: jax.Array, rot: jax.Array,
-               sp: Spec) -> jax.Array:
+def decode_key(
+  packed: jax.Array, side: jax.Array, mu: jax.Array, rot: jax.Array, sp: Spec
+) -> jax.Array:
   """Dense ``k̃ = μ + r̃·Πᵀ ũ`` (tests and the format-only path; kernels never form it)."""
   u = direction(*angle_trig(unpack(packed, sp), sp))
   x = side_radius(side)[..., None] * u
-  return jnp.einsum("...e,ed->...d", x, jnp.asarray(rot, jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST) + jnp.asarray(mu, jnp.float32)
+  return jnp.einsum(
+    "...e,ed->...d", x, jnp.asarray(rot, jnp.float32), precision=jax.lax.Precision.HIGHEST
+  ) + jnp.asarray(mu, jnp.float32)
 
 
-def encode_key(k: jax.Array, mu: jax.Array, rot: jax.Array, sp: Spec) -> tuple[jax.Array, jax.Array]:
+def encode_key(
+  k: jax.Array, mu: jax.Array, rot: jax.Array, sp: Spec
+) -> tuple[jax.Array, jax.Array]:
   """Post-RoPE keys ``[..., H, D]`` -> (packed codes ``uint8 [..., H, code_bytes]``, side words
   ``u32 [..., H]`` with the fp16 radius and value scale 0)."""
   codes, r = encode(to_code_space(k, mu, rot), sp)
   return pack(codes, sp), side_word(r)
 
 
-def scores(q: jax.Array, packed: jax.Array, side: jax.Array, mu: jax.Array, rot: jax.Array,
-           sp: Spec, scale: float | None = None) -> jax.Array:
+def scores(
+  q: jax.Array,
+  packed: jax.Array,
+  side: jax.Array,
+  mu: jax.Array,
+  rot: jax.Array,
+  sp: Spec,
+  scale: float | None = None,
+) -> jax.Array:
   """Reference logits without a dense key: ``q [..., D]`` against stored keys ``packed [..., NB]``,
   ``side [...]`` (broadcast against each other; ``mu`` broadcast with them, one [D] row per
   key) -> ``(q·μ + r̃·CosFromAngles(Π q, φ̃))·scale`` (scale defaults to 1/√D)."""
   scale = 1.0 / math.sqrt(sp.d) if scale is None else scale
   qf = q.astype(jnp.float32)
-  qr = jnp.einsum("...d,ed->...e", qf, jnp.asarray(rot, jnp.float32),
-                  precision=jax.lax.Precision.HIGHEST)
+  qr = jnp.einsum(
+    "...d,ed->...e", qf, jnp.asarray(rot, jnp.float32), precision=jax.lax.Precision.HIGHEST
+  )
   beta = jnp.sum(qf * jnp.asarray(mu, jnp.float32), axis=-1)
   cos, sin = angle_trig(unpack(packed, sp), sp)
   return (beta + side_radius(side) * cos_from_angles(qr, cos, sin)) * scale
 
 
 # --- byte sizes --------------------------------------------------------------------------------
+
 
 def tier_bytes(layout: str, d: int, values: str = "bf16") -> int:
   """Bytes per (token, layer, KV head) of a tier: packed angle codes + u32 side word + values
@@ -417,8 +447,37 @@ def dense_bytes(d: int) -> int:
   return 4 * d
 
 
-__all__ = ["FP16_MAX", "LAYOUTS", "MAX_STEP", "Spec", "VALUE_FORMATS", "angle_trig", "boundaries",
-           "centers", "cos_from_angles", "decode_key", "dense_bytes", "direction", "encode",
-           "encode_key", "encode_numpy", "hadamard", "item_bytes", "key_mean", "level_of_position",
-           "pack", "rotation", "rotation_signs", "scores", "side_radius", "side_value_scale",
-           "side_word", "spec", "steps", "tier_bytes", "to_code_space", "trig_tables", "unpack"]
+__all__ = [
+  "FP16_MAX",
+  "LAYOUTS",
+  "MAX_STEP",
+  "Spec",
+  "VALUE_FORMATS",
+  "angle_trig",
+  "boundaries",
+  "centers",
+  "cos_from_angles",
+  "decode_key",
+  "dense_bytes",
+  "direction",
+  "encode",
+  "encode_key",
+  "encode_numpy",
+  "hadamard",
+  "item_bytes",
+  "key_mean",
+  "level_of_position",
+  "pack",
+  "rotation",
+  "rotation_signs",
+  "scores",
+  "side_radius",
+  "side_value_scale",
+  "side_word",
+  "spec",
+  "steps",
+  "tier_bytes",
+  "to_code_space",
+  "trig_tables",
+  "unpack",
+]

@@ -2,6 +2,7 @@
 the quantizer against a float64 atan2 oracle, code ranges, bit-exactness under jit and eagerly,
 packing of every byte value, the decode tables, CosFromAngles against the decoded dot product, and
 the tier byte sizes of the §2.3 table."""
+
 import math
 import os
 
@@ -50,7 +51,7 @@ def test_codes_match_the_float64_atan2_definition_away_from_boundaries(layout, d
   assert not np.any(diff & ~near), "codes differ from atan2's away from a bin boundary"
   # Near a boundary the two may disagree by one bin only.
   step = np.abs(codes.astype(int) - ref)
-  cyc = np.where(lv == 1, np.minimum(step, 2 ** sp.b1 - step), step)
+  cyc = np.where(lv == 1, np.minimum(step, 2**sp.b1 - step), step)
   assert np.all(cyc[diff] == 1)
   np.testing.assert_allclose(np.asarray(r), r_ref, rtol=2e-6)
 
@@ -70,9 +71,10 @@ def test_code_ranges_pad_and_radius(layout, d):
     nb = sp.b1 if lvl == 1 else sp.bh
     used = np.unique(codes[:, lv == lvl])
     if lvl <= 3:
-      assert len(used) == 2 ** nb, (lvl, used)
-  np.testing.assert_allclose(np.asarray(r), np.linalg.norm(x.astype(np.float64), axis=-1),
-                             rtol=2e-6)
+      assert len(used) == 2**nb, (lvl, used)
+  np.testing.assert_allclose(
+    np.asarray(r), np.linalg.norm(x.astype(np.float64), axis=-1), rtol=2e-6
+  )
 
 
 @pytest.mark.parametrize("layout,d", CASES)
@@ -95,7 +97,7 @@ def test_decoded_angles_are_within_half_a_bin(layout, d):
       inner = np.abs(phi[:, m] - np.pi / 4) < (2 ** (sp.bh - 1)) * dl[lvl - 1]
       assert np.all(err[inner] <= dl[lvl - 1] / 2 + 1e-5)
       # Outside the inner range the outer bin's centre is the nearest one.
-      assert np.all(np.isin(codes[:, m][~inner], [0, 2 ** sp.bh - 1]))
+      assert np.all(np.isin(codes[:, m][~inner], [0, 2**sp.bh - 1]))
 
 
 @pytest.mark.parametrize("layout,d", CASES)
@@ -120,13 +122,14 @@ def test_pack_unpack_round_trip(layout, d):
   sp = S.spec(layout, d)
   rng = np.random.default_rng(d + len(layout))
   _, bits = _level_bits(sp)
-  bits = np.where(bits == 0, sp.bh, bits)             # the pad slot round-trips any code too
-  codes = rng.integers(0, 2 ** bits, (500, d)).astype(np.int32)
+  bits = np.where(bits == 0, sp.bh, bits)  # the pad slot round-trips any code too
+  codes = rng.integers(0, 2**bits, (500, d)).astype(np.int32)
   p = S.pack(jnp.asarray(codes), sp)
   assert p.dtype == jnp.uint8 and p.shape == (500, sp.code_bytes)
   np.testing.assert_array_equal(np.asarray(S.unpack(p, sp)), codes)
-  np.testing.assert_array_equal(np.asarray(jax.jit(S.pack, static_argnums=1)(jnp.asarray(codes), sp)),
-                                np.asarray(p))
+  np.testing.assert_array_equal(
+    np.asarray(jax.jit(S.pack, static_argnums=1)(jnp.asarray(codes), sp)), np.asarray(p)
+  )
 
 
 def _unpack_oracle(p, sp):
@@ -163,8 +166,9 @@ def test_every_byte_value_unpacks_as_the_layout_says(layout, d):
   got = np.asarray(S.unpack(jnp.asarray(vals), sp))
   np.testing.assert_array_equal(got, _unpack_oracle(vals.astype(np.int64), sp))
   np.testing.assert_array_equal(np.asarray(S.pack(jnp.asarray(got), sp)), vals)
-  np.testing.assert_array_equal(np.asarray(jax.jit(S.unpack, static_argnums=1)(jnp.asarray(vals), sp)),
-                                got)
+  np.testing.assert_array_equal(
+    np.asarray(jax.jit(S.unpack, static_argnums=1)(jnp.asarray(vals), sp)), got
+  )
 
 
 @pytest.mark.parametrize("layout,d", CASES)
@@ -177,9 +181,9 @@ def test_decode_tables_are_the_float64_trig_of_the_bin_centres(layout, d):
     nb = sp.b1 if lvl == 1 else sp.bh
     dl = S.steps(sp)[lvl - 1]
     base = -math.pi if lvl == 1 else math.pi / 4 - 2 ** (nb - 1) * dl
-    ang = base + (np.arange(2 ** nb) + 0.5) * dl
-    np.testing.assert_array_equal(ct[pos, :2 ** nb], np.cos(ang).astype(np.float32))
-    np.testing.assert_array_equal(st[pos, :2 ** nb], np.sin(ang).astype(np.float32))
+    ang = base + (np.arange(2**nb) + 0.5) * dl
+    np.testing.assert_array_equal(ct[pos, : 2**nb], np.cos(ang).astype(np.float32))
+    np.testing.assert_array_equal(st[pos, : 2**nb], np.sin(ang).astype(np.float32))
   c, s = S.angle_trig(jnp.asarray(np.full((1, d), 1, np.int32)), sp)
   np.testing.assert_array_equal(np.asarray(c)[0, lv == 2], ct[lv == 2, 1])
 
@@ -193,7 +197,7 @@ def test_cos_from_angles_equals_the_decoded_dot(layout, d):
   u = S.direction(cos, sin)
   np.testing.assert_allclose(np.linalg.norm(np.asarray(u, np.float64), axis=-1), 1.0, atol=1e-6)
   qr = jnp.asarray(rng.standard_normal((7, 1, d)) * rng.uniform(0.1, 20.0, (7, 1, 1)), jnp.float32)
-  got = np.asarray(S.cos_from_angles(qr, cos[None], sin[None]))      # [7, 300]
+  got = np.asarray(S.cos_from_angles(qr, cos[None], sin[None]))  # [7, 300]
   want = np.einsum("qd,td->qt", np.asarray(qr[:, 0], np.float64), np.asarray(u, np.float64))
   qn = np.linalg.norm(np.asarray(qr[:, 0], np.float64), axis=-1)[:, None]
   assert got.shape == (7, 300)
@@ -209,11 +213,14 @@ def test_scores_without_a_dense_key_equal_q_dot_decoded_key(layout, d):
   rot = S.rotation(d, layer=5)
   packed, side = S.encode_key(k, mu, rot, sp)
   q = jnp.asarray(rng.standard_normal((3, 1, 2, d)) * 4, jnp.float32)
-  got = np.asarray(S.scores(q, packed[None], side[None], mu, rot, sp))          # [3, 128, 2]
+  got = np.asarray(S.scores(q, packed[None], side[None], mu, rot, sp))  # [3, 128, 2]
   kt = np.asarray(S.decode_key(packed, side, mu, rot, sp), np.float64)
   want = np.einsum("qhd,thd->qth", np.asarray(q[:, 0], np.float64), kt) / math.sqrt(d)
-  mag = np.linalg.norm(np.asarray(q[:, 0], np.float64), axis=-1)[:, None, :] * \
-      np.linalg.norm(kt, axis=-1)[None] / math.sqrt(d)
+  mag = (
+    np.linalg.norm(np.asarray(q[:, 0], np.float64), axis=-1)[:, None, :]
+    * np.linalg.norm(kt, axis=-1)[None]
+    / math.sqrt(d)
+  )
   assert np.max(np.abs(got - want) / mag) < 1e-5
   # And the decoded key is close to the key: the direction within the tier's error, the radius fp16.
   kf = np.asarray(k, np.float64)
@@ -251,18 +258,25 @@ def test_side_word_round_trip():
   v = jnp.asarray(rng.uniform(1e-3, 2.0, 64), jnp.float32)
   w = S.side_word(r, v)
   assert w.dtype == jnp.uint32
-  np.testing.assert_array_equal(np.asarray(S.side_radius(w)),
-                                np.asarray(r).astype(np.float16).astype(np.float32))
-  np.testing.assert_array_equal(np.asarray(S.side_value_scale(w)),
-                                np.asarray(v).astype(np.float16).astype(np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(S.side_radius(w)), np.asarray(r).astype(np.float16).astype(np.float32)
+  )
+  np.testing.assert_array_equal(
+    np.asarray(S.side_value_scale(w)), np.asarray(v).astype(np.float16).astype(np.float32)
+  )
   assert np.all(np.asarray(S.side_value_scale(S.side_word(r))) == 0)
   assert float(S.side_radius(S.side_word(jnp.asarray([1e9])))[0]) == S.FP16_MAX
 
 
 def test_tier_bytes_match_the_design_table():
   # §2.3: (layout, values) -> bytes at D = 64, 128, every byte counted.
-  table = {("A2", "bf16"): (148, 292), ("A42", "bf16"): (156, 308), ("A4", "bf16"): (164, 324),
-           ("A42", "int4"): (60, 116), ("A4", "int4"): (68, 132)}
+  table = {
+    ("A2", "bf16"): (148, 292),
+    ("A42", "bf16"): (156, 308),
+    ("A4", "bf16"): (164, 324),
+    ("A42", "int4"): (60, 116),
+    ("A4", "int4"): (68, 132),
+  }
   for (layout, values), want in table.items():
     assert tuple(S.tier_bytes(layout, d, values) for d in DIMS) == want, (layout, values)
   assert {lay: S.spec(lay, 128).code_bytes for lay in S.LAYOUTS} == {"A4": 64, "A42": 48, "A2": 32}
@@ -289,8 +303,9 @@ def test_bad_input_is_refused():
 def test_calibrated_sigma_changes_the_steps():
   sp = S.spec("A42", 64, sigma=[0.3, 0.2, 0.1, 0.05, 0.02])
   dl = S.steps(sp)
-  np.testing.assert_allclose(dl[1:], np.minimum(S.MAX_STEP[2] * np.array([0.3, 0.2, 0.1, 0.05, 0.02]),
-                                                np.pi / 8))
+  np.testing.assert_allclose(
+    dl[1:], np.minimum(S.MAX_STEP[2] * np.array([0.3, 0.2, 0.1, 0.05, 0.02]), np.pi / 8)
+  )
   assert dl[0] == 2 * np.pi / 16
   x = _keys(5, 200, 64)
   c0, _ = S.encode(jnp.asarray(x), S.spec("A42", 64))
@@ -304,11 +319,13 @@ def test_a_key_equal_to_the_mean_decodes_to_the_mean(layout):
   # x = 0 has no direction: codes are fixed (level 1 code 0), the radius is 0, nothing is NaN.
   d = 64
   sp = S.spec(layout, d)
-  mu = jnp.asarray(np.random.default_rng(8).standard_normal((2, d)), jnp.bfloat16).astype(jnp.float32)
+  mu = jnp.asarray(np.random.default_rng(8).standard_normal((2, d)), jnp.bfloat16).astype(
+    jnp.float32
+  )
   k = jnp.broadcast_to(mu, (3, 2, d)).astype(jnp.bfloat16)
   packed, side = jax.jit(S.encode_key, static_argnums=3)(k, mu, S.rotation(d, 0), sp)
   codes = np.asarray(S.unpack(packed, sp))
-  assert np.all(codes[..., :d // 2] == 0)
+  assert np.all(codes[..., : d // 2] == 0)
   assert np.all(np.asarray(S.side_radius(side)) == 0)
   kt = np.asarray(S.decode_key(packed, side, mu, S.rotation(d, 0), sp))
   np.testing.assert_array_equal(kt, np.broadcast_to(np.asarray(mu), kt.shape))
