@@ -70,10 +70,10 @@ def test_cpu_host_says_what_it_can_and_cannot_compare(tmp_path, capsys, monkeypa
 def test_a_kernel_over_the_register_limit_does_not_compile():
   from pallas_kernels.gpu import aot as gpu_aot
   ok = gpu_aot.GpuReport("k", smem_bytes=1024, registers=80, spill_stores=8, spill_loads=8)
-  assert compare._fits(ok)
-  assert not compare._fits(dataclasses.replace(ok, registers=gpu_aot.SM90_MAX_REGS + 1))
-  assert not compare._fits(dataclasses.replace(ok, smem_bytes=gpu_aot.SM90_MAX_SMEM + 1))
-  assert not compare._fits(dataclasses.replace(ok, registers=None))    # ptxas gave no report
+  assert compare.fits(ok)
+  assert not compare.fits(dataclasses.replace(ok, registers=gpu_aot.SM90_MAX_REGS + 1))
+  assert not compare.fits(dataclasses.replace(ok, smem_bytes=gpu_aot.SM90_MAX_SMEM + 1))
+  assert not compare.fits(dataclasses.replace(ok, registers=None))    # ptxas gave no report
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
