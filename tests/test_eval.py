@@ -213,6 +213,7 @@ def test_slices_merge_into_the_whole_run(session, runs, tmp_path):
   acc = lambda d: d["categories"]["overall"]["accuracy"]
   assert acc(m) == pytest.approx((n(a) * acc(a) + n(b) * acc(b)) / 6)
   assert len(m["settings_by_slice"]) == 2
+  assert m["measured_B"] == m["categories"]["overall"]["total_B"]   # of the pooled cases
   with pytest.raises(ValueError, match="in both"):
     E.merge([str(tmp_path / "a"), str(tmp_path / "a")], str(tmp_path / "x"))
   with pytest.raises(ValueError, match="method"):
