@@ -24,6 +24,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import time
 from typing import Any, Sequence
 
@@ -106,7 +107,7 @@ def cap_per_category(cases: list, max_cases: int | None, skip: int = 0) -> list:
 @dataclasses.dataclass
 class RunConfig:
   method: str
-  budget: float = 1.0
+  budget: float | None = 1.0         # pask: None runs the policy at its own budget
   split: str = "test"
   categories: tuple[str, ...] | None = None
   max_cases: int | None = None
@@ -116,13 +117,74 @@ class RunConfig:
   skip_cases: int = 0                 # per category: leave out the first N (run a later slice)
 
 
+_VARIANT = re.compile(r"B(\d+(?:\.\d+)?)")
+
+
+def policy_variants(where: str) -> dict[float, str]:
+  """The per-budget variants a policy directory holds: sub-directories ``B<target>`` (e.g.
+  ``B0.33``) with a ``policy.json``, by target total B."""
+  out = {}
+  from pask_jax import policy as P
+  if where in P.BUILTIN or not os.path.isdir(where):
+    return out
+  for name in sorted(os.listdir(where)):
+    m = _VARIANT.fullmatch(name)
+    if m and os.path.isfile(os.path.join(where, name, "policy.json")):
+      out[float(m.group(1))] = os.path.join(where, name)
+  return out
+
+
+def policy_target(where: str) -> float | None:
+  """The total B a policy is made for, where it says: a ``B<target>`` variant directory, or a
+  policy whose decode and prefill budgets are one B (``all-high`` 1, ``demo`` 0.5).  None for
+  one whose budgets differ (the calibrated top-level policy: B_D 0, B_P 0.5 measures ~0.44)."""
+  from pask_jax import policy as P
+  if where in P.BUILTIN:
+    return {"all-high": 1.0, "demo": 0.5}.get(where)
+  m = _VARIANT.fullmatch(os.path.basename(os.path.normpath(where)))
+  if m:
+    return float(m.group(1))
+  try:
+    b = P.read_record(where).get("budgets") or {}
+  except (FileNotFoundError, ValueError) as e:
+    raise ValueError(f"policy {where!r} not found: {e}") from None
+  b_d, b_p = b.get("b_d"), b.get("b_p")
+  return float(b_p) if b_d is not None and b_d == b_p else None
+
+
+def pick_policy(where: str, budget: float | None) -> tuple[str, float | None]:
+  """(policy to run, its target B) for PASK at ``budget``: the ``B<budget>`` variant of a
+  directory that holds variants; else the policy itself when its own target is ``budget`` (or
+  ``budget`` is None).  A budget the policy cannot honour is a ValueError naming what it can."""
+  var = policy_variants(where)
+  if var:
+    have = ", ".join(f"{b:.2f}" for b in var)
+    if budget is None:
+      raise ValueError(f"policy {where} holds one variant per budget: give --budget one of {have}")
+    for b, d in var.items():
+      if abs(b - budget) < 5e-3:
+        return d, b
+    raise ValueError(f"policy {where} has no variant for --budget {budget:g}: its variants are "
+                     f"for B {have}")
+  own = policy_target(where)
+  if budget is None or (own is not None and abs(own - budget) < 5e-3):
+    return where, own
+  says = f"its own target B is {own:g}" if own is not None else \
+      "it states no target B (decode and prefill budgets differ) and holds no B<x> variants"
+  raise ValueError(f"--budget {budget:g} cannot be honoured with policy {where}: {says}; "
+                   f"leave --budget out to run it as it is")
+
+
 def check_config(rc: RunConfig) -> None:
   """Clear errors for bad input (before any model work)."""
   if rc.method not in BL.METHODS:
     raise ValueError(f"unknown method {rc.method!r}; choose from {', '.join(BL.METHODS)}")
-  BU.check_target(rc.budget)
   if rc.method == "pask" and not rc.policy:
     raise ValueError("--method pask needs --policy DIR (a FrozenPolicy saved by pask_jax.policy)")
+  if rc.budget is not None or rc.method != "pask":
+    BU.check_target(rc.budget)
+  if rc.method == "pask":
+    pick_policy(rc.policy, rc.budget)
   if rc.split not in SPLIT_NAMES:
     raise ValueError(f"unknown split {rc.split!r}; choose from cal, dev, test")
   if rc.max_tokens <= 0:
@@ -286,6 +348,9 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   from pask_jax.decode import Sampling, generate
   from pask_jax.tracker import Tracker
   check_config(rc)
+  if rc.method == "pask":   # the variant for the budget; the label is the policy's own target
+    pol, target = pick_policy(rc.policy, rc.budget)
+    rc = dataclasses.replace(rc, policy=pol, budget=target)
   if cases is None:
     cases = s.task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
   if not cases:
@@ -312,7 +377,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
     from tqdm.auto import tqdm
     progress = functools.partial(tqdm, unit="case")
   if progress:
-    bar = progress(total=len(preps), desc=f"{rc.method} B={rc.budget:g} {rc.split}")
+    bar = progress(total=len(preps), desc=f"{rc.method} B={label(rc.budget)} {rc.split}")
   stops = set(s.tok.stop_ids)
   t0 = time.perf_counter()
   for st in range(0, len(order), batch):
@@ -344,13 +409,19 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
     bar.close()
   wall = time.perf_counter() - t0
   summ = summarize(rows)
-  meta = {"method": rc.method, "budget": rc.budget, "split": rc.split, "model": s.cfg.arch,
+  meta = {"method": rc.method, "budget": rc.budget,
+          "measured_B": summ["overall"]["total_B"], "split": rc.split, "model": s.cfg.arch,
           "model_identity": _ident(s), "task": s.task.name, "n_cases": len(rows),
           "max_tokens": rc.max_tokens, "batch": batch, "capacity": s.capacity,
           "settings": used, "wall_s": wall, "categories": summ}
   if out:
     write(out, rows, meta)
   return meta
+
+
+def label(budget: float | None) -> str:
+  """A requested B as a label: ``0.33``, or ``own`` for a policy run at its own budget."""
+  return "own" if budget is None else f"{budget:g}"
 
 
 def _ident(s: Session) -> dict:
@@ -393,7 +464,7 @@ def write(out: str, rows: Sequence[dict], meta: dict) -> None:
     w = csv.writer(f)
     w.writerow(CSV_FIELDS)
     for cat, d in meta["categories"].items():
-      w.writerow([meta["method"], meta["budget"], meta["split"], cat] +
+      w.writerow([meta["method"], label(meta["budget"]), meta["split"], cat] +
                  [_fmt(d[k]) for k in CSV_FIELDS[4:]])
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(meta, f, indent=1)
@@ -519,9 +590,11 @@ def merge(dirs: Sequence[str], out: str) -> dict:
       seen[key] = m["dir"]
       rows.append(r)
   meta = {k: v for k, v in first.items() if k != "dir"}
+  summ = summarize(rows)
   meta.update(n_cases=len(rows), wall_s=float(sum(m.get("wall_s", 0.0) for m in metas)),
               merged_from=[m["dir"] for m in metas],
-              settings_by_slice=[m.get("settings") for m in metas], categories=summarize(rows))
+              settings_by_slice=[m.get("settings") for m in metas], categories=summ,
+              measured_B=summ["overall"]["total_B"])
   write(out, rows, meta)
   return meta
 
@@ -552,7 +625,7 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
   :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n."""
   runs = load_runs(dirs) if runs is None else list(runs)
   runs.sort(key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS else 99,
-                           r["budget"]))
+                           r["budget"] or 0.0))
   cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple")
           if any(c in r["categories"] for r in runs)]
   head = ["method", "target B", "measured B (prefill / decode / total)",
@@ -564,7 +637,8 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
   for r in runs:
     c = r["categories"]
     o, h = c["overall"], c.get("simple+multiple")
-    row = [r["method"], "–" if r["method"] == "full" else f"{r['budget']:.2f}",
+    row = [r["method"], "–" if r["method"] == "full" else
+           "policy's own" if r["budget"] is None else f"{r['budget']:.2f}",
            f"{o['prefill_B']:.3f} / {o['decode_B']:.3f} / {o['total_B']:.3f}",
            se(h), se(o)] + [pct(c.get(k)) for k in cats]
     row += [pct(c.get(k), "per_call") for k in cats if k.startswith("parallel")]

@@ -24,6 +24,7 @@ _LAZY = {
     "submit": ("pask_jax.api", "submit"),
     "Generation": ("pask_jax.api", "Generation"),
     "Prompt": ("pask_jax.api", "Prompt"),
+    "SamplingParams": ("pask_jax.api", "SamplingParams"),
     "FrozenPolicy": ("pask_jax.policy", "FrozenPolicy"),
     "Loaded": ("models.loaders", "Loaded"),
     "ChatTemplateError": ("models.tokenizer", "ChatTemplateError"),

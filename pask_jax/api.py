@@ -44,6 +44,9 @@ class Generation:
   ledger: dict | None = None       # under a PASK policy: the KV ledger (see read_ledger)
   prefill_s: float = 0.0           # includes compilation on a first call
   decode_s: float = 0.0
+  # with SamplingParams.logprobs (engine requests): per token (log-prob, [(id, log-prob)] of the
+  # top alternatives), as pask-jax serve computes them
+  logprobs: list | None = None
 
   @property
   def tokens_per_s(self) -> float:
@@ -60,6 +63,61 @@ class Prompt:
   grammar: Any = None
   tools: list[dict] | None = None
   fmt: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request samples, the fields of ``pask-jax serve``'s requests: ``max_tokens`` new
+  tokens (> 0); ``temperature`` >= 0 (0 is greedy); ``top_p`` in (0, 1]; ``seed`` (an int);
+  ``stop`` strings (a string or up to 16, matched on the text also across token boundaries and
+  cut from it, finish "stop"); ``logprobs`` (None, or 0..20 top alternatives per token: engine
+  requests, :func:`submit`); ``n`` answers per prompt (1: as the server, n > 1 is refused).
+  Bad values raise a one-line ``ValueError`` naming the field."""
+  max_tokens: int = 64
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int = 0
+  stop: tuple[str, ...] = ()
+  logprobs: int | None = None
+  n: int = 1
+
+  def __post_init__(self):
+    whole = lambda x: isinstance(x, int) and not isinstance(x, bool)
+    if not whole(self.max_tokens) or self.max_tokens <= 0:
+      raise ValueError(f"max_tokens must be positive, got {self.max_tokens!r}")
+    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
+            and self.temperature != float("inf")):   # NaN fails too
+      raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not whole(self.seed):
+      raise ValueError(f"seed must be an int, got {self.seed!r}")
+    stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+    if stop is None:
+      stop = ()
+    if not (isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)):
+      raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+    if len(stop) > 16:
+      raise ValueError(f"stop takes at most 16 strings, got {len(stop)}")
+    object.__setattr__(self, "stop", tuple(stop))
+    if self.logprobs is not None and not (whole(self.logprobs) and 0 <= self.logprobs <= 20):
+      raise ValueError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+    if not whole(self.n) or self.n < 1:
+      raise ValueError(f"n must be a positive int, got {self.n!r}")
+    if self.n > 1:
+      raise ValueError(f"n={self.n}: one answer per prompt (as pask-jax serve); pass the prompt "
+                       f"{self.n} times in a batch, or submit it with different seeds")
+
+
+def _sampling(sampling: SamplingParams | None, **given) -> SamplingParams:
+  given = {k: v for k, v in given.items() if v is not None}
+  if sampling is None:
+    return SamplingParams(**given)
+  if not isinstance(sampling, SamplingParams):
+    raise TypeError(f"sampling must be a SamplingParams, not {type(sampling).__name__}")
+  if given:
+    raise ValueError(f"give sampling= or {', '.join(given)}, not both")
+  return sampling
 
 
 # --- models and policies -----------------------------------------------------------------------
@@ -200,16 +258,17 @@ def _tracker(model, prompt: Prompt, pol):
   return Tracker(prompt.grammar)
 
 
-def _runner(model, pol, capacity: int):
-  """A cached Runner (Full KV) or PaskRunner (its policy set per call: a traced input)."""
+def _runner(model, pol, capacity: int, batch: int = 1):
+  """A cached Runner (Full KV) or PaskRunner (its policy set per call: a traced input) of
+  ``batch`` rows."""
   from pask_jax.decode import PaskRunner, Runner
-  key = ("full" if pol is None else "pask", capacity)
+  key = ("full" if pol is None else "pask", capacity) + ((batch,) if batch > 1 else ())
   with _lock:
     cache = _runners.setdefault(model.model, {})
     r = cache.get(key)
     if r is None:
-      r = (Runner(model.model, batch=1, capacity=capacity) if pol is None else
-           PaskRunner(model.model, pol, batch=1, capacity=capacity))
+      r = (Runner(model.model, batch=batch, capacity=capacity) if pol is None else
+           PaskRunner(model.model, pol, batch=batch, capacity=capacity))
       cache[key] = r
   if pol is not None:
     r.policy = pol
@@ -218,52 +277,165 @@ def _runner(model, pol, capacity: int):
 
 # --- generation --------------------------------------------------------------------------------
 
-def generate(model, prompt: str | Sequence[dict], *, system: str | None = None,
-             tools: Sequence[dict] | dict | None = None, json_schema: dict | None = None,
-             tool_format: str | None = None, policy: Any = None, max_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             chat_template: bool = True) -> Generation:
+class _StopText:
+  """A request's tracker that also ends the row once its text holds a stop string (matched on
+  the decoded text, so across token boundaries)."""
+
+  def __init__(self, inner, tokenizer, stop: tuple[str, ...]):
+    self.inner, self.tok, self.stop = inner, tokenizer, stop
+    self.ends, self.out, self.hit = set(tokenizer.stop_ids), [], False
+
+  def fill(self, bits, row):
+    self.inner.fill(bits, row)
+
+  def accept(self, token: int):
+    out = self.inner.accept(token)
+    if token not in self.ends:
+      self.out.append(token)
+      text = self.tok.decode(self.out)
+      self.hit = any(x in text for x in self.stop)
+    return out
+
+  @property
+  def terminated(self) -> bool:
+    return self.hit or self.inner.terminated
+
+  def __getattr__(self, name):   # matcher, adapter, ... of the wrapped tracker
+    return getattr(self.inner, name)
+
+
+def _cut(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+  at = [i for i in (text.find(x) for x in stop) if i >= 0]
+  return (text[:min(at)], True) if at else (text, False)
+
+
+def _check_stop(sp: SamplingParams, tools, json_schema) -> None:
+  if sp.stop and (tools is not None or json_schema is not None):
+    raise ValueError("stop cannot be used with tools or json_schema: their grammar constrains "
+                     "the whole answer, and a cut would break it (as pask-jax serve refuses)")
+
+
+def is_batch(prompt: Any) -> bool:
+  """A list of prompts (strings or message lists), as opposed to one prompt (a string or one
+  conversation: a list of message dicts)."""
+  return (isinstance(prompt, (list, tuple)) and bool(prompt)
+          and all(isinstance(q, (str, list, tuple)) for q in prompt))
+
+
+def generate(model, prompt: str | Sequence[dict] | Sequence[str | Sequence[dict]], *,
+             system: str | None = None, tools: Sequence[dict] | dict | None = None,
+             json_schema: dict | None = None, tool_format: str | None = None,
+             policy: Any = None, max_tokens: int | None = None,
+             temperature: float | None = None, top_p: float | None = None,
+             seed: int | None = None, stop: str | Sequence[str] | None = None,
+             logprobs: int | None = None, n: int | None = None,
+             sampling: SamplingParams | None = None,
+             chat_template: bool = True) -> Generation | list[Generation]:
   """Generate one answer; with ``tools`` it is a tool call in the model's format (parsed into
   ``tool_calls``), with ``json_schema`` a JSON document valid for the schema.
 
+  ``prompt``: a string (one user turn), a conversation (a list of message dicts), or a batch: a
+  list of those, generated together as one ragged batch through the same runner (one compile
+  per batch size, rounded up to a power of two) and returned as a list of Generations in order;
+  every prompt of a batch shares ``system``, ``tools``, ``json_schema``, ``policy`` and the
+  sampling, and a sampled (temperature > 0) batch is seeded as a whole (the same batch and seed
+  give the same answers).
   ``policy``: None (Full KV), ``"all-high"``, ``"demo"``, a calibrated policy directory or a
-  FrozenPolicy: decode under PASK and report the ledger.  ``temperature`` 0 is greedy; sampling
-  is seeded.  Bad input raises ``ValueError`` / ``FileNotFoundError`` with a one-line message."""
+  FrozenPolicy: decode under PASK and report the ledger.  Sampling: ``sampling=``
+  :class:`SamplingParams`, or its fields as keywords (default 64 new tokens, greedy, seed 0);
+  ``temperature`` 0 is greedy; sampling is seeded; ``logprobs`` are computed by the engine only
+  (:func:`submit`).  Bad input raises ``ValueError`` / ``FileNotFoundError`` with a one-line
+  message."""
   from pask_jax.decode import Sampling, capacity_for, generate as run
-  if max_tokens <= 0:
-    raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-  if not temperature >= 0:   # also NaN
-    raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-  if not 0 < top_p <= 1:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  if not isinstance(seed, int):
-    raise ValueError(f"seed must be an int, got {seed!r}")
+  sp = _sampling(sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                 seed=seed, stop=stop, logprobs=logprobs, n=n)
+  if sp.logprobs is not None:
+    raise ValueError("logprobs: pask_jax.generate does not compute log-probs; the engine does "
+                     "(pask_jax.submit, pask-jax serve)")
+  _check_stop(sp, tools, json_schema)
+  prompts = list(prompt) if is_batch(prompt) else [prompt]
   pol = load_policy(policy, model) if policy is not None else None
-  p = prepare(model, prompt, system=system, tools=tools, json_schema=json_schema,
-              tool_format=tool_format, chat_template=chat_template, labels=pol is not None,
-              max_tokens=max_tokens)
-  runner = _runner(model, pol, capacity_for(len(p.ids), max_tokens))
-  res = run(runner, model.tokenizer, [p.ids], trackers=[_tracker(model, p, pol)],
-            prompt_tags=[p.tags], sampling=Sampling(max_tokens=max_tokens,
-                                                    temperature=temperature, top_p=top_p,
-                                                    seed=seed))[0]
-  calls, why = _parse(res.text, p)
-  return Generation(res.text, list(res.tokens), res.finish, len(p.ids), calls, why, res.ledger,
-                    res.prefill_s, res.decode_s)
+  ps = [prepare(model, q, system=system, tools=tools, json_schema=json_schema,
+                tool_format=tool_format, chat_template=chat_template, labels=pol is not None,
+                max_tokens=sp.max_tokens) for q in prompts]
+  rows = 1 << (len(ps) - 1).bit_length()   # batch sizes compile once each: powers of two
+  runner = _runner(model, pol, capacity_for(max(len(p.ids) for p in ps), sp.max_tokens), rows)
+  trackers = [_tracker(model, p, pol) for p in ps]
+  if sp.stop:
+    trackers = [_StopText(t, model.tokenizer, sp.stop) for t in trackers]
+  res = run(runner, model.tokenizer, [p.ids for p in ps], trackers=trackers,
+            prompt_tags=[p.tags for p in ps],
+            sampling=Sampling(max_tokens=sp.max_tokens, temperature=sp.temperature,
+                              top_p=sp.top_p, seed=sp.seed))
+  out = []
+  for r, p in zip(res, ps):
+    text, cut = _cut(r.text, sp.stop)
+    calls, why = _parse(text, p)
+    out.append(Generation(text, list(r.tokens), "stop" if cut else r.finish, len(p.ids), calls,
+                          why, r.ledger, r.prefill_s, r.decode_s))
+  return out if is_batch(prompt) else out[0]
 
 
 # --- the serving engine --------------------------------------------------------------------------
 
+def _check_sizing(slots, context, page, hi_pages, lo_pages, kv_memory, gpu_memory_utilization,
+                  kv_mix, preemption, prefill_chunk, prefill_share) -> None:
+  """``pask-jax serve``'s checks of its sizing flags, as one-line ValueErrors."""
+  pos = lambda x: isinstance(x, int) and not isinstance(x, bool) and x > 0
+  for name, v in (("slots", slots), ("context", context), ("page", page)):
+    if not pos(v):
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  for name, v in (("hi_pages", hi_pages), ("lo_pages", lo_pages)):
+    if v is not None and not pos(v):
+      raise ValueError(f"{name} must be None or a positive int, got {v!r}")
+  if kv_memory is not None and gpu_memory_utilization is not None:
+    raise ValueError("give kv_memory or gpu_memory_utilization, not both")
+  if kv_memory is not None and not (isinstance(kv_memory, (int, float)) and 0 < kv_memory
+                                    < float("inf")):
+    raise ValueError(f"kv_memory must be a positive number of GB, got {kv_memory!r}")
+  if gpu_memory_utilization is not None and not (
+      isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+    raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+  if kv_mix is not None and not (
+      isinstance(kv_mix, (list, tuple)) and len(kv_mix) == 2
+      and all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in kv_mix)
+      and sum(kv_mix) <= 1 + 1e-9):
+    raise ValueError(f"kv_mix must be two fractions (H, L) in [0, 1] summing to at most 1, got "
+                     f"{kv_mix!r}")
+  if preemption not in ("replay", "recompute"):
+    raise ValueError(f"preemption must be 'replay' or 'recompute', got {preemption!r}")
+  if prefill_chunk not in (64, 128, 256, 512):
+    raise ValueError(f"prefill_chunk must be one of 64, 128, 256, 512, got {prefill_chunk!r}")
+  if not (isinstance(prefill_share, (int, float)) and 0 < prefill_share <= 1):
+    raise ValueError(f"prefill_share must be in (0, 1], got {prefill_share!r}")
+
+
 def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: int = 1024,
                  page: int = 16, hi_pages: int | None = None, lo_pages: int | None = None,
+                 kv_memory: float | None = None, gpu_memory_utilization: float | None = None,
+                 kv_mix: tuple[float, float] | None = None, preemption: str = "replay",
+                 prefill_chunk: int = 512, prefill_share: float = 1 / 3,
                  warmup: bool = True):
   """A started :class:`serve.engine.Engine`: continuous batching of ``slots`` sequences over one
   paged PASK cache (``context``: most tokens per request).  Send it requests with
-  :func:`submit`; stop it with ``engine.stop()``.  ``pask-jax serve`` puts the OpenAI API on it."""
+  :func:`submit`; stop it with ``engine.stop()``.  ``pask-jax serve`` puts the OpenAI API on it.
+
+  The sizing options are ``pask-jax serve``'s: ``slots`` (``--max-num-seqs``), ``context``
+  (``--max-model-len``), ``page``; the KV memory budget ``kv_memory`` in GB or
+  ``gpu_memory_utilization`` (a fraction of the device's free memory; give at most one; neither:
+  every slot gets its full context), ``kv_mix`` (expected H and L fractions for sizing),
+  ``hi_pages`` / ``lo_pages`` (pool sizes overriding the budget's), ``preemption`` ("replay" or
+  "recompute"), ``prefill_chunk`` and ``prefill_share``.  Bad values: one-line ``ValueError``."""
   from serve.engine import Engine
+  _check_sizing(slots, context, page, hi_pages, lo_pages, kv_memory, gpu_memory_utilization,
+                kv_mix, preemption, prefill_chunk, prefill_share)
   pol = load_policy(policy, model)
   engine = Engine(model.model, model.tokenizer, pol, slots=slots, context=context, page=page,
-                  hi_pages=hi_pages, lo_pages=lo_pages)
+                  hi_pages=hi_pages, lo_pages=lo_pages,
+                  kv_bytes=None if kv_memory is None else int(kv_memory * 1e9),
+                  gpu_memory_utilization=gpu_memory_utilization,
+                  mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
+                  prefill_chunk=prefill_chunk, prefill_share=prefill_share)
   engine.loaded = model
   if warmup:
     engine.warmup()
@@ -272,19 +444,24 @@ def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: in
 
 def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
            tools: Sequence[dict] | dict | None = None, json_schema: dict | None = None,
-           tool_format: str | None = None, max_tokens: int = 64, temperature: float = 0.0,
-           top_p: float = 1.0, seed: int = 0,
+           tool_format: str | None = None, max_tokens: int | None = None,
+           temperature: float | None = None, top_p: float | None = None,
+           seed: int | None = None, stop: str | Sequence[str] | None = None,
+           logprobs: int | None = None, n: int | None = None,
+           sampling: SamplingParams | None = None,
            chat_template: bool = True) -> "concurrent.futures.Future[Generation]":
   """Queue one request on an engine from :func:`start_engine` -> a Future of its Generation
   (prepared exactly as :func:`generate` prepares it; the engine always decodes under its policy,
-  so the result carries the ledger).  Thread-safe."""
+  so the result carries the ledger).  Sampling as for :func:`generate`, plus ``logprobs``
+  (``Generation.logprobs``).  Thread-safe."""
   from serve.engine import Request
   model = getattr(engine, "loaded", None)
   if model is None:
     raise ValueError("submit() needs an engine started by pask_jax.start_engine (it keeps the "
                      "model's tokenizer and config for preparing requests)")
-  if max_tokens <= 0:
-    raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+  sp = _sampling(sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                 seed=seed, stop=stop, logprobs=logprobs, n=n)
+  _check_stop(sp, tools, json_schema)
   p = prepare(model, prompt, system=system, tools=tools, json_schema=json_schema,
               tool_format=tool_format, chat_template=chat_template, labels=True)
   fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -300,11 +477,14 @@ def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
         return
       calls, why = _parse(payload["text"], p)
       fut.set_result(Generation(payload["text"], list(payload["tokens"]), payload["finish"],
-                                payload["prompt_tokens"], calls, why, payload["ledger"]))
+                                payload["prompt_tokens"], calls, why, payload["ledger"],
+                                logprobs=payload.get("logprobs")
+                                if sp.logprobs is not None else None))
 
-  req = Request(ids=p.ids, tags=p.tags, max_tokens=max_tokens,
-                tracker=_tracker(model, p, engine.policy), temperature=temperature, top_p=top_p,
-                seed=seed % 2**32, emit=emit)
+  req = Request(ids=p.ids, tags=p.tags, max_tokens=sp.max_tokens,
+                tracker=_tracker(model, p, engine.policy), temperature=sp.temperature,
+                top_p=sp.top_p, seed=sp.seed % 2**32, stop=sp.stop, logprobs=sp.logprobs,
+                emit=emit)
   engine.submit(req)   # ValueError when it can never fit (context, pools)
   return fut
 

@@ -100,7 +100,8 @@ def cmd_compare_kernels(args, rest) -> int:
 def cmd_eval(args) -> int:
   """``pask-jax eval``: one method at one budget on a BFCL split (see calibrate.evaluate)."""
   from calibrate import bfcl, evaluate as E
-  rc = E.RunConfig(args.method, args.budget, args.split,
+  budget = args.budget if args.budget is not None or args.method == "pask" else 1.0
+  rc = E.RunConfig(args.method, budget, args.split,
                    tuple(args.categories) if args.categories else None, args.max_cases,
                    args.max_tokens, args.policy,
                    E.read_knobs(args.knobs) if args.knobs else None, args.skip_cases)
@@ -116,6 +117,9 @@ def cmd_eval(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   c = meta["categories"]
+  print(f"{meta['method']}: requested B {E.label(meta['budget'])}, measured B "
+        f"{meta['measured_B']:.3f}" + (f" (policy {meta['settings']['policy']})"
+                                         if meta["method"] == "pask" else ""))
   for k, d in c.items():
     print(f"{k:>18}: n={d['n']:4d} acc={100 * d['accuracy']:6.2f}% per-call="
           f"{100 * d['per_call']:6.2f}% B prefill/decode/total={d['prefill_B']:.3f}/"
@@ -184,7 +188,7 @@ def cmd_merge(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   o = meta["categories"]["overall"]
-  print(f"{meta['method']} B={meta['budget']:g}: {o['n']} cases, accuracy "
+  print(f"{meta['method']} B={E.label(meta['budget'])}: {o['n']} cases, accuracy "
         f"{100 * o['accuracy']:.2f}%, measured B {o['total_B']:.3f}; wrote {args.out}",
         file=sys.stderr)
   return 0
@@ -329,8 +333,13 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument("--task", choices=["bfcl"], default="bfcl")
   e.add_argument("--split", choices=["cal", "dev", "test"], default="test")
   e.add_argument("--method", required=True, help="one of " + ", ".join(METHODS))
-  e.add_argument("--budget", type=float, default=1.0, help="target measured B in (0, 1]")
-  e.add_argument("--policy", default=None, help="PASK policy directory (--method pask)")
+  e.add_argument("--budget", type=float, default=None,
+                 help="target measured B in (0, 1] (default 1; --method pask: the policy's own, "
+                      "and a directory of B<x> variants runs the one for --budget; a budget the "
+                      "policy cannot honour is refused)")
+  e.add_argument("--policy", default=None,
+                 help="PASK policy directory, or one holding per-budget variants B0.33, ... "
+                      "(--method pask)")
   e.add_argument("--knobs", default=None, help="knobs.json from pask-jax tune (dev-tuned)")
   e.add_argument("--max-cases", type=int, default=None, help="at most N cases per category")
   e.add_argument("--skip-cases", type=int, default=0,

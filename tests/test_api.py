@@ -13,10 +13,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def readme_example() -> str:
+def readme_example(marker: str = "api-example") -> str:
   text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-  m = re.search(r"<!-- api-example:[^>]*-->\s*```python\n(.*?)```", text, re.S)
-  assert m, "README.md lost its API example block"
+  m = re.search(rf"<!-- {marker}:[^>]*-->\s*```python\n(.*?)```", text, re.S)
+  assert m, f"README.md lost its {marker} block"
   return m.group(1)
 
 
@@ -36,6 +36,13 @@ def test_readme_example_runs(monkeypatch):
     assert a.tool_calls and a.tool_calls[0]["name"] == "get_weather"
     assert 0 < ns["pj"].read_ledger(a)["measured_B"] <= 1
   assert "get_weather" in buf.getvalue()
+  # the batch example, after the first block (it uses its model)
+  with contextlib.redirect_stdout(buf):
+    exec(compile(readme_example("api-batch-example"), "README.md:api-batch-example", "exec"), ns)
+  outs = ns["outs"]
+  assert len(outs) == 3 and all(isinstance(o, ns["pj"].Generation) for o in outs)
+  for o in outs:
+    assert o.finish in ("stop", "length") and "\n\n" not in o.text and o.tokens
   # one code path: the CLI's generate gives the API's answer (same model object: its cached
   # runner, no second compile)
   from pask_jax import api, cli
@@ -89,3 +96,101 @@ def test_bad_input_is_named():
     pj.read_ledger(pj.Generation("x", [1], "stop", 3))
   p = pj.prepare(m, [{"role": "user", "content": "hi"}], system="Be brief.")
   assert p.text.startswith("<|im_start|>system\nBe brief.") and p.ids == m.tokenizer.encode(p.text)
+
+
+@pytest.fixture(scope="module")
+def smol():
+  from pask_jax.testing import smollm2
+  return smollm2()
+
+
+def test_sampling_params_mirror_the_server_and_bad_values_are_one_line(smol):
+  import pask_jax as pj
+  sp = pj.SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, seed=3, stop="END",
+                         logprobs=5)
+  assert sp.stop == ("END",) and pj.SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+  for kw, msg in ((dict(max_tokens=0), "max_tokens must be positive"),
+                  (dict(max_tokens=2.5), "max_tokens must be positive"),
+                  (dict(temperature=float("nan")), "temperature must be >= 0"),
+                  (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+                  (dict(seed="1"), "seed must be an int"),
+                  (dict(stop=[""]), "stop must be a non-empty string"),
+                  (dict(stop=["x"] * 17), "at most 16"),
+                  (dict(logprobs=21), r"logprobs must be None or an int in \[0, 20\]"),
+                  (dict(n=0), "n must be a positive int"),
+                  (dict(n=2), "n=2: one answer per prompt")):
+    with pytest.raises(ValueError, match=msg) as e:
+      pj.SamplingParams(**kw)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=msg):   # the same through generate's keywords
+      pj.generate(smol, "hi", **kw)
+  with pytest.raises(ValueError, match="give sampling= or temperature, not both"):
+    pj.generate(smol, "hi", sampling=sp, temperature=0.0)
+  with pytest.raises(TypeError, match="SamplingParams"):
+    pj.generate(smol, "hi", sampling={"max_tokens": 4})
+  with pytest.raises(ValueError, match="logprobs: pask_jax.generate does not compute"):
+    pj.generate(smol, "hi", logprobs=2)
+  tools = json.load(open(os.path.join(ROOT, "examples/weather_tools.json")))
+  with pytest.raises(ValueError, match="stop cannot be used with tools or json_schema"):
+    pj.generate(smol, "hi", tools=tools, stop=["x"])
+  with pytest.raises(ValueError, match="prompt must be"):
+    pj.generate(smol, ["hi", {"role": "user"}])
+
+
+def test_batch_equals_one_at_a_time(smol):
+  import pask_jax as pj
+  qs = ["Name a color.", "What is two plus two? Answer briefly.",
+        [{"role": "user", "content": "Say hello in French."}]]
+  outs = pj.generate(smol, qs, max_tokens=12)
+  assert isinstance(outs, list) and len(outs) == 3
+  for q, o in zip(qs, outs):
+    one = pj.generate(smol, q, max_tokens=12)
+    assert (o.text, o.tokens, o.finish, o.prompt_tokens) == \
+        (one.text, one.tokens, one.finish, one.prompt_tokens)
+  # under PASK with tools: per-row trackers, calls and ledgers as one at a time
+  tools = json.load(open(os.path.join(ROOT, "examples/weather_tools.json")))
+  qs = ["What's the weather in Tokyo?", "Weather in Oslo, in celsius?"]
+  outs = pj.generate(smol, qs, tools=tools, policy="demo", max_tokens=32)
+  for q, o in zip(qs, outs):
+    one = pj.generate(smol, q, tools=tools, policy="demo", max_tokens=32)
+    assert o.text == one.text and o.tool_calls == one.tool_calls
+    assert pj.read_ledger(o)["measured_B"] == pj.read_ledger(one)["measured_B"]
+
+
+def test_stop_strings_end_and_are_cut(smol):
+  import pask_jax as pj
+  q = "Count from 1 to 20, separated by commas."
+  full = pj.generate(smol, q, max_tokens=32)
+  stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+  assert stop.strip(), full.text
+  cut = pj.generate(smol, q, sampling=pj.SamplingParams(max_tokens=32, stop=["@@never", stop]))
+  assert cut.finish == "stop" and cut.text == full.text[:full.text.find(stop)]
+  assert len(cut.tokens) < len(full.tokens) and cut.tokens == full.tokens[:len(cut.tokens)]
+
+
+def test_start_engine_takes_the_serve_sizing_options(smol):
+  import pask_jax as pj
+  for kw, msg in ((dict(slots=0), "slots must be a positive int"),
+                  (dict(kv_memory=1.0, gpu_memory_utilization=0.5), "not both"),
+                  (dict(kv_memory=-1.0), "kv_memory must be a positive number"),
+                  (dict(gpu_memory_utilization=1.5), r"in \(0, 1\]"),
+                  (dict(kv_mix=(0.8, 0.5)), "kv_mix must be two fractions"),
+                  (dict(preemption="swap"), "preemption must be 'replay' or 'recompute'"),
+                  (dict(prefill_chunk=100), "prefill_chunk must be one of"),
+                  (dict(prefill_share=0.0), "prefill_share must be in"),
+                  (dict(hi_pages=0), "hi_pages must be None or a positive int")):
+    with pytest.raises(ValueError, match=msg):
+      pj.start_engine(smol, "demo", warmup=False, **kw)
+  big = pj.start_engine(smol, "demo", slots=2, context=256, warmup=False)
+  big.stop()
+  e = pj.start_engine(smol, "demo", slots=2, context=256, kv_memory=0.004, kv_mix=(0.5, 0.5),
+                      preemption="recompute", prefill_chunk=128, prefill_share=0.5,
+                      warmup=False)
+  try:
+    assert e.preemption == "recompute" and e.hi_total + e.lo_total < big.hi_total + big.lo_total
+    f = pj.submit(e, "Name a color.", sampling=pj.SamplingParams(max_tokens=6, logprobs=2))
+    g = f.result(timeout=600)
+    assert len(g.logprobs) == len(g.tokens) and all(len(alts) <= 2 for _, alts in g.logprobs)
+    assert pj.submit(e, "Name a color.", max_tokens=6).result(timeout=600).logprobs is None
+  finally:
+    e.stop()

@@ -213,6 +213,7 @@ def test_slices_merge_into_the_whole_run(session, runs, tmp_path):
   acc = lambda d: d["categories"]["overall"]["accuracy"]
   assert acc(m) == pytest.approx((n(a) * acc(a) + n(b) * acc(b)) / 6)
   assert len(m["settings_by_slice"]) == 2
+  assert m["measured_B"] == m["categories"]["overall"]["total_B"]   # of the pooled cases
   with pytest.raises(ValueError, match="in both"):
     E.merge([str(tmp_path / "a"), str(tmp_path / "a")], str(tmp_path / "x"))
   with pytest.raises(ValueError, match="method"):
@@ -295,3 +296,72 @@ def test_plot_has_binomial_error_bars_and_fitted_axes(tmp_path):
   assert 0.2 < lo < 0.27 and 0.6 < hi < 0.7                 # fitted to 0.27..0.6, not 0..1.05
   ylo, yhi = drawn["ylim"]
   assert 20 < ylo < 30 - 100 * np.sqrt(0.21 / 160) and 60 + 100 * np.sqrt(0.24 / 160) < yhi < 70
+
+
+QWEN_POLICY = os.path.join(os.path.dirname(__file__), "..", "policies",
+                           "qwen2.5-coder-0.5b-instruct-bfcl")
+
+
+def test_pask_budget_picks_the_policy_variant_or_is_refused(tmp_path):
+  var = E.policy_variants(QWEN_POLICY)
+  assert sorted(var) == [0.33, 0.4, 0.5, 0.6]
+  d, b = E.pick_policy(QWEN_POLICY, 0.33)
+  assert os.path.basename(d) == "B0.33" and b == 0.33
+  assert E.pick_policy(QWEN_POLICY, 0.4)[0] == var[0.4]
+  assert E.pick_policy(var[0.6], 0.6) == (var[0.6], 0.6)      # a variant named directly
+  for where, budget, msg in ((QWEN_POLICY, 0.45, "no variant for --budget 0.45: its variants "
+                              "are for B 0.33, 0.40, 0.50, 0.60"),
+                             (QWEN_POLICY, None, "give --budget one of 0.33"),
+                             (var[0.6], 0.33, "its own target B is 0.6"),
+                             ("demo", 0.33, "its own target B is 0.5"),
+                             ("all-high", 0.5, "its own target B is 1")):
+    with pytest.raises(ValueError, match=msg):
+      E.pick_policy(where, budget)
+  assert E.pick_policy("demo", None) == ("demo", 0.5)
+  assert E.pick_policy("demo", 0.5) == ("demo", 0.5)
+  # a policy whose decode and prefill budgets differ states no target: only "as it is"
+  P.save(P.demo(b_d=0.0, b_p=0.5), tmp_path / "own")
+  assert E.pick_policy(str(tmp_path / "own"), None) == (str(tmp_path / "own"), None)
+  with pytest.raises(ValueError, match="states no target B"):
+    E.pick_policy(str(tmp_path / "own"), 0.5)
+  with pytest.raises(ValueError, match="not found"):
+    E.pick_policy(str(tmp_path / "missing"), 0.5)
+
+
+def test_eval_cli_refuses_a_budget_the_policy_cannot_honour(tmp_path, monkeypatch):
+  from pask_jax import cli, platform
+  monkeypatch.setattr(platform, "load_model",
+                      lambda *a: pytest.fail("model loaded before the check"))
+  for pol, budget, msg in (("demo", "0.33", "--budget 0.33 cannot be honoured with policy demo"),
+                           (QWEN_POLICY, "0.45", "no variant for --budget 0.45"),
+                           (QWEN_POLICY, None, "give --budget one of")):
+    argv = ["eval", "--method", "pask", "--policy", pol, "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv + (["--budget", budget] if budget else []))
+    assert msg in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_pask_runs_the_variant_and_labels_requested_and_measured_b(session, runs, tmp_path):
+  root, out = runs
+  assert out["pask"]["budget"] == 0.5        # the saved demo: B_D = B_P = 0.5
+  for meta in out.values():
+    assert meta["measured_B"] == meta["categories"]["overall"]["total_B"]
+  assert json.load(open(root / "pask" / "summary.json"))["measured_B"] == \
+      out["pask"]["measured_B"]
+  pols = tmp_path / "pols"
+  for b in (0.3, 0.5):
+    P.save(P.demo(session.cfg, tokenizer_hash=session.tok.hash(), b_d=b, b_p=b), pols / f"B{b:.2f}")
+  meta = E.run(session, E.RunConfig("pask", 0.3, "test", max_tokens=48, max_cases=1,
+                                    policy=str(pols)), str(tmp_path / "v"), progress=False)
+  assert meta["settings"]["policy"] == str(pols / "B0.30") and meta["budget"] == 0.3
+  assert meta["settings"]["b_d"] == pytest.approx(0.3)
+  P.save(P.demo(session.cfg, tokenizer_hash=session.tok.hash(), b_d=0.0, b_p=0.5),
+         tmp_path / "own")
+  own = E.run(session, E.RunConfig("pask", None, "test", max_tokens=48, max_cases=1,
+                                   policy=str(tmp_path / "own")), str(tmp_path / "o"),
+              progress=False)
+  assert own["budget"] is None and 0 < own["measured_B"] < 1
+  md = E.report([str(tmp_path / "v"), str(tmp_path / "o")], str(tmp_path / "r"))
+  line = {l.split(" | ")[1]: l for l in md.splitlines()[2:]}
+  assert "| pask | 0.30 | " in md and "| pask | policy's own | " in md
+  assert f"/ {own['measured_B']:.3f} |" in line["policy's own"]
