@@ -14,10 +14,10 @@ Steps (one model load; runners and compilations shared by all runs):
 4. report — ``OUT/report.md`` (table), ``OUT/accuracy_vs_B.png`` (Fig. 3 style),
    ``OUT/all_summary.csv`` (every run's summary rows), ``OUT/timing.json``.
 
-``--policy DIR``: either one policy directory (``DIR/policy.json``) used at every budget, or a
-directory holding one per budget as ``DIR/B0.33`` (also ``b0.33``, ``0.33``); a per-budget
-directory wins over ``DIR/policy.json``.  A budget without a
-policy skips PASK there (logged).  Example (H200)::
+``--policy DIR``: a directory holding one policy per budget as ``DIR/B0.33``, or one policy
+(a built-in name or ``DIR/policy.json``) that runs only at its own target budget
+(``evaluate.pick_policy``).  A budget without a policy made for it skips PASK there (logged).
+Example (H200)::
 
     python scripts/eval_h200.py --model qwen2.5-coder-0.5b-instruct --policy policies/qwen05 \\
         --out runs/h200_bfcl
@@ -25,7 +25,7 @@ policy skips PASK there (logged).  Example (H200)::
 and on a CPU with a handful of cases::
 
     JAX_PLATFORMS=cpu python scripts/eval_h200.py --model smollm2-135m-instruct --policy demo \\
-        --max-cases 2 --tune-cases 1 --budgets 0.4 --batch 8 --max-tokens 48 --out /tmp/h200_smoke
+        --max-cases 2 --tune-cases 1 --budgets 0.5 --batch 8 --max-tokens 48 --out /tmp/h200_smoke
 """
 from __future__ import annotations
 
@@ -41,17 +41,16 @@ from pask_jax import platform
 
 
 def policy_for(where: str | None, b: float) -> str | None:
-  """The policy for budget ``b`` under ``where`` (see module doc); None if there is none."""
+  """The policy for budget ``b`` under ``where`` (see module doc); None if there is none that is
+  made for ``b`` (``evaluate.pick_policy``: a run is never labelled with a budget its policy was
+  not made for)."""
   if not where:
     return None
-  if where in ("demo", "all-high"):
-    return where
-  # A per-budget variant wins over a policy at the top of the directory.
-  for name in (f"B{b:.2f}", f"b{b:.2f}", f"{b:.2f}", f"B{b:g}", f"{b:g}"):
-    d = os.path.join(where, name)
-    if os.path.exists(os.path.join(d, "policy.json")):
-      return d
-  return where if os.path.exists(os.path.join(where, "policy.json")) else None
+  from calibrate import evaluate as E
+  try:
+    return E.pick_policy(where, b)[0]
+  except ValueError:
+    return None
 
 
 def main(argv=None) -> int:
