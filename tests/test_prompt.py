@@ -129,7 +129,7 @@ def _bfcl(tok, arch, out):
 
 
 def _prompt_tags(p):
-  return p.prompt_tags
+  return p.tags
 
 
 def render_all() -> dict:
