@@ -11,6 +11,7 @@ import sys
 import types
 
 import numpy as np
+import pytest
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 GOLDEN = os.path.join(DATA, "prompt_ids.json.gz")
@@ -121,11 +122,11 @@ def _bfcl(tok, arch, out):
                      fns, WEATHER, [], "k")]
   for labels in (False, True):
     for c, p in zip(cases, bfcl.prepare(cases, tok, arch=arch, prompt_labels=labels)):
-      out[f"bfcl/{c.id}/{labels}"] = {"ids": list(p.ids), "tags": _tags(_prompt_tags(p)),
+      out[f"bfcl/{c.id}/{labels}"] = {"ids": list(p.ids), "tags": _tags(p.tags),
                                       "fmt": None}
   task = SyntheticTask(tok, GrammarCompiler(tok, tok.vocab_size), 3, seed=1)
   for i, r in enumerate(task.requests):
-    out[f"synthetic/{i}"] = {"ids": list(r.ids), "tags": _tags(_prompt_tags(r)), "fmt": None}
+    out[f"synthetic/{i}"] = {"ids": list(r.ids), "tags": _tags(r.tags), "fmt": None}
 
 
 def _prompt_tags(p):
@@ -150,6 +151,41 @@ def test_every_path_renders_the_recorded_ids():
   assert sorted(got) == sorted(want)
   bad = [k for k in want if got[k] != want[k]]
   assert not bad, f"{len(bad)} inputs render differently, e.g. {bad[:5]}"
+
+
+def test_style_defaults_and_choices():
+  from pask_jax.prompt import style
+  assert style("qwen2") == ("fenced_json", 2) and style("llama") == ("json_list", None)
+  assert style("qwen2", "fenced_json") == ("fenced_json", 2)   # the family's own: its indent
+  assert style("qwen2", "tool_call_tags") == ("tool_call_tags", None)
+  assert style("mystery") == ("json_list", None)
+  with pytest.raises(ValueError, match="unknown tool format 'yaml'"):
+    style("llama", "yaml")
+
+
+def test_render_takes_a_template_and_leaves_the_messages_alone():
+  from pask_jax.prompt import render
+  from pask_jax.testing import smollm2_tokenizer
+  tok = smollm2_tokenizer()
+  msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+  tpl = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+  assert render(tok, msgs, template=tpl) == "[system:Be brief.][user:Hi]"
+  got = render(tok, msgs, tools=WEATHER[:1], template=tpl, merge=True)
+  assert got.startswith("[system:You can call these functions:") and "Be brief.][user:Hi]" in got
+  assert got.count("[system:") == 1
+  tools_tpl = "{{ tools | length }}{% for m in messages %}[{{ m.role }}]{% endfor %}"
+  assert render(tok, msgs, tools=WEATHER, template=tools_tpl) == "2[system][user]"
+  assert msgs[0] == {"role": "system", "content": "Be brief."} and len(msgs) == 2
+
+
+def test_engine_request_is_built_from_a_prompt():
+  from pask_jax.prompt import Prompt
+  from serve.engine import Request
+  tags = np.zeros((3, 4), np.int32)
+  p = Prompt("abc", [5, 6, 7], tags, fmt="json_list")
+  r = Request.of(p, 9, temperature=0.5, stop=("x",))
+  assert (r.ids, r.max_tokens, r.temperature, r.stop) == ([5, 6, 7], 9, 0.5, ("x",))
+  assert r.tags is tags and r.tracker is not None and r.ids is not p.ids
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
