@@ -102,7 +102,7 @@ def main(argv=None) -> int:
   N, V = len(task.requests), a.policies
   runner = HostRunner(V * N, cfg.vocab_size, 1 << 20, N, a.diverge)
   prompts = [r.ids for _ in range(V) for r in task.requests]
-  ptags = [r.prompt_tags for _ in range(V) for r in task.requests]
+  ptags = [r.tags for _ in range(V) for r in task.requests]
   if a.no_share:
     trackers = [task.tracker(i) for _ in range(V) for i in range(N)]
     forest = None

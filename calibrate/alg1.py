@@ -329,7 +329,7 @@ class Calibration:
   def _seq_cands(self, r: int, o) -> tuple[np.ndarray, np.ndarray]:
     """Reference request r: (prompt candidates [n_prompt, 4], decode candidates [n_dec, 4])."""
     req = self.cal.requests[r]
-    pt = np.asarray(req.prompt_tags, np.int32)[:len(req.ids)]
+    pt = np.asarray(req.tags, np.int32)[:len(req.ids)]
     return pt, o.tags[:len(o.tokens)]
 
   # --- stage 2: buckets ---

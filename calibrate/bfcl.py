@@ -19,8 +19,8 @@ Everything runs offline from the ``bfcl-eval==2026.3.23`` wheel (installed ``--n
   stay; BFCL's non-schema ``optional`` flag is dropped.  Names keep their dots (the checker's
   stand-in config has ``underscore_to_dot=False``).  Descriptions are not rewritten (BFCL's
   handlers append "This is a float type value." and a Python-syntax note; we do not).
-* **Prompt** — the case's messages (all turns) through the model's chat template with
-  ``tools=`` when the template uses tools, else a system message from
+* **Prompt** — the case's messages (all turns) through :func:`pask_jax.prompt.render`: the
+  model's chat template with ``tools=`` when the template uses tools, else a system message from
   :func:`~pask_jax.grammar.toolcall.tools_system_prompt` (merged into the case's own system
   message when it has one).  The grammar is :func:`~pask_jax.grammar.toolcall.tool_call_grammar`
   in the family's :data:`~pask_jax.grammar.toolcall.DEFAULT_STYLE` with up to
@@ -47,6 +47,8 @@ import types
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+
+from pask_jax.prompt import Prompt
 
 NONLIVE = ("simple_python", "multiple", "parallel", "parallel_multiple")
 LIVE = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
@@ -273,25 +275,16 @@ def load(categories: Iterable[str] = NONLIVE, *, split: str | Sequence[str] | No
 
 def style_for(arch: str) -> tuple[str, int | None]:
   """(tool-call format, JSON indent) per model family (measured defaults; json_list otherwise)."""
-  from pask_jax.grammar.toolcall import DEFAULT_STYLE
-  return DEFAULT_STYLE.get(arch, ("json_list", None))
+  from pask_jax.prompt import style
+  return style(arch)
 
 
 def render(case: Case, tokenizer, fmt: str) -> str:
   """The prompt text: chat template with tools, or the tools system prompt (see module doc)."""
-  from pask_jax.grammar.toolcall import tools_system_prompt
-  msgs = [dict(m) for m in case.messages]
-  tpl = tokenizer.chat_template
-  if not tpl:
+  from pask_jax.prompt import render as render_chat
+  if not tokenizer.chat_template:
     raise ValueError("BFCL prompts need a chat template")
-  if "tools" in tpl:
-    return tokenizer.apply_chat_template(msgs, tools=case.tools)
-  sys_text = tools_system_prompt(case.tools, fmt)
-  if msgs and msgs[0]["role"] == "system":
-    msgs[0]["content"] = sys_text + "\n\n" + msgs[0]["content"]
-  else:
-    msgs.insert(0, {"role": "system", "content": sys_text})
-  return tokenizer.apply_chat_template(msgs)
+  return render_chat(tokenizer, case.messages, tools=case.tools, fmt=fmt, merge=True)
 
 
 class Grammars:
@@ -441,33 +434,23 @@ def summary(records: Sequence[Record]) -> dict[str, dict]:
 
 # --- generation ----------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class Prepared:
-  case: Case
-  text: str
-  ids: list[int]
-  prompt_tags: Any
-  grammar: Any
-
-
 def prepare(cases: Sequence[Case], tokenizer, *, arch: str, compiler=None, style=None,
-            prompt_labels: bool = False, grammars: Grammars | None = None) -> list[Prepared]:
-  """Render, tokenize and build grammars (``compiler=None`` and ``grammars=None``: unconstrained).
+            prompt_labels: bool = False, grammars: Grammars | None = None) -> list[Prompt]:
+  """Render, tokenize and build grammars (``compiler=None`` and ``grammars=None``: unconstrained);
+  each prompt carries its case.
 
   ``prompt_labels``: also compute PASK's prompt-span tags (§3.6) with ``label_prompt``.
   """
+  from pask_jax.prompt import encode
   fmt, indent = style or style_for(arch)
   if grammars is None and compiler is not None:
     grammars = Grammars(compiler, fmt, indent)
   out = []
   for c in cases:
     text = render(c, tokenizer, fmt)
-    if prompt_labels:
-      from pask_jax.grammar.prompt_spans import label_prompt
-      ids, tags = label_prompt(tokenizer, text)
-    else:
-      ids, tags = tokenizer.encode(text), None
-    out.append(Prepared(c, text, ids, tags, grammars(c) if grammars is not None else None))
+    ids, tags = encode(tokenizer, text, prompt_labels)
+    out.append(Prompt(text, ids, tags, grammars(c) if grammars is not None else None, c.tools,
+                      fmt, c))
   return out
 
 
@@ -522,7 +505,7 @@ def run_cases(runner, tokenizer, cases: Sequence[Case], *, batch: int | None = N
     ps = [preps[i] for i in idx]
     res = generate(runner, tokenizer, [p.ids for p in ps],
                    trackers=[tracker(p.grammar, p.case) for p in ps],
-                   prompt_tags=[p.prompt_tags for p in ps] if prompt_labels else None,
+                   prompt_tags=[p.tags for p in ps] if prompt_labels else None,
                    sampling=sampling)
     for i, p, r in zip(idx, ps, res):
       sc = score(p.case, r.text, complete=r.finish == "stop", fmt=fmt)

@@ -336,7 +336,7 @@ class BFCL:
     from pask_jax.grammar import GrammarCompiler
     m = api.load_model(path, dtype=dtype)
     gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
-    task = E.BFCLTask(m.tokenizer, m.cfg.arch, gc, seed=seed)
+    task = E.BFCLSuite(m.tokenizer, m.cfg.arch, gc, seed=seed)
     return E.Session(m, task, batch=batch, compiler=gc)
 
 

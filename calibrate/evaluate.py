@@ -32,6 +32,7 @@ import numpy as np
 
 from pask_jax import baselines as BL
 from pask_jax.baselines import budget as BU
+from pask_jax.prompt import Prompt
 
 SPLIT_NAMES = {"cal": "calibration", "dev": "development", "test": "test",
                "calibration": "calibration", "development": "development"}
@@ -54,16 +55,10 @@ DEFAULT_KNOBS = {"gen": 48.0, "streaming": {"sink": 4}, "int4": {"sink": 4, "win
 
 # --- tasks ---------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class Prepared:
-  case: Any
-  ids: list[int]
-  prompt_tags: Any
-  grammar: Any
-
-
-class BFCLTask:
-  """BFCL through :mod:`calibrate.bfcl` (data, split, prompts, grammars, official checker)."""
+class BFCLSuite:
+  """BFCL through :mod:`calibrate.bfcl` (data, split, prompts, grammars, official checker): the
+  cases an evaluation runs, their prepared prompts and their scores.  (The calibration oracle
+  over prepared requests is :class:`calibrate.tasks.BFCLTask`.)"""
   name = "bfcl"
 
   def __init__(self, tokenizer, arch: str, compiler, seed: int = 0):
@@ -79,10 +74,9 @@ class BFCLTask:
     cs = self.bfcl.load(cats, split=SPLIT_NAMES.get(split, split), seed=self.seed)
     return cap_per_category(cs, max_cases, skip)
 
-  def prepare(self, cases, prompt_labels: bool) -> list[Prepared]:
-    ps = self.bfcl.prepare(cases, self.tok, arch=self.arch, prompt_labels=prompt_labels,
-                           grammars=self.grammars)
-    return [Prepared(p.case, p.ids, p.prompt_tags, p.grammar) for p in ps]
+  def prepare(self, cases, prompt_labels: bool) -> list[Prompt]:
+    return self.bfcl.prepare(cases, self.tok, arch=self.arch, prompt_labels=prompt_labels,
+                             grammars=self.grammars)
 
   def score(self, case, text: str, complete: bool) -> dict:
     return self.bfcl.score(case, text, complete=complete, fmt=self.fmt)
@@ -211,12 +205,12 @@ class Session:
     self.m, self.tok, self.cfg = loaded, loaded.tokenizer, loaded.cfg
     self.batch = batch
     self.compiler = compiler or GrammarCompiler(self.tok, self.cfg.vocab_size)
-    self.task = task or BFCLTask(self.tok, self.cfg.arch, self.compiler)
+    self.task = task or BFCLSuite(self.tok, self.cfg.arch, self.compiler)
     self.capacity = 0
     self.runners: dict[str, Any] = {}
     self.policies: dict[str, Any] = {}
 
-  def ensure_capacity(self, preps: Sequence[Prepared], max_tokens: int) -> None:
+  def ensure_capacity(self, preps: Sequence[Prompt], max_tokens: int) -> None:
     from pask_jax.decode import capacity_for
     need = capacity_for(max(len(p.ids) for p in preps), max_tokens)
     if need > self.cfg.max_position:
@@ -292,7 +286,7 @@ class _Counted:
     return getattr(self.inner, name)
 
 
-def _setup(s: Session, rc: RunConfig, preps: list[Prepared],
+def _setup(s: Session, rc: RunConfig, preps: list[Prompt],
            batch: int | None = None) -> tuple[Any, dict]:
   """Runner for the method (``batch`` rows), configured for the target; and the settings
   actually used."""
@@ -392,7 +386,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
 
     trackers = [_Counted(tracker(p.grammar), stops, rc.max_tokens, done) for p in ps]
     res = generate(runner, s.tok, [p.ids for p in ps], trackers=trackers,
-                   prompt_tags=[p.prompt_tags for p in ps] if pask else None, sampling=sampling)
+                   prompt_tags=[p.tags for p in ps] if pask else None, sampling=sampling)
     if bar is not None and told[0] < len(idx):   # a row generate() ended by another rule
       bar.update(len(idx) - told[0])
     for i, p, r in zip(idx, ps, res):

@@ -352,7 +352,7 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
       else:
         trackers = [task.tracker(i) for _ in pidx for i in ridx]
       prompts = [reqs[i].ids for _ in pidx for i in ridx]
-      ptags = [reqs[i].prompt_tags for _ in pidx for i in ridx]
+      ptags = [reqs[i].tags for _ in pidx for i in ridx]
       res = generate_overlapped(runner, task.tokenizer, prompts, trackers=trackers,
                                 prompt_tags=ptags, sampling=sampling, timers=timers)
       for vi, p in enumerate(pidx[:len(pc)]):

@@ -44,8 +44,8 @@ def task_fingerprint(task) -> dict:
   cats: dict[str, int] = {}
   for i, r in enumerate(task.requests):
     h.update(json.dumps([int(t) for t in r.ids]).encode())
-    if r.prompt_tags is not None:
-      h.update(np.ascontiguousarray(np.asarray(r.prompt_tags, np.int32)).tobytes())
+    if r.tags is not None:
+      h.update(np.ascontiguousarray(np.asarray(r.tags, np.int32)).tobytes())
     h.update(hashlib.sha256(str(getattr(r.grammar, "source", "") or "").encode()).digest())
     h.update(_case_key(r.case).encode())
     if hasattr(task, "category"):

@@ -1,6 +1,7 @@
 """Task oracles for calibration: prepared requests, a tracker per request, and an exact scorer.
 
-A task has ``tokenizer``, ``requests`` (each with ``ids``, ``prompt_tags``, ``grammar``),
+A task has ``tokenizer``, ``requests`` (:class:`pask_jax.prompt.Prompt`: ``ids``, ``tags``,
+``grammar``, ``case``),
 ``tracker(i)`` (a :class:`calibrate.stack.Recorder` with the structural-tag adapter and the shared
 parser-state vocabulary) and ``score(i, text, complete) -> (passed, per_call)``.
 
@@ -13,26 +14,18 @@ parser-state vocabulary) and ``score(i, text, complete) -> (passed, per_call)``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Sequence
 
 import numpy as np
 
 from pask_jax.grammar.frontier import StateVocab
-
-
-@dataclasses.dataclass
-class Request:
-  ids: list[int]
-  prompt_tags: Any
-  grammar: Any
-  case: Any = None
+from pask_jax.prompt import Prompt
 
 
 class _Base:
   tokenizer: Any
-  requests: list[Request]
+  requests: list[Prompt]
   vocab: StateVocab
 
   def tracker(self, i: int):
@@ -59,8 +52,8 @@ class BFCLTask(_Base):
     self.tokenizer, self.arch = tokenizer, arch
     self.fmt = bfcl.style_for(arch)[0]
     self.vocab = vocab if vocab is not None else StateVocab(grow=True)
-    preps = bfcl.prepare(cases, tokenizer, arch=arch, compiler=compiler, prompt_labels=True)
-    self.requests = [Request(p.ids, p.prompt_tags, p.grammar, p.case) for p in preps]
+    self.requests = bfcl.prepare(cases, tokenizer, arch=arch, compiler=compiler,
+                                 prompt_labels=True)
 
   def score(self, i: int, text: str, complete: bool) -> tuple[bool, float]:
     from calibrate import bfcl
@@ -81,6 +74,7 @@ class SyntheticTask(_Base):
   def __init__(self, tokenizer, compiler, n: int, *, seed: int = 0,
                expected: Sequence[list[dict]] | None = None, vocab: StateVocab | None = None):
     from pask_jax.grammar.toolcall import tool_call_grammar, tools_system_prompt
+    from pask_jax.prompt import encode, render
     rng = np.random.default_rng(seed)
     self.tokenizer, self.fmt = tokenizer, "json_list"
     self.vocab = vocab if vocab is not None else StateVocab(grow=True)
@@ -98,10 +92,11 @@ class SyntheticTask(_Base):
       words = " ".join(rng.choice(["please", "now", "quickly", "for the trip", "today"], 2))
       msgs = [{"role": "system", "content": system},
               {"role": "user", "content": f"Switch to {m} mode with {l} assist {words}."}]
-      text = tokenizer.apply_chat_template(msgs)
-      from pask_jax.grammar.prompt_spans import label_prompt
-      ids, tags = label_prompt(tokenizer, text)
-      self.requests.append(Request(ids, tags, grammar, {"mode": m, "level": l}))
+      # The tools are described in the system message whatever the template reads.
+      text = render(tokenizer, msgs)
+      ids, tags = encode(tokenizer, text, labels=True)
+      self.requests.append(Prompt(text, ids, tags, grammar, tools, self.fmt,
+                                  {"mode": m, "level": l}))
     self.expected = list(expected) if expected is not None else [None] * n
 
   @staticmethod

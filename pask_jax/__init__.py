@@ -23,7 +23,7 @@ _LAZY = {
     "start_engine": ("pask_jax.api", "start_engine"),
     "submit": ("pask_jax.api", "submit"),
     "Generation": ("pask_jax.api", "Generation"),
-    "Prompt": ("pask_jax.api", "Prompt"),
+    "Prompt": ("pask_jax.prompt", "Prompt"),
     "SamplingParams": ("pask_jax.api", "SamplingParams"),
     "FrozenPolicy": ("pask_jax.policy", "FrozenPolicy"),
     "Loaded": ("models.loaders", "Loaded"),

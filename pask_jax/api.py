@@ -26,6 +26,8 @@ import threading
 import weakref
 from typing import Any, Sequence
 
+from pask_jax.prompt import Prompt
+
 _lock = threading.Lock()
 _runners: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -51,18 +53,6 @@ class Generation:
   @property
   def tokens_per_s(self) -> float:
     return len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-  """A prepared request: the rendered text, its ids (and prompt-span labels for PASK), the
-  grammar constraining the answer, and the tool-call format it is parsed with."""
-  text: str
-  ids: list[int]
-  tags: Any = None
-  grammar: Any = None
-  tools: list[dict] | None = None
-  fmt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +181,8 @@ def prepare(model, prompt: str | Sequence[dict], *, system: str | None = None,
   """Messages -> chat-template text -> ids (``labels``: with the prompt-span labels of the PASK
   prefill plan), plus the grammar for ``json_schema`` or ``tools``.  ``max_tokens``: refuse a
   prompt that cannot fit the model's context with that many new tokens."""
-  from pask_jax.grammar import DEFAULT_STYLE, FORMATS, tool_call_grammar, tools_system_prompt
+  from pask_jax import prompt as P
+  from pask_jax.grammar import tool_call_grammar
   cfg, tok = model.cfg, model.tokenizer
   if tools is not None and json_schema is not None:
     raise ValueError("give tools or a JSON schema, not both")
@@ -210,32 +201,21 @@ def prepare(model, prompt: str | Sequence[dict], *, system: str | None = None,
       grammar = _compiler(tok, cfg.vocab_size).json_schema(json_schema)
   elif tools is not None:
     tools = [tools] if isinstance(tools, dict) else list(tools)
-    fmt, indent = DEFAULT_STYLE.get(cfg.arch, ("json_list", None))
-    if tool_format is not None and tool_format != fmt:
-      if tool_format not in FORMATS:
-        raise ValueError(f"unknown tool format {tool_format!r}; choose from {', '.join(FORMATS)}")
-      fmt, indent = tool_format, None
+    fmt, indent = P.style(cfg.arch, tool_format)
     with _lock:
       grammar = tool_call_grammar(_compiler(tok, cfg.vocab_size), tools, fmt, indent=indent)
   if chat_template and tok.chat_template:
-    takes = tok.takes_tools()
-    if tools and not takes:
-      messages.insert(0, {"role": "system", "content": tools_system_prompt(tools, fmt)})
-    text = tok.apply_chat_template(messages, tools=tools if (tools and takes) else None)
+    text = P.render(tok, messages, tools=tools, fmt=fmt)
   elif isinstance(prompt, str):
     text = prompt
   else:
     raise ValueError("a list of messages needs a chat template (the tokenizer has none, or "
                      "chat_template=False)")
-  if labels:
-    from pask_jax.grammar.prompt_spans import label_prompt
-    ids, tags = label_prompt(tok, text)
-  else:
-    ids, tags = tok.encode(text), None
+  ids, tags = P.encode(tok, text, labels)
   if max_tokens and len(ids) + max_tokens > cfg.max_position:
     raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's "
                      f"context of {cfg.max_position} tokens")
-  return Prompt(text, list(ids), tags, grammar, tools, fmt)
+  return Prompt(text, ids, tags, grammar, tools, fmt)
 
 
 def _parse(text: str, prompt: Prompt) -> tuple[list[dict] | None, str | None]:
@@ -481,10 +461,9 @@ def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
                                 logprobs=payload.get("logprobs")
                                 if sp.logprobs is not None else None))
 
-  req = Request(ids=p.ids, tags=p.tags, max_tokens=sp.max_tokens,
-                tracker=_tracker(model, p, engine.policy), temperature=sp.temperature,
-                top_p=sp.top_p, seed=sp.seed % 2**32, stop=sp.stop, logprobs=sp.logprobs,
-                emit=emit)
+  req = Request.of(p, sp.max_tokens, _tracker(model, p, engine.policy),
+                   temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed % 2**32,
+                   stop=sp.stop, logprobs=sp.logprobs, emit=emit)
   engine.submit(req)   # ValueError when it can never fit (context, pools)
   return fut
 

@@ -15,12 +15,14 @@ The request path, in order (nothing expensive before the length check):
    pydantic layer); every 4xx — validation, 404, 405, 413, 429 — has an OpenAI-style body
    ``{"error": {"message", "type", "param", "code"}}``.
 3. ``model`` must be a served name (``--served-model-name``), else 404 ``model_not_found``.
-4. The transcript is rendered with the chat template and tokenized (worker threads); a prompt
+4. The transcript is rendered with the chat template (:func:`pask_jax.prompt.render`, the path
+   the Python API and the BFCL harness use) and tokenized (worker threads); a prompt
    that cannot fit (prompt + max_tokens > context, or more pages than the pools hold) is
    refused here, before any grammar is compiled or the prompt labelled.
 5. The grammar (``response_format`` or the tool-call grammar) comes from
    :class:`serve.grammars.GrammarPool`: cached, compiled in worker processes, time-limited.
-6. Prompt-span labels (linear time) and the request goes to the engine.
+6. Prompt-span labels (linear time); the prepared :class:`pask_jax.prompt.Prompt` becomes the
+   engine's request (``Request.of``).
 
 Choices:
 
@@ -70,6 +72,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pask_jax import actions as Act
+from pask_jax.prompt import Prompt
 from pask_jax.tracker import Tracker
 from serve.engine import Engine, Request
 from serve.guard import Auth, Guard
@@ -150,21 +153,16 @@ class Preparer:
   """Builds the engine request of a validated body (see the module docstring)."""
 
   def __init__(self, engine: Engine, tokenizer, cfg, grammars, *, default_max_tokens: int = 256,
-               tool_format: str | None = None):
+               tool_format: str | None = None, template: str | None = None):
     from pask_jax import policy as P
-    from pask_jax.grammar import DEFAULT_STYLE
+    from pask_jax.prompt import style
     self.engine, self.tok, self.cfg, self.grammars = engine, tokenizer, cfg, grammars
-    fmt, indent = DEFAULT_STYLE.get(cfg.arch, ("json_list", None))
-    # A chosen format keeps the family's JSON indent only where it is the family's format.
-    self.style = (fmt, indent) if tool_format in (None, fmt) else (tool_format, None)
+    self.style = style(cfg.arch, tool_format)
+    self.template = template   # a chat template (text) in place of the tokenizer's, or None
     self.vocab = min(cfg.vocab_size, len(tokenizer.token_bytes()))
     self.state_vocab = P.state_vocab(engine.policy)   # parser-state ids of the reserve Γ
     self.default_max_tokens = default_max_tokens
-    tpl = tokenizer.chat_template or ""
-    # (Tokenizer.takes_tools also sees a named ``tool_use`` template.)
-    self.takes_tools = tokenizer.takes_tools() if hasattr(tokenizer, "takes_tools") else \
-        "tools" in tpl
-    self.takes_calls = "tool_calls" in tpl
+    self.takes_calls = "tool_calls" in (template or tokenizer.chat_template or "")
     # No token is longer than this many bytes: a text of n bytes has at least n / this tokens,
     # so an obviously over-long prompt is refused before it is tokenized.
     self.max_token_bytes = max(1, max(len(b) for b in tokenizer.token_bytes()))
@@ -216,7 +214,7 @@ class Preparer:
     return p
 
   def messages(self, body: ChatCompletionRequest, p: Plan) -> list[dict]:
-    from pask_jax.grammar.toolcall import render_calls, tools_system_prompt
+    from pask_jax.grammar.toolcall import render_calls
     out: list[dict] = []
     ids: dict[str, str] = {}   # tool call id -> function name
     for i, m in enumerate(body.messages):
@@ -253,19 +251,22 @@ class Preparer:
         d["tool_call_id"] = m.tool_call_id
         d["name"] = ids[m.tool_call_id]
       out.append(d)
-    if p.tools and p.job is not None and not self.takes_tools:
-      mode = p.job["choice"]
-      shown = [t for t in p.job["tools"] if p.job["only"] in (None, t["function"]["name"])]
-      out.insert(0, {"role": "system", "content": tools_system_prompt(shown, p.fmt, mode)})
     return out
 
   # --- 2. prompt (worker thread) ------------------------------------------------------------
 
   def render(self, p: Plan, **kw) -> str:
-    """The transcript rendered with the chat template (``kw``: apply_chat_template's options)."""
-    tools = p.tools if self.takes_tools else None
+    """The transcript rendered by :func:`pask_jax.prompt.render` (``kw``: apply_chat_template's
+    options).  A template that ignores ``tools`` gets the callable ones (those ``tool_choice``
+    allows; none with "none") described in a system message."""
+    from pask_jax.prompt import render
+    shown, mode = [], "required"
+    if p.job is not None and p.job["kind"] == "tools":
+      mode = p.job["choice"]
+      shown = [t for t in p.job["tools"] if p.job["only"] in (None, t["function"]["name"])]
     try:
-      return self.tok.apply_chat_template(p.messages, tools=tools, **kw)
+      return render(self.tok, p.messages, tools=p.tools, fmt=p.fmt, describe=shown, choice=mode,
+                    template=self.template, **kw)
     except Exception as e:  # noqa: BLE001 — a template may raise on odd role orders
       raise BadRequest(f"the chat template rejected these messages: {_one_line(e)}",
                        "messages") from None
@@ -484,7 +485,7 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
   app.add_middleware(Guard, max_body_bytes=max_body_bytes, max_json_depth=max_json_depth,
                      on_error=lambda e: metrics.http.labels("500").inc())
   prep = Preparer(engine, tokenizer, cfg, grammars, default_max_tokens=default_max_tokens,
-                  tool_format=TOOL_CALL_PARSERS.get(tool_call_parser))
+                  tool_format=TOOL_CALL_PARSERS.get(tool_call_parser), template=chat_template)
   app.state.engine, app.state.prep, app.state.grammars = engine, prep, grammars
   app.state.metrics = metrics
 
@@ -600,11 +601,12 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
       except CompileBusy as e:
         raise BadRequest(str(e), None, "rate_limit_exceeded", 429, "rate_limit_error") from None
     tags = await asyncio.to_thread(prep.labels, text, offsets)
-    req = Request(ids=ids, tags=tags, max_tokens=max_tokens, tracker=prep.tracker(grammar, p),
-                  temperature=float(body.temperature or 0.0),
-                  top_p=float(body.top_p if body.top_p is not None else 1.0),
-                  seed=int(body.seed or 0) % 2**32, stop=tuple(body.stop or ()),
-                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    prompt = Prompt(text, ids, tags, grammar, p.tools, p.fmt)
+    req = Request.of(prompt, max_tokens, prep.tracker(grammar, p),
+                     temperature=float(body.temperature or 0.0),
+                     top_p=float(body.top_p if body.top_p is not None else 1.0),
+                     seed=int(body.seed or 0) % 2**32, stop=tuple(body.stop or ()),
+                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     q = submit(req, "messages")
     resp = Responder(prep.tok, p.fmt, p.calls)
     meta = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "created": int(time.time()),
@@ -636,11 +638,11 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
       raise BadRequest("the engine is not running", None, None, 503, "server_error")
     text, ids, offsets, max_tokens = await asyncio.to_thread(prep.completion, body)
     tags = await asyncio.to_thread(prep.labels, text, offsets)
-    req = Request(ids=ids, tags=tags, max_tokens=max_tokens, tracker=Tracker(None),
-                  temperature=float(body.temperature or 0.0),
-                  top_p=float(body.top_p if body.top_p is not None else 1.0),
-                  seed=int(body.seed or 0) % 2**32, stop=tuple(body.stop or ()),
-                  logprobs=body.logprobs)
+    req = Request.of(Prompt(text, ids, tags), max_tokens, Tracker(None),
+                     temperature=float(body.temperature or 0.0),
+                     top_p=float(body.top_p if body.top_p is not None else 1.0),
+                     seed=int(body.seed or 0) % 2**32, stop=tuple(body.stop or ()),
+                     logprobs=body.logprobs)
     q = submit(req, "prompt")
     resp = Responder(prep.tok, "json_list", False)
     echo = (body.prompt if isinstance(body.prompt, str) else prep.tok.decode(ids)) \

@@ -48,7 +48,7 @@ def both(runner, task, tok, sampling, share):
   from calibrate.shared import Forest
   V, N = runner.V, runner.N
   prompts = [r.ids for _ in range(V) for r in task.requests]
-  ptags = [r.prompt_tags for _ in range(V) for r in task.requests]
+  ptags = [r.tags for _ in range(V) for r in task.requests]
   out = []
   for loop in (dec.generate, S.generate_overlapped):
     if share:

@@ -15,6 +15,7 @@ from calibrate import evaluate as E
 from models import Loaded, ModelConfig, random_model
 from pask_jax import cli
 from pask_jax.grammar import GrammarCompiler, tool_call_grammar
+from pask_jax.prompt import Prompt
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 COLORS = ["red", "green", "blue", "amber"]
@@ -59,7 +60,7 @@ class EnumEval:
     self.grammar = tool_call_grammar(compiler, [TOOL], "json_list", max_calls=1)
 
   def prepare(self, cases, prompt_labels):
-    return [E.Prepared(c, self.tok.encode(c.text), None, self.grammar) for c in cases]
+    return [Prompt(c.text, self.tok.encode(c.text), None, self.grammar, case=c) for c in cases]
 
   def score(self, case, text, complete):
     if not complete:
@@ -356,7 +357,7 @@ def test_bfcl_selection_is_the_evaluators_split():
   every = C.BFCL().cases("test", cats, 0)
   split = C.Split("s", "test", cats, skip=2, cases=3)
   got, = C.select(split, every, 0)
-  want = E.BFCLTask(None, "qwen2", None).cases("test", cats, max_cases=3, skip=2)
+  want = E.BFCLSuite(None, "qwen2", None).cases("test", cats, max_cases=3, skip=2)
   assert [c.id for c in got] == [c.id for c in want] and len(got) == 6
   assert {c.split for c in got} == {"test"}
   chunked = C.select(dataclasses.replace(split, chunk=2), every, 0)

@@ -12,6 +12,7 @@ from models import Loaded, ModelConfig, random_model
 from calibrate import evaluate as E
 from pask_jax import policy as P
 from pask_jax.grammar import GrammarCompiler, tool_call_grammar
+from pask_jax.prompt import Prompt
 
 from pask_jax.testing import load_tokenizer
 
@@ -53,12 +54,11 @@ class EnumTask:
     return E.cap_per_category(out, max_cases, skip)   # the harness's own per-category cut
 
   def prepare(self, cases, prompt_labels):
-    from pask_jax.grammar.prompt_spans import label_prompt
+    from pask_jax.prompt import encode
     out = []
     for c in cases:
-      ids, tags = (label_prompt(self.tok, c.text) if prompt_labels
-                   else (self.tok.encode(c.text), None))
-      out.append(E.Prepared(c, ids, tags, self.grammar))
+      ids, tags = encode(self.tok, c.text, prompt_labels)
+      out.append(Prompt(c.text, ids, tags, self.grammar, case=c))
     return out
 
   def score(self, case, text, complete):

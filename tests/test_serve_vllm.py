@@ -200,12 +200,14 @@ def test_unknown_tool_call_parser_is_refused():
 
 
 def test_hermes_format_constrains_and_parses_the_calls(opts, keyed):
-  from pask_jax.grammar.toolcall import split_calls
+  from pask_jax.grammar.toolcall import split_calls, tools_system_prompt
   from serve.protocol import ChatCompletionRequest
   prep = options_server()[1].state.prep
   plan = prep.plan(ChatCompletionRequest(model=MODEL, messages=MSG, tools=WEATHER))
   assert plan.job["fmt"] == plan.fmt == "tool_call_tags"
-  assert "<tool_call>" in plan.messages[0]["content"]   # the template ignores tools
+  # The template ignores tools: they are described (with the hermes shape) in a system message.
+  described = tools_system_prompt(WEATHER, "tool_call_tags", "auto")
+  assert "<tool_call>" in described and described in prep.render(plan)
   for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
     r = keyed.chat.completions.create(model=MODEL, messages=MSG, tools=WEATHER, max_tokens=60,
                                       tool_choice=choice, logprobs=True)

@@ -1,5 +1,6 @@
-"""A request: what the client asks for (the constructor's fields) and the engine's bookkeeping
-of it (written on the engine thread only; not constructor arguments)."""
+"""A request: what the client asks for (the constructor's fields; :meth:`Request.of` builds them
+from a prepared :class:`pask_jax.prompt.Prompt`) and the engine's bookkeeping of it (written on
+the engine thread only; not constructor arguments)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from pask_jax.prompt import Prompt
 from pask_jax.tracker import Tracker
 
 _ids = itertools.count(1)
@@ -58,6 +60,14 @@ class Request:
   # (tag ids, state id) of every out token (what a replay feeds with it)
   fed: list = dataclasses.field(default_factory=list, **_ENGINE)
   preemptions: int = dataclasses.field(default=0, **_ENGINE)
+
+  @classmethod
+  def of(cls, prompt: Prompt, max_tokens: int, tracker: Tracker | None = None,
+         **fields) -> "Request":
+    """The request of a prepared prompt (its ids and prompt-span labels); ``fields``: the other
+    client fields (sampling, ``stop``, ``logprobs``, ``emit``)."""
+    return cls(ids=list(prompt.ids), tags=prompt.tags, max_tokens=max_tokens,
+               tracker=tracker if tracker is not None else Tracker(), **fields)
 
   def cancel(self) -> None:
     """Thread-safe (a flag the engine polls every iteration)."""

@@ -1,0 +1,90 @@
+"""Prepared requests: the one path from a conversation to the ids a model is fed.
+
+The Python API (:func:`pask_jax.api.prepare`), the server (``serve.app.Preparer``, which adds
+the OpenAI protocol: message translation, ``tool_choice``, length checks before labelling) and
+the calibration tasks (``calibrate.bfcl.prepare``, ``calibrate.tasks.SyntheticTask``) all
+render with :func:`render`, tokenize with :func:`encode` and hand on a :class:`Prompt`; the
+serving engine builds its request from one (``serve.engine.Request.of``).
+
+* :func:`style` — the tool-call format and JSON indent: the model family's measured default
+  (``DEFAULT_STYLE``; ``json_list`` for other families), or a chosen format (which keeps the
+  family's indent only where it is the family's own format).
+* :func:`render` — the chat template over the messages, with ``tools`` where the template reads
+  them; a template that ignores them gets the tools described in a system message, as a new
+  first message or (``merge``) in front of the conversation's own system message.
+* :func:`encode` — the ids (``== tokenizer.encode``), with the prompt-span labels of the PASK
+  prefill plan when asked.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """A prepared request: the rendered text, its ids (and prompt-span labels for PASK), the
+  grammar constraining the answer, and the tools and tool-call format it is parsed with."""
+  text: str
+  ids: list[int]
+  tags: Any = None                  # prompt-span label candidates int32[len(ids), 4], or None
+  grammar: Any = None               # the compiled grammar of the answer, or None (free text)
+  tools: list[dict] | None = None
+  fmt: str | None = None            # the tool-call format of the answer (with tools)
+  case: Any = None                  # what it was prepared from, for scoring (a benchmark case)
+
+
+def style(arch: str, tool_format: str | None = None) -> tuple[str, int | None]:
+  """(tool-call format, JSON indent) for a model family and an optional chosen format."""
+  from pask_jax.grammar.toolcall import DEFAULT_STYLE, FORMATS
+  fmt, indent = DEFAULT_STYLE.get(arch, ("json_list", None))
+  if tool_format is None or tool_format == fmt:
+    return fmt, indent
+  if tool_format not in FORMATS:
+    raise ValueError(f"unknown tool format {tool_format!r}; choose from {', '.join(FORMATS)}")
+  return tool_format, None
+
+
+def render(tokenizer, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+           fmt: str = "json_list", describe: Sequence[dict] | None = None,
+           choice: str = "required", merge: bool = False, template: str | None = None,
+           **options) -> str:
+  """The conversation rendered with the chat template.
+
+  ``tools`` reach a template that reads them.  Otherwise ``describe`` (default: ``tools``) is
+  described in a system message (:func:`~pask_jax.grammar.toolcall.tools_system_prompt` with
+  ``fmt`` and ``choice``): a new first message, or with ``merge`` the text put before the
+  conversation's own system message.  ``template``: a template (text) or a template name in
+  place of the tokenizer's default; ``options``: ``apply_chat_template``'s (e.g.
+  ``add_generation_prompt``).  The messages are not modified."""
+  msgs = [dict(m) for m in messages]
+  takes = takes_tools(tokenizer, template)
+  shown = tools if describe is None else describe
+  if shown and not takes:
+    from pask_jax.grammar.toolcall import tools_system_prompt
+    text = tools_system_prompt(list(shown), fmt, choice)
+    if merge and msgs and msgs[0].get("role") == "system":
+      msgs[0]["content"] = text + "\n\n" + msgs[0]["content"]
+    else:
+      msgs.insert(0, {"role": "system", "content": text})
+  if template is not None:
+    options["chat_template"] = template
+  return tokenizer.apply_chat_template(msgs, tools=list(tools) if (tools and takes) else None,
+                                       **options)
+
+
+def takes_tools(tokenizer, template: str | None = None) -> bool:
+  """Whether the template reads ``tools`` (``models.tokenizer.Tokenizer.takes_tools``, which
+  also sees a named ``tool_use`` template; for another tokenizer: its template's text)."""
+  if hasattr(tokenizer, "takes_tools"):
+    return tokenizer.takes_tools(template)
+  return "tools" in (template or tokenizer.chat_template or "")
+
+
+def encode(tokenizer, text: str, labels: bool = False) -> tuple[list[int], Any]:
+  """(ids, prompt-span labels int32[len(ids), 4] or None): ``ids == tokenizer.encode(text)``."""
+  if labels:
+    from pask_jax.grammar.prompt_spans import label_prompt
+    ids, tags = label_prompt(tokenizer, text)
+    return list(ids), tags
+  return list(tokenizer.encode(text)), None
