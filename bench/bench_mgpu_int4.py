@@ -37,6 +37,57 @@ def inputs(name: str, n: int, seed: int = 0, batch: int | None = None):
   return q, k, kscale, v, vscale, lens, g, d
 
 
+def measure(case, knobs: dict, iters: int) -> dict:
+  """One variant on one input case: its relative error against the float32 reference (ragged
+  lengths) and its kernel time at full length over the bytes it reads."""
+  q, k, kscale, v, vscale, lens, g, d, ref = case
+  n = k.shape[1]
+  vin = v if knobs.get("v_major") == "token" else jnp.swapaxes(v, 1, 2)
+  row = dict(bh=q.shape[0], d=d, n=n, **knobs)
+  try:
+    out = mgpu_int4.attend(q, k, kscale, vin, vscale, lens, sm_scale=d ** -0.5, **knobs)[:, :g]
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    qin, extra = q, ()
+    if knobs.get("k_upcast") == "s8":
+      qin, qscale = mgpu_int4.split_q(q)
+      extra = (qscale,)
+    f = jax.jit(lambda *x, kn=tuple(knobs.items()): mgpu_int4.partition(*x, **dict(kn)))
+    sec = kernel_time(f, (qin, k, kscale, vin, vscale, jnp.full_like(lens, n), *extra), iters)
+    nbytes = q.shape[0] * n * (d + 8)     # K and V: D/2 code bytes + 4 scale bytes each
+    row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+  except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+    row.update(error=f"{type(e).__name__}: {str(e)[:2000]}", tb=traceback.format_exc()[-4000:])
+  return row
+
+
+def case(name: str, n: int, batch: int | None = None):
+  q, k, kscale, v, vscale, lens, g, d = inputs(name, n, batch=batch)
+  ref = mgpu_int4.attend_reference(q, k, kscale, v, vscale, lens, sm_scale=d ** -0.5)[:, :g]
+  return q, k, kscale, v, vscale, lens, g, d, ref
+
+
+def plan(a):
+  """(shape name, batch or None, keys, [knobs, ...]) per input case of the chosen mode."""
+  if a.table:      # one best-split row per (head shape, batch, keys)
+    for name, batch, n in itertools.product(SHAPES, (1, 8, 32), (8192, 32768)):
+      yield name, batch, n, [dict(tile=128, stages=2, splits=sp, v_major="dim")
+                             for sp in (4, 8, 16, 32, 64) if n % (128 * sp) == 0]
+  elif a.upcasts:  # each (k_upcast, v_upcast) at the best knobs
+    pairs = [("bf16", "bf16"), ("bf16_up4", "bf16"), ("bf16", "bf16_up4"),
+             ("bf16_up4", "bf16_up4"), ("s8", "bf16"), ("s8", "bf16_up4")]
+    for name, splits in (("4b", 8), ("0.5b", 32)):
+      yield name, None, a.n, [dict(tile=128, stages=2, splits=splits, v_major="dim",
+                                   k_upcast=ku, v_upcast=vu) for ku, vu in pairs]
+  else:
+    grid = {"4b": itertools.product((64, 128), (2, 3, 4), (8, 16), ("token", "dim")),
+            "0.5b": itertools.product((64, 128), (2, 3, 4), (16, 32, 64), ("token", "dim"))}
+    if a.quick:
+      grid = {"4b": [(128, 2, 8, "dim")], "0.5b": [(128, 2, 32, "dim")]}
+    for name in SHAPES:
+      yield name, None, a.n, [dict(tile=t, stages=st, splits=sp, v_major=vm)
+                              for t, st, sp, vm in grid[name]]
+
+
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", required=True)
@@ -48,100 +99,13 @@ def main() -> None:
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()
-  if a.table:
-    return table(a)
-  if a.upcasts:
-    return upcasts(a)
-  if a.quick:
-    grid = {"4b": [(128, 2, 8, "dim")], "0.5b": [(128, 2, 32, "dim")]}
-  else:
-    grid = {"4b": list(itertools.product((64, 128), (2, 3, 4), (8, 16), ("token", "dim"))),
-            "0.5b": list(itertools.product((64, 128), (2, 3, 4), (16, 32, 64), ("token", "dim")))}
   print(jax.devices(), jax.__version__, flush=True)
   with open(a.out, "w") as fo:
-    for name in SHAPES:
-      q, k, kscale, v, vscale, lens, g, d = inputs(name, a.n)
-      sm = d ** -0.5
-      ref = mgpu_int4.attend_reference(q, k, kscale, v, vscale, lens, sm_scale=sm)[:, :g]
-      full = jnp.full_like(lens, a.n)
-      for tile, stages, splits, major in grid[name]:
-        row = dict(shape=name, bh=q.shape[0], d=d, n=a.n, tile=tile, stages=stages, splits=splits,
-                   v_major=major)
-        knobs = dict(tile=tile, stages=stages, splits=splits, v_major=major)
-        vin = v if major == "token" else jnp.swapaxes(v, 1, 2)
-        try:
-          out = mgpu_int4.attend(q, k, kscale, vin, vscale, lens, sm_scale=sm, **knobs)[:, :g]
-          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          f = jax.jit(lambda *x, kn=tuple(knobs.items()):
-                      mgpu_int4.partition(*x, **dict(kn)))
-          qs = q   # the time does not depend on q's values
-          sec = kernel_time(f, (qs, k, kscale, vin, vscale, full), a.iters)
-          nbytes = q.shape[0] * a.n * (d + 8)     # K and V: D/2 code bytes + 4 scale bytes each
-          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
-        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
-          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
-                     tb=traceback.format_exc()[-4000:])
+    for name, batch, n, variants in plan(a):
+      c = case(name, n, batch)
+      for knobs in variants:
+        row = dict(shape=name, batch=batch or SHAPES[name][0], **measure(c, knobs, a.iters))
         print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "tb"}), flush=True)
-        fo.write(json.dumps(row) + "\n")
-        fo.flush()
-
-
-def upcasts(a) -> None:
-  """Each (k_upcast, v_upcast) at 128-row tiles, 2 stages, dim-major V, the best splits."""
-  print(jax.devices(), jax.__version__, flush=True)
-  pairs = [("bf16", "bf16"), ("bf16_up4", "bf16"), ("bf16", "bf16_up4"),
-           ("bf16_up4", "bf16_up4"), ("s8", "bf16"), ("s8", "bf16_up4")]
-  with open(a.out, "w") as fo:
-    for name, splits in (("4b", 8), ("0.5b", 32)):
-      q, k, kscale, v, vscale, lens, g, d = inputs(name, a.n)
-      vt = jnp.swapaxes(v, 1, 2)
-      sm = d ** -0.5
-      ref = mgpu_int4.attend_reference(q, k, kscale, v, vscale, lens, sm_scale=sm)[:, :g]
-      full = jnp.full_like(lens, a.n)
-      for ku, vu in pairs:
-        knobs = dict(tile=128, stages=2, splits=splits, v_major="dim", k_upcast=ku, v_upcast=vu)
-        row = dict(shape=name, bh=q.shape[0], d=d, n=a.n, **knobs)
-        try:
-          out = mgpu_int4.attend(q, k, kscale, vt, vscale, lens, sm_scale=sm, **knobs)[:, :g]
-          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          qin, extra = (q, ()) if ku != "s8" else (mgpu_int4.split_q(q)[0],
-                                                   (mgpu_int4.split_q(q)[1],))
-          f = jax.jit(lambda *x, kn=tuple(knobs.items()): mgpu_int4.partition(*x, **dict(kn)))
-          sec = kernel_time(f, (qin, k, kscale, vt, vscale, full, *extra), a.iters)
-          nbytes = q.shape[0] * a.n * (d + 8)
-          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
-        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
-          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}")
-        print(json.dumps(row), flush=True)
-        fo.write(json.dumps(row) + "\n")
-        fo.flush()
-
-
-def table(a) -> None:
-  """One best-split row per (head shape, batch, keys); dim-major V, 128-row tiles, 2 stages."""
-  print(jax.devices(), jax.__version__, flush=True)
-  with open(a.out, "w") as fo:
-    for name, batch, n in itertools.product(SHAPES, (1, 8, 32), (8192, 32768)):
-      q, k, kscale, v, vscale, lens, g, d = inputs(name, n, batch=batch)
-      vt = jnp.swapaxes(v, 1, 2)
-      sm = d ** -0.5
-      ref = mgpu_int4.attend_reference(q, k, kscale, v, vscale, lens, sm_scale=sm)[:, :g]
-      full = jnp.full_like(lens, n)
-      for splits in (4, 8, 16, 32, 64):
-        if n % (128 * splits):
-          continue
-        knobs = dict(tile=128, stages=2, splits=splits, v_major="dim")
-        row = dict(shape=name, batch=batch, bh=q.shape[0], d=d, n=n, **knobs)
-        try:
-          out = mgpu_int4.attend(q, k, kscale, vt, vscale, lens, sm_scale=sm, **knobs)[:, :g]
-          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          f = jax.jit(lambda *x, kn=tuple(knobs.items()): mgpu_int4.partition(*x, **dict(kn)))
-          sec = kernel_time(f, (q, k, kscale, vt, vscale, full), a.iters)
-          nbytes = q.shape[0] * n * (d + 8)
-          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
-        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
-          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}")
-        print(json.dumps(row), flush=True)
         fo.write(json.dumps(row) + "\n")
         fo.flush()
 
