@@ -1,6 +1,6 @@
 """Prepared requests: the one path from a conversation to the ids a model is fed.
 
-The Python API (:func:`pask_jax.api.prepare`), the server (``serve.app.Preparer``, which adds
+The Python API (:func:`pask_jax.api.prepare`), the server (``serve.prepare.Preparer``, which adds
 the OpenAI protocol: message translation, ``tool_choice``, length checks before labelling) and
 the calibration tasks (``calibrate.bfcl.prepare``, ``calibrate.tasks.SyntheticTask``) all
 render with :func:`render`, tokenize with :func:`encode` and hand on a :class:`Prompt`; the
