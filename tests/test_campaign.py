@@ -3,7 +3,6 @@ enum task (exact oracle) through the real evaluator (calibrate.evaluate.run): ce
 fit a time limit, survive an interrupted cell, pool into the report; keys; bad plans; and the
 BFCL split selection against the evaluator's own."""
 import dataclasses
-import gzip
 import json
 import os
 
@@ -16,6 +15,7 @@ from models import Loaded, ModelConfig, random_model
 from pask_jax import cli
 from pask_jax.grammar import GrammarCompiler, tool_call_grammar
 from pask_jax.prompt import Prompt
+from pask_jax.testing.fixtures import load_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 COLORS = ["red", "green", "blue", "amber"]
@@ -24,18 +24,6 @@ TOOL = {"type": "function", "function": {"name": "paint", "description": "Paint 
                                              "color": {"type": "string", "enum": COLORS}},
                                              "required": ["color"]}}}
 CATS = ("simple_python", "multiple", "parallel")
-
-
-def load_tokenizer(path):
-  from tokenizers import Tokenizer as HFTokenizer
-
-  from models.tokenizer import Tokenizer
-  with gzip.open(path, "rb") as f:
-    rec = json.loads(f.read())
-  return Tokenizer(HFTokenizer.from_str(json.dumps(rec["tokenizer"])),
-                   chat_template=rec["chat_template"], stop_ids=rec["stop_ids"],
-                   bos_id=rec["bos_id"], add_bos=rec["add_bos"], vocab_size=rec["vocab_size"],
-                   special_tokens=rec.get("special_tokens"))
 
 
 def read_json(path):
