@@ -79,7 +79,7 @@ _TOP = {"name", "task", "seed", "batch", "max_tokens", "case_seconds", "load_sec
         "methods", "splits"}
 _METHOD = {"method", "budgets", "policy", "knobs"}
 _SPLIT = {"split", "categories", "skip", "cases", "chunk", "ids"}
-_MODEL = {"model", "dtype"}
+_MODEL = {"model", "dtype", "key_center"}
 
 
 class PlanError(ValueError):
@@ -93,6 +93,7 @@ class Model:
   label: str
   spec: str           # registered name, GGUF file or HF checkpoint directory
   dtype: str = "auto"
+  key_center: bool = True   # models.center (part of the cell key: it changes INT4 answers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +194,8 @@ def load_plan(path: str, results: str | None = None) -> Plan:
       raise PlanError(f"{where}.model: missing (a registered name, GGUF file or HF directory)")
     dtype = _get(v, "dtype", where, str, "auto", ok=lambda s: s in DTYPES,
                  rule="one of " + ", ".join(DTYPES))
-    models.append(Model(label, spec, dtype))
+    kc = _get(v, "key_center", where, bool, True)
+    models.append(Model(label, spec, dtype, kc))
   if not models:
     raise PlanError("models: the plan has no models (add e.g. [models] m = "
                     "\"smollm2-135m-instruct\")")
@@ -331,10 +333,11 @@ class BFCL:
     return bfcl.load(tuple(categories) if categories else bfcl.NONLIVE,
                      split=E.SPLIT_NAMES[split], seed=seed)
 
-  def session(self, path: str, dtype: str, batch: int, seed: int) -> E.Session:
+  def session(self, path: str, dtype: str, batch: int, seed: int,
+              center_keys: bool = True) -> E.Session:
     from pask_jax import api
     from pask_jax.grammar import GrammarCompiler
-    m = api.load_model(path, dtype=dtype)
+    m = api.load_model(path, dtype=dtype, center_keys=center_keys)
     gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
     task = E.BFCLSuite(m.tokenizer, m.cfg.arch, gc, seed=seed)
     return E.Session(m, task, batch=batch, compiler=gc)
@@ -468,7 +471,7 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
   out = []
   for mo in plan.models:
     path = model_path(mo)
-    model_fp = {"sha256": fingerprint(path), "dtype": mo.dtype}
+    model_fp = {"sha256": fingerprint(path), "dtype": mo.dtype, "key_center": mo.key_center}
     for sp in plan.splits:
       parts = split_cases[sp.label]
       for i, cs in enumerate(parts):
@@ -663,7 +666,7 @@ def run(plan: Plan, *, time_limit: float | None = None, task: Any = None,
         loaded = None   # the previous model's session goes before the next loads
         t = clock()
         loaded = (cell.model.label, task.session(cell.model_path, cell.model.dtype, plan.batch,
-                                                 plan.seed))
+                                                 plan.seed, center_keys=cell.model.key_center))
         load_s = clock() - t
       log(f"{tag}: {len(cell.cases)} cases, expected {need:.0f} s")
       try:

@@ -38,7 +38,7 @@ from models.config import ModelConfig
 Attend = Callable[..., tuple[jax.Array, Any]]
 LAYOUTS = ("stacked", "unrolled")
 _LAYER_NAMES = ("attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
-                "bq", "bk", "bv", "q_norm", "k_norm")
+                "bq", "bk", "bv", "q_norm", "k_norm", "k_center")
 
 
 class Buffer(nnx.Variable):
@@ -153,6 +153,8 @@ class Decoder(nnx.Module):
         if cfg.qk_norm:
           q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if "k_center" in p:   # models.center: a shift attention cancels, for INT4's sake
+          k = k - p["k_center"].astype(k.dtype)
       with jax.named_scope("attend"):
         o, cache = attend(cache, idx, q, k, v, positions)
       with jax.named_scope("out_proj"):

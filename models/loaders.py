@@ -229,22 +229,31 @@ def _read_safetensor(file: str, name: str) -> np.ndarray:
 
 
 def load(path_or_name: str | os.PathLike | None = None, *, dtype=jnp.float32,
-         need_tokenizer: bool = False) -> Loaded:
+         need_tokenizer: bool = False, center_keys: bool = False) -> Loaded:
   """A registered model name, a GGUF file, or an HF checkpoint directory.
 
-  ``need_tokenizer``: refuse, before any weight loads, a checkpoint without a tokenizer."""
+  ``need_tokenizer``: refuse, before any weight loads, a checkpoint without a tokenizer.
+  ``center_keys``: estimate and apply the key centering of :mod:`models.center` (needs the
+  tokenizer; the model computes the same function, its INT4 keys lose far less)."""
   from models import registry
   path = registry.resolve(path_or_name)
   if os.path.isdir(path):
-    return load_hf(path, dtype=dtype, need_tokenizer=need_tokenizer)
-  if not os.path.exists(path):
+    m = load_hf(path, dtype=dtype, need_tokenizer=need_tokenizer or center_keys)
+  elif not os.path.exists(path):
     raise FileNotFoundError(f"model not found: {path} (not a file, a directory, nor one of the "
                             f"registered names: {', '.join(registry.NAMES)})")
-  with open(path, "rb") as f:
-    magic = f.read(4)
-  if magic != b"GGUF":
-    raise ValueError(f"{path} is neither a GGUF file nor an HF checkpoint directory")
-  return load_gguf(path, dtype=dtype)
+  else:
+    with open(path, "rb") as f:
+      magic = f.read(4)
+    if magic != b"GGUF":
+      raise ValueError(f"{path} is neither a GGUF file nor an HF checkpoint directory")
+    m = load_gguf(path, dtype=dtype)
+  if center_keys:
+    if m.tokenizer is None:
+      raise ValueError(f"{path}: key centering needs the checkpoint's tokenizer")
+    from models import center
+    center.center(m)
+  return m
 
 
 def fingerprint(model) -> dict[str, Any]:

@@ -112,14 +112,18 @@ def _sampling(sampling: SamplingParams | None, **given) -> SamplingParams:
 
 # --- models and policies -----------------------------------------------------------------------
 
-def load_model(name_or_path: str | None = None, *, dtype: Any = "auto"):
+def load_model(name_or_path: str | None = None, *, dtype: Any = "auto", center_keys: bool = True):
   """A registered name (default ``smollm2-135m-instruct``; ``qwen2.5-coder-0.5b-instruct``), a
   GGUF file or an HF checkpoint directory -> :class:`models.Loaded` ``(cfg, model, tokenizer)``.
 
   Raises ``FileNotFoundError`` / ``ValueError`` with a one-line message naming what is wrong
-  (missing files, including tokenizer.json, are found before any weight loads)."""
+  (missing files, including tokenizer.json, are found before any weight loads).
+
+  ``center_keys`` (default on): subtract a fixed per-channel mean from the post-RoPE keys
+  (:mod:`models.center`): the same attention, far smaller INT4 key error on models whose keys
+  carry a channel offset (Qwen2.5)."""
   from pask_jax import platform
-  return platform.load_model(name_or_path, dtype_name=dtype)
+  return platform.load_model(name_or_path, dtype_name=dtype, center_keys=center_keys)
 
 
 def load_policy(policy: Any, model):

@@ -9,6 +9,10 @@ import sys
 from pask_jax import platform
 
 
+KEY_CENTER_HELP = ("subtract a fixed per-channel mean from the post-RoPE keys (models.center): "
+                   "the same attention, far smaller INT4 key error on models whose keys carry a "
+                   "channel offset (Qwen2.5)")
+
 def _read_json(path: str, what: str):
   if not os.path.exists(path):
     raise SystemExit(f"error: {what} file not found: {path}")
@@ -40,7 +44,8 @@ def cmd_generate(args) -> int:
     raise SystemExit("error: --prompt is empty (with --raw nothing else is sent to the model)")
   schema = _read_json(args.json_schema, "JSON schema") if args.json_schema else None
   tools = _read_json(args.tools, "tools") if args.tools else None
-  m = platform.load_model_or_exit(args.model, args.dtype)
+  m = platform.load_model_or_exit(args.model, args.dtype,
+                                   center_keys=args.key_center == "on")
   try:
     g = api.generate(m, args.prompt, system=args.system or None, tools=tools, json_schema=schema,
                      tool_format=args.tool_format, policy=args.policy,
@@ -70,7 +75,8 @@ def cmd_serve(args) -> int:
                         kv_memory_gb=args.kv_memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_mix=args.kv_mix, preemption=args.preemption,
-                        dtype=args.dtype, default_max_tokens=args.default_max_tokens,
+                        dtype=args.dtype, center_keys=args.key_center == "on",
+                        default_max_tokens=args.default_max_tokens,
                         served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
                         grammar_timeout_s=args.grammar_timeout,
@@ -110,7 +116,8 @@ def cmd_eval(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   bfcl.need()
-  m = platform.load_model_or_exit(args.model, args.dtype)
+  m = platform.load_model_or_exit(args.model, args.dtype,
+                                   center_keys=args.key_center == "on")
   try:
     s = E.Session(m, batch=args.batch)
     meta = E.run(s, rc, args.out)
@@ -133,7 +140,8 @@ def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
   from calibrate import bfcl, evaluate as E
   bfcl.need()
-  m = platform.load_model_or_exit(args.model, args.dtype)
+  m = platform.load_model_or_exit(args.model, args.dtype,
+                                   center_keys=args.key_center == "on")
   try:
     s = E.Session(m, batch=args.batch)
     res = E.tune(s, args.methods, args.budget, grid=args.grid, split=args.split,
@@ -233,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
   g.add_argument("--top-p", type=float, default=1.0)
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+  g.add_argument("--key-center", choices=["on", "off"], default="on",
+                 help=KEY_CENTER_HELP)
   g.add_argument("--raw", action="store_true", help="do not apply the chat template")
   g.add_argument("--policy", default=None,
                  help="decode under PASK with this policy: all-high, demo, or a policy directory "
@@ -313,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                       "left in --max-model-len)")
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                  help="weights and activations (auto: float32 on CPU, else bfloat16)")
+  s.add_argument("--key-center", choices=["on", "off"], default="on",
+                 help=KEY_CENTER_HELP)
   s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                  help="model name(s) requests must use; responses carry the first (default: "
                       "--model, or smollm2-135m-instruct)")
@@ -351,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument("--batch", type=int, default=64,
                  help="most sequences per generation batch (fewer cases: fewer rows, no padding)")
   e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+  e.add_argument("--key-center", choices=["on", "off"], default="on",
+                 help=KEY_CENTER_HELP)
   e.add_argument("--out", required=True, help="output directory")
   t = sub.add_parser("tune", help="tune baseline knobs on the development split (paper C.3)")
   t.add_argument("--model", default=None)
@@ -364,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
   t.add_argument("--max-tokens", type=int, default=128)
   t.add_argument("--batch", type=int, default=64)
   t.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+  t.add_argument("--key-center", choices=["on", "off"], default="on",
+                 help=KEY_CENTER_HELP)
   t.add_argument("--out", required=True, help="output directory (knobs.json, tune.csv)")
   from calibrate import cli as calibrate_cli
   calibrate_cli.add_parser(sub)

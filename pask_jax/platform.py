@@ -36,18 +36,21 @@ def dtype(name: Any):
   return name
 
 
-def load_model(name_or_path: str | None = None, *, dtype_name: Any = "auto"):
+def load_model(name_or_path: str | None = None, *, dtype_name: Any = "auto",
+               center_keys: bool = True):
   """:func:`pask_jax.api.load_model` (which documents it); picks the platform first when JAX is
   not imported yet (a CPU-only host with the AOT extras: don't wake the plugins)."""
   if "jax" not in sys.modules:
     pick()
   from models import load
-  return load(name_or_path, dtype=dtype(dtype_name), need_tokenizer=True)
+  return load(name_or_path, dtype=dtype(dtype_name), need_tokenizer=True,
+              center_keys=center_keys)
 
 
-def load_model_or_exit(name_or_path: str | None, dtype_name: Any = "auto"):
+def load_model_or_exit(name_or_path: str | None, dtype_name: Any = "auto",
+                       center_keys: bool = True):
   """:func:`load_model` for a command line: what is wrong becomes a one-line exit."""
   try:
-    return load_model(name_or_path, dtype_name=dtype_name)
+    return load_model(name_or_path, dtype_name=dtype_name, center_keys=center_keys)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")

@@ -330,11 +330,12 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           max_body_bytes: int = 2 << 20, max_json_depth: int = 64,
           grammar_timeout_s: float = 10.0, prefill_chunk: int = 512,
           prefill_share: float = 1 / 3, api_key: str | list[str] | None = None,
-          chat_template: str | None = None, tool_call_parser: str | None = None):
+          chat_template: str | None = None, tool_call_parser: str | None = None,
+          center_keys: bool = True):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).
   ``chat_template``: a file path or a template (:func:`load_chat_template`); the other options
-  as for :func:`create_app`."""
+  as for :func:`create_app`; ``center_keys``: :mod:`models.center` (default on)."""
   import jax
   import jax.numpy as jnp
 
@@ -347,7 +348,8 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
   template = None if chat_template is None else load_chat_template(chat_template)
   dt = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
         "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-  m = load(model, dtype=dt, need_tokenizer=True)   # refused before any weight loads
+  m = load(model, dtype=dt, need_tokenizer=True,   # refused before any weight loads
+           center_keys=center_keys)
   if m.tokenizer is None:
     raise ValueError("this checkpoint has no tokenizer.json; the server needs one")
   tok = m.tokenizer if template is None else with_chat_template(m.tokenizer, template)

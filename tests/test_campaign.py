@@ -77,7 +77,7 @@ class EnumCampaign:
       out.append(Case(f"{split}_{i}", CATS[i % 3], c, f"{filler}. Paint it {c}."))
     return [c for c in out if not categories or c.category in categories]
 
-  def session(self, path, dtype, batch, seed):
+  def session(self, path, dtype, batch, seed, center_keys=True):
     self.loads += 1
     if self._session is None:
       cfg = ModelConfig(arch="qwen2", vocab_size=self.tok.vocab_size, hidden=32, intermediate=48,

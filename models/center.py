@@ -1,0 +1,120 @@
+"""Key centering: subtract a fixed per-channel mean from every post-RoPE key.
+
+Attention is invariant to a shift of all keys of a head by one vector μ: ``q·(k − μ) = q·k − q·μ``
+moves every score of a query by the same amount, which the softmax cancels. So the centered model
+computes the same function (up to rounding) and every cache, kernel and baseline stays as it is.
+What changes is quantization: some models' keys carry a large per-channel offset (Qwen2.5's key
+bias, in the slowly rotating RoPE channels), and a per-token INT4 scale must then cover the offset,
+leaving few levels for the part of the key that varies. On Qwen2.5-Coder-1.5B that offset makes
+per-token INT4 keys cost a whole-model logit RMS of 14.9 against 0.39 once centered
+(``bench/RESULTS.md``, "Spherical KV, G0"). KIVI quantizes keys per channel for the same reason.
+
+μ is estimated once per model from a fixed text (:data:`TEXT`, the shape of a tool-calling
+prompt), over positions past the first ``SINK`` (attention sinks have atypical keys), and kept
+in the model as the per-layer weight ``k_center`` [L, Hkv, D], which the decoder subtracts after
+RoPE. It is part of the weights, so model fingerprints (calibration stages, campaign cells)
+tell a centered model from an uncentered one.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+SINK = 4
+
+TEXT = """You are a helpful assistant with access to the following functions. Use them if \
+required.
+[{"name": "get_weather", "description": "Get the current weather in a given city.", \
+"parameters": {"type": "object", "properties": {"city": {"type": "string", "description": \
+"The city, e.g. San Francisco"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, \
+"required": ["city"]}}, {"name": "calculate_area", "description": "Area of a rectangle or a \
+circle.", "parameters": {"type": "object", "properties": {"shape": {"type": "string"}, \
+"dimensions": {"type": "array", "items": {"type": "number"}}}, "required": ["shape", \
+"dimensions"]}}, {"name": "search_books", "description": "Find books by author, title or year.", \
+"parameters": {"type": "object", "properties": {"author": {"type": "string"}, "year": \
+{"type": "integer"}, "limit": {"type": "integer", "default": 10}}}}]
+User: What is the weather like in Paris today, in celsius? Also, what is the area of a circle \
+with a radius of 3.5 meters, and which books did Ursula K. Le Guin publish in 1969?
+Assistant: I will call the functions one at a time.
+get_weather(city="Paris", unit="celsius")
+calculate_area(shape="circle", dimensions=[3.5])
+search_books(author="Ursula K. Le Guin", year=1969, limit=5)
+def fibonacci(n: int) -> list[int]:
+    \"\"\"Return the first n Fibonacci numbers.\"\"\"
+    out = [0, 1]
+    while len(out) < n:
+        out.append(out[-1] + out[-2])
+    return out[:n]
+SELECT name, COUNT(*) AS orders FROM customers JOIN orders ON customers.id = orders.customer_id \
+WHERE orders.created_at >= '2024-01-01' GROUP BY name ORDER BY orders DESC LIMIT 10;
+"""
+
+
+def record_attend(mu, idx, q, k, v, positions):
+  """An ``attend`` for :class:`models.Decoder` that records the layer's mean key and runs plain
+  causal attention (GQA), so the next layer sees what the model computes."""
+  B, T, H, D = q.shape
+  Hkv = k.shape[2]
+  kf = k.astype(jnp.float32)
+  mu = mu.at[idx].set(jnp.mean(kf[:, SINK:], axis=(0, 1)))
+  qg = q.astype(jnp.float32).reshape(B, T, Hkv, H // Hkv, D)
+  s = jnp.einsum("bthgd,bshd->bhgts", qg, kf) / jnp.sqrt(jnp.float32(D))
+  causal = positions[:, None, None, :, None] >= positions[:, None, None, None, :]
+  p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+  o = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32))
+  return o.reshape(B, T, H, D).astype(q.dtype), mu
+
+
+def estimate(model, tokens) -> jax.Array:
+  """The mean post-RoPE key of every layer and KV head over ``tokens`` (past the first
+  :data:`SINK`): [L, Hkv, D] float32, of the uncentered model (a centering the model already has
+  is added back)."""
+  cfg = model.cfg
+  ids = jnp.asarray(tokens, jnp.int32)[None]
+  if ids.shape[1] <= SINK + 1:
+    raise ValueError(f"key centering needs more than {SINK + 1} tokens, got {ids.shape[1]}")
+  pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+  mu0 = jnp.zeros((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
+
+  @nnx.jit
+  def run(model, ids, pos, mu0):
+    _, mu = model(ids, pos, mu0, record_attend, last_only=jnp.zeros((1,), jnp.int32))
+    return mu
+
+  return run(model, ids, pos, mu0) + current(model)
+
+
+def current(model) -> jax.Array:
+  """The centering the model applies ([L, Hkv, D] float32; zeros when it has none)."""
+  cfg = model.cfg
+  zero = jnp.zeros((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), jnp.float32)
+  if hasattr(model, "k_center"):
+    return model.k_center[...].astype(jnp.float32)
+  if hasattr(model, "layers") and hasattr(model.layers[0], "k_center"):
+    return jnp.stack([b.k_center[...] for b in model.layers]).astype(jnp.float32)
+  return zero
+
+
+def apply(model, mu) -> None:
+  """Make ``model`` subtract ``mu`` [L, Hkv, D] from its post-RoPE keys (in place, either
+  layout; the model's dtype)."""
+  cfg = model.cfg
+  mu = jnp.asarray(mu)
+  want = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+  if mu.shape != want:
+    raise ValueError(f"key centering has shape {mu.shape}, the model needs {want}")
+  dt = model.embed[...].dtype
+  if getattr(model, "layout", "stacked") == "unrolled":
+    for i, blk in enumerate(model.layers):
+      blk.k_center = nnx.Param(mu[i].astype(dt))
+  else:
+    model.k_center = nnx.Param(mu.astype(dt))
+
+
+def center(loaded) -> jax.Array:
+  """Estimate the key centering of a loaded model (:class:`models.Loaded`) from :data:`TEXT`
+  and apply it; returns μ."""
+  mu = estimate(loaded.model, loaded.tokenizer.encode(TEXT))
+  apply(loaded.model, mu)
+  return mu
