@@ -103,8 +103,30 @@ def table(trace_dir: str, n_steps: int | None = None, wall_s: float | None = Non
     out["wall"] = wall_s * 1e6
     out["host gap"] = max(0.0, wall_s * 1e6 - busy / n)
   out["_top_kernels"] = [(c, nm, round(t / n, 1)) for (c, nm), t in names.most_common(15)]
+  out["_host_calls"] = host_calls(ev, dev, n)
   out["_device_pids"] = len(dev)
   return out
+
+
+# Host-side events that say how a step reaches the device: driver launches (a kernel launched on
+# its own vs a CUDA graph launch of a captured command buffer), copies, synchronizations, and
+# XLA's thunk annotations.
+_HOST_RX = re.compile(r"^(cu[A-Z]\w*|cuda[A-Z]\w*)$|Thunk|CommandBuffer|[Gg]raph", re.I)
+
+
+def host_calls(ev: list, dev: set, n: int) -> list:
+  """[(name, calls per step, host µs per step)] of the host-side launch/copy/sync events and
+  thunk annotations, most time first."""
+  cnt, dur = collections.Counter(), collections.Counter()
+  for e in ev:
+    if e.get("ph") != "X" or e.get("pid") in dev:
+      continue
+    nm = e.get("name", "")
+    if _HOST_RX.search(nm):
+      key = re.sub(r"[:#]\d+.*$", "", nm)[:60]
+      cnt[key] += 1
+      dur[key] += float(e.get("dur", 0.0))
+  return [(k, round(cnt[k] / n, 1), round(dur[k] / n, 1)) for k, _ in dur.most_common(20)]
 
 
 def profile(fn, n_steps: int, out_dir: str, name: str, hlo_text: str | None = None) -> dict:
@@ -129,6 +151,9 @@ def format_table(name: str, t: dict) -> str:
     if not k.startswith("_"):
       lines.append(f"  {k:20s} {v:10.1f}")
   lines.append("  top kernels: " + "; ".join(f"{c}:{n} {us}" for c, n, us in t["_top_kernels"][:8]))
+  if t.get("_host_calls"):
+    lines.append("  host calls per step (name, calls, µs): " + "; ".join(
+        f"{n} {c} {us}" for n, c, us in t["_host_calls"][:12]))
   return "\n".join(lines)
 
 
