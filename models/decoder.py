@@ -38,7 +38,7 @@ from models.config import ModelConfig
 Attend = Callable[..., tuple[jax.Array, Any]]
 LAYOUTS = ("stacked", "unrolled")
 _LAYER_NAMES = ("attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
-                "bq", "bk", "bv", "q_norm", "k_norm", "k_center")
+                "bq", "bk", "bv", "q_norm", "k_norm")
 
 
 class Buffer(nnx.Variable):
@@ -127,6 +127,8 @@ class Decoder(nnx.Module):
     B, T = tokens.shape
     x = jnp.take(self.embed[...], tokens, axis=0)
     inv_freq = self.inv_freq[...]
+    # One [L, Hkv, D] array in either layout (not one per layer: each is an argument to launch).
+    k_center = self.k_center[...] if hasattr(self, "k_center") else None
 
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
@@ -153,8 +155,8 @@ class Decoder(nnx.Module):
         if cfg.qk_norm:
           q, k = rms_norm(q, p["q_norm"], cfg.rms_eps), rms_norm(k, p["k_norm"], cfg.rms_eps)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if "k_center" in p:   # models.center: a shift attention cancels, for INT4's sake
-          k = k - p["k_center"].astype(k.dtype)
+        if k_center is not None:   # models.center: a shift attention cancels, for INT4's sake
+          k = k - k_center[idx].astype(k.dtype)
       with jax.named_scope("attend"):
         o, cache = attend(cache, idx, q, k, v, positions)
       with jax.named_scope("out_proj"):
