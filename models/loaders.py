@@ -92,11 +92,15 @@ def _assemble(cfg: ModelConfig, get: Callable[[str, np.dtype], np.ndarray], whic
       arr = np.array(arr.T if _TOP[name][2] else arr)
     else:
       suffix, transpose = _LAYER[name][which], _LAYER[name][2]
-      rows = []
+      want = tuple(pure[name].shape)
+      arr = np.empty(want, host)   # filled layer by layer: no list of per-layer copies
       for i in range(cfg.n_layers):
         a = get(prefix.format(i) + suffix, host)
-        rows.append(a.T if transpose else a)
-      arr = np.stack(rows)
+        a = a.T if transpose else a
+        if a.shape != want[1:]:
+          raise ValueError(f"tensor {prefix.format(i) + suffix}: checkpoint shape {a.shape} != "
+                           f"expected {want[1:]}")
+        arr[i] = a
     want = tuple(pure[name].shape)
     if tuple(arr.shape) != want:
       raise ValueError(f"tensor {name}: checkpoint shape {arr.shape} != expected {want}")

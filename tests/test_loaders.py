@@ -143,3 +143,13 @@ def test_hf_non_float_tensor_is_refused_by_name(tmp_path):
   save_file(tensors, str(tmp_path / "model.safetensors"))
   with pytest.raises(ValueError, match="embed_tokens.weight.*unsupported dtype I8"):
     load_hf(tmp_path, dtype=jnp.bfloat16)
+
+
+def test_hf_layer_of_the_wrong_shape_is_named(tmp_path):
+  import torch
+  _hf_checkpoint(tmp_path, torch.bfloat16)
+  conf = json.loads((tmp_path / "config.json").read_text())
+  conf["intermediate_size"] += 1
+  (tmp_path / "config.json").write_text(json.dumps(conf))
+  with pytest.raises(ValueError, match=r"layers\.0\.mlp\.\w+_proj\.weight: checkpoint shape"):
+    load_hf(tmp_path, dtype=jnp.bfloat16)
