@@ -2,7 +2,10 @@
 
 Each loader returns a :class:`Loaded` bundle ``(cfg, model, tokenizer)``; ``tokenizer`` is None
 for random models.  Weights are converted to the ``[in, out]`` layout of :mod:`models.decoder`
-and stacked over layers.
+and stacked over layers.  The host copies are in the model's dtype when that is bfloat16 (a BF16
+checkpoint is never widened, a quantized GGUF tensor is dequantized one tensor at a time and
+rounded to bfloat16 at once), float32 otherwise: host memory while loading is about the size of
+the model, not twice it.
 
 Everything that can be wrong with a checkpoint is reported, by name, before any weight is read:
 a missing directory or ``config.json``, an unknown architecture or unsupported setting, no
@@ -13,6 +16,7 @@ an unsupported variant, say) is an error too: it would otherwise be a silently d
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -64,9 +68,18 @@ _TOP = {  # ours -> (HF name, GGUF name, transpose?)
 }
 
 
-def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], which: int, dtype,
+def host_dtype(dtype) -> np.dtype:
+  """The dtype a loader keeps a checkpoint's tensors in on the host: bfloat16 for a bfloat16
+  model (what it will hold anyway), float32 for any other."""
+  return np.dtype(jnp.bfloat16) if np.dtype(dtype) == np.dtype(jnp.bfloat16) else np.dtype(
+      np.float32)
+
+
+def _assemble(cfg: ModelConfig, get: Callable[[str, np.dtype], np.ndarray], which: int, dtype,
               desc: str) -> Decoder:
-  """Build a Decoder from a tensor getter (which=0: HF names, 1: GGUF names)."""
+  """Build a Decoder from a tensor getter ``get(name, host dtype)`` (which=0: HF names, 1: GGUF
+  names)."""
+  host = host_dtype(dtype)
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype))
   gdef, state = nnx.split(abstract)
   pure = nnx.to_pure_dict(state)
@@ -74,15 +87,20 @@ def _assemble(cfg: ModelConfig, get: Callable[[str], np.ndarray], which: int, dt
   prefix = ("model.layers.{}.", "blk.{}.")[which]
   for name in tqdm(names, desc=desc, unit="tensor", leave=False):
     if name in _TOP:
-      arr = get(_TOP[name][which])
-      arr = arr.T if _TOP[name][2] else arr
+      arr = get(_TOP[name][which], host)
+      # A copy of its own: never hand JAX a view of a memory-mapped file.
+      arr = np.array(arr.T if _TOP[name][2] else arr)
     else:
       suffix, transpose = _LAYER[name][which], _LAYER[name][2]
-      rows = []
+      want = tuple(pure[name].shape)
+      arr = np.empty(want, host)   # filled layer by layer: no list of per-layer copies
       for i in range(cfg.n_layers):
-        a = get(prefix.format(i) + suffix)
-        rows.append(a.T if transpose else a)
-      arr = np.stack(rows)
+        a = get(prefix.format(i) + suffix, host)
+        a = a.T if transpose else a
+        if a.shape != want[1:]:
+          raise ValueError(f"tensor {prefix.format(i) + suffix}: checkpoint shape {a.shape} != "
+                           f"expected {want[1:]}")
+        arr[i] = a
     want = tuple(pure[name].shape)
     if tuple(arr.shape) != want:
       raise ValueError(f"tensor {name}: checkpoint shape {arr.shape} != expected {want}")
@@ -96,7 +114,7 @@ def pure_inv_freq(cfg: ModelConfig, get, which: int) -> np.ndarray:
   factors = None
   if which == 1:
     try:
-      factors = get("rope_freqs.weight")
+      factors = get("rope_freqs.weight", np.dtype(np.float32))
     except KeyError:
       pass
   return rope_inv_freq(cfg, factors)
@@ -117,19 +135,19 @@ def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
   cfg = ModelConfig.from_gguf_fields(meta, set(tensors))
   tok = Tokenizer.from_gguf_metadata(meta)   # before the weights: a bad tokenizer fails fast
 
-  def get(name: str) -> np.ndarray:
+  def get(name: str, host: np.dtype) -> np.ndarray:
     if name not in tensors:
       raise KeyError(name)
-    a = gguf_io.tensor(tensors[name])
+    a = gguf_io.tensor(tensors[name], host)
     if cfg.arch == "llama" and name.endswith("attn_q.weight"):
       a = _unpermute(a, cfg.n_heads)
     elif cfg.arch == "llama" and name.endswith("attn_k.weight"):
       a = _unpermute(a, cfg.n_kv_heads)
     return a
 
-  def get_checked(name: str) -> np.ndarray:
+  def get_checked(name: str, host: np.dtype) -> np.ndarray:
     try:
-      return get(name)
+      return get(name, host)
     except KeyError:
       if name == "rope_freqs.weight":
         raise
@@ -181,25 +199,26 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, need_tokenizer: bool 
   elif need_tokenizer:
     raise FileNotFoundError(f"no tokenizer.json in {path}: generation needs the checkpoint's "
                             "tokenizer (config.json, *.safetensors and tokenizer.json)")
-  where: dict[str, str] = {}
-  for f in files:
-    try:
-      with safe_open(f, framework="numpy") as h:
+  with contextlib.ExitStack() as files_open:
+    where: dict[str, tuple[str, Any]] = {}
+    for f in files:
+      try:
+        h = files_open.enter_context(safe_open(f, framework="numpy"))
         for k in h.keys():
-          where[k] = f
-    except Exception as e:  # noqa: BLE001 — a truncated or foreign file: say which
-      raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
-  used: set[str] = set()
+          where[k] = (f, h)
+      except Exception as e:  # noqa: BLE001 — a truncated or foreign file: say which
+        raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
+    used: set[str] = set()
 
-  def get(name: str) -> np.ndarray:
-    if name not in where:
-      if name == "lm_head.weight" and cfg.tie_embeddings:
-        raise KeyError(name)
-      raise ValueError(f"checkpoint {path} has no tensor {name!r}")
-    used.add(name)
-    return _read_safetensor(where[name], name)
+    def get(name: str, host: np.dtype) -> np.ndarray:
+      if name not in where:
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+          raise KeyError(name)
+        raise ValueError(f"checkpoint {path} has no tensor {name!r}")
+      used.add(name)
+      return _read_safetensor(*where[name], name, host)
 
-  model = _assemble(cfg, get, 0, dtype, f"loading {os.path.basename(path)}")
+    model = _assemble(cfg, get, 0, dtype, f"loading {os.path.basename(path)}")
   extra = sorted(n for n in where if n not in used and not n.endswith(_IGNORED)
                  and not (n == "lm_head.weight" and cfg.tie_embeddings))
   if extra:
@@ -209,23 +228,26 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, need_tokenizer: bool 
   return Loaded(cfg, model, tok)
 
 
-def _read_safetensor(file: str, name: str) -> np.ndarray:
-  """One tensor as float32; bf16 is widened by hand (numpy has no bfloat16)."""
-  with open(file, "rb") as f:
-    n = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(n))
-    info = header[name]
-    start, end = info["data_offsets"]
-    f.seek(8 + n + start)
-    raw = f.read(end - start)
-  dt, shape = info["dtype"], info["shape"]
-  if dt == "BF16":
-    u = np.frombuffer(raw, np.uint16).astype(np.uint32) << 16
-    return u.view(np.float32).reshape(shape)
-  np_dt = {"F32": np.float32, "F16": np.float16, "F64": np.float64}.get(dt)
-  if np_dt is None:
-    raise ValueError(f"tensor {name} in {file}: unsupported dtype {dt}")
-  return np.frombuffer(raw, np_dt).astype(np.float32).reshape(shape)
+_FLOATS = ("BF16", "F16", "F32", "F64")
+
+
+def _read_safetensor(file: str, h, name: str, host: np.dtype) -> np.ndarray:
+  """One tensor of an open safetensors file (``safe_open(..., framework="numpy")``, which gives
+  BF16 as an ml_dtypes bfloat16 array) in the host dtype: a BF16 tensor of a bfloat16 model is
+  taken as it is; any other is rounded once (F16 and F64 through float32, which holds F16
+  exactly)."""
+  dt = h.get_slice(name).get_dtype()
+  if dt not in _FLOATS:
+    raise ValueError(f"tensor {name} in {file}: unsupported dtype {dt} (loadable: "
+                     f"{', '.join(_FLOATS)})")
+  try:
+    a = h.get_tensor(name)
+  except TypeError as e:   # a safetensors release that cannot give numpy a bfloat16 array
+    raise ValueError(f"tensor {name} in {file}: this safetensors cannot read {dt} into numpy "
+                     f"({e}); upgrade it: pip install -U safetensors") from None
+  if a.dtype == host:
+    return a
+  return a.astype(np.float32, copy=False).astype(host, copy=False)
 
 
 def load(path_or_name: str | os.PathLike | None = None, *, dtype=jnp.float32,
