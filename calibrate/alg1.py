@@ -25,7 +25,9 @@ backend are not part of it: stacked and sequential interventions give the same o
    (largest ρ_D first; ties: ascending tag id, then group; zero scores stay eligible up to all-high;
    Prop. 2); per candidate the nominal reference cost ratio B_D and the reserve Γ (Eq. 16, K, β,
    left empirical quantile per parser state, pooled fallback).  ``path_points`` candidates per
-   path are evaluated (evenly spaced in nominal cost, both ends kept; 0 = every step).
+   path are evaluated (evenly spaced in nominal cost, both ends kept; 0 = every step).  With
+   ``Config.windows`` every candidate is also evaluated at each other recent window W (one
+   stacked dev run per W, stage ``dev_windows``) and competes in the selection like the others.
 6. **Selection** — complete controllers and π_ref on the development split; Eq. 9 with α_D on the
    measured decode cost (actual generated lengths); π_ref is the fallback.
 7. **Prefill companion** (§3.6, B.4) — floors from the prompt-label V_P per τ, priorities from D_P,
@@ -83,6 +85,7 @@ class Config:
   window: int = P.DEFAULT_WINDOW
   n_groups: int = 3
   targets: Sequence[float] = ()      # total-B targets: one variant policy each (B<t>/)
+  windows: Sequence[int] = ()        # more recent windows W to evaluate decode candidates at
 
 
 # A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
@@ -153,6 +156,16 @@ def check_targets(targets: Sequence[float]) -> tuple[float, ...]:
     seen.add(f"{t:.2f}")
     out.append(float(t))
   return tuple(out)
+
+
+def check_windows(windows: Sequence[int]) -> tuple[int, ...]:
+  """Recent windows as given: distinct integers >= 1 (else a ValueError naming the value)."""
+  for w in windows:
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+      raise ValueError(f"recent window W must be an integer >= 1, got {w!r}")
+  if len(set(windows)) != len(windows):
+    raise ValueError(f"windows repeat: {list(windows)}")
+  return tuple(int(w) for w in windows)
 
 
 def pick_within(rows: Sequence[dict], target: float) -> int | None:
@@ -279,6 +292,7 @@ class Calibration:
                log: Callable[[str], None] = print, devices=None):
     self.model, self.cfg, self.cal, self.dev = model, cfg, cal, dev
     check_targets(cfg.targets)
+    check_windows(cfg.windows)
     self.ident = P.identity_of(model.cfg, tokenizer_hash)
     self.thash = tokenizer_hash
     self.out = out
@@ -290,6 +304,8 @@ class Calibration:
     self.c_full = float(self.cost[Act.H].sum())
     self.runner_for = runner_for or S.runner_factory(model, self.ref_policy, capacity,
                                                      backend=backend, devices=devices)
+    self._runner_args = (capacity, backend, devices)
+    self._runners = {cfg.window: self.runner_for}   # per recent window (a stack shares one)
     self.progress = progress
     self.log = log
     self.timings: dict[str, float] = {}
@@ -299,8 +315,9 @@ class Calibration:
 
   # --- persistence (calibrate.stages: fingerprinted .npz, no pickles) ---
   STAGES = ("reference", "runtime_v", "runtime_d", "dev", "dev_composed")
-  # Written only with ``Config.targets``: compositions aimed at the targets, evaluated on dev.
-  TARGET_STAGES = ("dev_targets", "dev_targets_more")
+  # Written only with ``Config.windows`` (decode candidates at the other windows) and
+  # ``Config.targets`` (compositions for the targets).
+  OPTIONAL_STAGES = ("dev_windows", "dev_targets", "dev_targets_more")
 
   def _fingerprints(self) -> dict[str, dict]:
     """Per stage, what its saved numbers depend on (each later stage adds to the earlier)."""
@@ -317,10 +334,14 @@ class Calibration:
     dev = {**runtime, "development_split": stages.task_fingerprint(self.dev),
            "args": {**runtime["args"], **arg("thresholds", "prefill_thresholds", "b_p_grid",
                                              "path_points", "reserve_k", "reserve_beta")}}
-    composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p")}}
+    # Windows only where given, so that runs without them resume from earlier runs' stages.
+    win = arg("windows") if c["windows"] else {}
+    windows = {**dev, "args": {**dev["args"], **arg("windows")}}
+    composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p"), **win}}
     targets = {**composed, "args": {**composed["args"], **arg("targets")}}
     return {"reference": ref, "runtime_v": runtime, "runtime_d": runtime, "dev": dev,
-            "dev_composed": composed, "dev_targets": targets, "dev_targets_more": targets}
+            "dev_windows": windows, "dev_composed": composed, "dev_targets": targets,
+            "dev_targets_more": targets}
 
   def _check_work(self) -> None:
     """Before any work: refuse unkeyed pickles of older versions and every saved stage whose
@@ -331,7 +352,7 @@ class Calibration:
           f"{self.work} holds unkeyed stage pickles of an older pask-jax ({', '.join(old)}): "
           f"they cannot be checked against this model and task; delete {self.work} or use "
           "another --out")
-    for name in self.STAGES + self.TARGET_STAGES:
+    for name in self.STAGES + self.OPTIONAL_STAGES:
       f = stages.path(self.work, name)
       if os.path.exists(f):
         stages.check(f, name, self.keys[name])
@@ -345,10 +366,25 @@ class Calibration:
   def _save(self, name, obj):
     stages.save(self.work, name, self.keys[name], obj)
 
-  def _run(self, task, policies, label):
+  def runner_of(self, window: int | None):
+    """The ``runner_for`` of policies with recent window ``window`` (None: Config.window)."""
+    w = self.cfg.window if window is None else window
+    if w not in self._runners:
+      capacity, backend, devices = self._runner_args
+      tmpl = P.all_high(self.model.cfg, n_groups=self.cfg.n_groups, sink=self.cfg.sink,
+                        window=w, tokenizer_hash=self.thash)
+      self._runners[w] = S.runner_factory(self.model, tmpl, capacity, backend=backend,
+                                          devices=devices)
+    return self._runners[w]
+
+  def windows(self) -> list[int]:
+    """The recent windows decode candidates are evaluated at: Config.window, then the others."""
+    return [self.cfg.window] + [w for w in self.cfg.windows if w != self.cfg.window]
+
+  def _run(self, task, policies, label, window=None):
     bar = self.progress(label, len(policies) * len(task.requests)) if self.progress else None
     t0 = time.perf_counter()
-    res = S.run_stack(self.runner_for, task, policies, rows=self.cfg.rows,
+    res = S.run_stack(self.runner_of(window), task, policies, rows=self.cfg.rows,
                       max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None,
                       timers=self.host)
     if bar:
@@ -540,25 +576,38 @@ class Calibration:
         b_d = noms[j]
         gam, pooled, _ = reserve(fcost, states, b_d * self.c_full, self.c_full,
                                  self.cfg.reserve_k, self.cfg.reserve_beta)
-        pol = P.build(policy_entries(path[j], f, self.rho_dec, G), self.ident, n_groups=G, b_d=b_d,
-                      b_p=1.0, reserve=gam, pooled=pooled, sink=self.cfg.sink,
-                      window=self.cfg.window, tokenizer_hash=self.thash, adapter="fc",
-                      thresholds={"decode": list(tau)}, reserve_k=self.cfg.reserve_k,
-                      reserve_beta=self.cfg.reserve_beta,
-                      extra={"name": f"decode tau={tau} step {j}/{len(path) - 1}"})
-        out.append({"tau": tuple(tau), "step": j, "path_len": len(path), "nominal_b": b_d,
-                    "path_nominal": noms, "policy": pol, "floors": f, "map": path[j]})
+        c = {"tau": tuple(tau), "step": j, "path_len": len(path), "nominal_b": b_d,
+             "path_nominal": noms, "floors": f, "map": path[j], "gamma": gam, "pooled": pooled,
+             "window": self.cfg.window}
+        out.append({**c, "policy": self._decode_policy(c, self.cfg.window)})
+    # The same candidates at the other recent windows (Config.windows), after these.
+    out += [{**c, "window": w, "policy": self._decode_policy(c, w)}
+            for w in self.windows()[1:] for c in list(out)]
     self.dec_cands = out
     return out
 
-  def _dev_eval(self, name, policies):
+  def _decode_policy(self, c: dict, window: int) -> P.FrozenPolicy:
+    G, cfg = self.cfg.n_groups, self.cfg
+    name = f"decode tau={c['tau']} step {c['step']}/{c['path_len'] - 1}"
+    return P.build(policy_entries(c["map"], c["floors"], self.rho_dec, G), self.ident, n_groups=G,
+                   b_d=c["nominal_b"], b_p=1.0, reserve=c["gamma"], pooled=c["pooled"],
+                   sink=cfg.sink, window=window, tokenizer_hash=self.thash, adapter="fc",
+                   thresholds={"decode": list(c["tau"])}, reserve_k=cfg.reserve_k,
+                   reserve_beta=cfg.reserve_beta,
+                   extra={"name": name + ("" if window == cfg.window else f" W={window}")})
+
+  def _dev_eval(self, name, policies, windows=None):
+    """Dev outcomes of ``policies`` (saved as stage ``name``); ``windows``: each policy's recent
+    window where they differ (one stacked run per window, the stage saved after each)."""
     done = self._load(name) or {}
-    todo = [j for j in range(len(policies)) if j not in done]
-    if todo:
-      res = self._run(self.dev, [policies[j] for j in todo], name)
-      for j, r in zip(todo, res):
-        done[j] = [dataclasses.replace(o, tags=None, states=None) for o in r]
-      self._save(name, done)
+    windows = windows or [self.cfg.window] * len(policies)
+    for w in dict.fromkeys(windows):
+      todo = [j for j in range(len(policies)) if j not in done and windows[j] == w]
+      if todo:
+        res = self._run(self.dev, [policies[j] for j in todo], name, window=w)
+        for j, r in zip(todo, res):
+          done[j] = [dataclasses.replace(o, tags=None, states=None) for o in r]
+        self._save(name, done)
     return [done[j] for j in range(len(policies))]
 
   @staticmethod
@@ -608,10 +657,15 @@ class Calibration:
     self.runtime_d()
     dec = self.decode_candidates()
     pre = self.prefill_candidates()
-    # Development: π_ref, decode candidates, prefill candidates (one stacked evaluation).
-    pols = [self.ref_policy] + [c["policy"] for c in dec] + [c["policy"] for c in pre]
+    # Development: π_ref, decode candidates, prefill candidates (one stacked evaluation); the
+    # decode candidates at other windows in one more per window.
+    n = len(dec) // len(self.windows())
+    pols = [self.ref_policy] + [c["policy"] for c in dec[:n]] + [c["policy"] for c in pre]
     res = self._dev_eval("dev", pols)
-    ref_dev, dec_res, pre_res = res[0], res[1:1 + len(dec)], res[1 + len(dec):]
+    ref_dev, dec_res, pre_res = res[0], res[1:1 + n], res[1 + n:]
+    if len(dec) > n:
+      dec_res = dec_res + self._dev_eval("dev_windows", [c["policy"] for c in dec[n:]],
+                                         [c["window"] for c in dec[n:]])
     di, drows, e_ref = self.select("decode", dec, dec_res, ref_dev, cfg.alpha_d)
     pi, prows, _ = self.select("prefill", pre, pre_res, ref_dev, cfg.alpha_p)
     self.log(f"dev: reference accuracy {1 - e_ref:.3f}; decode pick {di}, prefill pick {pi}")
@@ -621,13 +675,13 @@ class Calibration:
     final = self.compose(d_pick, p_pick, {"name": "calibrated"})
     b_d = 1.0 if d_pick is None else float(d_pick["policy"].b_d)
     b_p = 1.0 if p_pick is None else p_pick["b_p"]
-    comp = self._dev_eval("dev_composed", [final])[0]
+    comp = self._dev_eval("dev_composed", [final], [final.window])[0]
     record["composed"] = {"dev_accuracy": 1 - self.error(comp),
                           "dev_reference_accuracy": 1 - e_ref,
                           "measured_B_total": total_b(comp),
                           "measured_B_prefill": self.stage_cost(comp, "prefill"),
                           "measured_B_decode": self.stage_cost(comp, "decode"),
-                          "b_d": b_d, "b_p": b_p}
+                          "b_d": b_d, "b_p": b_p, "window": int(final.window)}
     variants = []
     if cfg.targets:
       pool = self._measured_pool(dec, dec_res, pre, pre_res, ref_dev, di, pi, comp)
@@ -648,6 +702,7 @@ class Calibration:
     """One policy from decode candidate ``d`` (None: all-high decode) and prefill candidate ``p``
     (``floors``, ``b_p``, ``tau``; None: all-high prefill), packed as the selection is."""
     cfg, G = self.cfg, self.cfg.n_groups
+    window = cfg.window if d is None else d["window"]
     if d is None:
       d_ent, b_d, gam, pooled, tau_d = {}, 1.0, {}, 0.0, None
     else:
@@ -662,7 +717,7 @@ class Calibration:
       p_ent = policy_entries(p["floors"], p["floors"], self.rho_pre, G)
       b_p, tau_p = p["b_p"], list(p["tau"])
     return P.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
-                   pooled=pooled, sink=cfg.sink, window=cfg.window, tokenizer_hash=self.thash,
+                   pooled=pooled, sink=cfg.sink, window=window, tokenizer_hash=self.thash,
                    adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
                    reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
                    extra={"state_vocab": self.cal.vocab.keys(), "alpha_d": cfg.alpha_d,
@@ -679,7 +734,7 @@ class Calibration:
     """How a composition was made, for the record (decode candidate index / prefill candidate)."""
     dec = "all-high" if dj is None else {
         "index": dj, "tau": list(self.dec_cands[dj]["tau"]), "step": self.dec_cands[dj]["step"],
-        "b_d": float(self.dec_cands[dj]["nominal_b"])}
+        "b_d": float(self.dec_cands[dj]["nominal_b"]), "window": self.dec_cands[dj]["window"]}
     pre = "all-high" if p is None else {"index": pk, "tau": list(p["tau"]),
                                         "b_p": float(p["b_p"])}
     return {"kind": kind, "stage": stage, "decode": dec, "prefill": pre, "floors_relaxed": relaxed}
@@ -766,7 +821,7 @@ class Calibration:
     """Evaluate compositions on dev in one stacked run (saved as ``stage``); pool rows back."""
     pols = [self.compose(None if it["d"] is None else self.dec_cands[it["d"]], it["p"],
                          {"name": f"{kind} for B {it['target']:.2f}"}) for it in items]
-    res = self._dev_eval(stage, pols) if pols else []
+    res = self._dev_eval(stage, pols, [p.window for p in pols]) if pols else []
     rows = []
     for it, r in zip(items, res):
       src = self._source(it.get("kind", kind), stage, it["d"], it["p"], it.get("pk"),
@@ -886,7 +941,7 @@ class Calibration:
                 "prefill": {f"{T.describe(i)}:g{g}": list(v)
                             for (i, g), v in self.rho_pre.items()}},
         "decode_candidates": [{"tau": list(c["tau"]), "step": c["step"], "path_len": c["path_len"],
-                               "nominal_b": c["nominal_b"], "dev": r}
+                               "nominal_b": c["nominal_b"], "window": c["window"], "dev": r}
                               for c, r in zip(dec, drows)],
         "prefill_candidates": [{"tau": list(c["tau"]), "b_p": c["b_p"], "dev": r}
                                for c, r in zip(pre, prows)],

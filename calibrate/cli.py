@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
   c.add_argument("--targets", type=float, nargs="+", default=(), metavar="B",
                  help="total-B targets in (0, 1]: also write OUT/policy/B<t>/ per target, the "
                       "most dev-accurate composition measured at total B <= t")
+  c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
+                 help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
+                      "and select over all of them")
   c.add_argument("--speedup", type=int, default=0, metavar="K",
                  help="also time K Runtime-V interventions sequentially vs stacked")
 
@@ -66,6 +69,10 @@ def run(args) -> int:
     targets = alg1.check_targets(args.targets)
   except ValueError as e:
     raise SystemExit(f"error: --targets: {e}")
+  try:
+    windows = alg1.check_windows(args.windows)
+  except ValueError as e:
+    raise SystemExit(f"error: --windows: {e}")
   from pask_jax import platform
   bfcl.need()
   m = platform.load_model_or_exit(args.model, args.dtype)
@@ -92,7 +99,7 @@ def run(args) -> int:
         f"{jax.devices()[0].platform} x{len(jax.devices())}", flush=True)
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
-                    window=args.window, targets=targets)
+                    window=args.window, targets=targets, windows=windows)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
   from calibrate.stages import StageMismatch
   try:
@@ -121,7 +128,8 @@ def run(args) -> int:
         f"(all-high {comp_['dev_reference_accuracy']:.3f}),"
         f" measured B total {comp_['measured_B_total']:.3f} (prefill "
         f"{comp_['measured_B_prefill']:.3f}, decode {comp_['measured_B_decode']:.3f}); "
-        f"B_D {comp_['b_d']:.3f}, B_P {comp_['b_p']:.3f}; wall {rec['wall_s']:.0f} s")
+        f"B_D {comp_['b_d']:.3f}, B_P {comp_['b_p']:.3f}, W {comp_['window']}; "
+        f"wall {rec['wall_s']:.0f} s")
   for v in rec.get("variants", []):
     if v["reached"]:
       print(f"variant {v['policy']}: dev accuracy {v['dev_accuracy']:.3f}, measured B total "

@@ -406,3 +406,70 @@ def test_calibrate_cli_rejects_a_target_outside_0_1(tmp_path):
   with pytest.raises(SystemExit) as e:
     main(["calibrate", "--out", str(tmp_path / "o"), "--targets", "0.25", "1.5"])
   assert str(e.value) == "error: --targets: target total B must be in (0, 1], got 1.5"
+
+
+# ---- recent window as a calibrated knob (--windows) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def windowed(setup, tmp_path_factory):
+  """The setup's stages up to dev resumed with decode candidates also at W = 2 and 8 (and one
+  target, so variants draw on them too)."""
+  import dataclasses
+  import shutil
+  C, rec, out, model, tok = setup
+  out2 = str(tmp_path_factory.mktemp("windows"))
+  shutil.copytree(os.path.join(out, "work"), os.path.join(out2, "work"),
+                  ignore=shutil.ignore_patterns("dev_composed.npz"))
+  cfg = dataclasses.replace(CFG, windows=(2, 8), targets=(0.5,))
+  C2 = alg1.Calibration(model, tok.hash(), C.cal, C.dev, out2, cfg, capacity=CAP)
+  return C2, C2.run(), out2, rec
+
+
+def test_windows_evaluate_every_decode_candidate_per_window_and_select_over_all(windowed):
+  C, rec, out, rec0 = windowed
+  rows = rec["decode_candidates"]
+  n = len(rec0["decode_candidates"])
+  assert [r["window"] for r in rows] == [CFG.window] * n + [2] * n + [8] * n
+  assert [r["dev"] for r in rows[:n]] == [r["dev"] for r in rec0["decode_candidates"]]
+  assert "dev" not in C.timings and "dev_windows" in C.timings
+  # Eq. 9 over every (candidate, window): the cheapest measured decode cost within alpha_d.
+  e_ref = 1 - rec["dev_reference_accuracy"]
+  ok = [i for i, r in enumerate(rows) if r["dev"]["err"] - e_ref <= CFG.alpha_d + 1e-12]
+  j = rec["selected"]["decode"]
+  assert j in ok and rows[j]["dev"]["cost"] == min(rows[i]["dev"]["cost"] for i in ok)
+  pol = P.load(os.path.join(out, "policy"), C.model.cfg, C.thash)
+  assert pol.window == rows[j]["window"] == rec["composed"]["window"]
+  v = rec["variants"][0]
+  assert v["reached"] and v["measured_B_total"] <= 0.5
+
+
+def test_a_window_candidate_measures_as_an_independent_run_at_that_window(windowed):
+  C, rec, out, rec0 = windowed
+  n = len(rec0["decode_candidates"])
+  c = C.dec_cands[n]                      # the first candidate at W = 2
+  assert c["window"] == 2 and c["policy"].window == 2
+  tmpl = P.all_high(C.model.cfg, sink=CFG.sink, window=2)
+  res = S.run_stack(S.runner_factory(C.model, tmpl, CAP), C.dev, [c["policy"]], rows=CFG.rows,
+                    max_tokens=CFG.max_tokens)[0]
+  assert alg1.total_b(res) == pytest.approx(rec["decode_candidates"][n]["dev"]["total"], abs=1e-9)
+  assert C.stage_cost(res, "decode") == pytest.approx(rec["decode_candidates"][n]["dev"]["cost"])
+
+
+def test_windows_key_the_stages_that_depend_on_them(windowed, setup):
+  C, rec, out, rec0 = windowed
+  from calibrate import stages
+  meta = stages.read_meta(stages.path(os.path.join(out, "work"), "dev_composed"))
+  assert meta["fingerprint"]["args"]["windows"] == [2, 8]
+  # Without windows the keys are those of a run that never knew them (older runs resume).
+  assert "windows" not in setup[0].keys["dev_composed"]["args"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--windows", "0"], "error: --windows: recent window W must be an integer >= 1, got 0"),
+    (["--windows", "8", "8"], "error: --windows: windows repeat: [8, 8]"),
+])
+def test_calibrate_cli_rejects_bad_windows(tmp_path, argv, msg):
+  from pask_jax.cli import main
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate", "--out", str(tmp_path / "o")] + argv)
+  assert str(e.value) == msg
