@@ -149,7 +149,7 @@ def check_targets(targets: Sequence[float]) -> tuple[float, ...]:
   directories); anything else is a ValueError naming the bad value."""
   out, seen = [], set()
   for t in targets:
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not 0.0 < t <= 1.0:
       raise ValueError(f"target total B must be in (0, 1], got {t!r}")
     if f"{t:.2f}" in seen:
       raise ValueError(f"targets repeat B{t:.2f} (variants are named by two decimals)")
@@ -757,11 +757,11 @@ class Calibration:
 
   def target_taus(self) -> list[tuple[tuple[float, float], bool]]:
     """Prefill thresholds for candidates aimed at a target: the configured ones, then relaxed ones
-    (floors that allow L/R where the configured ones force H): (q, q) at the median and upper
-    quartile of the prefill V̄(q, R), and :data:`NO_FLOOR`.  Each with ``relaxed``; thresholds
+    (floors that allow L/R where the configured ones force H): (q, q) at the quartiles of the
+    prefill V̄(q, R), and :data:`NO_FLOOR`.  Each with ``relaxed``; thresholds
     whose floors repeat earlier ones are left out."""
     vr = sorted(self.vbar("prefill", i, g)[1] for i, g in self.pre_buckets)
-    loose = [(float(np.quantile(vr, q)),) * 2 for q in (0.5, 0.75)] if vr else []
+    loose = [(float(np.quantile(vr, q)),) * 2 for q in (0.25, 0.5, 0.75)] if vr else []
     out, seen = [], []
     for tau, relaxed in ([(tuple(t), False) for t in self.cfg.prefill_thresholds] +
                          [(t, True) for t in loose + [NO_FLOOR]]):

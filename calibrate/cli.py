@@ -2,14 +2,15 @@
 
     pask-jax calibrate --model qwen2.5-coder-0.5b-instruct --task bfcl --out runs/cal \
         [--max-cases N] [--categories simple_python multiple] [--rows 1024] \
-        [--targets 0.15 0.20 0.25 0.33]
+        [--targets 0.15 0.20 0.25 0.33] [--windows 8 16 32]
 
 Writes ``OUT/policy`` (the frozen policy: orbax arrays + policy.json), ``OUT/calibration.json``
 (V, D, N̄, ρ, candidates with their nominal and measured costs, the selection, timings) and
 ``OUT/work/`` (stages saved as they complete, keyed by a fingerprint of model, task, splits and
 arguments: rerunning the same command resumes; a different one is refused, naming what differs).
 With ``--targets``, also ``OUT/policy/B<t>/`` per target t (see
-:meth:`calibrate.alg1.Calibration.variants`), found by ``pask-jax eval --budget t``.
+:meth:`calibrate.alg1.Calibration.variants`), found by ``pask-jax eval --budget t``; with
+``--windows``, the decode candidates compete at each of those recent windows too.
 """
 from __future__ import annotations
 
