@@ -36,10 +36,11 @@ backend are not part of it: stacked and sequential interventions give the same o
    measured total B), saved with :func:`pask_jax.policy.save` plus ``calibration.json``.
 9. **Total-B variants** (only with ``Config.targets``) — per target t, ``policy/B<t>/``: the most
    dev-accurate composition of a decode and a prefill candidate whose dev-measured total B is
-   <= t (:func:`pick_within`; ties: lower B).  Compositions not yet measured are evaluated in one
-   stacked dev run: estimated pairs that fit, or, where nothing does, prefill candidates aimed at
-   t (B_P solved from the measured decode share, over each τ and relaxed floors down to none);
-   a second run re-aims what overshot (:meth:`Calibration.variants`).
+   <= t (:func:`pick_within`; ties: lower B), among everything measured on dev.  Compositions
+   not yet measured are evaluated in one stacked dev run: estimated pairs that fit, and prefill
+   candidates aimed at t (B_P solved from the measured decode share) over each τ — over relaxed
+   floors, down to none, only where nothing else reaches t; a second run re-aims what overshot
+   (:meth:`Calibration.variants`).  Stages ``dev_targets``, ``dev_targets_more``.
 
 Error rates and thresholds are fractions (0.01 = 1 pp).
 """
