@@ -25,13 +25,22 @@ backend are not part of it: stacked and sequential interventions give the same o
    (largest ρ_D first; ties: ascending tag id, then group; zero scores stay eligible up to all-high;
    Prop. 2); per candidate the nominal reference cost ratio B_D and the reserve Γ (Eq. 16, K, β,
    left empirical quantile per parser state, pooled fallback).  ``path_points`` candidates per
-   path are evaluated (evenly spaced in nominal cost, both ends kept; 0 = every step).
+   path are evaluated (evenly spaced in nominal cost, both ends kept; 0 = every step).  With
+   ``Config.windows`` every candidate is also evaluated at each other recent window W (one
+   stacked dev run per W, stage ``dev_windows``) and competes in the selection like the others.
 6. **Selection** — complete controllers and π_ref on the development split; Eq. 9 with α_D on the
    measured decode cost (actual generated lengths); π_ref is the fallback.
 7. **Prefill companion** (§3.6, B.4) — floors from the prompt-label V_P per τ, priorities from D_P,
    candidates over (τ, B_P); selection with α_P on the measured prefill cost (decode all-high).
 8. **Compose and pack** — decode + prefill policy, evaluated end to end on dev (accuracy and
    measured total B), saved with :func:`pask_jax.policy.save` plus ``calibration.json``.
+9. **Total-B variants** (only with ``Config.targets``) — per target t, ``policy/B<t>/``: the most
+   dev-accurate composition of a decode and a prefill candidate whose dev-measured total B is
+   <= t (:func:`pick_within`; ties: lower B), among everything measured on dev.  Compositions
+   not yet measured are evaluated in one stacked dev run: estimated pairs that fit, and prefill
+   candidates aimed at t (B_P solved from the measured decode share) over each τ — over relaxed
+   floors, down to none, only where nothing else reaches t; a second run re-aims what overshot
+   (:meth:`Calibration.variants`).  Stages ``dev_targets``, ``dev_targets_more``.
 
 Error rates and thresholds are fractions (0.01 = 1 pp).
 """
@@ -76,6 +85,15 @@ class Config:
   sink: int = P.DEFAULT_SINK
   window: int = P.DEFAULT_WINDOW
   n_groups: int = 3
+  targets: Sequence[float] = ()      # total-B targets: one variant policy each (B<t>/)
+  windows: Sequence[int] = ()        # more recent windows W to evaluate decode candidates at
+
+
+# A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
+# the floors no longer bound the prefill cost from below.
+NO_FLOOR = (1.0, 1.0)
+PAIRS_PER_TARGET = 4     # estimated (decode, prefill) compositions evaluated per target
+REAIM_MARGIN = 0.01      # re-aimed B_P lands this far under the target (estimate noise)
 
 
 # ---- small pure pieces (unit-tested) ----------------------------------------------------------
@@ -125,6 +143,45 @@ def greedy_path(floors: dict, rho: dict) -> list[dict]:
       return path
     cur[best[1]] += 1
     path.append(dict(cur))
+
+
+def check_targets(targets: Sequence[float]) -> tuple[float, ...]:
+  """Total-B targets as given, each in (0, 1] and distinct at two decimals (they name ``B<t>``
+  directories); anything else is a ValueError naming the bad value."""
+  out, seen = [], set()
+  for t in targets:
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not 0.0 < t <= 1.0:
+      raise ValueError(f"target total B must be in (0, 1], got {t!r}")
+    if f"{t:.2f}" in seen:
+      raise ValueError(f"targets repeat B{t:.2f} (variants are named by two decimals)")
+    seen.add(f"{t:.2f}")
+    out.append(float(t))
+  return tuple(out)
+
+
+def check_windows(windows: Sequence[int]) -> tuple[int, ...]:
+  """Recent windows as given: distinct integers >= 1 (else a ValueError naming the value)."""
+  for w in windows:
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+      raise ValueError(f"recent window W must be an integer >= 1, got {w!r}")
+  if len(set(windows)) != len(windows):
+    raise ValueError(f"windows repeat: {list(windows)}")
+  return tuple(int(w) for w in windows)
+
+
+def pick_within(rows: Sequence[dict], target: float) -> int | None:
+  """The variant rule: among ``rows`` (each with dev ``acc`` and measured total B ``total``), the
+  most accurate whose measured total is <= ``target``; ties go to the lower total, then to the
+  earlier row.  None when no row fits."""
+  ok = [j for j, r in enumerate(rows) if r["total"] <= target]
+  return min(ok, key=lambda j: (-rows[j]["acc"], rows[j]["total"], j)) if ok else None
+
+
+def aim_prefill(target: float, prompt_share: float, decode_b: float) -> float:
+  """B_P that puts the measured total at ``target`` when a share ``prompt_share`` of the tokens is
+  prompt and the decode stage measures ``decode_b``:
+  target = s · B_P + (1 − s) · B_D.  May be <= 0 (out of reach with that decode stage) or > 1."""
+  return (target - (1.0 - prompt_share) * decode_b) / max(prompt_share, 1e-12)
 
 
 def left_quantile(x: np.ndarray, beta: float) -> float:
@@ -235,6 +292,8 @@ class Calibration:
                *, capacity: int, backend: str = "auto", runner_for=None, progress=None,
                log: Callable[[str], None] = print, devices=None):
     self.model, self.cfg, self.cal, self.dev = model, cfg, cal, dev
+    check_targets(cfg.targets)
+    check_windows(cfg.windows)
     self.ident = P.identity_of(model.cfg, tokenizer_hash)
     self.thash = tokenizer_hash
     self.out = out
@@ -246,6 +305,8 @@ class Calibration:
     self.c_full = float(self.cost[Act.H].sum())
     self.runner_for = runner_for or S.runner_factory(model, self.ref_policy, capacity,
                                                      backend=backend, devices=devices)
+    self._runner_args = (capacity, backend, devices)
+    self._runners = {cfg.window: self.runner_for}   # per recent window (a stack shares one)
     self.progress = progress
     self.log = log
     self.timings: dict[str, float] = {}
@@ -255,6 +316,9 @@ class Calibration:
 
   # --- persistence (calibrate.stages: fingerprinted .npz, no pickles) ---
   STAGES = ("reference", "runtime_v", "runtime_d", "dev", "dev_composed")
+  # Written only with ``Config.windows`` (decode candidates at the other windows) and
+  # ``Config.targets`` (compositions for the targets).
+  OPTIONAL_STAGES = ("dev_windows", "dev_targets", "dev_targets_more")
 
   def _fingerprints(self) -> dict[str, dict]:
     """Per stage, what its saved numbers depend on (each later stage adds to the earlier)."""
@@ -271,9 +335,14 @@ class Calibration:
     dev = {**runtime, "development_split": stages.task_fingerprint(self.dev),
            "args": {**runtime["args"], **arg("thresholds", "prefill_thresholds", "b_p_grid",
                                              "path_points", "reserve_k", "reserve_beta")}}
-    composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p")}}
+    # Windows only where given, so that runs without them resume from earlier runs' stages.
+    win = arg("windows") if c["windows"] else {}
+    windows = {**dev, "args": {**dev["args"], **arg("windows")}}
+    composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p"), **win}}
+    targets = {**composed, "args": {**composed["args"], **arg("targets")}}
     return {"reference": ref, "runtime_v": runtime, "runtime_d": runtime, "dev": dev,
-            "dev_composed": composed}
+            "dev_windows": windows, "dev_composed": composed, "dev_targets": targets,
+            "dev_targets_more": targets}
 
   def _check_work(self) -> None:
     """Before any work: refuse unkeyed pickles of older versions and every saved stage whose
@@ -284,7 +353,7 @@ class Calibration:
           f"{self.work} holds unkeyed stage pickles of an older pask-jax ({', '.join(old)}): "
           f"they cannot be checked against this model and task; delete {self.work} or use "
           "another --out")
-    for name in self.STAGES:
+    for name in self.STAGES + self.OPTIONAL_STAGES:
       f = stages.path(self.work, name)
       if os.path.exists(f):
         stages.check(f, name, self.keys[name])
@@ -298,10 +367,25 @@ class Calibration:
   def _save(self, name, obj):
     stages.save(self.work, name, self.keys[name], obj)
 
-  def _run(self, task, policies, label):
+  def runner_of(self, window: int | None):
+    """The ``runner_for`` of policies with recent window ``window`` (None: Config.window)."""
+    w = self.cfg.window if window is None else window
+    if w not in self._runners:
+      capacity, backend, devices = self._runner_args
+      tmpl = P.all_high(self.model.cfg, n_groups=self.cfg.n_groups, sink=self.cfg.sink,
+                        window=w, tokenizer_hash=self.thash)
+      self._runners[w] = S.runner_factory(self.model, tmpl, capacity, backend=backend,
+                                          devices=devices)
+    return self._runners[w]
+
+  def windows(self) -> list[int]:
+    """The recent windows decode candidates are evaluated at: Config.window, then the others."""
+    return [self.cfg.window] + [w for w in self.cfg.windows if w != self.cfg.window]
+
+  def _run(self, task, policies, label, window=None):
     bar = self.progress(label, len(policies) * len(task.requests)) if self.progress else None
     t0 = time.perf_counter()
-    res = S.run_stack(self.runner_for, task, policies, rows=self.cfg.rows,
+    res = S.run_stack(self.runner_of(window), task, policies, rows=self.cfg.rows,
                       max_tokens=self.cfg.max_tokens, progress=bar.update if bar else None,
                       timers=self.host)
     if bar:
@@ -493,25 +577,38 @@ class Calibration:
         b_d = noms[j]
         gam, pooled, _ = reserve(fcost, states, b_d * self.c_full, self.c_full,
                                  self.cfg.reserve_k, self.cfg.reserve_beta)
-        pol = P.build(policy_entries(path[j], f, self.rho_dec, G), self.ident, n_groups=G, b_d=b_d,
-                      b_p=1.0, reserve=gam, pooled=pooled, sink=self.cfg.sink,
-                      window=self.cfg.window, tokenizer_hash=self.thash, adapter="fc",
-                      thresholds={"decode": list(tau)}, reserve_k=self.cfg.reserve_k,
-                      reserve_beta=self.cfg.reserve_beta,
-                      extra={"name": f"decode tau={tau} step {j}/{len(path) - 1}"})
-        out.append({"tau": tuple(tau), "step": j, "path_len": len(path), "nominal_b": b_d,
-                    "path_nominal": noms, "policy": pol, "floors": f, "map": path[j]})
+        c = {"tau": tuple(tau), "step": j, "path_len": len(path), "nominal_b": b_d,
+             "path_nominal": noms, "floors": f, "map": path[j], "gamma": gam, "pooled": pooled,
+             "window": self.cfg.window}
+        out.append({**c, "policy": self._decode_policy(c, self.cfg.window)})
+    # The same candidates at the other recent windows (Config.windows), after these.
+    out += [{**c, "window": w, "policy": self._decode_policy(c, w)}
+            for w in self.windows()[1:] for c in list(out)]
     self.dec_cands = out
     return out
 
-  def _dev_eval(self, name, policies):
+  def _decode_policy(self, c: dict, window: int) -> P.FrozenPolicy:
+    G, cfg = self.cfg.n_groups, self.cfg
+    name = f"decode tau={c['tau']} step {c['step']}/{c['path_len'] - 1}"
+    return P.build(policy_entries(c["map"], c["floors"], self.rho_dec, G), self.ident, n_groups=G,
+                   b_d=c["nominal_b"], b_p=1.0, reserve=c["gamma"], pooled=c["pooled"],
+                   sink=cfg.sink, window=window, tokenizer_hash=self.thash, adapter="fc",
+                   thresholds={"decode": list(c["tau"])}, reserve_k=cfg.reserve_k,
+                   reserve_beta=cfg.reserve_beta,
+                   extra={"name": name + ("" if window == cfg.window else f" W={window}")})
+
+  def _dev_eval(self, name, policies, windows=None):
+    """Dev outcomes of ``policies`` (saved as stage ``name``); ``windows``: each policy's recent
+    window where they differ (one stacked run per window, the stage saved after each)."""
     done = self._load(name) or {}
-    todo = [j for j in range(len(policies)) if j not in done]
-    if todo:
-      res = self._run(self.dev, [policies[j] for j in todo], name)
-      for j, r in zip(todo, res):
-        done[j] = [dataclasses.replace(o, tags=None, states=None) for o in r]
-      self._save(name, done)
+    windows = windows or [self.cfg.window] * len(policies)
+    for w in dict.fromkeys(windows):
+      todo = [j for j in range(len(policies)) if j not in done and windows[j] == w]
+      if todo:
+        res = self._run(self.dev, [policies[j] for j in todo], name, window=w)
+        for j, r in zip(todo, res):
+          done[j] = [dataclasses.replace(o, tags=None, states=None) for o in r]
+        self._save(name, done)
     return [done[j] for j in range(len(policies))]
 
   @staticmethod
@@ -561,51 +658,274 @@ class Calibration:
     self.runtime_d()
     dec = self.decode_candidates()
     pre = self.prefill_candidates()
-    # Development: π_ref, decode candidates, prefill candidates (one stacked evaluation).
-    pols = [self.ref_policy] + [c["policy"] for c in dec] + [c["policy"] for c in pre]
+    # Development: π_ref, decode candidates, prefill candidates (one stacked evaluation); the
+    # decode candidates at other windows in one more per window.
+    n = len(dec) // len(self.windows())
+    pols = [self.ref_policy] + [c["policy"] for c in dec[:n]] + [c["policy"] for c in pre]
     res = self._dev_eval("dev", pols)
-    ref_dev, dec_res, pre_res = res[0], res[1:1 + len(dec)], res[1 + len(dec):]
+    ref_dev, dec_res, pre_res = res[0], res[1:1 + n], res[1 + n:]
+    if len(dec) > n:
+      dec_res = dec_res + self._dev_eval("dev_windows", [c["policy"] for c in dec[n:]],
+                                         [c["window"] for c in dec[n:]])
     di, drows, e_ref = self.select("decode", dec, dec_res, ref_dev, cfg.alpha_d)
     pi, prows, _ = self.select("prefill", pre, pre_res, ref_dev, cfg.alpha_p)
     self.log(f"dev: reference accuracy {1 - e_ref:.3f}; decode pick {di}, prefill pick {pi}")
-    G = cfg.n_groups
-    if di is None:
-      d_ent, b_d, gam, pooled, tau_d = {}, 1.0, {}, 0.0, None
-    else:
-      c = dec[di]
-      d_ent = policy_entries(c["map"], c["floors"], self.rho_dec, G)
-      pol = c["policy"]
-      b_d, tau_d = float(pol.b_d), list(c["tau"])
-      gam = {i: float(x) for i, x in enumerate(np.asarray(pol.reserve))}
-      pooled = float(pol.pooled)
-    if pi is None:
-      p_ent, b_p, tau_p = {}, 1.0, None
-    else:
-      c = pre[pi]
-      p_ent = policy_entries(c["floors"], c["floors"], self.rho_pre, G)
-      b_p, tau_p = c["b_p"], list(c["tau"])
+    d_pick = None if di is None else dec[di]
+    p_pick = None if pi is None else pre[pi]
     record = self.record(dec, drows, di, pre, prows, pi, e_ref)
-    final = P.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
-                    pooled=pooled, sink=cfg.sink, window=cfg.window, tokenizer_hash=self.thash,
-                    adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
-                    reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
-                    extra={"name": "calibrated", "state_vocab": self.cal.vocab.keys(),
-                           "alpha_d": cfg.alpha_d, "alpha_p": cfg.alpha_p})
-    comp = self._dev_eval("dev_composed", [final])[0]
+    final = self.compose(d_pick, p_pick, {"name": "calibrated"})
+    b_d = 1.0 if d_pick is None else float(d_pick["policy"].b_d)
+    b_p = 1.0 if p_pick is None else p_pick["b_p"]
+    comp = self._dev_eval("dev_composed", [final], [final.window])[0]
     record["composed"] = {"dev_accuracy": 1 - self.error(comp),
                           "dev_reference_accuracy": 1 - e_ref,
                           "measured_B_total": total_b(comp),
                           "measured_B_prefill": self.stage_cost(comp, "prefill"),
                           "measured_B_decode": self.stage_cost(comp, "decode"),
-                          "b_d": b_d, "b_p": b_p}
+                          "b_d": b_d, "b_p": b_p, "window": int(final.window)}
+    variants = []
+    if cfg.targets:
+      pool = self._measured_pool(dec, dec_res, pre, pre_res, ref_dev, di, pi, comp)
+      variants, evaluated = self.variants(pool, dec, dec_res, pre, pre_res, ref_dev, di, e_ref)
+      record["variants"] = [v["record"] for v in variants]
+      record["target_candidates"] = evaluated
     self.timings["total"] = time.perf_counter() - t_all
     record["timings_s"] = dict(self.timings)
     record["generate_host_s"] = dict(self.host)   # launch / wait / host seconds, steps
     P.save(final, os.path.join(self.out, "policy"))
+    self._write_variants(variants)
     with open(os.path.join(self.out, "calibration.json"), "w") as f:
       json.dump(record, f, indent=1, sort_keys=True, default=float)
     self.final, self.record_ = final, record
     return record
+
+  def compose(self, d: dict | None, p: dict | None, extra: dict) -> P.FrozenPolicy:
+    """One policy from decode candidate ``d`` (None: all-high decode) and prefill candidate ``p``
+    (``floors``, ``b_p``, ``tau``; None: all-high prefill), packed as the selection is."""
+    cfg, G = self.cfg, self.cfg.n_groups
+    window = cfg.window if d is None else d["window"]
+    if d is None:
+      d_ent, b_d, gam, pooled, tau_d = {}, 1.0, {}, 0.0, None
+    else:
+      d_ent = policy_entries(d["map"], d["floors"], self.rho_dec, G)
+      pol = d["policy"]
+      b_d, tau_d = float(pol.b_d), list(d["tau"])
+      gam = {i: float(x) for i, x in enumerate(np.asarray(pol.reserve))}
+      pooled = float(pol.pooled)
+    if p is None:
+      p_ent, b_p, tau_p = {}, 1.0, None
+    else:
+      p_ent = policy_entries(p["floors"], p["floors"], self.rho_pre, G)
+      b_p, tau_p = p["b_p"], list(p["tau"])
+    return P.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
+                   pooled=pooled, sink=cfg.sink, window=window, tokenizer_hash=self.thash,
+                   adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
+                   reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
+                   extra={"state_vocab": self.cal.vocab.keys(), "alpha_d": cfg.alpha_d,
+                          "alpha_p": cfg.alpha_p, **extra})
+
+  # --- total-B variants (Config.targets) ---
+  def dev_row(self, outcomes) -> dict:
+    """Dev accuracy and measured B (total, prefill, decode) of one evaluated policy."""
+    return {"acc": 1 - self.error(outcomes), "total": total_b(outcomes),
+            "prefill": self.stage_cost(outcomes, "prefill"),
+            "decode": self.stage_cost(outcomes, "decode")}
+
+  def _source(self, kind, stage, dj, p, pk=None, relaxed=False) -> dict:
+    """How a composition was made, for the record (decode candidate index / prefill candidate)."""
+    dec = "all-high" if dj is None else {
+        "index": dj, "tau": list(self.dec_cands[dj]["tau"]), "step": self.dec_cands[dj]["step"],
+        "b_d": float(self.dec_cands[dj]["nominal_b"]), "window": self.dec_cands[dj]["window"]}
+    pre = "all-high" if p is None else {"index": pk, "tau": list(p["tau"]),
+                                        "b_p": float(p["b_p"])}
+    return {"kind": kind, "stage": stage, "decode": dec, "prefill": pre, "floors_relaxed": relaxed}
+
+  def _measured_pool(self, dec, dec_res, pre, pre_res, ref_dev, di, pi, comp) -> list[dict]:
+    """Every composition already measured on dev: π_ref, each decode candidate (prefill
+    all-high), each prefill candidate (decode all-high) and the calibrated policy."""
+    pool = [{"d": None, "p": None, "dev": self.dev_row(ref_dev),
+             "source": self._source("reference", "dev", None, None)}]
+    for j, r in enumerate(dec_res):
+      pool.append({"d": j, "p": None, "dev": self.dev_row(r),
+                   "source": self._source("decode candidate", "dev", j, None)})
+    for k, r in enumerate(pre_res):
+      pool.append({"d": None, "p": pre[k], "dev": self.dev_row(r),
+                   "source": self._source("prefill candidate", "dev", None, pre[k], k)})
+    pool.append({"d": di, "p": None if pi is None else pre[pi], "dev": self.dev_row(comp),
+                 "source": self._source("calibrated", "dev_composed", di,
+                                        None if pi is None else pre[pi], pi)})
+    return pool
+
+  def target_taus(self) -> list[tuple[tuple[float, float], bool]]:
+    """Prefill thresholds for candidates aimed at a target: the configured ones, then relaxed ones
+    (floors that allow L/R where the configured ones force H): (q, q) at the quartiles of the
+    prefill V̄(q, R), and :data:`NO_FLOOR`.  Each with ``relaxed``; thresholds
+    whose floors repeat earlier ones are left out."""
+    vr = sorted(self.vbar("prefill", i, g)[1] for i, g in self.pre_buckets)
+    loose = [(float(np.quantile(vr, q)),) * 2 for q in (0.25, 0.5, 0.75)] if vr else []
+    out, seen = [], []
+    for tau, relaxed in ([(tuple(t), False) for t in self.cfg.prefill_thresholds] +
+                         [(t, True) for t in loose + [NO_FLOOR]]):
+      f = self.floors("prefill", tau)
+      if f in seen:
+        continue
+      seen.append(f)
+      out.append((tau, relaxed))
+    return out
+
+  def prefill_floor_cost(self, floors: dict) -> float:
+    """Nominal dev prefill cost ratio with every prompt token at its floor (sinks H): the least
+    any B_P reaches under these floors."""
+    G = self.cfg.n_groups
+    pol = P.build(policy_entries(floors, floors, None, G), self.ident, n_groups=G,
+                  sink=self.cfg.sink, window=self.cfg.window)
+    parts = [np.asarray(r.tags, np.int32)[:len(r.ids)] for r in self.dev.requests
+             if r.tags is not None]
+    if not parts:
+      return 1.0
+    fl = np.split(resolve_rows(pol, np.concatenate(parts, 0))[1], np.cumsum(
+        [len(x) for x in parts])[:-1])
+    bits = 0.0
+    for f in fl:
+      f = f.copy()
+      f[:self.cfg.sink] = Act.H
+      bits += self.cost[f, np.arange(G)[None]].sum()
+    return float(bits / (self.c_full * max(sum(len(x) for x in parts), 1)))
+
+  @staticmethod
+  def prompt_share(outcomes) -> float:
+    n_p = sum(o.ledger["n_prompt"] for o in outcomes)
+    return n_p / max(n_p + sum(o.ledger["n_gen"] for o in outcomes), 1)
+
+  def aimed(self, t: float, dec_opts, relax: bool) -> list[dict]:
+    """Compositions aimed at total B ``t``: per decode option (index or None, its dev outcomes)
+    B_P solved from the measured prompt share and decode cost (:func:`aim_prefill`), per prefill
+    threshold of :meth:`target_taus` (the relaxed ones only with ``relax``) whose floors fit under
+    that B_P (the no-floor one always)."""
+    out = []
+    for dj, outs in dec_opts:
+      b_p = aim_prefill(t, self.prompt_share(outs), self.stage_cost(outs, "decode"))
+      if b_p <= 0:
+        continue
+      b_p = min(b_p, 1.0)
+      for tau, relaxed in self.target_taus():
+        if relaxed != relax:
+          continue
+        f = self.floors("prefill", tau)
+        if tau != NO_FLOOR and self.prefill_floor_cost(f) > b_p:
+          continue
+        out.append({"target": t, "d": dj, "p": {"tau": tau, "b_p": b_p, "floors": f},
+                    "relaxed": relaxed, "share": self.prompt_share(outs)})
+    return out
+
+  def _eval_items(self, stage: str, items: list[dict], kind: str) -> list[dict]:
+    """Evaluate compositions on dev in one stacked run (saved as ``stage``); pool rows back."""
+    pols = [self.compose(None if it["d"] is None else self.dec_cands[it["d"]], it["p"],
+                         {"name": f"{kind} for B {it['target']:.2f}"}) for it in items]
+    res = self._dev_eval(stage, pols, [p.window for p in pols]) if pols else []
+    rows = []
+    for it, r in zip(items, res):
+      src = self._source(it.get("kind", kind), stage, it["d"], it["p"], it.get("pk"),
+                         it.get("relaxed", False))
+      rows.append({**it, "dev": self.dev_row(r), "source": {**src, "aimed_at": it["target"]}})
+    return rows
+
+  def variants(self, pool, dec, dec_res, pre, pre_res, ref_dev, di, e_ref):
+    """One policy per target t of ``Config.targets``: the most dev-accurate composition whose
+    dev-measured total B is <= t (:func:`pick_within`) among everything measured on dev.
+
+    Round 1 (stage ``dev_targets``) adds, per target, the compositions of a decode and a prefill
+    candidate whose estimate (:func:`composed_estimate`) fits under t, the most accurate first,
+    and compositions aimed at t (:meth:`aimed`) under the configured floors; where none of these
+    nor anything measured fits, aimed ones under relaxed floors.  Round 2 (``dev_targets_more``),
+    for a target nothing measured reaches yet: aimed compositions under relaxed floors, and the
+    round-1 aimed ones re-aimed by their measured overshoot.  Returns (variants, evaluated)."""
+    cfg = self.cfg
+    est = [(dj, pk) + composed_estimate(d_out, p_out)
+           for dj, d_out in enumerate(dec_res) for pk, p_out in enumerate(pre_res)]
+    cheapest = min(range(len(dec_res)), key=lambda j: (self.stage_cost(dec_res[j], "decode"), j),
+                   default=None)
+    dec_opts = [(di, ref_dev if di is None else dec_res[di])]
+    if cheapest is not None and cheapest != di:
+      dec_opts.append((cheapest, dec_res[cheapest]))
+    reached = lambda t, rows: any(r["dev"]["total"] <= t for r in rows)
+    seen: set = set()
+
+    def add(into: list, its) -> None:     # each composition evaluated once over both rounds
+      for it in its:
+        key = (it["d"], it.get("pk"), tuple(it["p"]["tau"]), round(float(it["p"]["b_p"]), 6))
+        if key not in seen:
+          seen.add(key)
+          into.append(it)
+
+    items: list[dict] = []
+    for t in cfg.targets:
+      fit = sorted((e for e in est if e[2] <= t), key=lambda e: (-e[3], e[2], e[0], e[1]))
+      add(items, ({"target": t, "d": dj, "p": pre[pk], "pk": pk, "kind": "pair",
+                   "estimate": {"total": b, "acc": acc}}
+                  for dj, pk, b, acc in fit[:PAIRS_PER_TARGET]))
+      # The B_P grid is coarse: a B_P aimed at t spends the budget (configured floors).
+      near = [{**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=False)]
+      add(items, near)
+      if not fit and not near and not reached(t, pool):
+        add(items, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
+    first = self._eval_items("dev_targets", items, "pair")
+    more: list[dict] = []
+    for t in cfg.targets:
+      if reached(t, pool + first):
+        continue
+      mine = [r for r in first if r["target"] == t and r["kind"] == "aimed"]
+      if not any(r["relaxed"] for r in mine):
+        add(more, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
+      for r in mine:
+        over = r["dev"]["total"] - t
+        b_p = r["p"]["b_p"] - over / max(r["share"], 1e-12) - REAIM_MARGIN
+        if b_p > 0:
+          again = {k: v for k, v in r.items() if k not in ("dev", "source")}
+          add(more, [{**again, "kind": "re-aimed", "p": {**r["p"], "b_p": b_p}}])
+    second = self._eval_items("dev_targets_more", more, "aimed")
+    rows = pool + first + second
+    out = []
+    for t in cfg.targets:
+      j = pick_within([r["dev"] for r in rows], t)
+      if j is None:
+        low = min(r["dev"]["total"] for r in rows)
+        self.log(f"target B {t:.2f} not reached on dev (lowest measured total B {low:.3f}): "
+                 "no variant written")
+        out.append({"target": t, "record": {"target": t, "reached": False, "policy": None,
+                                            "lowest_measured_B_total": low}})
+        continue
+      r = rows[j]
+      dv, src = r["dev"], r["source"]
+      info = {"target": t, "reached": True, "policy": f"policy/B{t:.2f}",
+              "dev_accuracy": dv["acc"], "dev_reference_accuracy": 1 - e_ref,
+              "measured_B_total": dv["total"], "measured_B_prefill": dv["prefill"],
+              "measured_B_decode": dv["decode"], "from": src,
+              "floors_relaxed": src["floors_relaxed"]}
+      d = None if r["d"] is None else dec[r["d"]]
+      pol = self.compose(d, r["p"], {"name": f"calibrated B{t:.2f}", "variant": info})
+      info.update(b_d=float(pol.b_d), b_p=float(pol.b_p))
+      self.log(f"variant B{t:.2f}: dev accuracy {dv['acc']:.3f}, measured B {dv['total']:.3f} "
+               f"(prefill {dv['prefill']:.3f}, decode {dv['decode']:.3f}) from {src['kind']}"
+               + (", floors relaxed" if src["floors_relaxed"] else ""))
+      out.append({"target": t, "record": info, "policy": pol})
+    evaluated = [{"source": r["source"], "dev": r["dev"], "estimate": r.get("estimate")}
+                 for r in first + second]
+    return out, evaluated
+
+  def _write_variants(self, variants: list[dict]) -> None:
+    """``OUT/policy/B<t>/`` per reached target; variant directories of other targets (an earlier
+    run's) are removed so that the policy directory offers only this run's."""
+    import shutil
+    from calibrate.evaluate import policy_variants
+    root = os.path.join(self.out, "policy")
+    keep = {f"B{v['target']:.2f}" for v in variants if "policy" in v}
+    for where in policy_variants(root).values():
+      if os.path.basename(where) not in keep:
+        shutil.rmtree(where)
+    for v in variants:
+      if "policy" in v:
+        P.save(v["policy"], os.path.join(root, f"B{v['target']:.2f}"))
 
   def record(self, dec, drows, di, pre, prows, pi, e_ref) -> dict:
     name = lambda k: f"{k[0]}:{T.describe(k[1])}:g{k[2]}:{Act.NAMES[k[3]]}"
@@ -622,13 +942,27 @@ class Calibration:
                 "prefill": {f"{T.describe(i)}:g{g}": list(v)
                             for (i, g), v in self.rho_pre.items()}},
         "decode_candidates": [{"tau": list(c["tau"]), "step": c["step"], "path_len": c["path_len"],
-                               "nominal_b": c["nominal_b"], "dev": r}
+                               "nominal_b": c["nominal_b"], "window": c["window"], "dev": r}
                               for c, r in zip(dec, drows)],
         "prefill_candidates": [{"tau": list(c["tau"]), "b_p": c["b_p"], "dev": r}
                                for c, r in zip(pre, prows)],
         "selected": {"decode": di, "prefill": pi},
         "dev_reference_accuracy": 1 - e_ref,
     }
+
+
+def composed_estimate(d_outs, p_outs) -> tuple[float, float]:
+  """(total B, accuracy) expected of composing the decode stage measured in ``d_outs`` (prefill
+  all-high) with the prefill stage measured in ``p_outs`` (decode all-high), request by request:
+  the prefill bits of one with the decode bits and lengths of the other; a request counts as
+  passed when it passed under both.  An estimate only: the composition is then measured."""
+  bits = full = 0.0
+  passed = 0
+  for d, p in zip(d_outs, p_outs):
+    bits += p.ledger["prefill_bits"] + d.ledger["decode_bits"]
+    full += d.ledger["full_kv_bits"]
+    passed += bool(d.passed and p.passed)
+  return (bits / full if full else float("nan")), passed / max(len(d_outs), 1)
 
 
 def total_b(outcomes) -> float:

@@ -1,12 +1,16 @@
 """``pask-jax calibrate``: Algorithm 1 on a real model and task, with progress bars and resume.
 
     pask-jax calibrate --model qwen2.5-coder-0.5b-instruct --task bfcl --out runs/cal \
-        [--max-cases N] [--categories simple_python multiple] [--rows 1024]
+        [--max-cases N] [--categories simple_python multiple] [--rows 1024] \
+        [--targets 0.15 0.20 0.25 0.33] [--windows 8 16 32]
 
 Writes ``OUT/policy`` (the frozen policy: orbax arrays + policy.json), ``OUT/calibration.json``
 (V, D, N̄, ρ, candidates with their nominal and measured costs, the selection, timings) and
 ``OUT/work/`` (stages saved as they complete, keyed by a fingerprint of model, task, splits and
 arguments: rerunning the same command resumes; a different one is refused, naming what differs).
+With ``--targets``, also ``OUT/policy/B<t>/`` per target t (see
+:meth:`calibrate.alg1.Calibration.variants`), found by ``pask-jax eval --budget t``; with
+``--windows``, the decode candidates compete at each of those recent windows too.
 """
 from __future__ import annotations
 
@@ -35,6 +39,12 @@ def add_parser(sub) -> None:
   c.add_argument("--window", type=int, default=32)
   c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
   c.add_argument("--backend", default="auto", help="attention kernel backend (auto/reference/...)")
+  c.add_argument("--targets", type=float, nargs="+", default=(), metavar="B",
+                 help="total-B targets in (0, 1]: also write OUT/policy/B<t>/ per target, the "
+                      "most dev-accurate composition measured at total B <= t")
+  c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
+                 help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
+                      "and select over all of them")
   c.add_argument("--speedup", type=int, default=0, metavar="K",
                  help="also time K Runtime-V interventions sequentially vs stacked")
 
@@ -56,6 +66,14 @@ def run(args) -> int:
                      "(calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
+  try:
+    targets = alg1.check_targets(args.targets)
+  except ValueError as e:
+    raise SystemExit(f"error: --targets: {e}")
+  try:
+    windows = alg1.check_windows(args.windows)
+  except ValueError as e:
+    raise SystemExit(f"error: --windows: {e}")
   from pask_jax import platform
   bfcl.need()
   m = platform.load_model_or_exit(args.model, args.dtype)
@@ -82,7 +100,7 @@ def run(args) -> int:
         f"{jax.devices()[0].platform} x{len(jax.devices())}", flush=True)
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
-                    window=args.window)
+                    window=args.window, targets=targets, windows=windows)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
   from calibrate.stages import StageMismatch
   try:
@@ -111,7 +129,16 @@ def run(args) -> int:
         f"(all-high {comp_['dev_reference_accuracy']:.3f}),"
         f" measured B total {comp_['measured_B_total']:.3f} (prefill "
         f"{comp_['measured_B_prefill']:.3f}, decode {comp_['measured_B_decode']:.3f}); "
-        f"B_D {comp_['b_d']:.3f}, B_P {comp_['b_p']:.3f}; wall {rec['wall_s']:.0f} s")
+        f"B_D {comp_['b_d']:.3f}, B_P {comp_['b_p']:.3f}, W {comp_['window']}; "
+        f"wall {rec['wall_s']:.0f} s")
+  for v in rec.get("variants", []):
+    if v["reached"]:
+      print(f"variant {v['policy']}: dev accuracy {v['dev_accuracy']:.3f}, measured B total "
+            f"{v['measured_B_total']:.3f} (prefill {v['measured_B_prefill']:.3f}, decode "
+            f"{v['measured_B_decode']:.3f})" + ("; floors relaxed" if v["floors_relaxed"] else ""))
+    else:
+      print(f"target B {v['target']:.2f}: not reached on dev (lowest measured total B "
+            f"{v['lowest_measured_B_total']:.3f}); no variant")
   if "speedup" in rec:
     s = rec["speedup"]
     print(f"vmapped vs sequential ({s['interventions']} interventions x {s['requests']} requests): "

@@ -276,3 +276,200 @@ def test_unkeyed_pickles_are_refused(tmp_path, setup):
   (tmp_path / "work" / "reference.pkl").write_bytes(b"\x80\x04N.")
   with pytest.raises(StageMismatch, match="unkeyed stage pickles"):
     alg1.Calibration(model, tok.hash(), C.cal, C.dev, str(tmp_path), CFG, capacity=CAP)
+
+
+# ---- total-B variants (--targets) -----------------------------------------------------------
+
+TARGETS = (0.9, 0.5, 0.15)
+
+
+@pytest.fixture(scope="module")
+def targeted(setup, tmp_path_factory):
+  """The setup's run resumed in a copy of its work/ with targets: only the target stages run."""
+  import dataclasses
+  import shutil
+  C, rec, out, model, tok = setup
+  out2 = str(tmp_path_factory.mktemp("targets"))
+  shutil.copytree(os.path.join(out, "work"), os.path.join(out2, "work"))
+  cfg = dataclasses.replace(CFG, targets=TARGETS)
+  C2 = alg1.Calibration(model, tok.hash(), C.cal, C.dev, out2, cfg, capacity=CAP)
+  return C2, C2.run(), out2, cfg
+
+
+def _measured_rows(rec) -> list[dict]:
+  """Every composition the record says was measured on dev: (accuracy, total B)."""
+  rows = [{"acc": rec["dev_reference_accuracy"], "total": 1.0},
+          {"acc": rec["composed"]["dev_accuracy"], "total": rec["composed"]["measured_B_total"]}]
+  rows += [c["dev"] for c in rec["decode_candidates"] + rec["prefill_candidates"]]
+  return rows + [c["dev"] for c in rec["target_candidates"]]
+
+
+def test_target_variants_fit_their_targets_and_are_the_most_accurate(targeted):
+  from calibrate.evaluate import pick_policy, policy_variants
+  C, rec, out, cfg = targeted
+  assert "Runtime-V" not in C.timings and "dev" not in C.timings and "dev_targets" in C.timings
+  saved = json.load(open(os.path.join(out, "calibration.json")))
+  assert saved["variants"] == json.loads(json.dumps(rec["variants"]))
+  assert sorted(policy_variants(os.path.join(out, "policy"))) == sorted(TARGETS)
+  rows = _measured_rows(rec)
+  for t in TARGETS:
+    v = next(v for v in rec["variants"] if v["target"] == t)
+    assert v["reached"] and v["measured_B_total"] <= t
+    where, b = pick_policy(os.path.join(out, "policy"), t)
+    assert where == os.path.join(out, "policy", f"B{t:.2f}") and b == pytest.approx(t)
+    extra = json.load(open(os.path.join(where, "policy.json")))["extra"]["variant"]
+    assert extra["target"] == t and extra["measured_B_total"] == v["measured_B_total"]
+    assert {"measured_B_prefill", "measured_B_decode", "dev_accuracy", "from",
+            "floors_relaxed"} <= set(extra)
+    # The rule over everything measured: the most accurate within t, ties to the lower B.
+    fits = [r for r in rows if r["total"] <= t]
+    best = max(r["acc"] for r in fits)
+    assert v["dev_accuracy"] == best
+    assert v["measured_B_total"] == min(r["total"] for r in fits if r["acc"] == best)
+  # 0.15 is below every candidate of the normal flow: reached by prefill aimed at it, with floors
+  # relaxed (the configured ones cost more than it allows).
+  low = next(v for v in rec["variants"] if v["target"] == 0.15)
+  normal = [c["dev"]["total"] for c in rec["decode_candidates"] + rec["prefill_candidates"]]
+  assert min(normal + [rec["composed"]["measured_B_total"]]) > 0.15
+  assert low["from"]["kind"] in ("aimed", "re-aimed") and low["floors_relaxed"]
+  assert tuple(low["from"]["prefill"]["tau"]) not in {tuple(x) for x in cfg.prefill_thresholds}
+
+
+def test_a_saved_variant_measures_what_its_record_says(targeted):
+  C, rec, out, cfg = targeted
+  v = next(v for v in rec["variants"] if v["target"] == 0.5)
+  pol = P.load(os.path.join(out, v["policy"]), C.model.cfg, C.thash)
+  res = S.run_stack(C.runner_for, C.dev, [pol], rows=CFG.rows, max_tokens=CFG.max_tokens)[0]
+  assert alg1.total_b(res) == pytest.approx(v["measured_B_total"], abs=1e-9)
+  assert 1 - C.error(res) == v["dev_accuracy"]
+
+
+def test_target_stages_resume_and_are_keyed_by_the_targets(targeted, tmp_path):
+  import dataclasses
+  import shutil
+  from calibrate.stages import StageMismatch
+  C, rec, out, cfg = targeted
+  work = str(tmp_path / "work")
+  shutil.copytree(os.path.join(out, "work"), work)
+  more = os.path.join(work, "dev_targets_more.npz")
+  if os.path.exists(more):        # resume with round 1 saved and round 2 not yet
+    os.remove(more)
+  C2 = alg1.Calibration(C.model, C.thash, C.cal, C.dev, str(tmp_path), cfg, capacity=CAP)
+  rec2 = C2.run()
+  assert "dev_targets" not in C2.timings and "dev" not in C2.timings
+  assert rec2["variants"] == rec["variants"]
+  other = dataclasses.replace(cfg, targets=(0.5,))
+  with pytest.raises(StageMismatch, match="args.targets"):
+    alg1.Calibration(C.model, C.thash, C.cal, C.dev, str(tmp_path), other, capacity=CAP)
+
+
+def test_pick_within_takes_the_most_accurate_that_fits():
+  rows = [{"acc": 0.9, "total": 0.5}, {"acc": 0.8, "total": 0.2}, {"acc": 0.9, "total": 0.3},
+          {"acc": 0.95, "total": 0.31}, {"acc": 0.8, "total": 0.1}, {"acc": 0.9, "total": 0.3}]
+  assert alg1.pick_within(rows, 0.3) == 2          # equal to the target fits; tie: first row
+  assert alg1.pick_within(rows, 0.31) == 3         # more accurate, though costlier
+  assert alg1.pick_within(rows, 1.0) == 3
+  assert alg1.pick_within(rows, 0.25) == 4         # accuracy tie: the lower B
+  assert alg1.pick_within(rows, 0.05) is None
+
+
+def test_aim_prefill_puts_the_total_on_the_target():
+  s, b_d = 0.88, 0.64
+  b_p = alg1.aim_prefill(0.2, s, b_d)
+  assert s * b_p + (1 - s) * b_d == pytest.approx(0.2)
+  assert alg1.aim_prefill(0.05, s, b_d) < 0       # the decode share alone is over it
+
+
+def test_composed_estimate_takes_prefill_from_one_and_decode_from_the_other():
+  def out(passed, pb, db, n_p, n_g):
+    led = {"prefill_bits": pb, "decode_bits": db, "full_kv_bits": 10.0 * (n_p + n_g),
+           "n_prompt": n_p, "n_gen": n_g}
+    return S.Outcome(0, [], "", "stop", passed, 1.0, led, None, None, n_p)
+  d = [out(True, 800.0, 50.0, 80, 20), out(True, 400.0, 100.0, 40, 10)]
+  p = [out(True, 200.0, 200.0, 80, 20), out(False, 100.0, 100.0, 40, 10)]
+  b, acc = alg1.composed_estimate(d, p)
+  assert b == pytest.approx((200 + 50 + 100 + 100) / 1500) and acc == 0.5
+
+
+@pytest.mark.parametrize("targets, msg", [
+    ((0.0,), r"must be in \(0, 1\], got 0.0"), ((1.5,), "got 1.5"), ((-0.2,), "got -0.2"),
+    ((float("nan"),), "got nan"), ((0.2, 0.201), "repeat B0.20"),
+])
+def test_bad_targets_are_refused(targets, msg):
+  with pytest.raises(ValueError, match=msg):
+    alg1.check_targets(targets)
+  assert alg1.check_targets((0.15, 1.0)) == (0.15, 1.0)
+
+
+def test_calibrate_cli_rejects_a_target_outside_0_1(tmp_path):
+  from pask_jax.cli import main
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate", "--out", str(tmp_path / "o"), "--targets", "0.25", "1.5"])
+  assert str(e.value) == "error: --targets: target total B must be in (0, 1], got 1.5"
+
+
+# ---- recent window as a calibrated knob (--windows) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def windowed(setup, tmp_path_factory):
+  """The setup's stages up to dev resumed with decode candidates also at W = 2 and 8 (and one
+  target, so variants draw on them too)."""
+  import dataclasses
+  import shutil
+  C, rec, out, model, tok = setup
+  out2 = str(tmp_path_factory.mktemp("windows"))
+  shutil.copytree(os.path.join(out, "work"), os.path.join(out2, "work"),
+                  ignore=shutil.ignore_patterns("dev_composed.npz"))
+  cfg = dataclasses.replace(CFG, windows=(2, 8), targets=(0.5,))
+  C2 = alg1.Calibration(model, tok.hash(), C.cal, C.dev, out2, cfg, capacity=CAP)
+  return C2, C2.run(), out2, rec
+
+
+def test_windows_evaluate_every_decode_candidate_per_window_and_select_over_all(windowed):
+  C, rec, out, rec0 = windowed
+  rows = rec["decode_candidates"]
+  n = len(rec0["decode_candidates"])
+  assert [r["window"] for r in rows] == [CFG.window] * n + [2] * n + [8] * n
+  assert [r["dev"] for r in rows[:n]] == [r["dev"] for r in rec0["decode_candidates"]]
+  assert "dev" not in C.timings and "dev_windows" in C.timings
+  # Eq. 9 over every (candidate, window): the cheapest measured decode cost within alpha_d.
+  e_ref = 1 - rec["dev_reference_accuracy"]
+  ok = [i for i, r in enumerate(rows) if r["dev"]["err"] - e_ref <= CFG.alpha_d + 1e-12]
+  j = rec["selected"]["decode"]
+  assert j in ok and rows[j]["dev"]["cost"] == min(rows[i]["dev"]["cost"] for i in ok)
+  pol = P.load(os.path.join(out, "policy"), C.model.cfg, C.thash)
+  assert pol.window == rows[j]["window"] == rec["composed"]["window"]
+  v = rec["variants"][0]
+  assert v["reached"] and v["measured_B_total"] <= 0.5
+
+
+def test_a_window_candidate_measures_as_an_independent_run_at_that_window(windowed):
+  C, rec, out, rec0 = windowed
+  n = len(rec0["decode_candidates"])
+  c = C.dec_cands[n]                      # the first candidate at W = 2
+  assert c["window"] == 2 and c["policy"].window == 2
+  tmpl = P.all_high(C.model.cfg, sink=CFG.sink, window=2)
+  res = S.run_stack(S.runner_factory(C.model, tmpl, CAP), C.dev, [c["policy"]], rows=CFG.rows,
+                    max_tokens=CFG.max_tokens)[0]
+  assert alg1.total_b(res) == pytest.approx(rec["decode_candidates"][n]["dev"]["total"], abs=1e-9)
+  assert C.stage_cost(res, "decode") == pytest.approx(rec["decode_candidates"][n]["dev"]["cost"])
+
+
+def test_windows_key_the_stages_that_depend_on_them(windowed, setup):
+  C, rec, out, rec0 = windowed
+  from calibrate import stages
+  meta = stages.read_meta(stages.path(os.path.join(out, "work"), "dev_composed"))
+  assert meta["fingerprint"]["args"]["windows"] == [2, 8]
+  # Without windows the keys are those of a run that never knew them (older runs resume).
+  assert "windows" not in setup[0].keys["dev_composed"]["args"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--windows", "0"], "error: --windows: recent window W must be an integer >= 1, got 0"),
+    (["--windows", "8", "8"], "error: --windows: windows repeat: [8, 8]"),
+])
+def test_calibrate_cli_rejects_bad_windows(tmp_path, argv, msg):
+  from pask_jax.cli import main
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate", "--out", str(tmp_path / "o")] + argv)
+  assert str(e.value) == msg
