@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
   c.add_argument("--sink", type=int, default=4)
   c.add_argument("--window", type=int, default=32)
   c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+  c.add_argument("--key-center", choices=["on", "off"], default="on",
+                 help="subtract a fixed per-channel mean from the post-RoPE keys (models.center; "
+                      "part of the model fingerprint the saved stages are keyed on)")
   c.add_argument("--backend", default="auto", help="attention kernel backend (auto/reference/...)")
   c.add_argument("--targets", type=float, nargs="+", default=(), metavar="B",
                  help="total-B targets in (0, 1]: also write OUT/policy/B<t>/ per target, the "
@@ -76,7 +79,7 @@ def run(args) -> int:
     raise SystemExit(f"error: --windows: {e}")
   from pask_jax import platform
   bfcl.need()
-  m = platform.load_model_or_exit(args.model, args.dtype)
+  m = platform.load_model_or_exit(args.model, args.dtype, center_keys=args.key_center == "on")
   tok = m.tokenizer
   t0 = time.perf_counter()
 
