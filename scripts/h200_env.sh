@@ -5,3 +5,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PASK_JAX_CACHE=/tmp/m
 mkdir -p /tmp/m
+# What comes back from a device call is $OUT's files, but not folders nested deeper than a level
+# or two (campaign cells, policy arrays): tar them into $OUT at the end of the call.
