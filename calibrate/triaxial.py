@@ -60,7 +60,6 @@ class Calibration:
 def references(session, *, max_tokens: int, max_cases: int | None = None) -> Calibration:
   """Full-KV greedy generations of the calibration split with their tag candidates."""
   from calibrate.stack import Recorder
-  from calibrate.evaluate import batch_size
   from pask_jax.decode import Sampling, generate
   from pask_jax.grammar.fc_adapter import FCAdapter
   cases = session.task.cases(SPLIT, None, max_cases)
@@ -68,7 +67,8 @@ def references(session, *, max_tokens: int, max_cases: int | None = None) -> Cal
     raise ValueError("triaxial calibration: the calibration split has no cases")
   preps = session.task.prepare(cases, prompt_labels=True)
   session.ensure_capacity(preps, max_tokens)
-  batch = batch_size(len(preps), session.batch)
+  k = -(-len(preps) // session.batch)          # as few balanced batches as the session allows
+  batch = -(-len(preps) // k)
   runner = session.runner("full", batch)
   seqs, cands, n_prompt = [], [], []
   for s in range(0, len(preps), batch):
