@@ -148,10 +148,11 @@ def resolve(tab, cands, high: int):
 
 @dataclasses.dataclass
 class Refs:
-  """The calibration references as the cost prediction sees them: the tag candidates of every
-  token stored at its tag's width at the end of its request, and the count of all tokens and of
-  those stored BF16 (the protected prefix and tail)."""
-  cands: np.ndarray        # int32[N, N_CAND]
+  """The calibration references as the cost prediction sees them: the distinct tag-candidate rows
+  of the tokens stored at their tag's width at the end of their request and how many tokens have
+  each, and the count of all tokens and of those stored BF16 (the protected prefix and tail)."""
+  cands: np.ndarray        # int32[N, N_CAND], distinct rows
+  weight: np.ndarray       # int64[N]: tokens per row
   n_tokens: int
   n_protected: int
 
@@ -167,14 +168,15 @@ class Refs:
       prot += int(p.sum())
       n_all += n
     cands = np.concatenate(keep) if keep else np.zeros((0, T.N_CAND), np.int32)
-    return cls(cands, n_all, prot)
+    rows, weight = np.unique(cands, axis=0, return_counts=True)
+    return cls(rows.reshape(-1, T.N_CAND).astype(np.int32), weight.astype(np.int64), n_all, prot)
 
 
 def predict_b(tab: np.ndarray, refs: Refs, costs: np.ndarray, high: int) -> float:
   """End-of-request B of the references under the width table ``tab [N_IDS, G]``."""
   full = costs[Q.BF16].sum()
   w = resolve(tab, refs.cands, high)                            # [N, G]
-  bits = costs[w, np.arange(costs.shape[1])].sum()
+  bits = (costs[w, np.arange(costs.shape[1])].sum(axis=1) * refs.weight).sum()
   return float((refs.n_protected * full + bits) / (refs.n_tokens * full))
 
 
@@ -199,7 +201,9 @@ def allocate(d: dict, refs: Refs, knobs: Knobs, budget: float, costs: np.ndarray
   G = costs.shape[1]
   ids = sorted({i for i, _, _ in d})
   units = {i: [hi] * G for i in ids}
-  n_single = collections.Counter(single(refs.cands).tolist())
+  n_single = collections.Counter()
+  for u, c in zip(single(refs.cands).tolist(), refs.weight.tolist()):
+    n_single[u] += c
   pred = lambda: predict_b(table(units, hi, G), refs, costs, hi)
   top = b = pred()
   floor = predict_b(table({i: [lo] * G for i in ids}, lo, G), refs, costs, lo)
@@ -224,7 +228,7 @@ def allocate(d: dict, refs: Refs, knobs: Knobs, budget: float, costs: np.ndarray
     steps += 1
   tab = table(units, hi, G)
   w = resolve(tab, refs.cands, hi)
-  bits = w.astype(float).sum() + refs.n_protected * G * Q.BF16
+  bits = (w.astype(float).sum(axis=1) * refs.weight).sum() + refs.n_protected * G * Q.BF16
   return {"knobs": knobs.asdict(), "budget": float(budget), "n_groups": G,
           "units": {str(i): [int(x) for x in units[i]] for i in ids},
           "tags": {str(i): T.describe(i) for i in ids},
