@@ -301,7 +301,7 @@ def _distortion(q, k, v, unit_of, unit, wi, u_lo, u_hi, n, prefix, window, *, wi
 
 def distortion(q, k, v, unit_of: np.ndarray, n_prompt: int, *, prefix: int, window: int,
                widths: tuple[int, ...], n_units: int, group_of: tuple[int, ...], n_groups: int,
-               U: int | None = None, chunk: int = 16) -> np.ndarray:
+               U: int | None = None, chunk: int = 32) -> np.ndarray:
   """``D [n_units, len(widths), G]`` for one reference request: Eq. 7's numerator (Σ over decode
   queries u >= ``n_prompt`` and the layers of each group of max over query heads of
   ‖o_exact − o‖²) when the tokens of one unit (``unit_of [n]``) older than the query's
