@@ -122,6 +122,8 @@ def test_allocation_meets_the_budget_lowest_distortion_per_bit_first():
   top = TX.allocate(d, refs, kn, 1.0, costs)
   assert top["demoted"] == 0 and top["predicted_B"] == top["top_B"]
   assert all(w == [4, 4, 4] for w in top["units"].values())
+  assert top["avg_bits"] == pytest.approx(
+      (16 * refs.n_protected + 4 * (refs.n_tokens - refs.n_protected)) / refs.n_tokens)
   target = float(RNG.uniform(top["floor_B"] + 0.01, top["top_B"] - 0.01))
   a = TX.allocate(d, refs, kn, target, costs)
   units = {int(i): w for i, w in a["units"].items()}

@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 from typing import NamedTuple
 
 import jax
@@ -206,11 +205,11 @@ def allocate(d: dict, refs: Refs, knobs: Knobs, budget: float, costs: np.ndarray
     n_single[u] += c
   pred = lambda: predict_b(table(units, hi, G), refs, costs, hi)
   top = b = pred()
-  floor = predict_b(table({i: [lo] * G for i in ids}, lo, G), refs, costs, lo)
+  floor = predict_b(table({i: [lo] * G for i in ids}, hi, G), refs, costs, hi)
   if floor > budget + TOL:
     raise ValueError(
         f"triaxial cannot reach B={budget:g}: the {knobs.prefix}-token prefix and {knobs.window}-"
-        f"token tail in BF16 with every other token at INT{lo} already cost B={floor:.3f} on the "
+        f"token tail in BF16 with every tag at INT{lo} already cost B={floor:.3f} on the "
         f"calibration references; use a smaller prefix/window or lower bits")
   order = []
   for i in ids:
@@ -226,14 +225,16 @@ def allocate(d: dict, refs: Refs, knobs: Knobs, budget: float, costs: np.ndarray
     units[i][g] = lo
     b = pred()
     steps += 1
-  tab = table(units, hi, G)
-  w = resolve(tab, refs.cands, hi)
-  bits = (w.astype(float).sum(axis=1) * refs.weight).sum() + refs.n_protected * G * Q.BF16
+  # element-weighted average stored precision (code bits; a group's elements ∝ its BF16 cost)
+  elems = costs[Q.BF16] / Q.BF16
+  w = resolve(table(units, hi, G), refs.cands, hi).astype(float)
+  bits = ((w * elems).sum(axis=1) * refs.weight).sum() + refs.n_protected * Q.BF16 * elems.sum()
   return {"knobs": knobs.asdict(), "budget": float(budget), "n_groups": G,
           "units": {str(i): [int(x) for x in units[i]] for i in ids},
           "tags": {str(i): T.describe(i) for i in ids},
           "demoted": steps, "predicted_B": float(b), "floor_B": float(floor), "top_B": float(top),
-          "avg_bits": float(bits / (refs.n_tokens * G)) if refs.n_tokens else float("nan"),
+          "avg_bits": float(bits / (refs.n_tokens * elems.sum())) if refs.n_tokens else
+          float("nan"),
           "distortion": {f"{i}/{g}/{w}": float(v) for (i, g, w), v in sorted(d.items())}}
 
 
@@ -500,6 +501,3 @@ class TriaxialRunner:
                   "widths": {str(k): int((w == k).sum()) for k in (Q.BF16,) + Q.WIDTHS}})
     return out
 
-
-def dumps(alloc: dict) -> str:
-  return json.dumps(alloc, indent=1, sort_keys=True)
