@@ -42,15 +42,18 @@ GRIDS = {
     "paper": {"streaming": {"sink": [4]},
               "h2o": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
               "mikv": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
-              "snapkv": {"obs": [16, 32, 64, 128], "pool": ["avg", "max"], "kernel": [3, 5, 7]}},
+              "snapkv": {"obs": [16, 32, 64, 128], "pool": ["avg", "max"], "kernel": [3, 5, 7]},
+              "triaxial": BL.triaxial.GRID},
     "small": {"streaming": {"sink": [4]},
               "h2o": {"sink": [4], "recent": [16, 64]},
               "mikv": {"sink": [4], "recent": [16, 64]},
-              "snapkv": {"obs": [16, 64], "pool": ["avg", "max"], "kernel": [7]}},
+              "snapkv": {"obs": [16, 64], "pool": ["avg", "max"], "kernel": [7]},
+              "triaxial": {"prefix": [4], "bits": [[2, 4], [4, 4]], "window": [32, 128]}},
 }
 DEFAULT_KNOBS = {"gen": 48.0, "streaming": {"sink": 4}, "int4": {"sink": 4, "window": 32},
                  "h2o": {"sink": 4, "recent": 32}, "mikv": {"sink": 4, "recent": 32},
-                 "snapkv": {"obs": 32, "pool": "max", "kernel": 7}}
+                 "snapkv": {"obs": 32, "pool": "max", "kernel": 7},
+                 "triaxial": {"prefix": 4, "bits": [2, 4], "window": 32}}
 
 
 # --- tasks ---------------------------------------------------------------------------------------
@@ -179,6 +182,8 @@ def check_config(rc: RunConfig) -> None:
     BU.check_target(rc.budget)
   if rc.method == "pask":
     pick_policy(rc.policy, rc.budget)
+  if rc.method == "triaxial":
+    BL.triaxial.Knobs.parse(merged_knobs(rc.knobs)["triaxial"])
   if rc.split not in SPLIT_NAMES:
     raise ValueError(f"unknown split {rc.split!r}; choose from cal, dev, test")
   if rc.max_tokens <= 0:
@@ -209,6 +214,7 @@ class Session:
     self.capacity = 0
     self.runners: dict[str, Any] = {}
     self.policies: dict[str, Any] = {}
+    self.calibrations: dict[Any, Any] = {}   # a baseline's calibration-split state (triaxial)
 
   def ensure_capacity(self, preps: Sequence[Prompt], max_tokens: int) -> None:
     from pask_jax.decode import capacity_for
@@ -231,6 +237,8 @@ class Session:
         r = Runner(self.m.model, **kw)
       elif kind == "pask":
         r = PaskRunner(self.m.model, P.all_high(self.cfg), **kw)
+      elif kind == "triaxial":
+        r = BL.triaxial.TriaxialRunner(self.m.model, **kw)
       else:
         r = BL.MaskedRunner(self.m.model, **kw)
       self.runners[(kind, batch)] = r
@@ -313,6 +321,17 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prompt],
       r.policy = BL.streaming.policy(s.cfg, sink=sink, window=w)
       used.update(sink=sink, window=w)
     return r, used
+  if m == "triaxial":
+    # The allocation frozen in the knobs when it was made for these knobs and this target;
+    # otherwise calibrated now, on the calibration split only.
+    from calibrate import triaxial as TC
+    tk = BL.triaxial.Knobs.parse(kn[m])
+    alloc = kn[m].get("allocation")
+    if not BL.triaxial.matches(alloc, tk, rc.budget):
+      alloc = TC.calibrate(s, tk, rc.budget, max_tokens=rc.max_tokens,
+                           max_cases=kn[m].get("cal_cases"))
+    used.update(tk.asdict(), allocation=alloc)
+    return s.runner("triaxial", batch).configure(tk, alloc), used
   k = {a: v for a, v in kn[m].items() if a != "gen"}
   q = BU.low_ratio(s.cfg.head_dim)
   ratio = BL.plan(m, rc.budget, lengths, sink=int(k.get("sink", 4)),
@@ -350,7 +369,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   if not cases:
     raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
   pask = rc.method == "pask"
-  preps = s.task.prepare(cases, prompt_labels=pask)
+  tagged = rc.method in ("pask", "triaxial")   # methods that read the parser's tags
+  preps = s.task.prepare(cases, prompt_labels=tagged)
   s.ensure_capacity(preps, rc.max_tokens)
   batch = batch_size(len(preps), s.batch)
   runner, used = _setup(s, rc, preps, batch)
@@ -359,6 +379,9 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
     from pask_jax.grammar.fc_adapter import FCAdapter
     vocab = P.state_vocab(runner.policy)        # parser-state ids of the calibrated reserve Γ
     tracker = lambda g: Tracker(g, FCAdapter(g, s.tok, vocab=vocab))
+  elif tagged:
+    from pask_jax.grammar.fc_adapter import FCAdapter
+    tracker = lambda g: Tracker(g, FCAdapter(g, s.tok))
   else:
     tracker = lambda g: Tracker(g)
   sampling = Sampling(max_tokens=rc.max_tokens)
@@ -386,7 +409,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
 
     trackers = [_Counted(tracker(p.grammar), stops, rc.max_tokens, done) for p in ps]
     res = generate(runner, s.tok, [p.ids for p in ps], trackers=trackers,
-                   prompt_tags=[p.tags for p in ps] if pask else None, sampling=sampling)
+                   prompt_tags=[p.tags for p in ps] if tagged else None, sampling=sampling)
     if bar is not None and told[0] < len(idx):   # a row generate() ended by another rule
       bar.update(len(idx) - told[0])
     for i, p, r in zip(idx, ps, res):
@@ -518,7 +541,10 @@ def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "smal
                   "headline": h["accuracy"], "total_B": o["total_B"]})
       if best is None or key > best[0]:
         # the method's own mean generated length on dev: its ĝ for budget matching on test
-        best = (key, {**c, "gen": o["gen_len"]})
+        # (and a calibrated baseline's allocation, frozen with its knobs)
+        frozen = {"allocation": r["settings"]["allocation"]} if "allocation" in r["settings"] \
+            else {}
+        best = (key, {**c, "gen": o["gen_len"], **frozen})
     if best is not None:
       knobs[m].update(best[1])
   res = {"knobs": knobs, "budget": budget, "split": split, "grid": grid, "n_cases": len(cases),

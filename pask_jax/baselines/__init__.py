@@ -9,16 +9,19 @@ grammars, greedy decoding and payload cost model), one module per baseline:
 * :mod:`~pask_jax.baselines.h2o` — H2O (Zhang et al. 2023): accumulated-attention heavy hitters.
 * :mod:`~pask_jax.baselines.snapkv` — SnapKV (Li et al. 2024): observation-window prompt selection.
 * :mod:`~pask_jax.baselines.mikv` — MiKV (Yang et al. 2024): H2O importance → BF16, the rest INT4.
+* :mod:`~pask_jax.baselines.triaxial` — TriAxialKV (Shen et al. 2026): INT2/3/4/8 by semantic tag,
+  allocated under the budget from per-tag attention-output distortion on the calibration split,
+  protected prefix and recent tail in BF16 (quantizers: :mod:`~pask_jax.baselines.quant`).
 
 The last three need attention statistics and run on :class:`MaskedRunner` (dense cache with
 per-layer, per-head keep/INT4 masks, statistics from the reference attention path).
 :mod:`~pask_jax.baselines.budget` holds the shared payload accounting and budget matching.
 """
-from pask_jax.baselines import budget, full, h2o, int4, mikv, snapkv, streaming
+from pask_jax.baselines import budget, full, h2o, int4, mikv, quant, snapkv, streaming, triaxial
 from pask_jax.baselines.masked import Config, MaskedRunner, plan
 
-METHODS = ("full", "pask", "streaming", "h2o", "snapkv", "mikv", "int4")
+METHODS = ("full", "pask", "streaming", "h2o", "snapkv", "mikv", "int4", "triaxial")
 MASKED = ("h2o", "snapkv", "mikv")
 
 __all__ = ["METHODS", "MASKED", "Config", "MaskedRunner", "plan", "budget", "full", "h2o", "int4",
-           "mikv", "snapkv", "streaming"]
+           "mikv", "quant", "snapkv", "streaming", "triaxial"]
