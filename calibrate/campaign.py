@@ -453,6 +453,8 @@ def _settings(method: str, knobs: dict | None, policy_fp: dict | None, max_token
     out["knobs"] = own
   elif method == "int4":
     out["knobs"] = {k: v for k, v in kn["int4"].items() if k != "gen"}
+  elif method in kn:   # e.g. triaxial: its knobs and any frozen allocation change its answers
+    out["knobs"] = kn[method]
   if policy_fp is not None:
     out["policy"] = policy_fp
   return out

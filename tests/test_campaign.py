@@ -271,6 +271,12 @@ def test_cell_key_follows_settings_not_plan_order(env, task):
   assert not set(longer.values()) & set(base.values())
   other_cases = keys(PLAN.replace("cases = 1", "cases = 1\nskip = 1"))
   assert not set(other_cases.values()) & set(base.values())
+  uncentered = keys(PLAN.replace('tiny = "{model}"', 'tiny = {{ model = "{model}", '
+                                  'key_center = false }}'))
+  assert not set(uncentered.values()) & set(base.values())   # key centering changes INT4 answers
+  tri = PLAN + ("\n[methods.triaxial]\nbudgets = [0.3]\n"
+                "knobs = {{ triaxial = {{ window = {w} }} }}\n")
+  assert keys(tri, w=32)[("triaxial", 0.3)] != keys(tri, w=128)[("triaxial", 0.3)]
   (env / "tiny.bin").write_bytes(b"other weights")
   assert not set(keys(PLAN).values()) & set(base.values())
 
