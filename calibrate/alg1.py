@@ -92,6 +92,10 @@ class Config:
 # A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
 # the floors no longer bound the prefill cost from below.
 NO_FLOOR = (1.0, 1.0)
+# Which prefill thresholds target candidates are aimed over (part of the stages' fingerprint, so a
+# stage saved under an older rule is not resumed under a new one).  2: H floors are lifted to L
+# (release kept as strict as configured) before any floor is allowed to release.
+TARGET_RULE = 2
 PAIRS_PER_TARGET = 4     # estimated (decode, prefill) compositions evaluated per target
 REAIM_MARGIN = 0.01      # re-aimed B_P lands this far under the target (estimate noise)
 
@@ -339,7 +343,8 @@ class Calibration:
     win = arg("windows") if c["windows"] else {}
     windows = {**dev, "args": {**dev["args"], **arg("windows")}}
     composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p"), **win}}
-    targets = {**composed, "args": {**composed["args"], **arg("targets")}}
+    targets = {**composed, "args": {**composed["args"], **arg("targets"),
+                                    "target_rule": TARGET_RULE}}
     return {"reference": ref, "runtime_v": runtime, "runtime_d": runtime, "dev": dev,
             "dev_windows": windows, "dev_composed": composed, "dev_targets": targets,
             "dev_targets_more": targets}
@@ -756,21 +761,30 @@ class Calibration:
                                         None if pi is None else pre[pi], pi)})
     return pool
 
-  def target_taus(self) -> list[tuple[tuple[float, float], bool]]:
+  def target_taus(self) -> list[tuple[tuple[float, float], str]]:
     """Prefill thresholds for candidates aimed at a target: the configured ones, then relaxed ones
-    (floors that allow L/R where the configured ones force H): (q, q) at the quartiles of the
-    prefill V̄(q, R), and :data:`NO_FLOOR`.  Each with ``relaxed``; thresholds
-    whose floors repeat earlier ones are left out."""
-    vr = sorted(self.vbar("prefill", i, g)[1] for i, g in self.pre_buckets)
+    in two steps.  First the H floors are lifted to L while release stays as strict as the
+    strictest configured threshold: (lo, q) at the quartiles of the prefill V̄(q, L) and (lo, 1)
+    (no H floor) — a stored INT4 token costs about a quarter of an H one, and where INT4 is
+    nearly lossless (centered keys) keeping every prompt token at L or above beats releasing
+    some.  Then floors that may release: (q, q) at the quartiles of the prefill V̄(q, R), and
+    :data:`NO_FLOOR`.  Each with its step ("configured", "lift" or "release"); thresholds whose
+    floors repeat earlier ones are left out."""
+    vb = [self.vbar("prefill", i, g) for i, g in self.pre_buckets]
+    vl, vr = sorted(v[0] for v in vb), sorted(v[1] for v in vb)
+    lo = min((float(t[0]) for t in self.cfg.prefill_thresholds), default=0.0)
+    lift = ([(lo, max(lo, float(np.quantile(vl, q)))) for q in (0.5, 0.75)] if vl else [])
+    lift.append((lo, 1.0))
     loose = [(float(np.quantile(vr, q)),) * 2 for q in (0.25, 0.5, 0.75)] if vr else []
     out, seen = [], []
-    for tau, relaxed in ([(tuple(t), False) for t in self.cfg.prefill_thresholds] +
-                         [(t, True) for t in loose + [NO_FLOOR]]):
+    for tau, step in ([(tuple(t), "configured") for t in self.cfg.prefill_thresholds] +
+                      [(t, "lift") for t in lift] +
+                      [(t, "release") for t in loose + [NO_FLOOR]]):
       f = self.floors("prefill", tau)
       if f in seen:
         continue
       seen.append(f)
-      out.append((tau, relaxed))
+      out.append((tau, step))
     return out
 
   def prefill_floor_cost(self, floors: dict) -> float:
@@ -800,7 +814,8 @@ class Calibration:
   def aimed(self, t: float, dec_opts, relax: bool) -> list[dict]:
     """Compositions aimed at total B ``t``: per decode option (index or None, its dev outcomes)
     B_P solved from the measured prompt share and decode cost (:func:`aim_prefill`), per prefill
-    threshold of :meth:`target_taus` (the relaxed ones only with ``relax``) whose floors fit under
+    threshold of :meth:`target_taus` (without ``relax`` the configured ones and those that lift
+    H floors to L; with ``relax`` those that may release) whose floors fit under
     that B_P (the no-floor one always)."""
     out = []
     for dj, outs in dec_opts:
@@ -808,14 +823,15 @@ class Calibration:
       if b_p <= 0:
         continue
       b_p = min(b_p, 1.0)
-      for tau, relaxed in self.target_taus():
-        if relaxed != relax:
+      for tau, step in self.target_taus():
+        if (step == "release") != relax:
           continue
+        relaxed = step != "configured"
         f = self.floors("prefill", tau)
         if tau != NO_FLOOR and self.prefill_floor_cost(f) > b_p:
           continue
         out.append({"target": t, "d": dj, "p": {"tau": tau, "b_p": b_p, "floors": f},
-                    "relaxed": relaxed, "share": self.prompt_share(outs)})
+                    "relaxed": relaxed, "step": step, "share": self.prompt_share(outs)})
     return out
 
   def _eval_items(self, stage: str, items: list[dict], kind: str) -> list[dict]:
@@ -875,7 +891,7 @@ class Calibration:
       if reached(t, pool + first):
         continue
       mine = [r for r in first if r["target"] == t and r["kind"] == "aimed"]
-      if not any(r["relaxed"] for r in mine):
+      if not any(r.get("step") == "release" for r in mine):
         add(more, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
       for r in mine:
         over = r["dev"]["total"] - t

@@ -473,3 +473,21 @@ def test_calibrate_cli_rejects_bad_windows(tmp_path, argv, msg):
   with pytest.raises(SystemExit) as e:
     main(["calibrate", "--out", str(tmp_path / "o")] + argv)
   assert str(e.value) == msg
+
+
+def test_target_thresholds_lift_h_floors_before_any_release(targeted):
+  """Relaxation order: the configured thresholds, then H floors lifted to L with release kept
+  as strict as configured (no floor that was not R becomes R), then floors that may release."""
+  C, rec, out, cfg = targeted
+  taus = C.target_taus()
+  steps = [s for _, s in taus]
+  assert steps == sorted(steps, key=["configured", "lift", "release"].index)
+  assert "release" in steps and taus[-1][0] == alg1.NO_FLOOR
+  strict = C.floors("prefill", tuple(min(cfg.prefill_thresholds)))
+  for tau, step in taus:
+    f = C.floors("prefill", tau)
+    if step == "lift":
+      assert all(f[k] != Act.R or strict[k] == Act.R for k in f)
+      assert all(a != Act.H for a in f.values()) or tau[1] < 1.0
+  rows = [c for c in rec["target_candidates"] if c["source"]["kind"] == "aimed"]
+  assert rows and all("aimed_at" in c["source"] for c in rows)
