@@ -8,8 +8,10 @@ head)'s pages -- so a leak shows as NaN.
 """
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,6 +21,29 @@ from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 NAN_F16_BITS = 0x7E00
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _encode_pack(k, mu, rot, sp):
+  codes, r = spherical.encode(spherical.to_code_space(k, mu, rot), sp)
+  return spherical.pack(codes, sp), r
+
+
+_quantize = jax.jit(int4.quantize_packed)
+
+
+def unpack_numpy(packed: np.ndarray, sp: spherical.Spec) -> np.ndarray:
+  """numpy twin of ``spherical.unpack`` (the layouts of ``spherical.pack``): ``uint8
+  [..., NB]`` -> int64 tree-order codes ``[..., D]``."""
+  p = np.asarray(packed).astype(np.int64)
+
+  def split(x, bits):
+    return np.concatenate([(x >> (bits * j)) & (2**bits - 1) for j in range(8 // bits)], -1)
+
+  if sp.b1 == sp.bh:
+    return split(p, sp.b1)
+  n1 = sp.d // 2 * sp.b1 // 8
+  return np.concatenate([split(p[..., :n1], sp.b1), split(p[..., n1:], sp.bh)], -1)
 
 
 def make(tiers, lens, *, b: int, hkv: int, page: int, layers: int = 1, seed: int = 0,
@@ -51,15 +76,14 @@ def make(tiers, lens, *, b: int, hkv: int, page: int, layers: int = 1, seed: int
       rot = spherical.rotation(d, lyr, seed)
       mu_rows = mu[lyr][head][:, None, :]                            # [P, 1, D]
       k = mu_rows + rng.standard_normal((p_tot, page, d)) * rng.uniform(0.3, 2.0, (p_tot, page, 1))
-      codes, r = spherical.encode(
-        spherical.to_code_space(jnp.asarray(k, jnp.float32), jnp.asarray(mu_rows, jnp.float32),
-                                rot), ts.key)
-      a = np.asarray(spherical.pack(codes, ts.key))
+      a, r = _encode_pack(jnp.asarray(k, jnp.float32), jnp.asarray(mu_rows, jnp.float32),
+                          jnp.asarray(rot), ts.key)
+      a = np.asarray(a)
       v = rng.standard_normal((p_tot, page, d)) * rng.uniform(0.5, 2.0, (p_tot, page, 1))
       if ts.values == "bf16":
         vs, vsc = np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16)), None
       else:
-        vp, vsc = int4.quantize_packed(jnp.asarray(v, jnp.float32))
+        vp, vsc = _quantize(jnp.asarray(v, jnp.float32))
         vs = np.asarray(vp)
       sw = np.asarray(spherical.side_word(r, vsc))
       if poison:
@@ -100,7 +124,7 @@ def decoded_rows(sph: SphInputs, b: int, h: int) -> list[tuple[np.ndarray, np.nd
       out.append((np.zeros((0, d)), np.zeros((0, d))))
       continue
     idx = tuple(np.asarray(rows).T)
-    codes = np.asarray(spherical.unpack(jnp.asarray(np.asarray(pool.ang)[idx]), sp))
+    codes = unpack_numpy(np.asarray(pool.ang)[idx], sp)
     side = np.asarray(pool.side)[idx]
     r = (side & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
     vsc = (side >> 16).astype(np.uint16).view(np.float16).astype(np.float64)
@@ -123,7 +147,9 @@ def decoded_rows(sph: SphInputs, b: int, h: int) -> list[tuple[np.ndarray, np.nd
     if ts.values == "bf16":
       v = np.asarray(jnp.asarray(vals).astype(jnp.float32), np.float64)
     else:
-      v = np.asarray(int4.unpack(jnp.asarray(vals)), np.float64) * vsc[:, None]
+      x = vals.astype(np.int64)
+      nib = np.concatenate([x & 0xF, x >> 4], -1)                 # half-split nibbles
+      v = (nib - 16 * (nib >= 8)).astype(np.float64) * vsc[:, None]
     out.append((k, v))
   return out
 
@@ -177,4 +203,4 @@ def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, sph: Sph
   return out, lse
 
 
-__all__ = ["NAN_F16_BITS", "decoded_rows", "layer_of", "make", "naive"]
+__all__ = ["NAN_F16_BITS", "decoded_rows", "layer_of", "make", "naive", "unpack_numpy"]

@@ -153,6 +153,14 @@ def test_stacked_layers_pick_their_own_pools_and_constants():
     assert synth.rel_err(got, ref) < 6e-3
 
 
+@pytest.mark.parametrize("layout", spherical.LAYOUTS)
+def test_numpy_unpack_twin_matches(layout):
+  sp = spherical.spec(layout, 64)
+  b = np.random.default_rng(0).integers(0, 256, (300, sp.code_bytes)).astype(np.uint8)
+  np.testing.assert_array_equal(sph_synth.unpack_numpy(b, sp),
+                                np.asarray(spherical.unpack(jnp.asarray(b), sp)))
+
+
 def test_spec_is_static_and_errors_are_clear():
   d = 64
   sph = sph_synth.make([TierSpec("A2", "bf16", d)], [[[3, 4]]], b=1, hkv=2, page=16)

@@ -2,6 +2,7 @@
 layer chunks, then decode evictions; every (token, group, head) lives in exactly one place, in
 position order, with the right codes and values in the right page; tables never overflow their
 pools; free lists hand out each page once; resident bytes match §2.3's item cost."""
+import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -114,43 +115,45 @@ def test_every_token_group_head_lives_in_exactly_one_place(run):
   assert len(set(group_of)) == G
 
 
+@functools.partial(jax.jit, static_argnums=3)
+def _encode(k, mu, rot, sp):
+  return spherical.encode(spherical.to_code_space(k, mu, rot), sp)
+
+
 def test_stored_rows_hold_the_tokens_codes_values_and_flags(run):
   st, r = run
+  lv = spherical.level_of_position(D)
   for t, ts in enumerate(TIERS):
-    pool = st.pools[t]
+    pool = jax.tree.map(np.asarray, st.pools[t])
     for lyr in range(L):
       g = st.group_of[lyr]
-      rot = spherical.rotation(D, lyr)
-      for b in range(B):
-        for h in range(H):
-          ln = int(st.length[t][g, b, h])
-          if not ln:
-            continue
-          j = np.arange(ln)
-          pid = np.asarray(st.pages[t][g, b, h])[j // PAGE]
-          p = np.asarray(st.pos[t][g, b, h])[:ln]
-          kb = jnp.asarray(r["kall"][lyr, b, p, h]).astype(jnp.bfloat16)
-          vb = jnp.asarray(r["vall"][lyr, b, p, h]).astype(jnp.bfloat16)
-          codes, rad = spherical.encode(spherical.to_code_space(kb, r["mu"][lyr, h], rot), ts.key)
-          got = np.asarray(spherical.unpack(pool.ang[lyr, pid, j % PAGE], ts.key))
-          step = np.abs(got - np.asarray(codes))
-          lv = spherical.level_of_position(D)
-          step = np.where(lv == 1, np.minimum(step, 2**ts.b1 - step), step)
-          assert step.max() <= 1 and (step > 0).mean() < 0.01      # one code of slack, rarely
-          side = pool.side[lyr, pid, j % PAGE]
-          np.testing.assert_allclose(np.asarray(spherical.side_radius(side)), np.asarray(rad),
-                                     rtol=1e-3)
-          if ts.values == "bf16":
-            np.testing.assert_array_equal(np.asarray(pool.v[lyr, pid, j % PAGE], np.float32),
-                                          np.asarray(vb, np.float32))
-          else:
-            vq, vs = int4.quantize_packed(vb)
-            np.testing.assert_array_equal(np.asarray(pool.v[lyr, pid, j % PAGE]), np.asarray(vq))
-            np.testing.assert_array_equal(np.asarray(spherical.side_value_scale(side)),
-                                          np.asarray(vs, np.float32))
-          fl = np.asarray(st.flags[t][g, b, h])
-          bits = (fl[j // PAGE] >> (j % PAGE)) & 1
-          np.testing.assert_array_equal(bits, r["prot"][b, p, g, h].astype(int))
+      ln = np.asarray(st.length[t][g])                              # [B, H]
+      bs, hs, js = (np.concatenate(x) for x in zip(*[
+          (np.full(ln[b, h], b), np.full(ln[b, h], h), np.arange(ln[b, h]))
+          for b in range(B) for h in range(H)]))
+      assert len(js) > 10
+      pid = np.asarray(st.pages[t][g])[bs, hs, js // PAGE]
+      p = np.asarray(st.pos[t][g])[bs, hs, js]
+      row = (lyr, pid, js % PAGE)
+      kb = jnp.asarray(r["kall"][lyr, bs, p, hs]).astype(jnp.bfloat16)
+      vb = jnp.asarray(r["vall"][lyr, bs, p, hs]).astype(jnp.bfloat16)
+      codes, rad = _encode(kb, jnp.asarray(r["mu"][lyr, hs]), spherical.rotation(D, lyr), ts.key)
+      got = sph_synth.unpack_numpy(pool.ang[row], ts.key)
+      step = np.abs(got - np.asarray(codes))
+      step = np.where(lv == 1, np.minimum(step, 2**ts.b1 - step), step)
+      assert step.max() <= 1 and (step > 0).mean() < 0.01          # one code of slack, rarely
+      side = jnp.asarray(pool.side[row])
+      np.testing.assert_allclose(np.asarray(spherical.side_radius(side)), np.asarray(rad),
+                                 rtol=1e-3)
+      if ts.values == "bf16":
+        np.testing.assert_array_equal(pool.v[row].astype(np.float32), np.asarray(vb, np.float32))
+      else:
+        vq, vs = int4.quantize_packed(vb)
+        np.testing.assert_array_equal(pool.v[row], np.asarray(vq))
+        np.testing.assert_array_equal(np.asarray(spherical.side_value_scale(side)),
+                                      np.asarray(vs, np.float32))
+      fl = np.asarray(st.flags[t][g])[bs, hs, js // PAGE]
+      np.testing.assert_array_equal((fl >> (js % PAGE)) & 1, r["prot"][bs, p, g, hs])
 
 
 def test_state_feeds_the_reference_kernel(run):
