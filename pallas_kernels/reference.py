@@ -5,6 +5,11 @@ Each partition is gathered densely through its page table, INT4 rows are dequant
 exponential sum; all FP32) is formed and merged with the shared-normalization rule (Eq. 15).
 Invisible entries (beyond a length) are masked *before* any arithmetic touches them, since the
 contract lets them hold garbage, NaN included.  Memory is O(B * capacity), fine for tests and CPU.
+
+The Spherical KV tiers (``sph_partials``; ../shared/SPHERICAL_KV.md §2.2) are further partitions
+of the same kind: a tier's pages are gathered per (sequence, KV head), angles and radius decoded,
+logits formed by CosFromAngles on the rotated query plus the centering term q·μ, and the partials
+concatenated with the three above before the one Eq. 15 merge.
 """
 from __future__ import annotations
 

@@ -98,6 +98,8 @@ class SphInputs:
   spec: tuple[TierSpec, ...] = dataclasses.field(metadata=dict(static=True), default=())
 
   def __post_init__(self):
+    if not isinstance(self.pools, tuple) or not isinstance(self.maps, SphMaps):
+      return  # a pytree prefix or placeholder (e.g. vmap axes), not inputs
     n = len(self.spec)
     if len(self.pools) != n or len(self.maps.pages) != n or len(self.maps.length) != n:
       raise ValueError(
