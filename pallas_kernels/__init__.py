@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.reference import decode_attention_reference
+from pallas_kernels.reference import decode_attention_reference, decode_attention_sph_reference
+from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool, TierSpec
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 BACKENDS = ("auto", "reference", "gpu", "tpu")
@@ -38,7 +39,8 @@ def resolve_backend(backend: str = "auto") -> str:
 
 def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *,
                      layer: jax.Array | int | None = None, scale: float | None = None,
-                     backend: str = "auto", **knobs) -> jax.Array:
+                     backend: str = "auto", sph: SphInputs | None = None,
+                     return_lse: bool = False, **knobs):
   """q [B, Hq, D] (RoPE applied) -> out [B, Hq, D] bf16 for ONE layer.
 
   ``layer=None``: window and pools are one layer's arrays (the shapes of ``types``).  Otherwise
@@ -48,11 +50,22 @@ def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, ma
   Hq must be a multiple of the KV head count; ``scale`` (a Python float) defaults to 1/sqrt(D).
   ``knobs`` are backend tuning parameters (block and chunk sizes, ``num_warps``/``num_stages`` on
   GPU, ``splits`` on TPU, ``interpret``); the defaults are the tuned ones.  Jittable.
+
+  ``sph``: the Spherical KV tier partitions (:class:`SphInputs`, one partition per tier, merged
+  with the others by Eq. 15; ``layer`` indexes their pools and constants too).  ``return_lse``:
+  also return the natural-log LSE of the scaled logits, f32 [B, Hq] (the gated tier rule).  Both
+  run on the "reference" backend only for now.
   """
   hq, hkv = q.shape[1], window.k.shape[-2]
   if hq % hkv:
     raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
   which = resolve_backend(backend)
+  if (sph is not None or return_lse) and which != "reference":
+    what = "the Spherical KV tier partition" if sph is not None else "return_lse"
+    raise NotImplementedError(f"{what} has no {which!r} kernel yet; use backend='reference'")
+  if sph is not None or return_lse:
+    return decode_attention_sph_reference(q, window, hi, lo, maps, sph, layer, scale=scale,
+                                          return_lse=return_lse)
   if which == "reference":
     return decode_attention_reference(q, window, hi, lo, maps, layer, scale=scale)
   if which == "gpu":
@@ -62,5 +75,6 @@ def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, ma
   return decode_attention_tpu(q, window, hi, lo, maps, layer, scale=scale, **knobs)
 
 
-__all__ = ["BACKENDS", "HighPool", "LowPool", "PageMaps", "Window", "decode_attention",
-           "decode_attention_reference", "resolve_backend"]
+__all__ = ["BACKENDS", "HighPool", "LowPool", "PageMaps", "SphConsts", "SphInputs", "SphMaps",
+           "SphPool", "TierSpec", "Window", "decode_attention", "decode_attention_reference",
+           "decode_attention_sph_reference", "resolve_backend"]

@@ -1,0 +1,1 @@
+"""Spherical KV (../shared/SPHERICAL_KV.md): the tier cache state (:mod:`.cache`)."""
