@@ -287,17 +287,18 @@ def test_grammar_accepts_reference_and_checker_passes(cases, which):
   """Per family format (SmolLM2: json_list; Qwen2: fenced JSON at indent 2), the case grammar
   accepts the correct answer token by token, stops, and the scored text passes."""
   import os
-  from pask_jax.grammar import GrammarCompiler
+  from pask_jax.testing import grammar_compiler
   if which == "qwen":
-    from pask_jax.testing import load_tokenizer
-    tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
+    from pask_jax.testing import stored_tokenizer
+    tok = stored_tokenizer(
+        os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
     arch = "qwen2"
   else:
     from pask_jax.testing import smollm2
     tok, arch = smollm2().tokenizer, "llama"
   fmt, indent = bfcl.style_for(arch)
   assert (fmt, indent) == {"qwen": ("fenced_json", 2), "smollm2": ("json_list", None)}[which]
-  grammars = bfcl.Grammars(GrammarCompiler(tok, tok.vocab_size), fmt, indent)
+  grammars = bfcl.Grammars(grammar_compiler(tok), fmt, indent)
   ids = ["simple_python_0", "simple_python_83", "simple_python_89", "multiple_0", "parallel_0",
          "parallel_multiple_0"]
   for i in ids:

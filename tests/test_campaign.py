@@ -13,9 +13,9 @@ from calibrate import campaign as C
 from calibrate import evaluate as E
 from models import Loaded, ModelConfig, random_model
 from pask_jax import cli
-from pask_jax.grammar import GrammarCompiler, tool_call_grammar
+from pask_jax.grammar import tool_call_grammar
 from pask_jax.prompt import Prompt
-from pask_jax.testing.fixtures import load_tokenizer
+from pask_jax.testing import grammar_compiler, stored_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 COLORS = ["red", "green", "blue", "amber"]
@@ -64,7 +64,7 @@ class EnumCampaign:
   name = "enum"
 
   def __init__(self):
-    self.tok = load_tokenizer(DATA)
+    self.tok = stored_tokenizer(DATA)
     self.loads = 0
     self._session = None
 
@@ -84,7 +84,7 @@ class EnumCampaign:
                         n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, rope_theta=1e6,
                         tie_embeddings=True)
       m = Loaded(cfg, random_model(cfg, seed=7), self.tok)
-      gc = GrammarCompiler(self.tok, cfg.vocab_size)
+      gc = grammar_compiler(self.tok, cfg.vocab_size)
       self._session = E.Session(m, EnumEval(self.tok, gc), batch=batch, compiler=gc)
     return self._session
 

@@ -12,14 +12,14 @@ import functools
 import numpy as np
 import pytest
 
-from models import ModelConfig, gguf_io, random_model, registry
-from models.tokenizer import Tokenizer
+from models import ModelConfig, random_model
 from pask_jax import policy as P
 from pask_jax import actions as Act
 from pask_jax import tags as T
 from pask_jax.decode import PaskRunner, Runner, Sampling, generate
-from pask_jax.grammar import FCAdapter, GrammarCompiler, tool_call_grammar
+from pask_jax.grammar import FCAdapter, tool_call_grammar
 from pask_jax.grammar.prompt_spans import label_prompt
+from pask_jax.testing import grammar_compiler, smollm2_tokenizer
 from pask_jax.tracker import Tracker
 from serve.engine import (DenseEngine, Engine, Request, expected_mix, page_bytes, reachable,
                           size_pools)
@@ -36,9 +36,8 @@ TOOLS = [{"name": "log_weather", "parameters": {"type": "object", "properties": 
     "rows": {"type": "array", "items": ROW, "minItems": 64}}, "required": ["rows"]}}]
 
 
-@functools.lru_cache(maxsize=None)
 def tok():
-  return Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
+  return smollm2_tokenizer()
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +54,7 @@ def prefiller():
 
 @functools.lru_cache(maxsize=None)
 def grammar():
-  return tool_call_grammar(GrammarCompiler(tok(), CFG.vocab_size), TOOLS, "json_list")
+  return tool_call_grammar(grammar_compiler(tok(), CFG.vocab_size), TOOLS, "json_list")
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,7 +372,7 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
   n_gen, measured B), the same actions for every cached position, and the same pages — also when
   preemptions (replay) happen and requests end on a stop token, so the speculative feeds of the
   last tokens are exercised."""
-  short = GrammarCompiler(tok(), CFG.vocab_size).ebnf('root ::= "yes" | "no" | "maybe so"')
+  short = grammar_compiler(tok(), CFG.vocab_size).ebnf('root ::= "yes" | "no" | "maybe so"')
 
   def reqs():   # tool calls that run to their length, and short answers that end on a stop token
     out = requests(5)

@@ -11,10 +11,10 @@ import pytest
 from models import Loaded, ModelConfig, random_model
 from calibrate import evaluate as E
 from pask_jax import policy as P
-from pask_jax.grammar import GrammarCompiler, tool_call_grammar
+from pask_jax.grammar import tool_call_grammar
 from pask_jax.prompt import Prompt
 
-from pask_jax.testing import load_tokenizer
+from pask_jax.testing import grammar_compiler, stored_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 RNG = np.random.default_rng()
@@ -71,12 +71,12 @@ class EnumTask:
 
 @pytest.fixture(scope="module")
 def session():
-  tok = load_tokenizer(DATA)
+  tok = stored_tokenizer(DATA)
   cfg = ModelConfig(arch="qwen2", vocab_size=tok.vocab_size, hidden=32, intermediate=48,
                     n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, rope_theta=1e6,
                     tie_embeddings=True)
   m = Loaded(cfg, random_model(cfg, seed=int(RNG.integers(1 << 30))), tok)
-  gc = GrammarCompiler(tok, cfg.vocab_size)
+  gc = grammar_compiler(tok, cfg.vocab_size)
   return E.Session(m, EnumTask(tok, gc), batch=4, compiler=gc)
 
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from pask_jax.testing import load_tokenizer, smollm2_grammars
+from pask_jax.testing import grammar_compiler, smollm2_grammars, stored_tokenizer
 
 from pask_jax import tags as T
-from pask_jax.grammar import FORMATS, GrammarCompiler, tool_call_grammar
+from pask_jax.grammar import FORMATS, tool_call_grammar
 from pask_jax.grammar.fc_adapter import FCAdapter, coarsen
 from pask_jax.grammar.frontier import StateVocab
 
@@ -51,8 +51,8 @@ def code(c: str) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def qwen():
-  tok = load_tokenizer(DATA)
-  return tok, GrammarCompiler(tok, tok.vocab_size)
+  tok = stored_tokenizer(DATA)
+  return tok, grammar_compiler(tok)
 
 
 

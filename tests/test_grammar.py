@@ -5,10 +5,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from pask_jax.testing import smollm2
+from pask_jax.testing import grammar_compiler, smollm2
 from models import ModelConfig, random_model
 from pask_jax.decode import Runner, Sampling, generate
-from pask_jax.grammar import (FORMATS, GrammarCompiler, GrammarError, parse_calls,
+from pask_jax.grammar import (FORMATS, GrammarError, parse_calls,
                               tool_call_grammar)
 
 
@@ -18,7 +18,7 @@ def setup():
   cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden=32, intermediate=48,
                     n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, tie_embeddings=True)
   runner = Runner(random_model(cfg, seed=7), batch=4, capacity=512)
-  return tok, runner, GrammarCompiler(tok, cfg.vocab_size)
+  return tok, runner, grammar_compiler(tok, cfg.vocab_size)
 
 
 def random_schema(rng, depth=0):

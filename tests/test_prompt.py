@@ -38,9 +38,9 @@ def _tags(tags):
 
 
 def _tokenizers():
-  from pask_jax.testing import load_tokenizer, smollm2_tokenizer
+  from pask_jax.testing import smollm2_tokenizer, stored_tokenizer
   return {"smollm2": (smollm2_tokenizer(), "llama"),
-          "qwen": (load_tokenizer(os.path.join(DATA, "qwen_tokenizer.json.gz")), "qwen2")}
+          "qwen": (stored_tokenizer(os.path.join(DATA, "qwen_tokenizer.json.gz")), "qwen2")}
 
 
 class _Engine:
@@ -113,7 +113,7 @@ def _server(tok, arch, out):
 def _bfcl(tok, arch, out):
   from calibrate import bfcl
   from calibrate.tasks import SyntheticTask
-  from pask_jax.grammar import GrammarCompiler
+  from pask_jax.testing import grammar_compiler
   fns = [t["function"] for t in WEATHER]
   cases = [bfcl.Case("a", "simple_python", [{"role": "user", "content": "Weather in Oslo?"}],
                      fns, WEATHER, [], "k"),
@@ -124,7 +124,7 @@ def _bfcl(tok, arch, out):
     for c, p in zip(cases, bfcl.prepare(cases, tok, arch=arch, prompt_labels=labels)):
       out[f"bfcl/{c.id}/{labels}"] = {"ids": list(p.ids), "tags": _tags(p.tags),
                                       "fmt": None}
-  task = SyntheticTask(tok, GrammarCompiler(tok, tok.vocab_size), 3, seed=1)
+  task = SyntheticTask(tok, grammar_compiler(tok), 3, seed=1)
   for i, r in enumerate(task.requests):
     out[f"synthetic/{i}"] = {"ids": list(r.ids), "tags": _tags(r.tags), "fmt": None}
 

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from pask_jax.testing import load_tokenizer, smollm2_tokenizer
+from pask_jax.testing import smollm2_tokenizer, stored_tokenizer
 
 from pask_jax import tags as T
 from pask_jax.grammar import tools_system_prompt
@@ -30,7 +30,7 @@ TOOLS = [{"type": "function", "function": {
 
 @functools.lru_cache(maxsize=None)
 def qwen():
-  return load_tokenizer(DATA)
+  return stored_tokenizer(DATA)
 
 
 

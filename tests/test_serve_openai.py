@@ -185,8 +185,8 @@ def _prep(tok, arch):
 def test_multi_turn_rendered_as_the_qwen_template_expects():
   """Arguments reach a tools template as an object (no double encoding), the tool result as
   the template's tool turn."""
-  from pask_jax.testing import load_tokenizer
-  tok = load_tokenizer(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
+  from pask_jax.testing import stored_tokenizer
+  tok = stored_tokenizer(os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz"))
   text = _prep(tok, "qwen2")(messages=_turns(), tools=WEATHER)
   assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
   assert '\\"city\\"' not in text and '"{' not in text

@@ -7,11 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from pask_jax.testing import load_tokenizer
+from pask_jax.testing import grammar_compiler, stored_tokenizer
 
 from calibrate.shared import Forest
 from calibrate.stack import Recorder
-from pask_jax.grammar import GrammarCompiler
 from pask_jax.grammar.fc_adapter import FCAdapter
 from pask_jax.grammar.frontier import StateVocab
 from pask_jax.grammar.matcher import new_bitmask
@@ -32,8 +31,8 @@ CREATE TABLE concert (concert_id INTEGER PRIMARY KEY, singer_id INTEGER, year IN
 
 @functools.lru_cache(maxsize=None)
 def setup():
-  tok = load_tokenizer(DATA)
-  gc = GrammarCompiler(tok, tok.vocab_size)
+  tok = stored_tokenizer(DATA)
+  gc = grammar_compiler(tok)
   fc = tool_call_grammar(gc, TOOLS, "json_list", max_calls=2)
   return tok, gc, fc, sql_grammar(gc, DDL)
 

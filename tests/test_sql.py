@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from pask_jax.testing import load_tokenizer
+from pask_jax.testing import grammar_compiler, stored_tokenizer
 
 from pask_jax import tags as T
-from pask_jax.grammar import GrammarCompiler, GrammarError
+from pask_jax.grammar import GrammarError
 from pask_jax.grammar.sql import SQLAdapter, schema_from_ddl, sql_grammar
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
@@ -37,8 +37,8 @@ def code(c):
 
 @functools.lru_cache(maxsize=None)
 def setup():
-  tok = load_tokenizer(DATA)
-  gc = GrammarCompiler(tok, tok.vocab_size)
+  tok = stored_tokenizer(DATA)
+  gc = grammar_compiler(tok)
   return tok, gc, sql_grammar(gc, DDL)
 
 

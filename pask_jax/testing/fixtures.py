@@ -41,9 +41,21 @@ def smollm2_tokenizer():
 @functools.lru_cache(maxsize=None)
 def smollm2_grammars():
   """``(tokenizer, GrammarCompiler)`` for SmolLM2 (no weights loaded), made once per process."""
-  from pask_jax.grammar import GrammarCompiler
   tok = smollm2_tokenizer()
-  return tok, GrammarCompiler(tok, tok.vocab_size)
+  return tok, grammar_compiler(tok)
+
+
+def grammar_compiler(tok, vocab_size: int | None = None):
+  """One ``GrammarCompiler`` per tokenizer object and logits width (default: the tokenizer's),
+  made once per process: building one walks the whole vocabulary, and XGrammar's compiled-grammar
+  cache is then shared by every test that compiles the same grammar."""
+  return _compiler(tok, tok.vocab_size if vocab_size is None else vocab_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler(tok, vocab_size: int):
+  from pask_jax.grammar import GrammarCompiler
+  return GrammarCompiler(tok, vocab_size)
 
 
 def tiny_llama(vocab: int, seed: int = 0):
@@ -98,6 +110,12 @@ def export_tokenizer(gguf_path: str, out: str) -> dict:
   with gzip.GzipFile(out, "wb", compresslevel=9, mtime=0) as f:
     f.write(json.dumps(rec, separators=(",", ":"), ensure_ascii=False).encode())
   return rec
+
+
+@functools.lru_cache(maxsize=None)
+def stored_tokenizer(path: str):
+  """:func:`load_tokenizer` once per process and path (tests share the tokenizer object)."""
+  return load_tokenizer(os.path.abspath(path))
 
 
 def load_tokenizer(path: str):
