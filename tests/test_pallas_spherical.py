@@ -1,7 +1,8 @@
 """The Spherical KV tier partitions of the jnp reference (pallas_kernels.reference.sph_partials,
 decode_attention(..., sph=...)) against a float64 numpy attention over the decoded keys and values
-(pallas_kernels.sph_synth.naive): ragged lengths per (sequence, head), empty tiers, GQA ratios
-1/2/4/7/8, D 64 and 128, every tier format, stacked layers, CosFromAngles = decoded dot, LSE."""
+(pallas_kernels.testing.sph_synth.naive): ragged lengths per (sequence, head), empty tiers, GQA
+ratios 1/2/4/7/8, D 64 and 128, every tier format, stacked layers, CosFromAngles = decoded dot,
+LSE."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,7 +15,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import common
 from pallas_kernels import reference
-from pallas_kernels import sph_synth
+from pallas_kernels.testing import sph_synth
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import SphInputs, SphMaps, TierSpec
 from pallas_kernels.testing import synth

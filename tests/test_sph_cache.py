@@ -14,7 +14,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import int4
-from pallas_kernels import sph_synth
+from pallas_kernels.testing import sph_synth
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import TierSpec
 from pallas_kernels.testing import synth

@@ -113,36 +113,45 @@ def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool =
 _quantize = jax.jit(int4.quantize_packed)
 
 
+def visible_rows(window: Window, hi: HighPool, lo: LowPool, maps: PageMaps):
+  """Per sequence, the explicitly listed visible keys and values in float64 (INT4 rows
+  dequantized): [(k [S, Hkv, D], v [S, Hkv, D])] for b in range(B) — an independent oracle's
+  reading of the pools, not the kernels' gather."""
+  f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  kw, vw, khi, vhi = f(window.k), f(window.v), f(hi.k), f(hi.v)
+  sc = f(lo.scale)
+  kcodes = np.asarray(int4.unpack(lo.k), np.float64)
+  vcodes = np.asarray(int4.unpack(lo.v), np.float64)
+  page_lo, page_hi = lo.k.shape[1], hi.k.shape[1]
+  hkv, d = window.k.shape[2], window.k.shape[3]
+  out = []
+  for b in range(window.k.shape[0]):
+    ks, vs = [np.zeros((0, hkv, d))], [np.zeros((0, hkv, d))]
+    for j in range(int(maps.lo_len[b])):
+      p, r = int(maps.lo_pages[b, j // page_lo]), j % page_lo
+      ks.append((kcodes[p, r] * sc[p, r, :, 0:1])[None])
+      vs.append((vcodes[p, r] * sc[p, r, :, 1:2])[None])
+    for j in range(int(maps.hi_len[b])):
+      p, r = int(maps.hi_pages[b, j // page_hi]), j % page_hi
+      ks.append(khi[p, r][None])
+      vs.append(vhi[p, r][None])
+    for j in range(int(window.length[b])):
+      ks.append(kw[b, j][None])
+      vs.append(vw[b, j][None])
+    out.append((np.concatenate(ks), np.concatenate(vs)))
+  return out
+
+
 def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, *, scale=None):
   """float64 numpy softmax over the explicitly listed visible keys (one independent oracle)."""
   q = np.asarray(q.astype(jnp.float32), np.float64)
   b_, hq, d = q.shape
-  hkv = window.k.shape[2]
-  g = hq // hkv
+  g = hq // window.k.shape[2]
   scale = 1 / np.sqrt(d) if scale is None else scale
-  f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-  kw, vw, khi, vhi = f(window.k), f(window.v), f(hi.k), f(hi.v)
-  sc = np.asarray(lo.scale.astype(jnp.float32), np.float64)
-  kcodes = np.asarray(int4.unpack(lo.k), np.float64)
-  vcodes = np.asarray(int4.unpack(lo.v), np.float64)
-  page_lo, page_hi = lo.k.shape[1], hi.k.shape[1]
   out = np.zeros((b_, hq, d))
-  for b in range(b_):
-    ks, vs = [], []
-    for j in range(int(maps.lo_len[b])):
-      p, r = int(maps.lo_pages[b, j // page_lo]), j % page_lo
-      ks.append(kcodes[p, r] * sc[p, r, :, 0:1])
-      vs.append(vcodes[p, r] * sc[p, r, :, 1:2])
-    for j in range(int(maps.hi_len[b])):
-      p, r = int(maps.hi_pages[b, j // page_hi]), j % page_hi
-      ks.append(khi[p, r])
-      vs.append(vhi[p, r])
-    for j in range(int(window.length[b])):
-      ks.append(kw[b, j])
-      vs.append(vw[b, j])
-    if not ks:
+  for b, (k, v) in enumerate(visible_rows(window, hi, lo, maps)):
+    if not len(k):
       continue
-    k, v = np.stack(ks), np.stack(vs)                          # [S, Hkv, D]
     for h in range(hq):
       s = k[:, h // g] @ q[b, h] * scale
       p = np.exp(s - s.max())

@@ -18,6 +18,7 @@ import numpy as np
 from pallas_kernels import int4
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool
+from pallas_kernels.testing import synth
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 NAN_F16_BITS = 0x7E00
@@ -164,27 +165,8 @@ def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, sph: Sph
   hkv = window.k.shape[2]
   g = hq // hkv
   scale = 1 / np.sqrt(d) if scale is None else scale
-  f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-  kw, vw, khi, vhi = f(window.k), f(window.v), f(hi.k), f(hi.v)
-  sc = f(lo.scale)
-  kcodes = np.asarray(int4.unpack(lo.k), np.float64)
-  vcodes = np.asarray(int4.unpack(lo.v), np.float64)
-  page_lo, page_hi = lo.k.shape[1], hi.k.shape[1]
   out, lse = np.zeros((nb, hq, d)), np.full((nb, hq), -np.inf)
-  for b in range(nb):
-    ks, vs = [np.zeros((0, hkv, d))], [np.zeros((0, hkv, d))]
-    for j in range(int(maps.lo_len[b])):
-      p, r = int(maps.lo_pages[b, j // page_lo]), j % page_lo
-      ks.append((kcodes[p, r] * sc[p, r, :, 0:1])[None])
-      vs.append((vcodes[p, r] * sc[p, r, :, 1:2])[None])
-    for j in range(int(maps.hi_len[b])):
-      p, r = int(maps.hi_pages[b, j // page_hi]), j % page_hi
-      ks.append(khi[p, r][None])
-      vs.append(vhi[p, r][None])
-    for j in range(int(window.length[b])):
-      ks.append(kw[b, j][None])
-      vs.append(vw[b, j][None])
-    kc, vc = np.concatenate(ks), np.concatenate(vs)
+  for b, (kc, vc) in enumerate(synth.visible_rows(window, hi, lo, maps)):
     for h in range(hkv):
       tk, tv = [kc[:, h]], [vc[:, h]]
       if sph is not None:
