@@ -54,7 +54,11 @@ from pask_jax.prompt import Prompt
 @runtime_checkable
 class Task(Protocol):
   """What calibration needs of a task (:class:`calibrate.alg1.Calibration` takes one for the
-  calibration split and one for the development split; they share one ``vocab``)."""
+  calibration split and one for the development split; they share one ``vocab``).  A structural
+  protocol: a class of your own needs no base class, only these members.  Optionally also
+  ``expected``: a JSON-able oracle answer per request, hashed into the saved stages' fingerprint
+  so that stages scored under another oracle are not resumed (:meth:`subset` must keep it
+  aligned)."""
 
   tokenizer: Any
   """The model's tokenizer (decodes the generated tokens; ``stop_ids`` end a row)."""
@@ -62,7 +66,8 @@ class Task(Protocol):
   """The parser-state vocabulary of the reserve Γ, grown as the trackers meet new states."""
   requests: list[Prompt]
   """The prepared requests: ``ids``, prompt-span ``tags`` (int32[len(ids), 4], for the PASK
-  prefill plan), the ``grammar`` of the answer, and ``case`` (what :meth:`score` reads; its
+  prefill plan: required, ``pask_jax.prompt.encode(..., labels=True)``), the ``grammar`` of the
+  answer, and ``case`` (what :meth:`score` reads; its
   ``id`` and ``category``, when it has them, name it in the saved stages' fingerprint)."""
 
   def tracker(self, i: int) -> Any:
@@ -275,8 +280,11 @@ def _check_line(obj: Any, n: int, where: str) -> JsonlCase:
       fns = normalize_tools(obj["tools"])   # shape, names and every parameters schema
     except ValueError as e:
       raise ValueError(_one_line(e)) from None
-    tools = [{"type": "function", "function": dict(f, parameters=(
-        t.get("function", t).get("parameters") or f["parameters"]))}
+    # Stored OpenAI-style with the parameters as written: the prompt shows them as the server
+    # would (the grammar checks them again when it is compiled).
+    tools = [{"type": "function", "function": {
+        "name": f["name"], "description": f["description"],
+        "parameters": t.get("function", t).get("parameters") or f["parameters"]}}
              for t, f in zip(obj["tools"], fns)]
     key = schema_key(tools)
     if has:
