@@ -2,6 +2,8 @@
 
 * :mod:`calibrate.bfcl` — the BFCL task: data, the C.1 split, prompts, grammars, the official AST
   checker, and :func:`calibrate.bfcl.run_cases` (generation + scoring, for calibration and eval).
+* :mod:`calibrate.tasks` — the task protocol calibration runs on (:class:`calibrate.tasks.Task`)
+  and its tasks: BFCL, a user's JSONL file (``pask-jax calibrate --task jsonl``), synthetic.
 
 Submodules are imported explicitly (``from calibrate import bfcl``): they pull jax and XGrammar.
 """

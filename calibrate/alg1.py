@@ -278,7 +278,9 @@ def resolve_rows(pol: P.FrozenPolicy, cands: np.ndarray) -> tuple[np.ndarray, np
   m = 1 << max(10, (n - 1).bit_length())          # padded (PAD rows) so shapes repeat: few compiles
   c = np.full((m, T.N_CAND), T.PAD, np.int32)
   c[:n] = cands
-  a, f = _resolve_all(pol, jnp.asarray(c))
+  # The record is static pytree metadata that differs per policy: dropped, so every policy of
+  # the same shape reuses one compiled function.
+  a, f = _resolve_all(pol.replace(record_json="{}"), jnp.asarray(c))
   return np.asarray(a)[:n], np.asarray(f)[:n]
 
 

@@ -3,6 +3,11 @@
     pask-jax calibrate --model qwen2.5-coder-0.5b-instruct --task bfcl --out runs/cal \
         [--max-cases N] [--categories simple_python multiple] [--rows 1024] \
         [--targets 0.15 0.20 0.25 0.33] [--windows 8 16 32]
+    pask-jax calibrate --task jsonl --data examples/weather_calls.jsonl --out runs/cal [...]
+
+``--task jsonl --data FILE``: a user's task, one case per line (the format is in
+:mod:`calibrate.tasks`); its cases are split 1:1 into calibration and development
+(:func:`calibrate.tasks.split_jsonl`, seeded by ``--seed``) and Alg. 1 runs as on BFCL.
 
 Writes ``OUT/policy`` (the frozen policy: orbax arrays + policy.json), ``OUT/calibration.json``
 (V, D, N̄, ρ, candidates with their nominal and measured costs, the selection, timings) and
@@ -22,13 +27,21 @@ import time
 def add_parser(sub) -> None:
   c = sub.add_parser("calibrate", help="offline calibration (Alg. 1) of a frozen PASK policy")
   c.add_argument("--model", default=None, help="registered name, GGUF file or HF directory")
-  c.add_argument("--task", default="bfcl", choices=["bfcl"])
+  c.add_argument("--task", default="bfcl", choices=["bfcl", "jsonl"],
+                 help="bfcl: BFCL's calibration and development splits; jsonl: the cases of "
+                      "--data FILE (default: bfcl)")
+  c.add_argument("--data", default=None, metavar="FILE",
+                 help="--task jsonl: the task file, one JSON case per line: messages, tools or "
+                      "a JSON schema, and the expected calls / value or a scorer (json_valid); "
+                      "see calibrate/tasks.py and examples/weather_calls.jsonl")
   c.add_argument("--out", required=True, help="output directory (resumes if it has work/)")
   c.add_argument("--max-cases", type=int, default=None,
                  help="at most N cases per split and category (calibration and development)")
-  c.add_argument("--categories", nargs="+", default=["simple_python", "multiple"],
-                 help="BFCL categories (default: simple_python multiple — the headline pair)")
-  c.add_argument("--seed", type=int, default=0, help="split seed (paper C.1)")
+  c.add_argument("--categories", nargs="+", default=None,
+                 help="--task bfcl: BFCL categories (default: simple_python multiple — the "
+                      "headline pair)")
+  c.add_argument("--seed", type=int, default=0, help="split seed (paper C.1; --task jsonl: "
+                                                     "of the 1:1 split)")
   c.add_argument("--rows", type=int, default=256, help="decode rows per stacked chunk (V·N)")
   c.add_argument("--max-tokens", type=int, default=128)
   c.add_argument("--path-points", type=int, default=8,
@@ -60,7 +73,16 @@ def run(args) -> int:
   from pask_jax.decode import capacity_for
   from pask_jax.grammar import GrammarCompiler
 
-  unknown = [c for c in args.categories if c not in bfcl.NONLIVE + bfcl.LIVE]
+  if args.task == "jsonl":
+    if args.data is None:
+      raise SystemExit("error: --task jsonl needs --data FILE (one JSON case per line)")
+    if args.categories is not None:
+      raise SystemExit("error: --categories applies to --task bfcl (a JSONL case names its "
+                       "own category)")
+  elif args.data is not None:
+    raise SystemExit("error: --data applies to --task jsonl")
+  categories = args.categories or ["simple_python", "multiple"]
+  unknown = [c for c in categories if c not in bfcl.NONLIVE + bfcl.LIVE]
   if unknown:
     raise SystemExit(f"error: unknown BFCL categories {unknown}; choose from "
                      f"{', '.join(bfcl.NONLIVE + bfcl.LIVE)}")
@@ -78,13 +100,20 @@ def run(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: --windows: {e}")
   from pask_jax import platform
-  bfcl.need()
+  if args.task == "jsonl":      # read and checked before the model loads
+    try:
+      cal_cases, dev_cases = tasks.split_jsonl(tasks.read_jsonl(args.data), args.seed,
+                                               args.max_cases)
+    except ValueError as e:
+      raise SystemExit(f"error: {e}")
+  else:
+    bfcl.need()
   m = platform.load_model_or_exit(args.model, args.dtype, center_keys=args.key_center == "on")
   tok = m.tokenizer
   t0 = time.perf_counter()
 
   def pick(split):
-    cases = bfcl.load(args.categories, split=split, seed=args.seed)
+    cases = bfcl.load(categories, split=split, seed=args.seed)
     if args.max_cases:
       by: dict[str, list] = {}
       for c in cases:
@@ -92,14 +121,23 @@ def run(args) -> int:
       cases = [c for v in by.values() for c in v[:args.max_cases]]
     return cases
 
-  cal_cases, dev_cases = pick("calibration"), pick("development")
   comp = GrammarCompiler(tok, m.cfg.vocab_size)
-  cal = tasks.BFCLTask(cal_cases, tok, arch=m.cfg.arch, compiler=comp)
-  dev = tasks.BFCLTask(dev_cases, tok, arch=m.cfg.arch, compiler=comp, vocab=cal.vocab)
+  if args.task == "jsonl":
+    try:
+      cal = tasks.JsonlTask(cal_cases, tok, arch=m.cfg.arch, compiler=comp)
+      dev = tasks.JsonlTask(dev_cases, tok, arch=m.cfg.arch, compiler=comp, vocab=cal.vocab)
+    except ValueError as e:   # a schema XGrammar cannot compile, a template that refuses
+      raise SystemExit(f"error: {e}")
+    what = args.data
+  else:
+    cal_cases, dev_cases = pick("calibration"), pick("development")
+    cal = tasks.BFCLTask(cal_cases, tok, arch=m.cfg.arch, compiler=comp)
+    dev = tasks.BFCLTask(dev_cases, tok, arch=m.cfg.arch, compiler=comp, vocab=cal.vocab)
+    what = ", ".join(categories)
   longest = max(len(r.ids) for r in cal.requests + dev.requests)
   cap = capacity_for(longest, args.max_tokens)
   print(f"calibration {len(cal.requests)} cases, development {len(dev.requests)} "
-        f"({', '.join(args.categories)}); longest prompt {longest}, capacity {cap}; "
+        f"({what}); longest prompt {longest}, capacity {cap}; "
         f"{jax.devices()[0].platform} x{len(jax.devices())}", flush=True)
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
