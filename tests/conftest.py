@@ -1,11 +1,45 @@
+import gc
 import os
+
+import pytest
 
 # The CUDA plugin and libtpu are installed for ahead-of-time compile tests; run everything else on
 # the CPU unless the caller chose a platform.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# No persistent XLA compilation cache for the session: with one (a temporary directory), the
-# fresh-clone suite hung at tests/test_step_metrics.py's overlapped engine after 731 of 773 tests
-# had passed (2026-12-02), while the file passes alone; until that is understood, every test
-# compiles its own programs.
+from pask_jax.grammar.matcher import import_xgrammar  # noqa: E402
+
+# xgrammar first, here: its SIGSEGV handler is replaced by faulthandler's (import_xgrammar), so a
+# crash ends the run with a traceback instead of hanging it.
+import_xgrammar()
+
+# Each compiled XLA:CPU program holds about three memory mappings for as long as a jit cache
+# keeps it.  The whole suite compiles over 20,000 programs; kept, they reached Linux's
+# vm.max_map_count (65,530) at test 732, where a compile's mmap failed and the process hung
+# (2026-12-02).  Programs are dropped after each test file, and a file that nears the limit
+# fails with a message instead.
+MAPS_LIMIT = 0.8
+
+
+def _maps() -> tuple[int, int]:
+  try:
+    with open("/proc/self/maps") as f:
+      n = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return n, int(f.read())
+  except OSError:   # not Linux
+    return 0, 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  yield
+  import jax
+  n, limit = _maps()
+  jax.clear_caches()
+  gc.collect()
+  assert n < MAPS_LIMIT * limit, (
+      f"this test file left {n} memory mappings of vm.max_map_count {limit}: its compiled "
+      "programs would exhaust the process's mappings; compile fewer (shared shapes, fewer "
+      "static arguments)")

@@ -16,8 +16,19 @@ from pask_jax.grammar.errors import GrammarError, xgrammar_message
 
 
 def import_xgrammar():
-  """The xgrammar module, imported on first use (it imports torch)."""
+  """The xgrammar module, imported on first use (it imports torch).
+
+  Loading it installs tvm_ffi's SIGSEGV handler over Python's faulthandler; that handler
+  backtraces through the unwinder, so a fault inside the unwinder (a C++ exception thrown while
+  the process is out of memory mappings) deadlocks instead of ending the process.  Where
+  faulthandler was on, it is put back: a crash then ends with a traceback."""
+  import faulthandler
+  import sys
+  first, restore = "xgrammar" not in sys.modules, faulthandler.is_enabled()
   import xgrammar
+  if first and restore:
+    faulthandler.disable()
+    faulthandler.enable(sys.__stderr__, all_threads=True)
   return xgrammar
 
 
