@@ -191,6 +191,10 @@ def derive(policy_dir: str, target: float, *, out: str | None = None,
     out = os.path.join(root, name)
   elif os.path.exists(os.path.join(out, "policy.json")):
     raise ValueError(f"{out} already holds a policy; remove it or choose another --out")
+  elif (_VARIANT.fullmatch(os.path.basename(os.path.normpath(out))) and
+        abs(float(os.path.basename(os.path.normpath(out))[1:]) - target) >= 5e-3):
+    raise ValueError(f"--out {out} names another budget than {target:g} (eval --budget reads "
+                     f"B<b> names); call it {name}")
   pol = P.load(base["dir"])
   rec = pol.record
   r = base["row"]

@@ -123,6 +123,8 @@ def test_bad_input_is_one_line(p15, cal05, tmp_path):
   assert "policy directory not found" in refused(str(tmp_path / "nothing"), "--target-b", "0.3")
   out = os.path.join(p15, "B0.15")
   assert "already holds a policy" in refused(p15, "--target-b", "0.3", "--out", out)
+  assert "names another budget" in refused(p15, "--target-b", "0.3", "--out",
+                                          str(tmp_path / "B0.99"))
 
 
 def test_calibration_record_given_explicitly_adds_the_top_level_policy(p15, tmp_path):
