@@ -2,7 +2,7 @@
 
     pask-jax calibrate --model qwen2.5-coder-0.5b-instruct --task bfcl --out runs/cal \
         [--max-cases N] [--categories simple_python multiple] [--rows 1024] \
-        [--targets 0.15 0.20 0.25 0.33] [--windows 8 16 32]
+        [--target-b 0.25 | --targets 0.15 0.20 0.25 0.33] [--windows 8 16 32]
     pask-jax calibrate --task jsonl --data examples/weather_calls.jsonl --out runs/cal [...]
 
 ``--task jsonl --data FILE``: a user's task, one case per line (the format is in
@@ -13,7 +13,8 @@ Writes ``OUT/policy`` (the frozen policy: orbax arrays + policy.json), ``OUT/cal
 (V, D, N̄, ρ, candidates with their nominal and measured costs, the selection, timings) and
 ``OUT/work/`` (stages saved as they complete, keyed by a fingerprint of model, task, splits and
 arguments: rerunning the same command resumes; a different one is refused, naming what differs).
-With ``--targets``, also ``OUT/policy/B<t>/`` per target t (see
+With ``--target-b t`` (one target; the same as ``--targets t``) or ``--targets``, also
+``OUT/policy/B<t>/`` per target t (see
 :meth:`calibrate.alg1.Calibration.variants`), found by ``pask-jax eval --budget t``; with
 ``--windows``, the decode candidates compete at each of those recent windows too.
 """
@@ -55,6 +56,10 @@ def add_parser(sub) -> None:
                  help="subtract a fixed per-channel mean from the post-RoPE keys (models.center; "
                       "part of the model fingerprint the saved stages are keyed on)")
   c.add_argument("--backend", default="auto", help="attention kernel backend (auto/reference/...)")
+  c.add_argument("--target-b", type=float, default=None, metavar="B",
+                 help="total-B target in (0, 1]: also write OUT/policy/B<B>/, the most "
+                      "dev-accurate composition measured at total B <= B (one target; "
+                      "--targets for several)")
   c.add_argument("--targets", type=float, nargs="+", default=(), metavar="B",
                  help="total-B targets in (0, 1]: also write OUT/policy/B<t>/ per target, the "
                       "most dev-accurate composition measured at total B <= t")
@@ -91,10 +96,7 @@ def run(args) -> int:
                      "(calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
-  try:
-    targets = alg1.check_targets(args.targets)
-  except ValueError as e:
-    raise SystemExit(f"error: --targets: {e}")
+  targets = targets_of(args)
   try:
     windows = alg1.check_windows(args.windows)
   except ValueError as e:
@@ -186,6 +188,20 @@ def run(args) -> int:
           f"{s['stacked_s']:.1f} s vs {s['sequential_s']:.1f} s = {s['ratio']:.2f}x; "
           f"same outcomes: {s['same_outcomes']}")
   return 0
+
+
+def targets_of(args) -> tuple[float, ...]:
+  """The checked total-B targets of ``--target-b B`` (one) or ``--targets B ...``; both together,
+  or a bad value, is a one-line SystemExit."""
+  from calibrate import alg1
+  if args.target_b is not None and args.targets:
+    raise SystemExit("error: give --target-b B (one target) or --targets B ... (several), not both")
+  flag, given = (("--target-b", (args.target_b,)) if args.target_b is not None else
+                 ("--targets", args.targets))
+  try:
+    return alg1.check_targets(given)
+  except ValueError as e:
+    raise SystemExit(f"error: {flag}: {e}")
 
 
 def speedup(C, k: int) -> dict:

@@ -202,6 +202,26 @@ def cmd_merge(args) -> int:
   return 0
 
 
+def cmd_policy(args) -> int:
+  """``pask-jax policy derive``: a total-B variant from what calibration measured, no model
+  loaded (:func:`calibrate.variant.derive`)."""
+  from calibrate import variant
+  try:
+    v = variant.derive(args.policy_dir, args.target_b, out=args.out,
+                       calibration=args.calibration)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  m = v["base_measured"]
+  run = (f"--policy {v['source_policy']} --budget {v['requested_B']:g}"
+         if os.path.dirname(os.path.abspath(v["out"])) == v["source_policy"] else
+         f"--policy {v['out']}")
+  print(f"variant {v['out']}: B_P {v['b_p']:.4f}, B_D {v['b_d']:.4f}; predicted total B "
+        f"{v['predicted_B_total']:.3f} for {v['requested_B']:g} (rule {v['rule']}, base "
+        f"{v['base']}, measured at total B {m['B_total']:.3f}); not measured: "
+        f"pask-jax eval --method pask {run} measures it")
+  return 0
+
+
 def _arg(cast, ok, what: str):
   """An argparse ``type`` that casts and checks, with a one-line message naming the rule."""
   def parse(text: str):
@@ -383,6 +403,23 @@ def main(argv: list[str] | None = None) -> int:
   t.add_argument("--out", required=True, help="output directory (knobs.json, tune.csv)")
   from calibrate import cli as calibrate_cli
   calibrate_cli.add_parser(sub)
+  po = sub.add_parser("policy", help="work on a calibrated policy directory")
+  pos = po.add_subparsers(dest="policy_cmd", required=True, metavar="{derive}")
+  pd = pos.add_parser("derive", help="write the variant at another total B from the dev "
+                                     "measurements calibration saved (no model loaded)",
+                       description="Writes the variant at total B (--target-b) of a calibrated "
+                                   "policy from its dev-measured compositions: B_P re-aimed "
+                                   "from the nearest one's prompt share and decode cost (see "
+                                   "calibrate/variant.py). The B is predicted, not measured.")
+  pd.add_argument("policy_dir", metavar="POLICY_DIR",
+                  help="a calibrated policy directory (pask-jax calibrate's OUT/policy)")
+  pd.add_argument("--target-b", type=float, required=True, metavar="B",
+                  help="total B in (0, 1] the variant is aimed at")
+  pd.add_argument("--out", default=None, metavar="DIR",
+                  help="where to write it (default POLICY_DIR/B<b>, found by eval --budget b)")
+  pd.add_argument("--calibration", default=None, metavar="FILE",
+                  help="the calibration.json of POLICY_DIR (default: beside it, as calibrate "
+                       "writes it; the B<t> variants' own records are read too)")
   mg = sub.add_parser("merge", help="pool eval runs of one configuration over disjoint slices")
   mg.add_argument("runs", nargs="+", help="eval output directories (same method, budget, split)")
   mg.add_argument("--out", required=True)
@@ -433,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     return cmd_merge(args)
   if args.cmd == "calibrate":
     return calibrate_cli.run(args)
+  if args.cmd == "policy":
+    return cmd_policy(args)
   if args.cmd in ("eval", "tune"):
     if args.max_tokens <= 0:
       ap.error("--max-tokens must be positive")
