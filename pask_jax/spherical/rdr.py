@@ -7,8 +7,8 @@ every budget and length).  Imports nothing of PASK's controller.
 Routes follow :mod:`.cache`: 0 = drop, k ∈ 1..K = tier k (the ladder, ascending item cost), K + 1 =
 the BF16 pool.  Inputs, per sequence (T padded tokens, G groups, H KV heads, K tiers)::
 
-  dist  [T, G, H, K+1] f32  D_i(t): column 0 the drop distortion (κ_drop applied, :func:`distortion`)
-  cost  [G, K+1]       f32  item cost C(t) of group g (column 0 = 0), metadata counted (:func:`costs`)
+  dist  [T, G, H, K+1] f32  D_i(t); column 0 = drop, κ_drop applied (:func:`distortion`)
+  cost  [G, K+1]       f32  item cost C(t) of group g, drop = 0, metadata counted (:func:`costs`)
   dense [G]            f32  dense BF16 K+V bytes of one (token, group, head): layers_g · 4D
   n                    i32  prompt tokens; tokens i ≥ n are padding (route 0, no bytes)
   rho                  f32  budget as a fraction of dense
