@@ -316,18 +316,19 @@ def test_distortion_formula():
 
 def test_protect_mask():
   rng = np.random.default_rng(6)
-  Tn = 200
+  Tn, n, sink, win = 200, 160, 2, 8
   att = rng.random((Tn, G, H)).astype(np.float32)
+  att[:sink] += 5.0        # sinks draw the most mass but are not candidates
   rad = rng.uniform(1, 2, (Tn, G, H)).astype(np.float32)
   rad[7, 0, 1] = 50.0
-  rad[190, 1, 0] = 50.0   # padding: never protected
-  n = 150
-  got = np.asarray(rdr.protect_mask(att, rad, n))
+  rad[190, 1, 0] = 50.0    # padding: never protected
+  got = np.asarray(rdr.protect_mask(att, rad, n, sink=sink, window=win))
   assert not got[n:].any()
   assert got[7, 0, 1]
   for g in range(G):
     for h in range(H):
-      top = set(np.argsort(-att[:n, g, h], kind="stable")[:3])   # floor(0.02 * 150) = 3
+      cand = att[sink:n - win, g, h]
+      top = set(sink + np.argsort(-cand, kind="stable")[:3])   # floor(0.02 * 150) = 3
       med = np.sort(rad[:n, g, h])[(n - 1) // 2]
       want = {i for i in range(n) if i in top or rad[i, g, h] > 4 * med}
       assert set(np.flatnonzero(got[:, g, h])) == want
@@ -339,5 +340,7 @@ def test_bad_input_is_refused():
     rdr.solve(dist[0], COST, DENSE, 10, 0.5, window=W)
   with pytest.raises(ValueError, match="cost"):
     rdr.solve(dist, COST[:, :2], DENSE, 10, 0.5, window=W)
+  with pytest.raises(ValueError, match="ascend"):
+    rdr.solve(dist, COST[:, ::-1], DENSE, 10, 0.5, window=W)
   with pytest.raises(ValueError, match="protect"):
     rdr.solve(dist, COST, DENSE, 10, 0.5, np.zeros((T, G), bool), window=W)

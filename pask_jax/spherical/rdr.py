@@ -102,18 +102,24 @@ def distortion(eps_theta, eps_r, reuse, stability, seg, *, omega=(1.0, 1.0, 2.0)
   return d.at[..., 0].multiply(kappa_drop)
 
 
-def protect_mask(att, radius, n, *, top: float = 0.02, outlier: float = 4.0):
-  """§2.4's rule-based protection for one sequence: per (g, h) the top ``floor(top · n)`` valid
-  items by attention mass ``att [T, G, H]`` (ties to the earlier token), and radius outliers
-  ``radius > outlier · median`` (the lower median of the valid items' ``radius [T, G, H]``, e.g.
-  the mean over the group's layers).  -> bool [T, G, H], False on padding."""
+def protect_mask(att, radius, n, *, sink: int = 0, window: int = 0, top: float = 0.02,
+                 outlier: float = 4.0):
+  """§2.4's rule-based protection for one sequence -> bool [T, G, H], False on padding: per
+  (g, h) the top ``floor(top · m)`` of the m candidate items by attention mass ``att [T, G, H]``
+  (ties to the earlier token), and radius outliers ``radius > outlier · median`` (the lower median
+  over the valid items of ``radius [T, G, H]``, e.g. the mean over the group's layers).  Candidates
+  are the valid tokens outside the first ``sink`` and the last ``window`` [ours: those are
+  protected anyway, and sinks would take the top slots]."""
   T = att.shape[0]
   n = jnp.asarray(n, jnp.int32)
-  valid = (jnp.arange(T) < n)[:, None, None]
-  a = jnp.where(valid, att, -jnp.inf)
+  i = jnp.arange(T)
+  valid = (i < n)[:, None, None]
+  cand = (i >= sink) & (i < n - window)
+  a = jnp.where(cand[:, None, None], att, -jnp.inf)
   order = jnp.argsort(-a, axis=0, stable=True)
   rank = jnp.argsort(order, axis=0)
-  hot = rank < jnp.floor(top * n.astype(jnp.float32)).astype(jnp.int32)
+  m = jnp.sum(cand).astype(jnp.float32)
+  hot = cand[:, None, None] & (rank < jnp.floor(top * m).astype(jnp.int32))
   r = jnp.sort(jnp.where(valid, radius, jnp.inf), axis=0)
   med = jnp.take(r, jnp.maximum((n - 1) // 2, 0), axis=0)
   return valid & (hot | (radius > outlier * med))
@@ -210,6 +216,12 @@ def solve(dist, cost, dense, n, rho, protect=None, *, window: int, sink: int = 0
                      f"got {cost.shape} and {dense.shape}")
   if window < 0 or sink < 0:
     raise ValueError(f"window and sink must be >= 0, got {window}, {sink}")
+  try:
+    ladder = np.asarray(cost)[:, 1:]
+  except jax.errors.TracerArrayConversionError:
+    ladder = None   # traced costs: the caller vouches for the order
+  if ladder is not None and np.any(np.diff(ladder, axis=1) <= 0):
+    raise ValueError(f"the ladder's item costs must ascend per group, got {ladder.tolist()}")
   n = jnp.asarray(n, jnp.int32)
   i = jnp.arange(T)
   valid = i < n
