@@ -20,7 +20,8 @@ free items share ``A_g = B_g − fixed``.  Guarantee: the free items' bytes are 
 ``bytes_g ≤ B_g`` unless the fixed bytes alone exceed it; then every free item is dropped and the
 shortfall is reported as ``deficit_g`` (floors beat the budget, never hidden).  Sums are f32: exact
 while they are multiples of 1/8 byte below 2^21 bytes (the item costs of :func:`costs` with
-``page`` a power of two ≤ 32 are), else up to f32 rounding.
+``page`` a power of two ≤ 32 are), beyond that up to f32 rounding (relative ~1e-6: a few bytes per
+megabyte of budget).
 
 **Solver** (per group; sort + cumsum, no loops over items):
 phase A — every free item starts at its *start tier*, the cheapest ladder tier of least distortion
@@ -34,8 +35,9 @@ shortest prefix whose savings cover the excess ``Σ C(start) − A_g`` is taken.
 Phase B — only if every free item is at t1 and still over: drop in ascending
 ``ν_i = (D_i(t0) − D_i(t1)) / C(t1)`` order, ties by (h, i), the shortest prefix covering the rest.
 ``lam_g`` is the ratio at the cut (the last phase-A step's ratio or the last drop's ν; 0 if nothing
-had to go).  A larger budget never raises the total distortion provided D_i(t0) ≥ D_i(t1) (dropping
-never helps; the distortion model of §2.4 gives that for all but pathological radii).
+had to go).  A larger budget never raises the total distortion provided D_i(t0) ≥ D_i(t1) (a drop
+never helps; §2.4's model gives that unless κ_drop is far below 1: a drop counts ‖·‖² = 2 and
+(r − r̃)² = r² against a tier's ≈ 2·E[1 − cos] ≤ 0.22).
 
 Protected items (sinks, the window, the optional ``protect`` mask — the top-mass and radius
 outliers of :func:`protect_mask`, PASK floor tags for "RDR+tags") are never dropped or demoted:
