@@ -32,6 +32,7 @@ import pallas_kernels
 from models import decoder
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
+from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax import actions as Act
 from pask_jax.grammar.matcher import Grammar, new_bitmask
@@ -89,7 +90,7 @@ class Runner:
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity = batch, capacity
     self.cache_dtype = cache_dtype or jax.tree.leaves(self.params)[0].dtype
-    self.traces: collections.Counter = collections.Counter()  # trace (= compile) counts
+    self.traces = Traces()   # trace (= compile) counts
     self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
     self.step = jax.jit(self._step, donate_argnums=(1,))
     self.select = jax.jit(self._select)
@@ -195,7 +196,7 @@ class PaskRunner:
     decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
-    self.traces: collections.Counter = collections.Counter()
+    self.traces = Traces()
     self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16)
     self._dense.params = self.params
     self.commit = jax.jit(self._commit)

@@ -17,8 +17,8 @@ import_xgrammar()
 # Each compiled XLA:CPU program holds about three memory mappings for as long as a jit cache
 # keeps it.  The whole suite compiles over 20,000 programs; kept, they reached Linux's
 # vm.max_map_count (65,530) at test 732, where a compile's mmap failed and the process hung
-# (2026-12-02).  Programs are dropped after each test file, and a file that nears the limit
-# fails with a message instead.
+# (2026-12-02).  Programs are dropped after each test file (pask_jax.traces.clear_caches), and a
+# file that nears the limit fails with a message instead.
 MAPS_LIMIT = 0.8
 
 
@@ -35,10 +35,10 @@ def _maps() -> tuple[int, int]:
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
   yield
-  import jax
+  from pask_jax.traces import clear_caches
   n, limit = _maps()
-  jax.clear_caches()
-  gc.collect()
+  clear_caches()   # trace counters zeroed with the programs: a shared engine's next file
+  gc.collect()     # counts its first compile as the first
   assert n < MAPS_LIMIT * limit, (
       f"this test file left {n} memory mappings of vm.max_map_count {limit}: its compiled "
       "programs would exhaust the process's mappings; compile fewer (shared shapes, fewer "

@@ -24,7 +24,6 @@ every method, budget and tuning configuration of a run.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import warnings
 from typing import NamedTuple
@@ -38,6 +37,7 @@ from models import decoder
 from pallas_kernels import int4
 from pask_jax.baselines import budget, h2o, mikv, snapkv
 from pask_jax.decode import Runner
+from pask_jax.traces import Traces
 from pask_jax.sample import apply_bitmask, sample
 
 KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2}
@@ -155,7 +155,7 @@ class MaskedRunner:
     self.batch, self.capacity = batch, capacity
     self.config: Config | None = None
     self.h_bits, self.l_bits = budget.entry_bits(self.cfg.head_dim)
-    self.traces: collections.Counter = collections.Counter()
+    self.traces = Traces()
     self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
     self.compress = jax.jit(self._compress, donate_argnums=(0,))
     self.step = jax.jit(self._step, donate_argnums=(1,))

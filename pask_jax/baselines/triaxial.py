@@ -37,6 +37,7 @@ from flax import nnx
 
 from models import decoder
 from pask_jax import kv_dense
+from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax.baselines import quant as Q
 from pask_jax.decode import Runner
@@ -369,7 +370,7 @@ class TriaxialRunner:
     self.knobs: Knobs | None = None
     self.tab: np.ndarray | None = None
     self.costs = entry_costs(self.cfg.head_dim)
-    self.traces: collections.Counter = collections.Counter()
+    self.traces = Traces()
     self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
     self.compress = jax.jit(self._compress, donate_argnums=(0,))
     self.step = jax.jit(self._step, donate_argnums=(1,))

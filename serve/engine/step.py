@@ -22,7 +22,6 @@ some row asks (``lax.cond``), one compile whatever the per-request count.
 """
 from __future__ import annotations
 
-import collections
 import time
 
 import jax
@@ -32,6 +31,7 @@ from flax import nnx
 
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
+from pask_jax.traces import Traces
 from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
 from pask_jax.sample import apply_bitmask, nucleus
@@ -269,7 +269,7 @@ class DenseStep(Step):
     self.pages = NoPages()
     self.graphdef, _ = nnx.split(model)
     self.runner = prefiller   # params and traces live on the shared prefill runner
-    self.traces = collections.Counter()
+    self.traces = Traces()
     self.state = kv_dense.init(c.n_layers, slots, context, c.n_kv_heads, c.head_dim,
                                jnp.bfloat16)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(0,))
