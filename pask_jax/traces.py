@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import weakref
 
-_live: weakref.WeakSet = weakref.WeakSet()
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # by id: a Counter has no hash
 
 
 class Traces(collections.Counter):
@@ -18,7 +18,7 @@ class Traces(collections.Counter):
 
   def __init__(self, *args, **kw):
     super().__init__(*args, **kw)
-    _live.add(self)
+    _live[id(self)] = self
 
 
 def clear_caches() -> None:
@@ -26,5 +26,5 @@ def clear_caches() -> None:
   again on its next call), and every live :class:`Traces` zeroed to match."""
   import jax
   jax.clear_caches()
-  for t in list(_live):
+  for t in list(_live.values()):
     t.clear()

@@ -38,7 +38,7 @@ def test_quantizers_round_trip_within_their_bounds():
   err = {}
   for b in Q.WIDTHS:
     c, s = Q.quantize(jnp.asarray(x), b)
-    cn, sn = Q.quantize_numpy(x, b)                     # float64 reference: the same codes
+    cn, sn = Q.quantize_numpy(x, b)                     # numpy reference: the same codes
     np.testing.assert_array_equal(np.asarray(c), cn)
     np.testing.assert_array_equal(np.asarray(s), sn)
     assert int(c.min()) >= Q.CMIN[b] and int(c.max()) <= Q.CMAX[b]

@@ -97,7 +97,8 @@ def qdq(x, bits: int):
 
 
 def quantize_numpy(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-  """The same quantizer in float64 numpy (an independent reference for tests)."""
+  """The same quantizer in numpy (an independent reference for tests), in the same float32
+  arithmetic: the codes are defined by it, and float64 can round an f32 tie the other way."""
   if check_bits(bits) == 4:
     return int4.quantize_numpy(x)
   top = QMAX[bits]
@@ -109,7 +110,7 @@ def quantize_numpy(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
   with np.errstate(over="ignore"):
     s = np.where(bump, np.nextafter(s, np.float16(np.inf)), s)
   s = np.where(amax == 0, np.float16(1.0), s).astype(np.float16)
-  q = np.round(x.astype(np.float64) / s[..., None].astype(np.float64) - OFFSET[bits])
+  q = np.round(x / s[..., None].astype(np.float32) - np.float32(OFFSET[bits]))
   return np.clip(q, CMIN[bits], CMAX[bits]).astype(np.int8), s
 
 
