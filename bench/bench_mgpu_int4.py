@@ -4,7 +4,11 @@ Per variant (tile, pipeline stages, context splits) at the 4B-like and 0.5B head
 relative error norm against ``attend_reference`` with ragged lengths (some splits empty), then the
 kernel time at full length over the bytes it reads (K and V codes + f32 scales). One JSON line each.
 
-  python bench/bench_mgpu_int4.py --out $OUT/int4.jsonl [--quick | --table | --upcasts]
+  python bench/bench_mgpu_int4.py --out $OUT/int4.jsonl [--quick | --table | --upcasts | --ws]
+
+``--ws``: the committed kernel with and without the compiler's approximate exp2 and without
+Pallas's automatic shared-memory barriers, against the warp-specialized ``partition_ws`` (2 or 3
+compute warpgroups and a TMA warpgroup; 3 runs at 24K keys, a multiple of its 3-tile steps).
 """
 from __future__ import annotations
 
@@ -42,7 +46,10 @@ def measure(case, knobs: dict, iters: int) -> dict:
   lengths) and its kernel time at full length over the bytes it reads."""
   q, k, kscale, v, vscale, lens, g, d, ref = case
   n = k.shape[1]
+  ws = "wgs" in knobs
   vin = v if knobs.get("v_major") == "token" else jnp.swapaxes(v, 1, 2)
+  if ws:
+    vin = mgpu_int4.block_v(vin, knobs.get("tile", 128))
   row = dict(bh=q.shape[0], d=d, n=n, **knobs)
   try:
     out = mgpu_int4.attend(q, k, kscale, vin, vscale, lens, sm_scale=d ** -0.5, **knobs)[:, :g]
@@ -51,7 +58,8 @@ def measure(case, knobs: dict, iters: int) -> dict:
     if knobs.get("k_upcast") == "s8":
       qin, qscale = mgpu_int4.split_q(q)
       extra = (qscale,)
-    f = jax.jit(lambda *x, kn=tuple(knobs.items()): mgpu_int4.partition(*x, **dict(kn)))
+    kernel = mgpu_int4.partition_ws if ws else mgpu_int4.partition
+    f = jax.jit(lambda *x, kn=tuple(knobs.items()): kernel(*x, **dict(kn)))
     sec = kernel_time(f, (qin, k, kscale, vin, vscale, jnp.full_like(lens, n), *extra), iters)
     nbytes = q.shape[0] * n * (d + 8)     # K and V: D/2 code bytes + 4 scale bytes each
     row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
@@ -78,6 +86,17 @@ def plan(a):
     for name, splits in (("4b", 8), ("0.5b", 32)):
       yield name, None, a.n, [dict(tile=128, stages=2, splits=splits, v_major="dim",
                                    k_upcast=ku, v_upcast=vu) for ku, vu in pairs]
+  elif a.ws:
+    for name, splits in (("4b", (4, 8)), ("0.5b", (16, 32))):
+      base = dict(tile=128, stages=2, splits=splits[1], v_major="dim")   # stage 1's best
+      yield name, None, a.n, [dict(base, approx_math=am, no_auto_barriers=nb)
+                              for am, nb in itertools.product((False, True), repeat=2)] + [
+          dict(tile=128, stages=st, splits=sp, wgs=2, approx_math=am, no_auto_barriers=am)
+          for st, sp, am in itertools.product((2, 4), splits, (False, True))]
+      n3 = a.n * 3 // 4
+      yield name, None, n3, [dict(base, approx_math=True, no_auto_barriers=True)] + [
+          dict(tile=128, stages=st, splits=sp, wgs=3, approx_math=True, no_auto_barriers=True)
+          for st, sp in itertools.product((2, 3), splits) if n3 % (128 * 3 * sp) == 0]
   else:
     grid = {"4b": itertools.product((64, 128), (2, 3, 4), (8, 16), ("token", "dim")),
             "0.5b": itertools.product((64, 128), (2, 3, 4), (16, 32, 64), ("token", "dim"))}
@@ -96,6 +115,8 @@ def main() -> None:
   ap.add_argument("--iters", type=int, default=30)
   ap.add_argument("--upcasts", action="store_true",
                   help="the A-operand upcast variants (k_upcast x v_upcast) at the best knobs")
+  ap.add_argument("--ws", action="store_true",
+                  help="compiler knobs; the warp-specialized kernel (2 and 3 compute warpgroups)")
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()

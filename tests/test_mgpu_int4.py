@@ -139,6 +139,11 @@ def test_bad_shapes_are_one_line_errors():
     M.partition_reference(q, k, ks, v, vs, lens, tile=64, splits=3, v_major="token")
   with pytest.raises(ValueError, match="v_major"):
     M.partition_reference(q, k, ks, v, vs, lens, tile=64, splits=2, v_major="rows")
+  with pytest.raises(ValueError, match="wgs"):
+    M.partition_reference(q, k, ks, M.block_v(jnp.swapaxes(v, 1, 2), 64), vs, lens, tile=64,
+                          splits=2, v_major="block", wgs=4)
+  with pytest.raises(ValueError, match="v must have shape"):
+    M.partition_ws(q, k, ks, jnp.swapaxes(v, 1, 2), vs, lens, tile=64, splits=2, wgs=2)
 
 
 def _lower(d, v_major, tile, stages=2, splits=4, bh=4, n=4096, k_upcast="bf16",
@@ -162,6 +167,29 @@ def _lower(d, v_major, tile, stages=2, splits=4, bh=4, n=4096, k_upcast="bf16",
 def test_kernel_lowers_to_mosaic_gpu(d, v_major, tile, k_upcast, v_upcast):
   text = _lower(d, v_major, tile, k_upcast=k_upcast, v_upcast=v_upcast).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("d,wgs,knobs", [
+    (128, 2, {}), (64, 2, {}), (128, 3, dict(approx_math=True, no_auto_barriers=True)),
+    (64, 3, dict(stages=4))])
+def test_warp_specialized_kernel_lowers_to_mosaic_gpu(d, wgs, knobs):
+  S = jax.ShapeDtypeStruct
+  bh, n, tile = 4, 128 * wgs * 4 * 2, 128
+  args = (S((bh, M.N_PAD, d), jnp.bfloat16), S((bh, n, d), jnp.int4), S((bh, n), jnp.float32),
+          S((bh, n // tile, d, tile), jnp.int4), S((bh, n), jnp.float32), S((bh,), jnp.int32))
+  text = M.partition_ws.trace(*args, tile=tile, splits=4, wgs=wgs, qk_scale=0.1,
+                              **knobs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_compiler_params_knobs_lower():
+  text = _lower(64, "dim", 128).as_text()
+  S = jax.ShapeDtypeStruct
+  args = (S((4, M.N_PAD, 64), jnp.bfloat16), S((4, 4096, 64), jnp.int4), S((4, 4096), jnp.float32),
+          S((4, 64, 4096), jnp.int4), S((4, 4096), jnp.float32), S((4,), jnp.int32))
+  fast = M.partition.trace(*args, tile=128, splits=4, qk_scale=0.1, approx_math=True,
+                           no_auto_barriers=True).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in fast and fast != text
 
 
 def test_shared_memory_budget_is_checked_before_the_device():

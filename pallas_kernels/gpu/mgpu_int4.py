@@ -46,12 +46,14 @@ SM90_SMEM = 232448   # bytes of shared memory a Hopper block may use (the H200's
 _SCRATCH = 8192      # Mosaic GPU's reduction scratch and barriers, rounded up
 
 
-def smem_bytes(d: int, tile: int, stages: int, v_major: str) -> int:
+def smem_bytes(d: int, tile: int, stages: int, v_major: str, wgs: int = 1) -> int:
   """Shared memory of one block: the pipeline's buffers, q, the P^T tile, the bf16 V tile
-  (token-major V only) and the output staging tile. Mosaic GPU checks it only on the device."""
-  per_stage = 2 * (tile * d // 2 + tile * 4)          # K and V codes + f32 scales
-  vb = (tile if v_major == "token" else 8) * d * 2
-  return stages * per_stage + N_PAD * d * 2 + vb + tile * N_PAD * 2 + d * N_PAD * 4 + _SCRATCH
+  (token-major V only) and the output staging tile, those three per compute warpgroup.
+  Mosaic GPU checks it only on the device."""
+  per_stage = wgs * 2 * (tile * d // 2 + tile * 4)    # K and V codes + f32 scales
+  vb = {"token": tile, "dim": 8, "block": 0}[v_major] * d * 2
+  per_wg = N_PAD * d * 2 + tile * N_PAD * 2 + d * N_PAD * 4
+  return stages * per_stage + vb + wgs * per_wg + _SCRATCH
 
 
 def _load(ref, layout):
@@ -72,11 +74,21 @@ def _transforms(minor: int, dtype, what: str, swz: int | None = None):
                            plgpu.SwizzleTransform(swz))
 
 
+def _params(approx_math: bool, no_auto_barriers: bool):
+  """Mosaic GPU compiler parameters: ``approx_math`` lets exp2 be ``ex2.approx``;
+  ``no_auto_barriers`` drops the barriers Pallas inserts around shared-memory loads and stores
+  (safe here: no thread reads and writes one region, and no committed region is overwritten
+  by an async copy)."""
+  return plgpu.CompilerParams(approx_math=approx_math, unsafe_no_auto_barriers=no_auto_barriers)
+
+
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
-                                             "qk_scale", "k_upcast", "v_upcast"))
+                                             "qk_scale", "k_upcast", "v_upcast", "approx_math",
+                                             "no_auto_barriers"))
 def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: int = 2,
               splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
-              qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16"):
+              qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16",
+              approx_math: bool = False, no_auto_barriers: bool = False):
   """-> (o[BH, splits, D, 16] f32 unnormalized O^T, m[BH, splits, D, 16], l[BH, splits, D, 16]).
 
   ``v_major="token"``: ``v[BH, N, D]``, upcast into a bf16 shared-memory tile read transposed.
@@ -217,6 +229,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
       out_type=(f32, f32, f32),
       grid=(bh, splits),
       grid_names=("bh", "sp"),
+      compiler_params=_params(approx_math, no_auto_barriers),
       scratch_types=dict(
           q_smem=plgpu.SMEM(q.shape[1:], q.dtype, transforms=q_tr),
           vb_smem=plgpu.SMEM((tile if v_major == "token" else 8, d), jnp.bfloat16,
@@ -228,17 +241,152 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
   )(q, k, ks, v, vs, lens, qscale)
 
 
+def block_v(v: jax.Array, tile: int) -> jax.Array:
+  """Dim-major ``v[BH, D, N]`` -> blocked ``[BH, N / tile, D, tile]``: each tile's values
+  dim-major and contiguous, so one TMA box (and one leading index per warpgroup) reads it."""
+  bh, d, n = v.shape
+  return jnp.swapaxes(v.reshape(bh, d, n // tile, tile), 1, 2)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "wgs", "qk_scale",
+                                             "approx_math", "no_auto_barriers",
+                                             "memory_registers"))
+def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, splits: int = 8,
+                 wgs: int = 2, qk_scale: float = 1.0, approx_math: bool = False,
+                 no_auto_barriers: bool = False, memory_registers: int = 40):
+  """Warp-specialized :func:`partition`: ``wgs`` compute warpgroups and one TMA warpgroup.
+
+  Each pipeline step brings ``wgs`` consecutive tiles; compute warpgroup ``w`` takes tile ``w``
+  of every step with its own online softmax, so while one warpgroup waits on its MMAs or
+  reduces across warps, another's instructions issue, and the loads never wait on compute.
+  Every (split, warpgroup) writes its own partial: outputs are ``[BH, splits * wgs, D, 16]``,
+  combined by :func:`merge` like any splits.
+
+  ``vb[BH, N / tile, D, tile]`` is V blocked dim-major (:func:`block_v`); the rest as
+  :func:`partition` with bf16 upcasts of K and V into the A operand.
+  """
+  bh, n, d = k.shape
+  _check(q, k, ks, vb, vs, lens, tile=tile, splits=splits * wgs, v_major="block",
+         stages=stages, wgs=wgs)
+  nt = n // tile
+  steps = nt // wgs // splits
+  k_elems, k_tr = _transforms(d, k.dtype, "keys")
+  q_elems, q_tr = _transforms(d, q.dtype, "queries")
+  _, p_tr = _transforms(N_PAD, jnp.bfloat16, "probabilities")
+  _, vt_tr = _transforms(tile, vb.dtype, "transposed values")
+  kslice = min(k_elems, q_elems, d)
+  row = plgpu.Layout.WGMMA.reduce(1)
+  col = plgpu.Layout.WGMMA.reduce(0)
+  cast = plgpu.layout_cast
+
+  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, o_gmem, m_gmem, l_gmem,
+           q_smem, p_smem, o_smem, qbar):
+    b = lax.axis_index("bh")
+    sp = lax.axis_index("sp")
+    wg = lax.axis_index("wg")
+
+    def step(idx, k_smem, ks_smem, v_smem, vs_smem, carry):
+      # k_smem [wgs, T, D] int4, ks_smem / vs_smem [wgs, T] f32, v_smem [wgs, D, T] int4
+      m, l, acc = carry
+      kt, vt, qt, pt = k_smem.at[wg], v_smem.at[wg], q_smem.at[wg], p_smem.at[wg]
+
+      def scores(acc_ref):
+        kr = kt[...].astype(jnp.bfloat16)
+        for j in range(d // kslice):
+          sl = slice(j * kslice, (j + 1) * kslice)
+          plgpu.wgmma(acc_ref, kr[:, sl], qt.at[:, sl].T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
+      scale = _load(ks_smem.at[wg], row) * qk_scale
+      s = s * lax.broadcast_in_dim(scale, s.shape, [0])
+      first = ((sp * steps + idx[0]) * wgs + wg) * tile
+      tok = plgpu.broadcasted_iota(jnp.int32, (tile, N_PAD), 0, layout=plgpu.Layout.WGMMA)
+      s = jnp.where(tok + first < lens_gmem[b], s, -jnp.inf)
+      m_new = jnp.maximum(m, s.max(axis=0))
+      alpha = jnp.exp2(m - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+      l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
+      p = p * lax.broadcast_in_dim(_load(vs_smem.at[wg], row), p.shape, [0])
+      pt[...] = p.astype(jnp.bfloat16)
+      plgpu.commit_smem()
+
+      def pv(acc_ref):
+        plgpu.wgmma(acc_ref, vt[...].astype(jnp.bfloat16), pt)
+        return acc_ref[...]
+
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+      acc = acc + pl.run_scoped(pv, plgpu.ACC((d, N_PAD), jnp.float32))
+      return m_new, l, acc
+
+    def compute(pipeline):
+      plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem.at[wg], qbar.at[wg])
+      plgpu.barrier_wait(qbar.at[wg])
+      m, l, acc = pipeline((cast(jnp.full((N_PAD,), _FLOOR, jnp.float32), col),
+                            cast(jnp.zeros((tile, N_PAD), jnp.float32), plgpu.Layout.WGMMA),
+                            cast(jnp.zeros((d, N_PAD), jnp.float32), plgpu.Layout.WGMMA)))
+      l = l.sum(axis=0)
+      part = sp * wgs + wg
+      ot = o_smem.at[wg]
+      for out, val in ((o_gmem, acc), (m_gmem, lax.broadcast_in_dim(m, acc.shape, [1])),
+                       (l_gmem, lax.broadcast_in_dim(l, acc.shape, [1]))):
+        ot[...] = val
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ot, out.at[b, part])
+        plgpu.wait_smem_to_gmem(0)
+
+    blk = lambda i: (sp * steps + i, 0, 0)
+    blk1 = lambda i: (sp * steps + i, 0)
+    plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(steps,),
+        memory_registers=memory_registers,
+        in_specs=[
+            plgpu.BlockSpec((wgs, tile, d), blk, transforms=k_tr),
+            plgpu.BlockSpec((wgs, tile), blk1),
+            plgpu.BlockSpec((wgs, d, tile), blk, transforms=vt_tr),
+            plgpu.BlockSpec((wgs, tile), blk1),
+        ],
+        max_concurrent_steps=stages,
+        wg_axis="wg",
+        num_compute_wgs=wgs,
+        compute_context=compute,
+    )(k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b])
+
+  f32 = jax.ShapeDtypeStruct((bh, splits * wgs, d, N_PAD), jnp.float32)
+  return plgpu.kernel(
+      body,
+      out_type=(f32, f32, f32),
+      grid=(bh, splits),
+      grid_names=("bh", "sp"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=_params(approx_math, no_auto_barriers),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((wgs, N_PAD, d), q.dtype, transforms=q_tr),
+          p_smem=plgpu.SMEM((wgs, tile, N_PAD), jnp.bfloat16, transforms=p_tr),
+          o_smem=plgpu.SMEM((wgs, d, N_PAD), jnp.float32),
+          qbar=plgpu.Barrier(num_barriers=wgs),
+      ),
+  )(q, k.reshape(bh, nt, tile, d), ks.reshape(bh, nt, tile), vb, vs.reshape(bh, nt, tile), lens)
+
+
 def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="bf16",
-           v_upcast="bf16", qscale=None) -> None:
-  """One-line errors for shapes the kernel cannot take (before Mosaic GPU sees them)."""
-  if v_major not in ("token", "dim"):
-    raise ValueError(f"v_major must be 'token' or 'dim', got {v_major!r}")
+           v_upcast="bf16", qscale=None, wgs=1) -> None:
+  """One-line errors for shapes the kernel cannot take (before Mosaic GPU sees them).
+
+  ``splits`` counts every partial: context splits times compute warpgroups."""
+  if v_major not in ("token", "dim", "block"):
+    raise ValueError(f"v_major must be 'token', 'dim' or 'block', got {v_major!r}")
+  if wgs not in (1, 2, 3):
+    raise ValueError(f"wgs (compute warpgroups) must be 1, 2 or 3, got {wgs}")
   if k_upcast not in ("bf16", "bf16_up4", "s8"):
     raise ValueError(f"k_upcast must be 'bf16', 'bf16_up4' or 's8', got {k_upcast!r}")
   if v_upcast not in ("bf16", "bf16_up4"):
     raise ValueError(f"v_upcast must be 'bf16' or 'bf16_up4', got {v_upcast!r}")
   bh, n, d = k.shape
-  v_shape = (bh, n, d) if v_major == "token" else (bh, d, n)
+  v_shape = {"token": (bh, n, d), "dim": (bh, d, n),
+             "block": (bh, n // tile, d, tile)}[v_major]
   s8 = k_upcast == "s8"
   want = {"q": (bh, 2, N_PAD, d) if s8 else (bh, N_PAD, d), "v": v_shape, "ks": (bh, n),
           "vs": (bh, n), "lens": (bh,)}
@@ -253,7 +401,7 @@ def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="
     raise ValueError(f"head dim {d} and tile {tile} must be multiples of 64 (wgmma's M)")
   if n % (tile * splits):
     raise ValueError(f"keys {n} must divide into {splits} splits of {tile}-row tiles")
-  need = smem_bytes(d, tile, stages, v_major)
+  need = smem_bytes(d, tile, stages, v_major, wgs)
   if need > SM90_SMEM:
     raise ValueError(f"tile {tile} x {stages} stages needs {need} bytes of shared memory, over "
                      f"the {SM90_SMEM} a Hopper block has: use fewer stages or a smaller tile")
@@ -296,7 +444,12 @@ def merge(o, m, l):
 
 
 def attend(q, k, ks, v, vs, lens, *, sm_scale: float, **knobs):
-  """Softmax attention of ``q[BH, 16, D]`` over the INT4 keys/values -> ``[BH, 16, D]`` f32."""
+  """Softmax attention of ``q[BH, 16, D]`` over the INT4 keys/values -> ``[BH, 16, D]`` f32.
+
+  With a ``wgs`` knob it runs :func:`partition_ws` (``v`` blocked by :func:`block_v`)."""
+  if "wgs" in knobs:
+    return merge(*partition_ws(q.astype(jnp.bfloat16), k, ks, v, vs, lens,
+                               qk_scale=sm_scale * LOG2E, **knobs))
   if knobs.get("k_upcast") == "s8":
     q8, qscale = split_q(q)
     return merge(*partition(q8, k, ks, v, vs, lens, qscale, qk_scale=sm_scale * LOG2E, **knobs))
@@ -307,13 +460,15 @@ def attend(q, k, ks, v, vs, lens, *, sm_scale: float, **knobs):
 
 def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, splits: int = 8,
                         v_major: str = "dim", qk_scale: float = 1.0, k_upcast: str = "bf16",
-                        v_upcast: str = "bf16", **_):
-  """:func:`partition` in jnp: the same tiles, splits, masks, roundings and outputs."""
-  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, k_upcast=k_upcast,
-         v_upcast=v_upcast, qscale=qscale)
+                        v_upcast: str = "bf16", wgs: int = 1, **_):
+  """:func:`partition` (``wgs=1``) or :func:`partition_ws` (``v_major="block"``, ``wgs``
+  warpgroups) in jnp: the same tiles, partials, masks, roundings and outputs."""
+  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits * wgs, v_major=v_major,
+         k_upcast=k_upcast, v_upcast=v_upcast, qscale=qscale, wgs=wgs)
   bh, n, d = k.shape
-  steps = n // tile // splits
-  vt = v if v_major == "token" else jnp.swapaxes(v, 1, 2)              # [BH, N, D]
+  steps = n // tile // splits // wgs
+  vt = {"token": lambda: v, "dim": lambda: jnp.swapaxes(v, 1, 2),           # [BH, N, D]
+        "block": lambda: jnp.swapaxes(v, 2, 3).reshape(bh, n, d)}[v_major]()
   kf = k.astype(jnp.float32)
   if k_upcast == "s8":     # two exact integer products, combined in f32 as the kernel does
     hi, lo = (jnp.einsum("bgd,bnd->bng", q[:, i].astype(jnp.float32), kf) for i in (0, 1))
@@ -322,7 +477,9 @@ def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, 
     s = jnp.einsum("bgd,bnd->bng", q.astype(jnp.bfloat16).astype(jnp.float32), kf)
   s = s * (ks * qk_scale)[..., None]
   s = jnp.where(jnp.arange(n)[None, :, None] < lens[:, None, None], s, -jnp.inf)
-  tiles = lambda x: jnp.moveaxis(x.reshape(bh, splits, steps, tile, *x.shape[2:]), 2, 0)
+  # Partial (split sp, warpgroup w) takes tiles (sp * steps + i) * wgs + w, i < steps.
+  tiles = lambda x: jnp.moveaxis(x.reshape(bh, splits, steps, wgs, tile, *x.shape[2:]), 2,
+                                 0).reshape(steps, bh, splits * wgs, tile, *x.shape[2:])
   s_t, vs_t, v_t = tiles(s), tiles(vs), tiles(vt.astype(jnp.float32))
 
   def step(carry, xs):
@@ -336,9 +493,10 @@ def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, 
     acc = acc * alpha[:, :, None, :] + jnp.einsum("bstd,bstg->bsdg", v, pb)
     return (m_new, l, acc), None
 
-  init = (jnp.full((bh, splits, N_PAD), _FLOOR, jnp.float32),
-          jnp.zeros((bh, splits, tile, N_PAD), jnp.float32),
-          jnp.zeros((bh, splits, d, N_PAD), jnp.float32))
+  parts = splits * wgs
+  init = (jnp.full((bh, parts, N_PAD), _FLOOR, jnp.float32),
+          jnp.zeros((bh, parts, tile, N_PAD), jnp.float32),
+          jnp.zeros((bh, parts, d, N_PAD), jnp.float32))
   (m, l, acc), _ = lax.scan(step, init, (s_t, vs_t, v_t))
   wide = lambda x: jnp.broadcast_to(x[:, :, None, :], acc.shape)
   return acc, wide(m), wide(l.sum(axis=2))

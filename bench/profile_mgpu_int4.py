@@ -1,0 +1,46 @@
+"""Run the Mosaic GPU INT4 partition's variants a few times each, without any profiler of its own,
+for an outside one (Nsight Compute) or for the compiler's dumps (ptxas report, SASS).
+
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 python bench/profile_mgpu_int4.py
+  ncu --clock-control none --section Occupancy --section WarpStateStats \\
+      python bench/profile_mgpu_int4.py --shape 4b
+
+Variants: the committed kernel (``partition``, dim-major V, 8 splits at 4B / 32 at 0.5B) and the
+warp-specialized one (``partition_ws``, 2 compute warpgroups), both with approximate exp2 and no
+automatic barriers, at B=8 and 32K keys.
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from bench.bench_mgpu_int4 import inputs
+from pallas_kernels.gpu import mgpu_int4 as M
+
+SPLITS = {"4b": 8, "0.5b": 32}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shape", choices=sorted(SPLITS), default="4b")
+  ap.add_argument("--reps", type=int, default=2)
+  a = ap.parse_args()
+  q, k, ks, v, vs, lens, _, _ = inputs(a.shape, 32768)
+  vt = jnp.swapaxes(v, 1, 2)
+  vb = M.block_v(vt, 128)
+  full = jnp.full_like(lens, k.shape[1])
+  sp = SPLITS[a.shape]
+  fast = dict(approx_math=True, no_auto_barriers=True, qk_scale=0.1)
+  runs = {"partition": (M.partition, vt, dict(splits=sp, **fast)),
+          "partition_ws2": (M.partition_ws, vb, dict(splits=sp // 2, wgs=2, **fast))}
+  jax.block_until_ready((q, k, ks, vt, vb, vs, full))
+  for name, (fn, vin, kn) in runs.items():
+    for _ in range(a.reps):
+      jax.block_until_ready(fn(q, k, ks, vin, vs, full, **kn))
+    print(name, "ran", a.reps, flush=True)
+
+
+if __name__ == "__main__":
+  main()
