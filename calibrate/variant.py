@@ -77,11 +77,7 @@ def read_calibration(policy_dir: str, path: str | None) -> tuple[dict | None, st
   for p in found:
     if not os.path.isfile(p):
       raise ValueError(f"calibration record not found: {p}")
-    try:
-      with open(p) as f:
-        rec = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ValueError(f"calibration record {p} is not valid JSON: {e}") from None
+    rec = P.read_json(p, "calibration record")
     comp = rec.get("composed") if isinstance(rec, dict) else None
     same = isinstance(comp, dict) and all(
         _num(comp.get(k)) and _num(budgets.get(k)) and abs(comp[k] - budgets[k]) < 1e-6

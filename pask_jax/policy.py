@@ -336,13 +336,20 @@ def read_record(directory: str | os.PathLike) -> dict:
   path = os.path.join(d, "policy.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{d} has no policy.json")
-  try:
-    with open(path) as f:
-      rec = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path} is not valid JSON: {e}") from None
+  rec = read_json(path)
   check_record(rec, path)
   return rec
+
+
+def read_json(path: str | os.PathLike, what: str = "") -> Any:
+  """The JSON value in ``path``; a file that is not JSON (or not text) is a one-line ValueError
+  naming it (``what``, e.g. "calibration record", before the path)."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{what + ' ' if what else ''}{os.fspath(path)} is not valid JSON: "
+                     f"{e}") from None
 
 
 def check_record(rec: Any, where: str = "policy record") -> None:
