@@ -87,16 +87,23 @@ def plan(a):
       yield name, None, a.n, [dict(tile=128, stages=2, splits=splits, v_major="dim",
                                    k_upcast=ku, v_upcast=vu) for ku, vu in pairs]
   elif a.ws:
-    for name, splits in (("4b", (4, 8)), ("0.5b", (16, 32))):
-      base = dict(tile=128, stages=2, splits=splits[1], v_major="dim")   # stage 1's best
-      yield name, None, a.n, [dict(base, approx_math=am, no_auto_barriers=nb)
-                              for am, nb in itertools.product((False, True), repeat=2)] + [
-          dict(tile=128, stages=st, splits=sp, wgs=2, approx_math=am, no_auto_barriers=am)
-          for st, sp, am in itertools.product((2, 4), splits, (False, True))]
+    fast = dict(approx_math=True, no_auto_barriers=True)
+    for name, splits in (("4b", (4, 8)), ("0.5b", (8, 16))):
+      base = dict(tile=128, stages=2, splits=8 if name == "4b" else 32,   # stage 1's best
+                  v_major="dim")
+      yield name, None, a.n, [dict(base, **fast)] + [
+          dict(tile=128, stages=st, splits=sp, wgs=2, **fast)
+          for st, sp in itertools.product((2, 4), splits)]
       n3 = a.n * 3 // 4
-      yield name, None, n3, [dict(base, approx_math=True, no_auto_barriers=True)] + [
-          dict(tile=128, stages=st, splits=sp, wgs=3, approx_math=True, no_auto_barriers=True)
-          for st, sp in itertools.product((2, 3), splits) if n3 % (128 * 3 * sp) == 0]
+      yield name, None, n3, [dict(base, **fast)] + [
+          dict(tile=128, stages=st, splits=sp, wgs=3, **fast)
+          for st, sp in ((2, splits[0]), (3, splits[0]), (2, splits[1]))
+          if n3 % (128 * 3 * sp) == 0]
+    if a.knobs:   # the committed kernel under each compiler-knob pair
+      for name, sp in (("4b", 8), ("0.5b", 32)):
+        yield name, None, a.n, [dict(tile=128, stages=2, splits=sp, v_major="dim",
+                                     approx_math=am, no_auto_barriers=nb)
+                                for am, nb in itertools.product((False, True), repeat=2)]
   else:
     grid = {"4b": itertools.product((64, 128), (2, 3, 4), (8, 16), ("token", "dim")),
             "0.5b": itertools.product((64, 128), (2, 3, 4), (16, 32, 64), ("token", "dim"))}
@@ -117,6 +124,8 @@ def main() -> None:
                   help="the A-operand upcast variants (k_upcast x v_upcast) at the best knobs")
   ap.add_argument("--ws", action="store_true",
                   help="compiler knobs; the warp-specialized kernel (2 and 3 compute warpgroups)")
+  ap.add_argument("--knobs", action="store_true",
+                  help="with --ws: also the committed kernel under each compiler-knob pair")
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()

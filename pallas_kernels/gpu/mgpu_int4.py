@@ -257,8 +257,9 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
   """Warp-specialized :func:`partition`: ``wgs`` compute warpgroups and one TMA warpgroup.
 
   Each pipeline step brings ``wgs`` consecutive tiles; compute warpgroup ``w`` takes tile ``w``
-  of every step with its own online softmax, so while one warpgroup waits on its MMAs or
-  reduces across warps, another's instructions issue, and the loads never wait on compute.
+  of every step with its own online softmax, so while one warpgroup waits on its MMAs,
+  another's instructions issue, and the loads never wait on compute. The cross-warp reductions
+  (the running max, the final row sums) take turns round the warpgroups (``exclusive``).
   Every (split, warpgroup) writes its own partial: outputs are ``[BH, splits * wgs, D, 16]``,
   combined by :func:`merge` like any splits.
 
@@ -280,10 +281,21 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
   cast = plgpu.layout_cast
 
   def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, o_gmem, m_gmem, l_gmem,
-           q_smem, p_smem, o_smem, qbar):
+           q_smem, p_smem, o_smem, qbar, turn):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
     wg = lax.axis_index("wg")
+
+    def exclusive(reduce, first_turn):
+      """``reduce()`` (a reduction across the warps of a warpgroup) with the kernel's one
+      reduction scratch to this warpgroup alone: Mosaic GPU gives every warpgroup the same
+      scratch, so concurrent cross-warp reductions would corrupt each other. A token passes
+      round the compute warpgroups (0, 1, ..., 0, ...); warpgroup 0 starts holding it."""
+      pl.when(jnp.logical_or(wg != 0, jnp.logical_not(first_turn)))(
+          lambda: plgpu.barrier_wait(turn.at[wg]))
+      out = reduce()
+      plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, wgs)])
+      return out
 
     def step(idx, k_smem, ks_smem, v_smem, vs_smem, carry):
       # k_smem [wgs, T, D] int4, ks_smem / vs_smem [wgs, T] f32, v_smem [wgs, D, T] int4
@@ -303,7 +315,7 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
       first = ((sp * steps + idx[0]) * wgs + wg) * tile
       tok = plgpu.broadcasted_iota(jnp.int32, (tile, N_PAD), 0, layout=plgpu.Layout.WGMMA)
       s = jnp.where(tok + first < lens_gmem[b], s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=0))
+      m_new = jnp.maximum(m, exclusive(lambda: s.max(axis=0), first_turn=idx[0] == 0))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
       l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
@@ -325,7 +337,7 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
       m, l, acc = pipeline((cast(jnp.full((N_PAD,), _FLOOR, jnp.float32), col),
                             cast(jnp.zeros((tile, N_PAD), jnp.float32), plgpu.Layout.WGMMA),
                             cast(jnp.zeros((d, N_PAD), jnp.float32), plgpu.Layout.WGMMA)))
-      l = l.sum(axis=0)
+      l = exclusive(lambda: l.sum(axis=0), first_turn=False)
       part = sp * wgs + wg
       ot = o_smem.at[wg]
       for out, val in ((o_gmem, acc), (m_gmem, lax.broadcast_in_dim(m, acc.shape, [1])),
@@ -367,6 +379,7 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
           p_smem=plgpu.SMEM((wgs, tile, N_PAD), jnp.bfloat16, transforms=p_tr),
           o_smem=plgpu.SMEM((wgs, d, N_PAD), jnp.float32),
           qbar=plgpu.Barrier(num_barriers=wgs),
+          turn=plgpu.Barrier(num_barriers=wgs),
       ),
   )(q, k.reshape(bh, nt, tile, d), ks.reshape(bh, nt, tile), vb, vs.reshape(bh, nt, tile), lens)
 
