@@ -40,7 +40,9 @@ backend are not part of it: stacked and sequential interventions give the same o
    not yet measured are evaluated in one stacked dev run: estimated pairs that fit, and prefill
    candidates aimed at t (B_P solved from the measured decode share) over each τ — over relaxed
    floors, down to none, only where nothing else reaches t; a second run re-aims what overshot
-   (:meth:`Calibration.variants`).  Stages ``dev_targets``, ``dev_targets_more``.
+   (:meth:`Calibration.variants`).  The decode stages aimed with: the selected one, the cheapest,
+   and one that releases nothing (every generated token INT4, measured alone first).  Stages
+   ``dev_keep``, ``dev_targets``, ``dev_targets_more``.
 
 Error rates and thresholds are fractions (0.01 = 1 pp).
 """
@@ -92,10 +94,14 @@ class Config:
 # A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
 # the floors no longer bound the prefill cost from below.
 NO_FLOOR = (1.0, 1.0)
-# Which prefill thresholds target candidates are aimed over (part of the stages' fingerprint, so a
-# stage saved under an older rule is not resumed under a new one).  2: H floors are lifted to L
-# (release kept as strict as configured) before any floor is allowed to release.
-TARGET_RULE = 2
+# How target candidates are made (part of the stages' fingerprint, so a stage saved under an older
+# rule is not resumed under a new one).  2: H floors are lifted to L (release kept as strict as
+# configured) before any floor is allowed to release.  3: also a decode stage that releases
+# nothing (every generated token at L or above, :data:`KEEP`) to aim the prefill with.
+TARGET_RULE = 3
+# Decode thresholds under which every floor is L: V̄(q,R) >= V̄(q,L) >= 0 > -1 (no R floor) and
+# V̄(q,L) <= 1 (no H floor).  Step 0 of its greedy path stores every generated token at INT4.
+KEEP = (-1.0, 1.0)
 PAIRS_PER_TARGET = 4     # estimated (decode, prefill) compositions evaluated per target
 REAIM_MARGIN = 0.01      # re-aimed B_P lands this far under the target (estimate noise)
 
@@ -324,7 +330,7 @@ class Calibration:
   STAGES = ("reference", "runtime_v", "runtime_d", "dev", "dev_composed")
   # Written only with ``Config.windows`` (decode candidates at the other windows) and
   # ``Config.targets`` (compositions for the targets).
-  OPTIONAL_STAGES = ("dev_windows", "dev_targets", "dev_targets_more")
+  OPTIONAL_STAGES = ("dev_windows", "dev_keep", "dev_targets", "dev_targets_more")
 
   def _fingerprints(self) -> dict[str, dict]:
     """Per stage, what its saved numbers depend on (each later stage adds to the earlier)."""
@@ -348,8 +354,8 @@ class Calibration:
     targets = {**composed, "args": {**composed["args"], **arg("targets"),
                                     "target_rule": TARGET_RULE}}
     return {"reference": ref, "runtime_v": runtime, "runtime_d": runtime, "dev": dev,
-            "dev_windows": windows, "dev_composed": composed, "dev_targets": targets,
-            "dev_targets_more": targets}
+            "dev_windows": windows, "dev_composed": composed, "dev_keep": targets,
+            "dev_targets": targets, "dev_targets_more": targets}
 
   def _check_work(self) -> None:
     """Before any work: refuse unkeyed pickles of older versions and every saved stage whose
@@ -563,36 +569,58 @@ class Calibration:
     return float(bits / (self.c_full * max(len(allc), 1)))
 
   def decode_candidates(self):
-    G = self.cfg.n_groups
     cands, states = self._ref_decode()
     out = []
     for tau in self.cfg.thresholds:
-      f = self.floors("decode", tau)
-      path = greedy_path(f, self.rho_dec)
-      noms = []
-      for m in path:
-        pol = P.build(policy_entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
-                      window=self.cfg.window)
-        noms.append(self.nominal(pol, cands))
-      keep = pick_points(noms, self.cfg.path_points)
-      fpol = P.build(policy_entries(f, f, None, G), self.ident, n_groups=G)
-      fcost = []
-      for c in cands:
-        _, fl = resolve_rows(fpol, c)
-        fcost.append(self.cost[fl, np.arange(G)[None]].sum(1) if len(c) else np.zeros(0))
-      for j in keep:
-        b_d = noms[j]
-        gam, pooled, _ = reserve(fcost, states, b_d * self.c_full, self.c_full,
-                                 self.cfg.reserve_k, self.cfg.reserve_beta)
-        c = {"tau": tuple(tau), "step": j, "path_len": len(path), "nominal_b": b_d,
-             "path_nominal": noms, "floors": f, "map": path[j], "gamma": gam, "pooled": pooled,
-             "window": self.cfg.window}
-        out.append({**c, "policy": self._decode_policy(c, self.cfg.window)})
+      out += self._decode_path(tuple(tau), cands, states)
     # The same candidates at the other recent windows (Config.windows), after these.
     out += [{**c, "window": w, "policy": self._decode_policy(c, w)}
             for w in self.windows()[1:] for c in list(out)]
     self.dec_cands = out
     return out
+
+  def _decode_path(self, tau, cands, states, steps: Sequence[int] | None = None) -> list[dict]:
+    """Decode candidates on the greedy path from the floors of ``tau``: ``path_points`` steps
+    evenly spaced in nominal cost, or the given ``steps``; each with its reserve Γ and policy."""
+    G = self.cfg.n_groups
+    f = self.floors("decode", tau)
+    path = greedy_path(f, self.rho_dec)
+
+    def nominal(m) -> float:
+      pol = P.build(policy_entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
+                    window=self.cfg.window)
+      return self.nominal(pol, cands)
+
+    if steps is None:
+      noms = [nominal(m) for m in path]
+      steps = pick_points(noms, self.cfg.path_points)
+    else:
+      noms = {j: nominal(path[j]) for j in steps}
+    fpol = P.build(policy_entries(f, f, None, G), self.ident, n_groups=G)
+    fcost = []
+    for c in cands:
+      _, fl = resolve_rows(fpol, c)
+      fcost.append(self.cost[fl, np.arange(G)[None]].sum(1) if len(c) else np.zeros(0))
+    out = []
+    for j in steps:
+      b_d = noms[j]
+      gam, pooled, _ = reserve(fcost, states, b_d * self.c_full, self.c_full,
+                               self.cfg.reserve_k, self.cfg.reserve_beta)
+      c = {"tau": tuple(tau), "step": j, "path_len": len(path), "nominal_b": b_d,
+           "path_nominal": noms if isinstance(noms, list) else [noms[j]], "floors": f,
+           "map": path[j], "gamma": gam, "pooled": pooled, "window": self.cfg.window}
+      out.append({**c, "policy": self._decode_policy(c, self.cfg.window)})
+    return out
+
+  def decode_keep(self) -> tuple[int, list]:
+    """(index in ``dec_cands``, dev outcomes) of the decode stage that releases nothing: step 0
+    of the path from the :data:`KEEP` floors, every generated token at L (sinks and the recent
+    window H), with the prefill all-high (stage ``dev_keep``).  Where INT4 is nearly lossless,
+    aiming the prefill with it beats a decode stage that releases (target rule 3)."""
+    c = self._decode_path(KEEP, *self._ref_decode(), steps=[0])[0]
+    self.dec_cands.append(c)
+    pol = self.compose(c, None, {"name": "decode kept at L"})
+    return len(self.dec_cands) - 1, self._dev_eval("dev_keep", [pol], [pol.window])[0]
 
   def _decode_policy(self, c: dict, window: int) -> P.FrozenPolicy:
     G, cfg = self.cfg.n_groups, self.cfg
@@ -866,6 +894,10 @@ class Calibration:
     dec_opts = [(di, ref_dev if di is None else dec_res[di])]
     if cheapest is not None and cheapest != di:
       dec_opts.append((cheapest, dec_res[cheapest]))
+    kj, keep_res = self.decode_keep()
+    dec_opts.append((kj, keep_res))
+    kept = {"d": kj, "p": None, "dev": self.dev_row(keep_res), "target": None,
+            "source": self._source("decode kept", "dev_keep", kj, None)}
     reached = lambda t, rows: any(r["dev"]["total"] <= t for r in rows)
     seen: set = set()
 
@@ -887,12 +919,12 @@ class Calibration:
       add(items, near)
       if not fit and not near and not reached(t, pool):
         add(items, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
-    first = self._eval_items("dev_targets", items, "pair")
+    first = [kept] + self._eval_items("dev_targets", items, "pair")
     more: list[dict] = []
     for t in cfg.targets:
       if reached(t, pool + first):
         continue
-      mine = [r for r in first if r["target"] == t and r["kind"] == "aimed"]
+      mine = [r for r in first if r["target"] == t and r.get("kind") == "aimed"]
       if not any(r.get("step") == "release" for r in mine):
         add(more, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
       for r in mine:

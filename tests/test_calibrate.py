@@ -491,3 +491,24 @@ def test_target_thresholds_lift_h_floors_before_any_release(targeted):
       assert all(a != Act.H for a in f.values()) or tau[1] < 1.0
   rows = [c for c in rec["target_candidates"] if c["source"]["kind"] == "aimed"]
   assert rows and all("aimed_at" in c["source"] for c in rows)
+
+
+def test_targets_aim_with_a_decode_stage_that_releases_nothing(targeted):
+  """Target rule 3: besides the selected and the cheapest decode stage, the prefill is aimed
+  with one that keeps every generated token at L or above (floors all L, nothing forced H),
+  measured alone on dev first and recorded among the target candidates."""
+  C, rec, out, cfg = targeted
+  keep = [c for c in C.dec_cands if c["tau"] == alg1.KEEP]
+  assert len(keep) == 1 and keep[0]["step"] == 0
+  assert set(keep[0]["floors"].values()) == {Act.L} and keep[0]["map"] == keep[0]["floors"]
+  kept = [c for c in rec["target_candidates"] if c["source"]["kind"] == "decode kept"]
+  assert len(kept) == 1 and kept[0]["source"]["prefill"] == "all-high"
+  assert kept[0]["source"]["decode"]["tau"] == list(alg1.KEEP)
+  # Every generated token stored at L or H: the measured decode cost is at least all-L's.
+  low = float(C.cost[Act.L].sum() / C.c_full)
+  assert kept[0]["dev"]["decode"] >= low - 1e-6
+  aimed = [c for c in rec["target_candidates"] if c["source"]["kind"] == "aimed"
+           and c["source"]["decode"] != "all-high"
+           and c["source"]["decode"]["tau"] == list(alg1.KEEP)]
+  assert aimed, "no target candidate was aimed with the kept decode stage"
+  assert "dev_keep" in C.timings
