@@ -99,6 +99,10 @@ def plan(a):
           dict(tile=128, stages=st, splits=sp, wgs=3, **fast)
           for st, sp in ((2, splits[0]), (3, splits[0]), (2, splits[1]))
           if n3 % (128 * 3 * sp) == 0]
+    if a.cols:    # softmax over the first 8 columns (<= 8 query heads per KV head)
+      for name, sp in (("4b", 8), ("0.5b", 32)):
+        yield name, None, a.n, [dict(tile=128, stages=2, splits=sp, v_major="dim", cols=c, **fast)
+                                for c in (16, 8)]
     if a.knobs:   # the committed kernel under each compiler-knob pair
       for name, sp in (("4b", 8), ("0.5b", 32)):
         yield name, None, a.n, [dict(tile=128, stages=2, splits=sp, v_major="dim",
@@ -124,6 +128,8 @@ def main() -> None:
                   help="the A-operand upcast variants (k_upcast x v_upcast) at the best knobs")
   ap.add_argument("--ws", action="store_true",
                   help="compiler knobs; the warp-specialized kernel (2 and 3 compute warpgroups)")
+  ap.add_argument("--cols", action="store_true",
+                  help="with --ws: also the committed kernel with the 8-column softmax")
   ap.add_argument("--knobs", action="store_true",
                   help="with --ws: also the committed kernel under each compiler-knob pair")
   ap.add_argument("--table", action="store_true",

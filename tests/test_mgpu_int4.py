@@ -192,6 +192,23 @@ def test_compiler_params_knobs_lower():
   assert "mosaic_gpu" in fast and fast != text
 
 
+def test_narrow_softmax_columns_lower_or_name_what_they_need():
+  """cols=8 (<= 8 query heads per KV head) concatenates registers, which jax 0.10's Mosaic GPU
+  cannot lower: there it is a one-line error naming the need; with jax >= 0.11 it lowers."""
+  S = jax.ShapeDtypeStruct
+  args = (S((4, M.N_PAD, 64), jnp.bfloat16), S((4, 4096, 64), jnp.int4), S((4, 4096), jnp.float32),
+          S((4, 64, 4096), jnp.int4), S((4, 4096), jnp.float32), S((4,), jnp.int32))
+  lower = lambda **kn: M.partition.trace(*args, tile=128, splits=4, qk_scale=0.1,
+                                         **kn).lower(lowering_platforms=("cuda",)).as_text()
+  with pytest.raises(ValueError, match="cols must be 8 or 16"):
+    lower(cols=12)
+  if M._HAS_CONCAT:
+    assert "mosaic_gpu" in lower(cols=8)
+  else:
+    with pytest.raises(ValueError, match="needs Pallas Mosaic GPU's concatenate"):
+      lower(cols=8)
+
+
 def test_shared_memory_budget_is_checked_before_the_device():
   """CPU lowering does not know the device's limit, so the kernel checks its own estimate: it
   admits the largest configuration the H200 ran (128-row tiles, 4 stages, token-major V) and

@@ -56,6 +56,22 @@ def smem_bytes(d: int, tile: int, stages: int, v_major: str, wgs: int = 1) -> in
   return stages * per_stage + vb + wgs * per_wg + _SCRATCH
 
 
+def _has_concat() -> bool:
+  """Whether this jax lowers ``jnp.concatenate`` of registers in Mosaic GPU (0.11 does)."""
+  try:
+    from jax._src.pallas.mosaic_gpu import core as gpu_core, lowering
+    return lax.concatenate_p in lowering.mosaic_lowering_rules[gpu_core.LANExWG_SEMANTICS]
+  except (ImportError, AttributeError, KeyError):   # a private table: unknown means no
+    return False
+
+
+_HAS_CONCAT = _has_concat()
+
+
+def _zeros(shape):
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
 def _load(ref, layout):
   try:
     return plgpu.load(ref, layout=layout)
@@ -84,11 +100,11 @@ def _params(approx_math: bool, no_auto_barriers: bool):
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
                                              "qk_scale", "k_upcast", "v_upcast", "approx_math",
-                                             "no_auto_barriers"))
+                                             "no_auto_barriers", "cols"))
 def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: int = 2,
               splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
               qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16",
-              approx_math: bool = False, no_auto_barriers: bool = False):
+              approx_math: bool = False, no_auto_barriers: bool = False, cols: int = N_PAD):
   """-> (o[BH, splits, D, 16] f32 unnormalized O^T, m[BH, splits, D, 16], l[BH, splits, D, 16]).
 
   ``v_major="token"``: ``v[BH, N, D]``, upcast into a bf16 shared-memory tile read transposed.
@@ -101,10 +117,21 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
   register) and upcasts; ``"s8"`` (K only) upcasts to int8 in the 8-bit layout for two s8 wgmmas
   against ``q`` split into int8 halves (``q[BH, 2, 16, D]`` int8 and ``qscale[BH]`` f32 from
   :func:`split_q`), exact integer products combined in f32.
+
+  ``cols=8`` (at most 8 query heads per KV head, as in Qwen's 4:1 and 7:1 models): the MMAs stay
+  16 wide (the narrowest P^T tile Mosaic GPU can swizzle), but the softmax, the row sums and the
+  output rescaling work on the first 8 columns only and P^T's other 8 are zeros; the outputs'
+  columns 8-15 are zeros (``l = 0``, which :func:`merge` reads as empty).
   """
   bh, n, d = k.shape
   _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages,
          k_upcast=k_upcast, v_upcast=v_upcast, qscale=qscale)
+  if cols not in (8, N_PAD) or (cols != N_PAD and not lazy_sum):
+    raise ValueError(f"cols must be 8 or {N_PAD} (8 with lazy_sum), got {cols}")
+  narrow = cols < N_PAD
+  if narrow and not _HAS_CONCAT:
+    raise ValueError(f"cols=8 needs Pallas Mosaic GPU's concatenate (jax >= 0.11), this is jax "
+                     f"{jax.__version__}")
   if qscale is None:
     qscale = jnp.ones((bh,), jnp.float32)
   steps = n // tile // splits
@@ -163,9 +190,11 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
       else:
         s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
         scale = _load(ks_smem, row) * qk_scale
+      if narrow:
+        s = s[:, :cols]
       s = s * lax.broadcast_in_dim(scale, s.shape, [0])
       first = (sp * steps + idx[0]) * tile
-      tok = plgpu.broadcasted_iota(jnp.int32, (tile, N_PAD), 0, layout=plgpu.Layout.WGMMA)
+      tok = plgpu.broadcasted_iota(jnp.int32, (tile, cols), 0, layout=plgpu.Layout.WGMMA)
       s = jnp.where(tok + first < length, s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(axis=0))
       alpha = jnp.exp2(m - m_new)
@@ -175,6 +204,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
       else:
         l = l * alpha + p.sum(axis=0)
       p = p * lax.broadcast_in_dim(_load(vs_smem, row), p.shape, [0])
+      if narrow:
+        p = jnp.concatenate([p, _zeros((tile, N_PAD - cols))], axis=1)
       p_smem[...] = p.astype(jnp.bfloat16)
       if v_major == "token":
         vb_smem[...] = v_smem[...].astype(jnp.bfloat16)
@@ -189,16 +220,17 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
 
       # A fresh accumulator plus an add ([D, 16] adds) instead of run_state over the old one.
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      acc = acc + pl.run_scoped(pv, plgpu.ACC((d, N_PAD), jnp.float32))
+      out = pl.run_scoped(pv, plgpu.ACC((d, N_PAD), jnp.float32))
+      acc = acc + (out[:, :cols] if narrow else out)
       return m_new, l, acc
 
     cast = plgpu.layout_cast
-    m0 = cast(jnp.full((N_PAD,), _FLOOR, jnp.float32), col)
+    m0 = cast(jnp.full((cols,), _FLOOR, jnp.float32), col)
     if lazy_sum:
-      l0 = cast(jnp.zeros((tile, N_PAD), jnp.float32), plgpu.Layout.WGMMA)
+      l0 = cast(jnp.zeros((tile, cols), jnp.float32), plgpu.Layout.WGMMA)
     else:
-      l0 = cast(jnp.zeros((N_PAD,), jnp.float32), col)
-    a0 = cast(jnp.zeros((d, N_PAD), jnp.float32), plgpu.Layout.WGMMA)
+      l0 = cast(jnp.zeros((cols,), jnp.float32), col)
+    a0 = cast(jnp.zeros((d, cols), jnp.float32), plgpu.Layout.WGMMA)
     blk = lambda i: (sp * steps + i, 0)
     blk1 = lambda i: (sp * steps + i,)
     m, l, acc = plgpu.emit_pipeline(
@@ -218,7 +250,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
       l = l.sum(axis=0)
     for out, val in ((o_gmem, acc), (m_gmem, lax.broadcast_in_dim(m, acc.shape, [1])),
                      (l_gmem, lax.broadcast_in_dim(l, acc.shape, [1]))):
-      o_smem[...] = val
+      o_smem[...] = jnp.concatenate([val, _zeros((d, N_PAD - cols))], axis=1) if narrow else val
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem, out.at[b, sp])
       plgpu.wait_smem_to_gmem(0)
