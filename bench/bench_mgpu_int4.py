@@ -93,7 +93,10 @@ def plan(a):
                   v_major="dim")
       yield name, None, a.n, [dict(base, **fast)] + [
           dict(tile=128, stages=st, splits=sp, wgs=2, **fast)
-          for st, sp in itertools.product((2, 4), splits)]
+          for st, sp in itertools.product((2, 4), splits)] + [
+          # 64-row tiles: half the registers per warpgroup (more blocks per SM)
+          dict(base, tile=64, stages=4, **fast),
+          dict(tile=64, stages=4, splits=splits[0], wgs=2, **fast)]
       n3 = a.n * 3 // 4
       yield name, None, n3, [dict(base, **fast)] + [
           dict(tile=128, stages=st, splits=sp, wgs=3, **fast)
