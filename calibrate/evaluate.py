@@ -53,7 +53,8 @@ GRIDS = {
 DEFAULT_KNOBS = {"gen": 48.0, "streaming": {"sink": 4}, "int4": {"sink": 4, "window": 32},
                  "h2o": {"sink": 4, "recent": 32}, "mikv": {"sink": 4, "recent": 32},
                  "snapkv": {"obs": 32, "pool": "max", "kernel": 7},
-                 "triaxial": {"prefix": 4, "bits": [2, 4], "window": 32}}
+                 "triaxial": {"prefix": 4, "bits": [2, 4], "window": 32},
+                 "spherical": {"sink": 4, "window": 32}}
 
 
 # --- tasks ---------------------------------------------------------------------------------------
@@ -225,7 +226,8 @@ class Session:
       self.capacity, self.runners = need, {}
 
   def runner(self, kind: str, batch: int | None = None):
-    """'full' | 'pask' (PaskRunner, policy swapped per run) | 'masked', of ``batch`` rows
+    """'full' | 'pask' (PaskRunner, policy swapped per run) | 'masked' | 'triaxial' |
+    ('spherical', sink, window), of ``batch`` rows
     (default: the session's); one per (kind, batch), shared by the runs that use it."""
     batch = batch or self.batch
     r = self.runners.get((kind, batch))
@@ -239,6 +241,9 @@ class Session:
         r = PaskRunner(self.m.model, P.all_high(self.cfg), **kw)
       elif kind == "triaxial":
         r = BL.triaxial.TriaxialRunner(self.m.model, **kw)
+      elif isinstance(kind, tuple) and kind[0] == "spherical":   # ("spherical", sink, window)
+        from pask_jax.spherical.runner import SphRunner
+        r = SphRunner(self.m.model, sink=kind[1], window=kind[2], **kw)
       else:
         r = BL.MaskedRunner(self.m.model, **kw)
       self.runners[(kind, batch)] = r
@@ -332,6 +337,10 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prompt],
                            max_cases=kn[m].get("cal_cases"))
     used.update(tk.asdict(), allocation=alloc)
     return s.runner("triaxial", batch).configure(tk, alloc), used
+  if m == "spherical":
+    sink, window = int(kn[m]["sink"]), int(kn[m]["window"])
+    used.update(sink=sink, window=window)
+    return s.runner(("spherical", sink, window), batch).configure(rc.budget), used
   k = {a: v for a, v in kn[m].items() if a != "gen"}
   q = BU.low_ratio(s.cfg.head_dim)
   ratio = BL.plan(m, rc.budget, lengths, sink=int(k.get("sink", 4)),

@@ -365,3 +365,21 @@ def test_pask_runs_the_variant_and_labels_requested_and_measured_b(session, runs
   line = {l.split(" | ")[1]: l for l in md.splitlines()[2:]}
   assert "| pask | 0.30 | " in md and "| pask | policy's own | " in md
   assert f"/ {own['measured_B']:.3f} |" in line["policy's own"]
+
+
+def test_spherical_runs_in_the_harness_and_reports_measured_b(session, tmp_path):
+  """Spherical KV through the harness (RDR plan, tier pools, reference attention): scored rows
+  and a measured B (metadata counted) that does not exceed the requested one."""
+  knobs = {"spherical": {"sink": 2, "window": 8}}
+  meta = E.run(session, E.RunConfig("spherical", 0.5, "test", max_tokens=24, knobs=knobs),
+               str(tmp_path / "s"), progress=False)
+  rs = rows(tmp_path / "s")
+  assert len(rs) == 6 and all(r["method"] == "spherical" for r in rs)
+  for r in rs:
+    assert r["prompt_len"] > 50 and r["kv_gen_len"] >= 0
+    assert 0.3 < r["prefill_B"] <= 0.5 + 1e-6 and 0.3 < r["total_B"] <= 0.5 + 1e-6
+  assert meta["settings"] == {"gen": 48.0, "sink": 2, "window": 8}
+  assert 0.3 < meta["measured_B"] <= 0.5 + 1e-6
+  for bad in (0.0, 1.5, float("nan")):
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+      E.check_config(E.RunConfig("spherical", bad, "test"))

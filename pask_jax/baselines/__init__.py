@@ -13,14 +13,18 @@ grammars, greedy decoding and payload cost model), one module per baseline:
   allocated under the budget from per-tag attention-output distortion on the calibration split,
   protected prefix and recent tail in BF16 (quantizers: :mod:`~pask_jax.baselines.quant`).
 
-The last three need attention statistics and run on :class:`MaskedRunner` (dense cache with
+* ``spherical`` — Spherical KV (../shared/SPHERICAL_KV.md): angle-coded key tiers chosen per
+  (token, layer group, KV head) by the RDR controller under the budget;
+  :class:`pask_jax.spherical.runner.SphRunner` (reference attention over the tier pools).
+
+H2O, SnapKV and MiKV need attention statistics and run on :class:`MaskedRunner` (dense cache with
 per-layer, per-head keep/INT4 masks, statistics from the reference attention path).
 :mod:`~pask_jax.baselines.budget` holds the shared payload accounting and budget matching.
 """
 from pask_jax.baselines import budget, full, h2o, int4, mikv, quant, snapkv, streaming, triaxial
 from pask_jax.baselines.masked import Config, MaskedRunner, plan
 
-METHODS = ("full", "pask", "streaming", "h2o", "snapkv", "mikv", "int4", "triaxial")
+METHODS = ("full", "pask", "streaming", "h2o", "snapkv", "mikv", "int4", "triaxial", "spherical")
 MASKED = ("h2o", "snapkv", "mikv")
 
 __all__ = ["METHODS", "MASKED", "Config", "MaskedRunner", "plan", "budget", "full", "h2o", "int4",

@@ -1,0 +1,308 @@
+"""Spherical KV end to end (../shared/SPHERICAL_KV.md §2.4, §3): prefill with observation-window
+statistics, the RDR prefill plan under a traced budget, the tier pools, and a decode step whose
+attention is the reference partition over {window, BF16 pool, tiers}.  The session protocol of
+:func:`pask_jax.decode.generate` (``begin`` / ``advance`` / ``select`` / ``report``).
+
+What each piece reuses:
+
+* prefill — :class:`pask_jax.baselines.masked.MaskedRunner` configured as SnapKV (full-precision
+  attention over a dense scratch cache; column sums of the last ``obs`` prompt queries' attention
+  probabilities per (layer, KV head)): its K/V and statistics feed the controller;
+* the cache — the unchanged PASK :class:`pask_jax.cache.Cache` (window, BF16 pool for the sinks,
+  INT4 pool unused) composed with :class:`pask_jax.spherical.cache.SphState` (the tier pools);
+  every visible (token, group, head) lives in exactly one of window, BF16 pool or one tier;
+* the plan — :func:`pask_jax.spherical.rdr.solve_batch` with the budget ``rho [B]`` traced (one
+  compiled commit and one compiled step serve every budget);
+* decode — :func:`pallas_kernels.decode_attention` with ``sph=`` (the "reference" backend: the
+  tiers' logits by CosFromAngles, never a dense key).
+
+Features of the distortion model (§2.4), and what is simplified [ours, this runner]:
+``â_i`` = attention mass from the observation window, mean over the group's layers and the KV
+head's query heads, max-pooled over ±3 positions; ``ε^θ``, ``ε^r`` measured by encoding every
+prompt item at every tier (drop: ``‖·‖² = 2``, ``(r − r̃)² = r²``); the reuse proxy ``û`` and the
+stability proxy ``ŝ`` are constants (û = 1, ŝ = 0) and the segments are prefix / recent (the last
+64 prompt tokens, ω = 2) — no retrieved spans; μ (centering) is an optional argument, 0 by
+default (no calibration yet).
+
+**Decode rule** ("fixed" with the balance of §2.4): per (sequence, group) a balance gains
+``rho · Hkv · dense_g`` per generated token; the new token takes the highest tier whose item cost
+(all heads) fits the balance, else it is dropped (down-tier before drop), and the balance pays it.
+
+**Measured B** (:meth:`SphRunner.report`, PASK's ledger convention): every (token, group, head)
+charged by where it is scheduled to live — a tier at its item cost C(t) of the format module
+(:func:`pallas_kernels.spherical.item_bytes`: codes, side word, values, and the metadata: a 4-byte
+position, a flag bit, a page-table entry per page), the BF16 pool at dense K+V plus a position and
+a table share, a drop at 0; window tokens by their pending route — over dense BF16 K+V of the
+same tokens.  ``resident_B`` adds what is really held at the end: whole pages (slack included,
+:func:`pask_jax.spherical.cache.resident_bytes`) and the window at dense.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels
+from models import decoder
+from pallas_kernels import spherical
+from pallas_kernels.sph_types import TierSpec
+from pask_jax import cache as pcache
+from pask_jax import policy as P
+from pask_jax import tags as T
+from pask_jax.baselines import budget as BU
+from pask_jax.baselines import snapkv
+from pask_jax.baselines.masked import Config, MaskedRunner
+from pask_jax.decode import Runner
+from pask_jax.sample import apply_bitmask, sample
+from pask_jax.spherical import cache as scache
+from pask_jax.spherical import rdr
+from pask_jax.traces import Traces
+
+PAPER_LADDER = ("A2", "A42", "A4")   # §2.3's paper ladder, BF16 values, ascending cost
+RECENT = 64                          # prompt tokens of the "recent" segment (§2.4)
+OMEGA = (1.0, 1.0, 2.0)
+
+
+def ladder(head_dim: int, layouts=PAPER_LADDER, values: str = "bf16") -> tuple[TierSpec, ...]:
+  return tuple(TierSpec(lay, values, head_dim) for lay in layouts)
+
+
+def _fp16(x):
+  return jnp.minimum(x, spherical.FP16_MAX).astype(jnp.float16).astype(jnp.float32)
+
+
+class SphRunner:
+  """Spherical KV over the tiny-to-small models on any backend (reference attention).
+
+  ``configure(budget)`` sets the requested B (a host float, checked; it reaches the device as a
+  traced ``[B]`` array).  ``window``/``sink``/``page``/``n_groups``/tiers are static."""
+
+  def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
+               window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
+               n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
+               protect_top: float = 0.02):
+    self.cfg = c = model.cfg
+    decoder.prepare(model)
+    self.graphdef, self.params = nnx.split(model)
+    self.batch, self.capacity = batch, capacity
+    self.window, self.sink, self.page = int(window), int(sink), int(page)
+    self.n_groups = min(int(n_groups), c.n_layers)
+    self.tiers = ladder(c.head_dim) if tiers is None else tuple(tiers)
+    self.mu = mu
+    self.obs, self.kappa_drop, self.protect_top = int(obs), float(kappa_drop), float(protect_top)
+    self.group_of = T.group_of_layer(c.n_layers, self.n_groups)
+    self.layers_per_group = [self.group_of.count(g) for g in range(self.n_groups)]
+    cost, dense = rdr.costs(self.tiers, self.layers_per_group, self.page)
+    self.cost, self.dense = cost, dense          # [G, K+1] (drop 0), [G]
+    self.rho: float | None = None
+    self.traces = Traces()
+    self._stats = MaskedRunner(model, batch=batch, capacity=capacity).configure(
+        Config("snapkv", obs=self.obs))
+    self._stats.params = self.params
+    self.commit = jax.jit(self._commit)
+    self.step = jax.jit(self._step, donate_argnums=(1,))
+    self.select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+
+  def configure(self, budget: float) -> "SphRunner":
+    self.rho = BU.check_target(budget)
+    return self
+
+  # --- prefill ---------------------------------------------------------------------------------
+
+  def _features(self, k, score, n):
+    """Per-item errors of every tier.  k [L, B, T, H, D] (post-RoPE), score [L, B, H, T] (obs
+    attention column sums), n [B] -> (eps_theta, eps_r [B, T, G, H, K+1], att, radius
+    [B, T, G, H])."""
+    c, G = self.cfg, self.n_groups
+    L, B, Tn, H, D = k.shape
+    onehot = jax.nn.one_hot(jnp.asarray(self.group_of), G, dtype=jnp.float32)      # [L, G]
+    per_g = jnp.asarray(self.layers_per_group, jnp.float32)
+    mass = score / float(self.obs * (c.n_heads // c.n_kv_heads))                   # [L, B, H, T]
+    att = jnp.einsum("lbht,lg->bhgt", mass, onehot) / per_g[:, None]              # [B, H, G, T]
+    valid = jnp.arange(Tn)[None, :] < n[:, None]                                   # [B, T]
+    pv = jnp.broadcast_to(valid[:, None, None], att.shape)
+    att = snapkv.pool(att, pv, jnp.full(att.shape[:-1], 7, jnp.int32),
+                      jnp.ones(att.shape[:-1], bool))
+    att = jnp.where(pv, att, 0.0)
+    att = jnp.transpose(att, (0, 3, 2, 1))                                         # [B, T, G, H]
+    kb = k.astype(jnp.bfloat16).astype(jnp.float32)
+    mu = jnp.zeros((L, H, D), jnp.float32) if self.mu is None else jnp.asarray(self.mu,
+                                                                                jnp.float32)
+    h = jnp.asarray(spherical.hadamard(D) / math.sqrt(D), jnp.float32)
+    signs = jnp.asarray([spherical.rotation_signs(D, lyr, 0) for lyr in range(L)], jnp.float32)
+    rot = h[None] * signs[:, None, :]
+    x = jnp.einsum("lbthd,led->lbthe", kb - mu[:, None, None], rot,
+                   precision=jax.lax.Precision.HIGHEST)
+    r = jnp.sqrt(jnp.sum(x * x, axis=-1))                                          # [L, B, T, H]
+    xhat = x / jnp.maximum(r, 1e-30)[..., None]
+    th, rr = [2.0 * r * r / D], [r * r / D]                                        # drop
+    for ts in self.tiers:
+      codes, rq = spherical.encode(x, ts.key)
+      u = spherical.direction(*spherical.angle_trig(codes, ts.key))
+      th.append(r * r * jnp.sum((xhat - u) ** 2, axis=-1) / D)
+      rr.append((r - _fp16(rq)) ** 2 / D)
+    to_g = lambda e: jnp.einsum("lbth,lg->btgh", e, onehot)                       # sum over ℓ∈g
+    a = att[..., None]
+    eps_t = jnp.stack([to_g(e) for e in th], -1) * a
+    eps_r = jnp.stack([to_g(e) for e in rr], -1) * a
+    radius = jnp.einsum("lbth,lg->btgh", r, onehot) / per_g[:, None]
+    return eps_t, eps_r, att, radius
+
+  def _commit(self, k, v, score, lengths, rho):
+    """Dense prefill K/V [L, B, T, H, D] + statistics -> (RDR plan, base cache, tier state)."""
+    self.traces["commit"] += 1
+    W, G = self.window, self.n_groups
+    L, B, Tn, H, D = k.shape
+    n = lengths.astype(jnp.int32)
+    eps_t, eps_r, att, radius = self._features(k, score, n)
+    seg = jnp.where(jnp.arange(Tn)[None, :] >= n[:, None] - RECENT, 2, 0)         # [B, T]
+    one = jnp.ones((G, H), jnp.float32)
+    dist = jax.vmap(lambda et, er, sg: rdr.distortion(
+        et, er, one, 0.0 * one, sg, omega=OMEGA, kappa_drop=self.kappa_drop))(eps_t, eps_r, seg)
+    prot = jax.vmap(lambda a, r, m: rdr.protect_mask(
+        a, r, m, sink=self.sink, window=W, top=self.protect_top))(att, radius, n)
+    plan = rdr.solve_batch(dist, self.cost, self.dense, n, rho, prot, window=W, sink=self.sink)
+    sph = scache.init(L, B, H, D, tiers=self.tiers, capacity=self.capacity, window=W,
+                      n_groups=G, page=self.page, sink=self.sink, mu=self.mu)
+    sph, rows = scache.prefill_rows(sph, plan.route, Tn, n, plan.prot)
+    sph = scache.write_prefill(sph, rows, k, v, 0)
+    pos = jnp.broadcast_to(jnp.arange(Tn, dtype=jnp.int32), (B, Tn))
+    actions = scache.base_actions(sph, scache.normalize_route(sph, plan.route, pos))
+    cache = pcache.init(L, B, H, D, capacity=self.capacity, window=W, sink=self.sink,
+                        n_groups=G, page=self.page, lo_capacity=self.page)
+    cache = pcache.materialize_prefill(cache, k, v, actions, n)
+    sph = sph.replace(lam=plan.lam)
+    return cache, sph, plan
+
+  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+    if self.rho is None:
+      raise RuntimeError("SphRunner.configure(budget) first")
+    st = self._stats.new_state(lengths)
+    logits, st = Runner.prefill_all(self._stats, st, tokens, lengths)
+    Tn = tokens.shape[1]
+    rho = jnp.full((self.batch,), self.rho, jnp.float32)
+    cache, sph, plan = self.commit(st.k[:, :, :Tn], st.v[:, :, :Tn], st.score[..., :Tn],
+                                   jnp.asarray(lengths), rho)
+    n_prompt = jnp.asarray(lengths, jnp.int32)
+    return logits, (cache, sph, rho, n_prompt, plan.deficit)
+
+  # --- decode ----------------------------------------------------------------------------------
+
+  def _route_new(self, sph, rho, active):
+    """The new token's route [B, G, H] by the balance rule; the balance updated."""
+    H = self.cfg.n_kv_heads
+    cost = jnp.asarray(self.cost) * H                                   # [G, K+1] all heads
+    bal = sph.balance + jnp.where(active, rho, 0.0)[:, None] * (H * jnp.asarray(self.dense))
+    fits = cost[None, :, 1:] <= bal[..., None]                          # [B, G, K]
+    K = len(self.tiers)
+    tier = jnp.max(jnp.where(fits, jnp.arange(1, K + 1), 0), axis=-1)   # 0: drop
+    tier = jnp.where(active[:, None], tier, 0)
+    paid = jnp.take_along_axis(jnp.broadcast_to(cost, bal.shape + (K + 1,)), tier[..., None],
+                               -1)[..., 0]
+    route = jnp.broadcast_to(tier[..., None], tier.shape + (H,)).astype(jnp.int8)
+    return route, sph.replace(balance=bal - paid)
+
+  def _step(self, params, state, tokens, active, bits, key, temperature, top_p):
+    self.traces["step"] += 1
+    cache, sph, rho, n_prompt, deficit = state
+    model = nnx.merge(self.graphdef, params)
+    B, W = self.batch, self.window
+    route, sph = self._route_new(sph, rho, active)
+    p = cache.count
+    bi = jnp.arange(B)
+    slot = p % W
+    old_pos = cache.win_pos[bi, slot]
+    lay = cache.layers
+    old_k, old_v = lay.win_k[:, bi, slot], lay.win_v[:, bi, slot]        # [L, B, H, D]
+    sph = scache.evict_step(sph, jnp.where(active, slot, W),
+                            jnp.where(active & (p >= W), old_pos, -1), old_k, old_v, route)
+    actions = scache.base_actions(sph, scache.normalize_route(sph, route, p))
+    cache, plan = pcache.begin_step(cache, actions, active)
+    cache = pcache.evict_step(cache, plan)
+    gl = pcache.group_array(cache)
+
+    def attend(carry, layer, q, k, v, positions):
+      cache = pcache.write_step(carry, plan, layer, k[:, 0], v[:, 0], evict=False)
+      g = gl[layer]
+      window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
+      out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
+                                            sph=scache.sph_inputs(sph, g), backend="reference")
+      return out[:, None].astype(q.dtype), cache
+
+    logits, cache = model(tokens[:, None], p[:, None], cache, attend)
+    logits = logits[:, 0]
+    nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+    return nxt, logits, (cache, sph, rho, n_prompt, deficit)
+
+  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+    nxt, _, state = self.step(self.params, state, tokens, active, bits, key, temperature, top_p)
+    return nxt, state
+
+  # --- accounting ------------------------------------------------------------------------------
+
+  def report(self, state) -> list[dict]:
+    """Per request: measured B (scheduled, metadata counted), prefill / decode split,
+    resident_B, tokens per route, the prefill plan's deficit and overflow."""
+    cache, sph, rho, n_prompt, deficit = state
+    H, G, K = self.cfg.n_kv_heads, self.n_groups, len(self.tiers)
+    cost, dense = np.asarray(self.cost, np.float64), np.asarray(self.dense, np.float64)
+    bf16_item = dense * H + spherical.POSITION_BYTES + spherical.TABLE_ENTRY_BYTES / self.page
+    npr, count = np.asarray(n_prompt), np.asarray(cache.count)
+    lens = [np.asarray(x) for x in sph.length]
+    poss = [np.asarray(x) for x in sph.pos]
+    hi_len, hi_pos = np.asarray(cache.hi_len), np.asarray(cache.hi_pos)
+    win_pos, route = np.asarray(cache.win_pos), np.asarray(sph.route)
+    resident = np.asarray(scache.resident_bytes(sph), np.float64)
+    deficit, overflow = np.asarray(deficit), np.asarray(sph.overflow | cache.overflow)
+    full_tok = float(np.sum(dense) * H)
+    out = []
+    for b in range(self.batch):
+      n0, n = int(npr[b]), int(count[b])
+      pre = dec = 0.0
+      held = resident[b]
+      counts = np.zeros(K + 2, np.int64)
+      for t in range(K):
+        for g in range(G):
+          for h in range(H):
+            ps = poss[t][g, b, h, :lens[t][g, b, h]]
+            pre += cost[g, t + 1] * np.sum(ps < n0)
+            dec += cost[g, t + 1] * np.sum(ps >= n0)
+            counts[t + 1] += len(ps)
+      for g in range(G):
+        ps = hi_pos[g, b, :hi_len[g, b]]
+        pre += bf16_item[g] * np.sum(ps < n0)
+        dec += bf16_item[g] * np.sum(ps >= n0)
+        held += bf16_item[g] * len(ps)
+        counts[K + 1] += len(ps) * H
+      for w in range(self.window):
+        p = int(win_pos[b, w])
+        if p < 0:
+          continue
+        held += full_tok
+        for g in range(G):
+          for h in range(H):
+            r = int(route[b, w, g, h])
+            c = bf16_item[g] / H if r == K + 1 else cost[g, r]
+            counts[r] += 1
+            if p < n0:
+              pre += c
+            else:
+              dec += c
+      counts[0] = n * G * H - counts[1:].sum()   # everything not held anywhere was dropped
+      ratio = lambda x, m: float(x / (m * full_tok)) if m else float("nan")
+      out.append({"n_prompt": n0, "n_gen": n - n0, "prefill_bytes": float(pre),
+                  "decode_bytes": float(dec), "full_kv_bytes": n * full_tok,
+                  "prefill_B": ratio(pre, n0),
+                  "decode_B": ratio(dec, n - n0), "measured_B": ratio(pre + dec, n),
+                  "resident_B": ratio(held, n), "budget": float(np.asarray(rho)[b]),
+                  "deficit_bytes": float(np.sum(deficit[b])), "overflow": bool(overflow[b]),
+                  "items": {"drop": int(counts[0]),
+                            **{self.tiers[t].layout: int(counts[t + 1]) for t in range(K)},
+                            "bf16": int(counts[K + 1])}})
+    return out
+
+
+__all__ = ["PAPER_LADDER", "SphRunner", "ladder"]
