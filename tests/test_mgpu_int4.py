@@ -202,7 +202,7 @@ def test_narrow_softmax_columns_lower_or_name_what_they_need():
                                          **kn).lower(lowering_platforms=("cuda",)).as_text()
   with pytest.raises(ValueError, match="cols must be 8 or 16"):
     lower(cols=12)
-  if M._HAS_CONCAT:
+  if M.HAS_CONCAT:
     assert "mosaic_gpu" in lower(cols=8)
   else:
     with pytest.raises(ValueError, match="needs Pallas Mosaic GPU's concatenate"):

@@ -56,7 +56,7 @@ def smem_bytes(d: int, tile: int, stages: int, v_major: str, wgs: int = 1) -> in
   return stages * per_stage + vb + wgs * per_wg + _SCRATCH
 
 
-def _has_concat() -> bool:
+def has_concat() -> bool:
   """Whether this jax lowers ``jnp.concatenate`` of registers in Mosaic GPU (0.11 does)."""
   try:
     from jax._src.pallas.mosaic_gpu import core as gpu_core, lowering
@@ -65,7 +65,7 @@ def _has_concat() -> bool:
     return False
 
 
-_HAS_CONCAT = _has_concat()
+HAS_CONCAT = has_concat()
 
 
 def _zeros(shape):
@@ -129,7 +129,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
   if cols not in (8, N_PAD) or (cols != N_PAD and not lazy_sum):
     raise ValueError(f"cols must be 8 or {N_PAD} (8 with lazy_sum), got {cols}")
   narrow = cols < N_PAD
-  if narrow and not _HAS_CONCAT:
+  if narrow and not HAS_CONCAT:
     raise ValueError(f"cols=8 needs Pallas Mosaic GPU's concatenate (jax >= 0.11), this is jax "
                      f"{jax.__version__}")
   if qscale is None:
