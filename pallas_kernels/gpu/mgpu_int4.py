@@ -72,6 +72,36 @@ def _zeros(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
+def _softmax_tile(s, kscale, vscale, first, length, m, l, *, lazy_sum=True, col_max=None):
+  """One tile's online softmax (base 2) on ``S^T[T, C]``: scale the rows by the K scales, mask
+  the keys at or past ``length`` (``first`` is the tile's first key), update the running column
+  max ``m[C]`` and the row sums ``l`` (per element ``[T, C]`` with ``lazy_sum``, else ``[C]``).
+  ``col_max`` does the cross-warp max (default ``x.max(axis=0)``).
+  -> (P^T times the V scales ``[T, C]``, alpha ``[C]``, new m, new l)."""
+  s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
+  tok = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+  s = jnp.where(tok + first < length, s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(axis=0) if col_max is None else col_max(s))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+  if lazy_sum:   # per-element partial sums, one cross-warp reduction at the end
+    l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
+  else:
+    l = l * alpha + p.sum(axis=0)
+  return p * lax.broadcast_in_dim(vscale, p.shape, [0]), alpha, m_new, l
+
+
+def _store_partials(o_smem, outs, acc, m, l, pad: int = 0) -> None:
+  """Write one partial: ``acc`` and ``m``, ``l`` broadcast over its rows, each staged through
+  ``o_smem`` into ``outs`` (the three output refs at this partial), ``pad`` zero columns added."""
+  for out, val in zip(outs, (acc, lax.broadcast_in_dim(m, acc.shape, [1]),
+                             lax.broadcast_in_dim(l, acc.shape, [1]))):
+    o_smem[...] = jnp.concatenate([val, _zeros((val.shape[0], pad))], axis=1) if pad else val
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _load(ref, layout):
   try:
     return plgpu.load(ref, layout=layout)
@@ -192,18 +222,9 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
         scale = _load(ks_smem, row) * qk_scale
       if narrow:
         s = s[:, :cols]
-      s = s * lax.broadcast_in_dim(scale, s.shape, [0])
-      first = (sp * steps + idx[0]) * tile
-      tok = plgpu.broadcasted_iota(jnp.int32, (tile, cols), 0, layout=plgpu.Layout.WGMMA)
-      s = jnp.where(tok + first < length, s, -jnp.inf)
-      m_new = jnp.maximum(m, s.max(axis=0))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-      if lazy_sum:   # per-element partial sums, one cross-warp reduction at the end
-        l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
-      else:
-        l = l * alpha + p.sum(axis=0)
-      p = p * lax.broadcast_in_dim(_load(vs_smem, row), p.shape, [0])
+      p, alpha, m_new, l = _softmax_tile(s, scale, _load(vs_smem, row),
+                                         (sp * steps + idx[0]) * tile, length, m, l,
+                                         lazy_sum=lazy_sum)
       if narrow:
         p = jnp.concatenate([p, _zeros((tile, N_PAD - cols))], axis=1)
       p_smem[...] = p.astype(jnp.bfloat16)
@@ -226,11 +247,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
 
     cast = plgpu.layout_cast
     m0 = cast(jnp.full((cols,), _FLOOR, jnp.float32), col)
-    if lazy_sum:
-      l0 = cast(jnp.zeros((tile, cols), jnp.float32), plgpu.Layout.WGMMA)
-    else:
-      l0 = cast(jnp.zeros((cols,), jnp.float32), col)
-    a0 = cast(jnp.zeros((d, cols), jnp.float32), plgpu.Layout.WGMMA)
+    l0 = _zeros((tile, cols)) if lazy_sum else cast(jnp.zeros((cols,), jnp.float32), col)
+    a0 = _zeros((d, cols))
     blk = lambda i: (sp * steps + i, 0)
     blk1 = lambda i: (sp * steps + i,)
     m, l, acc = plgpu.emit_pipeline(
@@ -248,12 +266,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
     )(k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b])
     if lazy_sum:
       l = l.sum(axis=0)
-    for out, val in ((o_gmem, acc), (m_gmem, lax.broadcast_in_dim(m, acc.shape, [1])),
-                     (l_gmem, lax.broadcast_in_dim(l, acc.shape, [1]))):
-      o_smem[...] = jnp.concatenate([val, _zeros((d, N_PAD - cols))], axis=1) if narrow else val
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, out.at[b, sp])
-      plgpu.wait_smem_to_gmem(0)
+    _store_partials(o_smem, (o_gmem.at[b, sp], m_gmem.at[b, sp], l_gmem.at[b, sp]), acc, m, l,
+                    pad=N_PAD - cols)
 
   f32 = jax.ShapeDtypeStruct((bh, splits, d, N_PAD), jnp.float32)
   return plgpu.kernel(
@@ -342,16 +356,10 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
-      scale = _load(ks_smem.at[wg], row) * qk_scale
-      s = s * lax.broadcast_in_dim(scale, s.shape, [0])
-      first = ((sp * steps + idx[0]) * wgs + wg) * tile
-      tok = plgpu.broadcasted_iota(jnp.int32, (tile, N_PAD), 0, layout=plgpu.Layout.WGMMA)
-      s = jnp.where(tok + first < lens_gmem[b], s, -jnp.inf)
-      m_new = jnp.maximum(m, exclusive(lambda: s.max(axis=0), first_turn=idx[0] == 0))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-      l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
-      p = p * lax.broadcast_in_dim(_load(vs_smem.at[wg], row), p.shape, [0])
+      p, alpha, m_new, l = _softmax_tile(
+          s, _load(ks_smem.at[wg], row) * qk_scale, _load(vs_smem.at[wg], row),
+          ((sp * steps + idx[0]) * wgs + wg) * tile, lens_gmem[b], m, l,
+          col_max=lambda x: exclusive(lambda: x.max(axis=0), first_turn=idx[0] == 0))
       pt[...] = p.astype(jnp.bfloat16)
       plgpu.commit_smem()
 
@@ -367,17 +375,11 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
       plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem.at[wg], qbar.at[wg])
       plgpu.barrier_wait(qbar.at[wg])
       m, l, acc = pipeline((cast(jnp.full((N_PAD,), _FLOOR, jnp.float32), col),
-                            cast(jnp.zeros((tile, N_PAD), jnp.float32), plgpu.Layout.WGMMA),
-                            cast(jnp.zeros((d, N_PAD), jnp.float32), plgpu.Layout.WGMMA)))
+                            _zeros((tile, N_PAD)), _zeros((d, N_PAD))))
       l = exclusive(lambda: l.sum(axis=0), first_turn=False)
       part = sp * wgs + wg
-      ot = o_smem.at[wg]
-      for out, val in ((o_gmem, acc), (m_gmem, lax.broadcast_in_dim(m, acc.shape, [1])),
-                       (l_gmem, lax.broadcast_in_dim(l, acc.shape, [1]))):
-        ot[...] = val
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(ot, out.at[b, part])
-        plgpu.wait_smem_to_gmem(0)
+      _store_partials(o_smem.at[wg], (o_gmem.at[b, part], m_gmem.at[b, part],
+                                      l_gmem.at[b, part]), acc, m, l)
 
     blk = lambda i: (sp * steps + i, 0, 0)
     blk1 = lambda i: (sp * steps + i, 0)
