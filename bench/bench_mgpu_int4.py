@@ -86,26 +86,34 @@ def plan(a):
     for name, splits in (("4b", 8), ("0.5b", 32)):
       yield name, None, a.n, [dict(tile=128, stages=2, splits=splits, v_major="dim",
                                    k_upcast=ku, v_upcast=vu) for ku, vu in pairs]
-  elif a.ws:
+  elif a.ws or a.only_cols:
     fast = dict(approx_math=True, no_auto_barriers=True)
-    for name, splits in (("4b", (4, 8)), ("0.5b", (8, 16))):
-      base = dict(tile=128, stages=2, splits=8 if name == "4b" else 32,   # stage 1's best
-                  v_major="dim")
-      yield name, None, a.n, [dict(base, **fast)] + [
-          dict(tile=128, stages=st, splits=sp, wgs=2, **fast)
-          for st, sp in itertools.product((2, 4), splits)] + [
-          # 64-row tiles: half the registers per warpgroup (more blocks per SM)
-          dict(base, tile=64, stages=4, **fast),
-          dict(tile=64, stages=4, splits=splits[0], wgs=2, **fast)]
-      n3 = a.n * 3 // 4
-      yield name, None, n3, [dict(base, **fast)] + [
-          dict(tile=128, stages=st, splits=sp, wgs=3, **fast)
-          for st, sp in ((2, splits[0]), (3, splits[0]), (2, splits[1]))
-          if n3 % (128 * 3 * sp) == 0]
-    if a.cols:    # softmax over the first 8 columns (<= 8 query heads per KV head)
+    if not a.only_cols:
+      for name, splits in (("4b", (4, 8)), ("0.5b", (8, 16))):
+        base = dict(tile=128, stages=2, splits=8 if name == "4b" else 32,   # stage 1's best
+                    v_major="dim")
+        yield name, None, a.n, [dict(base, **fast)] + [
+            dict(tile=128, stages=st, splits=sp, wgs=2, **fast)
+            for st, sp in itertools.product((2, 4), splits)] + [
+            # 64-row tiles: half the registers per warpgroup (more blocks per SM)
+            dict(base, tile=64, stages=4, **fast),
+            dict(tile=64, stages=4, splits=splits[0], wgs=2, **fast)]
+        n3 = a.n * 3 // 4
+        yield name, None, n3, [dict(base, **fast)] + [
+            dict(tile=128, stages=st, splits=sp, wgs=3, **fast)
+            for st, sp in ((2, splits[0]), (3, splits[0]), (2, splits[1]))
+            if n3 % (128 * 3 * sp) == 0]
+    if a.cols or a.only_cols:    # softmax over the first 8 columns (<= 8 query heads per KV head)
       for name, sp in (("4b", 8), ("0.5b", 32)):
         yield name, None, a.n, [dict(tile=128, stages=2, splits=sp, v_major="dim", cols=c, **fast)
-                                for c in (16, 8)]
+                                for c in (16, 8)] + [
+            dict(tile=128, stages=2, splits=s, wgs=2, cols=8, **fast)
+            for s in ((4, 8) if name == "4b" else (8, 16))]
+        n3 = a.n * 3 // 4
+        one = dict(tile=128, stages=2, splits=sp, v_major="dim", cols=8, **fast)
+        yield name, None, n3, [one] + [
+            dict(tile=128, stages=2, splits=s, wgs=3, cols=8, **fast)
+            for s in ((4, 8) if name == "4b" else (8, 16)) if n3 % (128 * 3 * s) == 0]
     if a.knobs:   # the committed kernel under each compiler-knob pair
       for name, sp in (("4b", 8), ("0.5b", 32)):
         yield name, None, a.n, [dict(tile=128, stages=2, splits=sp, v_major="dim",
@@ -132,7 +140,9 @@ def main() -> None:
   ap.add_argument("--ws", action="store_true",
                   help="compiler knobs; the warp-specialized kernel (2 and 3 compute warpgroups)")
   ap.add_argument("--cols", action="store_true",
-                  help="with --ws: also the committed kernel with the 8-column softmax")
+                  help="with --ws: also both kernels with the 8-column softmax")
+  ap.add_argument("--only-cols", action="store_true",
+                  help="the --cols rows alone (without the --ws sweep)")
   ap.add_argument("--knobs", action="store_true",
                   help="with --ws: also the committed kernel under each compiler-knob pair")
   ap.add_argument("--table", action="store_true",

@@ -128,6 +128,17 @@ def _params(approx_math: bool, no_auto_barriers: bool):
   return plgpu.CompilerParams(approx_math=approx_math, unsafe_no_auto_barriers=no_auto_barriers)
 
 
+def _check_cols(cols: int) -> bool:
+  """Whether the softmax is narrowed to ``cols`` < 16 columns; a ValueError for other widths, or
+  where this jax cannot build the zero-padded P^T (no Mosaic GPU register concatenate)."""
+  if cols not in (8, N_PAD):
+    raise ValueError(f"cols must be 8 or {N_PAD}, got {cols}")
+  if cols < N_PAD and not HAS_CONCAT:
+    raise ValueError(f"cols=8 needs Pallas Mosaic GPU's concatenate (jax >= 0.11), this is jax "
+                     f"{jax.__version__}")
+  return cols < N_PAD
+
+
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
                                              "qk_scale", "k_upcast", "v_upcast", "approx_math",
                                              "no_auto_barriers", "cols"))
@@ -156,12 +167,9 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
   bh, n, d = k.shape
   _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages,
          k_upcast=k_upcast, v_upcast=v_upcast, qscale=qscale)
-  if cols not in (8, N_PAD) or (cols != N_PAD and not lazy_sum):
-    raise ValueError(f"cols must be 8 or {N_PAD} (8 with lazy_sum), got {cols}")
-  narrow = cols < N_PAD
-  if narrow and not HAS_CONCAT:
-    raise ValueError(f"cols=8 needs Pallas Mosaic GPU's concatenate (jax >= 0.11), this is jax "
-                     f"{jax.__version__}")
+  if cols != N_PAD and not lazy_sum:
+    raise ValueError(f"cols={cols} needs lazy_sum=True")
+  narrow = _check_cols(cols)
   if qscale is None:
     qscale = jnp.ones((bh,), jnp.float32)
   steps = n // tile // splits
@@ -296,10 +304,11 @@ def block_v(v: jax.Array, tile: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "wgs", "qk_scale",
                                              "approx_math", "no_auto_barriers",
-                                             "memory_registers"))
+                                             "memory_registers", "cols"))
 def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, splits: int = 8,
                  wgs: int = 2, qk_scale: float = 1.0, approx_math: bool = False,
-                 no_auto_barriers: bool = False, memory_registers: int = 40):
+                 no_auto_barriers: bool = False, memory_registers: int = 40,
+                 cols: int = N_PAD):
   """Warp-specialized :func:`partition`: ``wgs`` compute warpgroups and one TMA warpgroup.
 
   Each pipeline step brings ``wgs`` consecutive tiles; compute warpgroup ``w`` takes tile ``w``
@@ -309,12 +318,13 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
   Every (split, warpgroup) writes its own partial: outputs are ``[BH, splits * wgs, D, 16]``,
   combined by :func:`merge` like any splits.
 
-  ``vb[BH, N / tile, D, tile]`` is V blocked dim-major (:func:`block_v`); the rest as
-  :func:`partition` with bf16 upcasts of K and V into the A operand.
+  ``vb[BH, N / tile, D, tile]`` is V blocked dim-major (:func:`block_v`); the rest (``cols``
+  included) as :func:`partition` with bf16 upcasts of K and V into the A operand.
   """
   bh, n, d = k.shape
   _check(q, k, ks, vb, vs, lens, tile=tile, splits=splits * wgs, v_major="block",
          stages=stages, wgs=wgs)
+  narrow = _check_cols(cols)
   nt = n // tile
   steps = nt // wgs // splits
   k_elems, k_tr = _transforms(d, k.dtype, "keys")
@@ -356,10 +366,14 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
         return acc_ref[...]
 
       s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
+      if narrow:
+        s = s[:, :cols]
       p, alpha, m_new, l = _softmax_tile(
           s, _load(ks_smem.at[wg], row) * qk_scale, _load(vs_smem.at[wg], row),
           ((sp * steps + idx[0]) * wgs + wg) * tile, lens_gmem[b], m, l,
           col_max=lambda x: exclusive(lambda: x.max(axis=0), first_turn=idx[0] == 0))
+      if narrow:
+        p = jnp.concatenate([p, _zeros((tile, N_PAD - cols))], axis=1)
       pt[...] = p.astype(jnp.bfloat16)
       plgpu.commit_smem()
 
@@ -368,18 +382,19 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
         return acc_ref[...]
 
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      acc = acc + pl.run_scoped(pv, plgpu.ACC((d, N_PAD), jnp.float32))
+      out = pl.run_scoped(pv, plgpu.ACC((d, N_PAD), jnp.float32))
+      acc = acc + (out[:, :cols] if narrow else out)
       return m_new, l, acc
 
     def compute(pipeline):
       plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem.at[wg], qbar.at[wg])
       plgpu.barrier_wait(qbar.at[wg])
-      m, l, acc = pipeline((cast(jnp.full((N_PAD,), _FLOOR, jnp.float32), col),
-                            _zeros((tile, N_PAD)), _zeros((d, N_PAD))))
+      m, l, acc = pipeline((cast(jnp.full((cols,), _FLOOR, jnp.float32), col),
+                            _zeros((tile, cols)), _zeros((d, cols))))
       l = exclusive(lambda: l.sum(axis=0), first_turn=False)
       part = sp * wgs + wg
       _store_partials(o_smem.at[wg], (o_gmem.at[b, part], m_gmem.at[b, part],
-                                      l_gmem.at[b, part]), acc, m, l)
+                                      l_gmem.at[b, part]), acc, m, l, pad=N_PAD - cols)
 
     blk = lambda i: (sp * steps + i, 0, 0)
     blk1 = lambda i: (sp * steps + i, 0)
