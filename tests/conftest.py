@@ -33,9 +33,11 @@ MAPS_LIMIT = 0.8
 # trace counters the tests check, and the programs a file holds (its memory mappings) are the
 # same.  On tests/test_decode_pask.py + test_engine.py + test_serve.py: 150 of 627 compiles hit,
 # 250 s -> 186 s (2026-12-02).  PASK_TEST_CACHE_DIR=off turns it off; a path keeps the cache there.
+# Under pytest-xdist the controller makes the directory and its workers (started after this
+# import, with its environment) share it; the controller removes it at exit.
 _CACHE_DIR = os.environ.get("PASK_TEST_CACHE_DIR")
 if not _CACHE_DIR:
-  _CACHE_DIR = tempfile.mkdtemp(prefix="pask-jax-xla-")
+  _CACHE_DIR = os.environ["PASK_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="pask-jax-xla-")
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 if _CACHE_DIR != "off":
   jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
