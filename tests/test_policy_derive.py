@@ -17,7 +17,9 @@ from pask_jax import policy as P
 from pask_jax.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-P15 = os.path.join(ROOT, "policies", "qwen2.5-coder-1.5b-instruct-bfcl")  # variants measured
+# The 1.5B policy of session 3 (target rule 2, uncentered keys), whose variants B0.20 and B0.25
+# share their decode stage; kept here because the committed policy is recalibrated.
+P15 = os.path.join(ROOT, "tests", "data", "policy15_rule2")  # variants measured
 P05 = os.path.join(ROOT, "policies", "qwen2.5-coder-0.5b-instruct-bfcl")  # top-level measured
 CAL05 = os.path.join(ROOT, "bench", "results", "2026-12-01_calibrate", "calibration.json")
 CAL15 = os.path.join(ROOT, "bench", "results", "2026-12-02_session3",
@@ -26,7 +28,7 @@ CAL15 = os.path.join(ROOT, "bench", "results", "2026-12-02_session3",
 
 @pytest.fixture(scope="module")
 def p15(tmp_path_factory):
-  """The committed 1.5B policy without its B0.25 variant (derived here, compared with it)."""
+  """The session-3 1.5B policy without its B0.25 variant (derived here, compared with it)."""
   d = str(tmp_path_factory.mktemp("p15") / "policy")
   shutil.copytree(P15, d, ignore=lambda where, names: ["B0.25"] if where == P15 else [])
   return d
