@@ -40,6 +40,7 @@ backend are not part of it: stacked and sequential interventions give the same o
    not yet measured are evaluated in one stacked dev run: estimated pairs that fit, and prefill
    candidates aimed at t (B_P solved from the measured decode share) over each τ — over relaxed
    floors, down to none, only where nothing else reaches t; a second run re-aims what overshot
+   where nothing fits, or where what overshot beat everything that fits
    (:meth:`Calibration.variants`).  The decode stages aimed with: the selected one, the cheapest,
    and one that releases nothing (every generated token INT4, measured alone first).  Stages
    ``dev_keep``, ``dev_targets``, ``dev_targets_more``.
@@ -97,8 +98,9 @@ NO_FLOOR = (1.0, 1.0)
 # How target candidates are made (part of the stages' fingerprint, so a stage saved under an older
 # rule is not resumed under a new one).  2: H floors are lifted to L (release kept as strict as
 # configured) before any floor is allowed to release.  3: also a decode stage that releases
-# nothing (every generated token at L or above, :data:`KEEP`) to aim the prefill with.
-TARGET_RULE = 3
+# nothing (every generated token at L or above, :data:`KEEP`) to aim the prefill with.  4: also
+# re-aims, for a reached target, the aimed compositions that overshot it yet beat every fit.
+TARGET_RULE = 4
 # Decode thresholds under which every floor is L: V̄(q,R) >= V̄(q,L) >= 0 > -1 (no R floor) and
 # V̄(q,L) <= 1 (no H floor).  Step 0 of its greedy path stores every generated token at INT4.
 KEEP = (-1.0, 1.0)
@@ -185,6 +187,18 @@ def pick_within(rows: Sequence[dict], target: float) -> int | None:
   earlier row.  None when no row fits."""
   ok = [j for j, r in enumerate(rows) if r["total"] <= target]
   return min(ok, key=lambda j: (-rows[j]["acc"], rows[j]["total"], j)) if ok else None
+
+
+def to_reaim(measured: Sequence[dict], aimed: Sequence[dict], target: float
+             ) -> tuple[list[int], bool]:
+  """Round 2 of the variants for one target: which of the ``aimed`` rows (dev ``acc``, measured
+  ``total``) to re-aim, and whether nothing ``measured`` fits under ``target`` yet.  Unreached:
+  every aimed row.  Reached: the aimed rows that overshot yet are more accurate than everything
+  that fits (they overshoot by measurement noise, often by less than 0.002 of B)."""
+  best = max((r["acc"] for r in measured if r["total"] <= target), default=None)
+  if best is None:
+    return list(range(len(aimed))), True
+  return [j for j, r in enumerate(aimed) if r["total"] > target and r["acc"] > best], False
 
 
 def aim_prefill(target: float, prompt_share: float, decode_b: float) -> float:
@@ -885,7 +899,9 @@ class Calibration:
     and compositions aimed at t (:meth:`aimed`) under the configured floors; where none of these
     nor anything measured fits, aimed ones under relaxed floors.  Round 2 (``dev_targets_more``),
     for a target nothing measured reaches yet: aimed compositions under relaxed floors, and the
-    round-1 aimed ones re-aimed by their measured overshoot.  Returns (variants, evaluated)."""
+    round-1 aimed ones re-aimed by their measured overshoot; for a target already reached, the
+    round-1 aimed ones that overshot it yet are more accurate than everything that fits,
+    re-aimed likewise.  Returns (variants, evaluated)."""
     cfg = self.cfg
     est = [(dj, pk) + composed_estimate(d_out, p_out)
            for dj, d_out in enumerate(dec_res) for pk, p_out in enumerate(pre_res)]
@@ -921,18 +937,20 @@ class Calibration:
         add(items, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
     first = [kept] + self._eval_items("dev_targets", items, "pair")
     more: list[dict] = []
+
+    def reaim(r: dict, t: float) -> None:   # B_P lowered by the measured overshoot
+      b_p = r["p"]["b_p"] - (r["dev"]["total"] - t) / max(r["share"], 1e-12) - REAIM_MARGIN
+      if b_p > 0:
+        again = {k: v for k, v in r.items() if k not in ("dev", "source")}
+        add(more, [{**again, "kind": "re-aimed", "p": {**r["p"], "b_p": b_p}}])
+
     for t in cfg.targets:
-      if reached(t, pool + first):
-        continue
       mine = [r for r in first if r["target"] == t and r.get("kind") == "aimed"]
-      if not any(r.get("step") == "release" for r in mine):
+      again, unreached = to_reaim([r["dev"] for r in pool + first], [r["dev"] for r in mine], t)
+      if unreached and not any(r.get("step") == "release" for r in mine):
         add(more, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
-      for r in mine:
-        over = r["dev"]["total"] - t
-        b_p = r["p"]["b_p"] - over / max(r["share"], 1e-12) - REAIM_MARGIN
-        if b_p > 0:
-          again = {k: v for k, v in r.items() if k not in ("dev", "source")}
-          add(more, [{**again, "kind": "re-aimed", "p": {**r["p"], "b_p": b_p}}])
+      for j in again:
+        reaim(mine[j], t)
     second = self._eval_items("dev_targets_more", more, "aimed")
     rows = pool + first + second
     out = []

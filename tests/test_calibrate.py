@@ -373,6 +373,22 @@ def test_pick_within_takes_the_most_accurate_that_fits():
   assert alg1.pick_within(rows, 0.05) is None
 
 
+def test_to_reaim_keeps_what_overshot_by_noise_only_when_it_beats_every_fit():
+  # The 1.5B's B0.20 (H200, 2026-12-03): fits at 0.149 (0.8125); aimed 0.2000371 (0.825) and
+  # 0.2015 (0.85) overshot by noise yet beat it: both re-aimed.
+  measured = [{"acc": 0.8125, "total": 0.1493}, {"acc": 0.8875, "total": 0.914}]
+  aimed = [{"acc": 0.825, "total": 0.2000371}, {"acc": 0.85, "total": 0.2015},
+           {"acc": 0.80, "total": 0.21}]
+  assert alg1.to_reaim(measured + aimed, aimed, 0.2) == ([0, 1], False)
+  # A fit as accurate as what overshot: nothing to re-aim.
+  better = [{"acc": 0.85, "total": 0.19}]
+  assert alg1.to_reaim(measured + aimed + better, aimed, 0.2) == ([], False)
+  assert alg1.to_reaim(measured + aimed, aimed, 0.25) == ([], False)
+  # Unreached: every aimed row, whatever its accuracy.
+  assert alg1.to_reaim(aimed, aimed, 0.1) == ([0, 1, 2], True)
+  assert alg1.to_reaim([], [], 0.3) == ([], True)
+
+
 def test_aim_prefill_puts_the_total_on_the_target():
   s, b_d = 0.88, 0.64
   b_p = alg1.aim_prefill(0.2, s, b_d)
