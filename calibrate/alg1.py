@@ -99,7 +99,8 @@ NO_FLOOR = (1.0, 1.0)
 # rule is not resumed under a new one).  2: H floors are lifted to L (release kept as strict as
 # configured) before any floor is allowed to release.  3: also a decode stage that releases
 # nothing (every generated token at L or above, :data:`KEEP`) to aim the prefill with.  4: also
-# re-aims, for a reached target, the aimed compositions that overshot it yet beat every fit.
+# re-aims, for a reached target, the aimed compositions that overshot it yet beat every fit, and
+# lifts the prefill floors as far as :data:`KEEP` (nothing of the prompt released).
 TARGET_RULE = 4
 # Decode thresholds under which every floor is L: V̄(q,R) >= V̄(q,L) >= 0 > -1 (no R floor) and
 # V̄(q,L) <= 1 (no H floor).  Step 0 of its greedy path stores every generated token at INT4.
@@ -811,14 +812,15 @@ class Calibration:
     strictest configured threshold: (lo, q) at the quartiles of the prefill V̄(q, L) and (lo, 1)
     (no H floor) — a stored INT4 token costs about a quarter of an H one, and where INT4 is
     nearly lossless (centered keys) keeping every prompt token at L or above beats releasing
-    some.  Then floors that may release: (q, q) at the quartiles of the prefill V̄(q, R), and
-    :data:`NO_FLOOR`.  Each with its step ("configured", "lift" or "release"); thresholds whose
-    floors repeat earlier ones are left out."""
+    some; last :data:`KEEP` (every floor L: uniform INT4 of the prompt, the budget above its
+    cost spent on H by priority).  Then floors that may release: (q, q) at the quartiles of the
+    prefill V̄(q, R), and :data:`NO_FLOOR`.  Each with its step ("configured", "lift" or
+    "release"); thresholds whose floors repeat earlier ones are left out."""
     vb = [self.vbar("prefill", i, g) for i, g in self.pre_buckets]
     vl, vr = sorted(v[0] for v in vb), sorted(v[1] for v in vb)
     lo = min((float(t[0]) for t in self.cfg.prefill_thresholds), default=0.0)
     lift = ([(lo, max(lo, float(np.quantile(vl, q)))) for q in (0.5, 0.75)] if vl else [])
-    lift.append((lo, 1.0))
+    lift += [(lo, 1.0), KEEP]
     loose = [(float(np.quantile(vr, q)),) * 2 for q in (0.25, 0.5, 0.75)] if vr else []
     out, seen = [], []
     for tau, step in ([(tuple(t), "configured") for t in self.cfg.prefill_thresholds] +

@@ -505,6 +505,11 @@ def test_target_thresholds_lift_h_floors_before_any_release(targeted):
     if step == "lift":
       assert all(f[k] != Act.R or strict[k] == Act.R for k in f)
       assert all(a != Act.H for a in f.values()) or tau[1] < 1.0
+  # The last lift (target rule 4) releases nothing of the prompt: every floor L, unless an
+  # earlier threshold had those floors already.
+  keep = C.floors("prefill", alg1.KEEP)
+  assert set(keep.values()) == {Act.L}
+  assert keep in [C.floors("prefill", t) for t, s in taus if s != "release"]
   rows = [c for c in rec["target_candidates"] if c["source"]["kind"] == "aimed"]
   assert rows and all("aimed_at" in c["source"] for c in rows)
 
