@@ -5,6 +5,11 @@ shapes, checks each variant against ``qk_reference`` (relative error norm) and p
 line per variant with the time and the rate over the bytes the kernel must read (codes + scales).
 
   python bench/bench_mgpu_qk.py --out $OUT/qk.jsonl [--quick]
+
+``--paged``: the integration probe instead. Keys read straight from the cache's paged INT4 pool
+(uint8 half-split nibbles, ``[P, page, Hkv, D/2]``, pages in shuffled order through a page
+table; ``mgpu_qk.qk_paged``) against contiguous int4 keys (``mgpu_qk.qk``, tile = page), same
+codes and scales, per page size and split count.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gpu import mgpu_qk
+from pallas_kernels.testing.synth import paged_pool
 
 
 def kernel_time(f, args, iters: int) -> float:
@@ -51,7 +57,10 @@ def main() -> None:
   ap.add_argument("--stages", default="2,4,6")
   ap.add_argument("--splits4b", default="2,4,8")
   ap.add_argument("--splits05b", default="8,16")
+  ap.add_argument("--paged", action="store_true")
   a = ap.parse_args()
+  if a.paged:
+    return paged(a)
   shapes = [("4b", 64, 128, 32768), ("0.5b", 16, 64, 32768)]
   if a.quick:
     grid = {"4b": [(jnp.int4, 64, 4, 4), (jnp.bfloat16, 64, 4, 4)],
@@ -90,6 +99,40 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
         fo.write(json.dumps(row) + "\n")
         fo.flush()
+
+
+def paged(a) -> None:
+  shapes = [("4b", 8, 8, 128, 32768), ("0.5b", 8, 2, 64, 32768)]
+  print(jax.devices(), jax.__version__, flush=True)
+  with open(a.out, "w") as fo:
+    for (name, batch, hkv, d, n), page in itertools.product(shapes, (64, 128)):
+      q, pool, tbl, ks = paged_pool(batch, hkv, d, n, page, n_pad=mgpu_qk.N_PAD)
+      k, kscale = mgpu_qk.paged_keys(pool, tbl, ks)
+      k4 = k.astype(jnp.int4)
+      qn, bias = mgpu_qk.nibble_q(q)
+      nbytes = q.shape[0] * n * (d // 2 + 4)
+      for splits in ((4, 8) if name == "4b" else (8, 16, 32)):
+        ref = mgpu_qk.qk_reference(q, k, kscale, tile=page, splits=splits)
+        for how in ("contiguous int4", "paged pool"):
+          row = dict(shape=name, bh=q.shape[0], d=d, n=n, page=page, splits=splits, how=how)
+          try:
+            if how == "paged pool":
+              f = jax.jit(lambda *x, sp=splits: mgpu_qk.qk_paged(*x, splits=sp))
+              args = (qn, bias, pool, tbl, ks)
+            else:
+              f = jax.jit(lambda *x, t=page, sp=splits: mgpu_qk.qk(*x, tile=t, stages=2,
+                                                                 splits=sp))
+              args = (q, k4, kscale)
+            out = jax.block_until_ready(f(*args))
+            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            sec = kernel_time(f, args, a.iters)
+            row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+          except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+            row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
+                       tb=traceback.format_exc()[-3000:])
+          print(json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
+          fo.write(json.dumps(row) + "\n")
+          fo.flush()
 
 
 if __name__ == "__main__":

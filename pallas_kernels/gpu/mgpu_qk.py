@@ -7,6 +7,10 @@ tokens on the MMA's M side and the (padded) query heads on N (the operand swap:
 folded into ``S^T`` after the MMA, the running column max) and nothing of P.V yet, so its time
 against the packed key bytes says whether the full kernel can reach the bandwidth goal.
 
+:func:`qk_paged` is the integration probe: the same statistics with the keys read straight from
+the cache's paged INT4 pool (uint8 half-split bytes through the page table, no int4 view, no
+copy), its arithmetic emulated by :func:`qk_paged_emulated`.
+
 Shapes: ``q[BH, 8, D]`` bf16 (query heads of one KV head, padded to 8 rows), ``k[BH, N, D]``
 int4 or bf16 (token-major, jax's int4 packing: element 2j in the low nibble of byte j),
 ``ks[BH, N]`` f32 per-token scales. Output ``[BH, splits, T, 8]`` f32: per split, the sum over its
@@ -120,4 +124,145 @@ def qk_reference(q, k, ks, *, tile: int = 64, splits: int = 4):
   s = jnp.einsum("bgd,bnd->bng", q.astype(jnp.float32), k.astype(jnp.float32))
   s = s * ks[..., None].astype(jnp.float32)                        # [BH, N, 8]
   s = s.reshape(bh, splits, n // tile // splits, tile, N_PAD)
+  return s.sum(2) + s.max(axis=(2, 3))[:, :, None, :]
+
+
+# --- the same statistics read straight from the paged INT4 pool (integration probe) -------------
+
+def nibble_q(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """q[BH, 8, D] -> (q for :func:`qk_paged`, the bias it removes ``[BH, 4, 8]`` f32: 4 equal
+  rows, so its copy into shared memory is 128 bytes, a multiple of the warpgroup).
+
+  :func:`qk_paged` reads a pool byte (element i low nibble, element i + D/2 high) without 8-bit
+  arithmetic, which Mosaic GPU refuses: ``x & 0xF0`` is 16 x the high element (exact in bf16),
+  so the high half of q is scaled by 1/16 (a power of two: exact); ``(x & 0x0F) ^ 0x08`` is the low
+  element + 8, so ``8 * sum(q_low)`` per query row is subtracted from the scores."""
+  h = q.shape[-1] // 2
+  lo, hi = q[..., :h], q[..., h:]
+  bias = 8.0 * lo.astype(jnp.float32).sum(-1)
+  bias = jnp.broadcast_to(bias[:, None], (bias.shape[0], 4, bias.shape[1]))
+  return jnp.concatenate([lo, (hi.astype(jnp.float32) / 16).astype(q.dtype)], -1), bias
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "splits"))
+def qk_paged(q, bias, pool, tbl, ks, *, stages: int = 2, splits: int = 4):
+  """:func:`qk`'s statistics over keys read from our paged INT4 pool as bytes, one page a tile.
+
+  ``q[BH, 8, D]`` and ``bias[BH, 4, 8]`` from :func:`nibble_q` (BH = B x Hkv, head-minor);
+  ``pool[P, page, Hkv, D/2]`` uint8, the cache's low pool (half-split nibbles,
+  ``pallas_kernels.int4``); ``tbl[B, n_pages]`` int32 the pages of each sequence in order;
+  ``ks[Hkv, P, page]`` f32 the K scales, head-major so a page's scales are one TMA box.
+  The page table is read in the pipeline's index map: each step's TMA box is
+  ``pool[tbl[b, i], :, h, :]`` (a strided box: rows Hkv x D/2 bytes apart). Output as :func:`qk`
+  with ``tile = page``."""
+  bh, n8, d = q.shape
+  p, page, hkv, h = pool.shape
+  b_n, n_pages = tbl.shape
+  if n8 != N_PAD or d != 2 * h or bh != b_n * hkv:
+    raise ValueError(f"q {q.shape} does not match pool {pool.shape} and tables {tbl.shape}")
+  if n_pages % splits or page % 64:
+    raise ValueError(f"{n_pages} pages must divide into {splits} splits, page {page} into 64-row "
+                     "MMA tiles")
+  steps = n_pages // splits
+  k_elems, k_tr = _transforms(h, jnp.int8, "keys")
+  q_elems, q_tr = _transforms(h, q.dtype, "queries")   # swizzled in halves: sliced at D/2
+  row = plgpu.Layout.WGMMA.reduce(1)
+  col = plgpu.Layout.WGMMA.reduce(0)
+  codes = lax.bitcast_convert_type(pool, jnp.int8)   # same width: a free bitcast
+
+  def body(q_gmem, bias_gmem, k_gmem, tbl_gmem, ks_gmem, o_gmem, q_smem, b_smem, o_smem, bar):
+    i_bh = lax.axis_index("bh")
+    sp = lax.axis_index("sp")
+    b, hd = i_bh // hkv, lax.rem(i_bh, hkv)
+    plgpu.copy_gmem_to_smem(q_gmem.at[i_bh], q_smem, bar)
+    plgpu.copy_gmem_to_smem(bias_gmem.at[i_bh], b_smem, bar)
+    plgpu.barrier_wait(bar)
+    bias = _load(b_smem.at[0], col)
+
+    def step(_, k_smem, ks_smem, carry):
+      m, tot = carry
+      x = _load(k_smem, plgpu.Layout.WGMMA_UPCAST_2X)
+      hi = plgpu.layout_cast(lax.bitwise_and(x, jnp.int8(-16)).astype(jnp.bfloat16),
+                             plgpu.Layout.WGMMA)
+      lo = plgpu.layout_cast(
+          lax.bitwise_xor(lax.bitwise_and(x, jnp.int8(15)), jnp.int8(8)).astype(jnp.bfloat16),
+          plgpu.Layout.WGMMA)
+
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, lo, q_smem.at[:, :h].T)
+        plgpu.wgmma(acc_ref, hi, q_smem.at[:, h:].T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(scores, plgpu.ACC((page, N_PAD), jnp.float32))
+      s = s - lax.broadcast_in_dim(bias, s.shape, [1])
+      s = s * lax.broadcast_in_dim(_load(ks_smem, row), s.shape, [0])
+      return jnp.maximum(m, s.max(axis=0)), tot + s
+
+    page_of = lambda i: tbl_gmem[b, sp * steps + i]
+    m0 = plgpu.layout_cast(jnp.full((N_PAD,), -jnp.inf, jnp.float32), col)
+    t0 = plgpu.layout_cast(jnp.zeros((page, N_PAD), jnp.float32), plgpu.Layout.WGMMA)
+    m, tot = plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[
+            plgpu.BlockSpec((None, page, None, h), lambda i: (page_of(i), 0, hd, 0),
+                            transforms=k_tr),
+            plgpu.BlockSpec((None, None, page), lambda i: (hd, page_of(i), 0)),
+        ],
+        max_concurrent_steps=stages,
+        init_carry=(m0, t0),
+    )(k_gmem, ks_gmem)
+    o_smem[...] = tot + lax.broadcast_in_dim(m, tot.shape, [1])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[i_bh, sp])
+    plgpu.wait_smem_to_gmem(0)
+
+  del k_elems, q_elems
+  return plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((bh, splits, page, N_PAD), jnp.float32),
+      grid=(bh, splits),
+      grid_names=("bh", "sp"),
+      scratch_types=dict(
+          q_smem=plgpu.SMEM((N_PAD, d), q.dtype, transforms=q_tr),
+          b_smem=plgpu.SMEM((4, N_PAD), jnp.float32),
+          o_smem=plgpu.SMEM((page, N_PAD), jnp.float32),
+          bar=plgpu.Barrier(num_arrivals=2),
+      ),
+  )(q, bias, codes, tbl, ks)
+
+
+def paged_keys(pool, tbl, ks):
+  """The contiguous keys and scales :func:`qk_paged` reads: (k[BH, N, D] int8 codes,
+  ks[BH, N] f32), N = n_pages x page, heads minor in BH."""
+  from pallas_kernels import int4
+  p, page, hkv, h = pool.shape
+  b, n_pages = tbl.shape
+  k = int4.unpack(pool)[tbl]                              # [B, n_pages, page, Hkv, D]
+  k = jnp.moveaxis(k, 3, 1).reshape(b * hkv, n_pages * page, 2 * h)
+  s = jnp.moveaxis(ks[:, tbl], 0, 1).reshape(b * hkv, n_pages * page)   # [B, Hkv, ...]
+  return k, s
+
+
+def qk_paged_reference(q, pool, tbl, ks, *, splits: int = 4):
+  """jnp reference of :func:`qk_paged` (f32 math, the original q, no bias trick)."""
+  k, s = paged_keys(pool, tbl, ks)
+  return qk_reference(q, k, s, tile=pool.shape[1], splits=splits)
+
+
+def qk_paged_emulated(qn, bias, pool, tbl, ks, *, splits: int = 4):
+  """:func:`qk_paged`'s arithmetic in jnp: the page gather through the table, the bitwise nibble
+  split on int8 bytes, both halves against the nibble q, the bias removed, then :func:`qk`'s
+  statistics. Equal to :func:`qk_paged_reference` on the original q (the tests check it)."""
+  p, page, hkv, h = pool.shape
+  b, n_pages = tbl.shape
+  x = lax.bitcast_convert_type(pool, jnp.int8)[tbl]              # [B, n_pages, page, Hkv, D/2]
+  x = jnp.moveaxis(x, 3, 1).reshape(b * hkv, n_pages * page, h)
+  hi = (x & jnp.int8(-16)).astype(jnp.float32)
+  lo = ((x & jnp.int8(15)) ^ jnp.int8(8)).astype(jnp.float32)
+  qf = qn.astype(jnp.float32)
+  s = (jnp.einsum("bnd,bgd->bng", lo, qf[..., :h]) + jnp.einsum("bnd,bgd->bng", hi, qf[..., h:])
+       - bias[:, None, 0, :])
+  s = s * jnp.moveaxis(ks[:, tbl], 0, 1).reshape(b * hkv, n_pages * page)[..., None]
+  s = s.reshape(b * hkv, splits, n_pages // splits, page, N_PAD)
   return s.sum(2) + s.max(axis=(2, 3))[:, :, None, :]

@@ -242,3 +242,20 @@ CASES = [
     Case("no_hi_pool_empty_window", Shape(b=2, hq=8, hkv=2, d=128, page=16, w=16, lo_cap=96,
                                           hi_cap=0), (96, 41), (0, 0), (0, 0), spare_pages=0),
 ]
+
+
+def paged_pool(batch: int, hkv: int, d: int, n: int, page: int, *, n_pad: int, seed: int = 0):
+  """An INT4 low pool for ``n`` keys per sequence as the cache stores it (uint8 half-split
+  ``[P, page, Hkv, D/2]``, one spare page per sequence, pages handed out in shuffled order),
+  its page table ``[batch, n / page]``, head-major K scales ``[Hkv, P, page]`` and q
+  ``[batch * Hkv, n_pad, D]`` (mgpu_qk's integration probe)."""
+  n_pages = n // page
+  pages = batch * (n_pages + 1)
+  kq, kk, ks_, kp = jax.random.split(jax.random.key(seed), 4)
+  codes = jax.random.randint(kk, (pages, page, hkv, d), -7, 8, jnp.int32).astype(jnp.int8)
+  pool = int4.pack(codes)
+  tbl = jax.random.permutation(kp, pages)[:batch * n_pages].reshape(batch, n_pages)
+  tbl = tbl.astype(jnp.int32)
+  ks = jax.random.uniform(ks_, (hkv, pages, page), jnp.float32, 0.01, 0.1)
+  q = jax.random.normal(kq, (batch * hkv, n_pad, d), jnp.float32).astype(jnp.bfloat16)
+  return q, pool, tbl, ks
