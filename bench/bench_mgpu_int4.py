@@ -9,6 +9,8 @@ kernel time at full length over the bytes it reads (K and V codes + f32 scales).
 ``--ws``: the committed kernel with and without the compiler's approximate exp2 and without
 Pallas's automatic shared-memory barriers, against the warp-specialized ``partition_ws`` (2 or 3
 compute warpgroups and a TMA warpgroup; 3 runs at 24K keys, a multiple of its 3-tile steps).
+``--paged``: ``mgpu_paged.partition_paged`` reading the cache's paged uint8 pool (shuffled page
+tables, pages of 64 and 128 rows) beside the committed contiguous kernel, same bytes counted.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import mgpu_int4
+from pallas_kernels.gpu import mgpu_int4, mgpu_paged
+from pallas_kernels.testing.synth import paged_pool
 from bench.bench_mgpu_qk import kernel_time
 
 SHAPES = {"4b": (8, 8, 4, 128), "0.5b": (8, 2, 7, 64)}   # batch, kv heads, q per kv, head dim
@@ -145,10 +148,14 @@ def main() -> None:
                   help="the --cols rows alone (without the --ws sweep)")
   ap.add_argument("--knobs", action="store_true",
                   help="with --ws: also the committed kernel under each compiler-knob pair")
+  ap.add_argument("--paged", action="store_true",
+                  help="the kernel over the paged uint8 pool against the contiguous one")
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()
   print(jax.devices(), jax.__version__, flush=True)
+  if a.paged:
+    return paged(a)
   with open(a.out, "w") as fo:
     for name, batch, n, variants in plan(a):
       c = case(name, n, batch)
@@ -157,6 +164,51 @@ def main() -> None:
         print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "tb"}), flush=True)
         fo.write(json.dumps(row) + "\n")
         fo.flush()
+
+
+def paged(a) -> None:
+  """``--paged``: per head shape and page size, the paged kernel (splits x cols, both fast knobs)
+  and, first, the committed contiguous kernel on the same codes."""
+  fast = dict(approx_math=True, no_auto_barriers=True)
+  with open(a.out, "w") as fo:
+    def emit(row):
+      print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "tb"}), flush=True)
+      fo.write(json.dumps(row) + "\n")
+      fo.flush()
+
+    for name, page in itertools.product(SHAPES, (128, 64)):
+      b, hkv, g, d = SHAPES[name]
+      q, kp, tbl, ks = paged_pool(b, hkv, d, a.n, page, n_pad=mgpu_int4.N_PAD, seed=1)
+      _, vp, _, vs = paged_pool(b, hkv, d, a.n, page, n_pad=mgpu_int4.N_PAD, seed=2)
+      q = q.at[:, g:].set(0)
+      lens = jax.random.randint(jax.random.key(3), (b,), 1, a.n + 1, jnp.int32)
+      kc, kss = mgpu_paged.gather(kp, tbl, ks)
+      vc, vss = mgpu_paged.gather(vp, tbl, vs)
+      lens_bh = jnp.repeat(lens, hkv)
+      sm = d ** -0.5
+      ref = mgpu_int4.attend_reference(q, kc, kss, vc, vss, lens_bh, sm_scale=sm)[:, :g]
+      nbytes = q.shape[0] * a.n * (d + 8)
+      full = jnp.full_like(lens, a.n)
+      if page == 128:   # the contiguous kernel on the same codes (dim-major V), its best knobs
+        c = (q, kc, kss, vc, vss, lens_bh, g, d, ref)
+        emit(dict(shape=name, batch=b, how="contiguous", **measure(
+            c, dict(tile=128, stages=2, splits=8 if name == "4b" else 32, v_major="dim", cols=8,
+                    **fast), a.iters)))
+      for splits, cols in itertools.product((4, 8) if name == "4b" else (8, 16, 32), (16, 8)):
+        row = dict(shape=name, batch=b, how="paged", page=page, n=a.n, splits=splits, cols=cols)
+        try:
+          kn = dict(splits=splits, cols=cols, **fast)
+          out = mgpu_paged.attend_paged(q, kp, ks, vp, vs, tbl, lens, sm_scale=sm, **kn)[:, :g]
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          qn, bias = mgpu_paged.nibble_q(q)
+          f = jax.jit(lambda *x, kn=tuple(kn.items()): mgpu_paged.partition_paged(
+              *x, qk_scale=sm * mgpu_int4.LOG2E, **dict(kn)))
+          sec = kernel_time(f, (qn, bias, kp, ks, vp, vs, tbl, full), a.iters)
+          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
+                     tb=traceback.format_exc()[-4000:])
+        emit(row)
 
 
 if __name__ == "__main__":
