@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import int4
+from pallas_kernels.gpu import mgpu_common as C
 from pallas_kernels.gpu import mgpu_int4 as M
 from pallas_kernels.gpu.mgpu_qk import nibble_q
 
@@ -48,7 +49,7 @@ def _check(q, bias, k, ks, v, vs, tbl, lens, *, splits, stages) -> None:
     raise ValueError(f"k must be the uint8 pool [P, page, Hkv, D/2], got {k.dtype} {k.shape}")
   p, page, hkv, h = k.shape
   b = tbl.shape[0]
-  want = {"q": (b * hkv, M.N_PAD, 2 * h), "bias": (b * hkv, 4, M.N_PAD), "v": k.shape,
+  want = {"q": (b * hkv, C.N_PAD, 2 * h), "bias": (b * hkv, 4, C.N_PAD), "v": k.shape,
           "ks": (hkv, p, page), "vs": (hkv, p, page), "lens": (b,)}
   for name, arr in (("q", q), ("bias", bias), ("v", v), ("ks", ks), ("vs", vs),
                     ("lens", lens)):
@@ -61,34 +62,34 @@ def _check(q, bias, k, ks, v, vs, tbl, lens, *, splits, stages) -> None:
     raise ValueError(f"head dim {d} and page {page} must be multiples of 64 (wgmma's M)")
   if tbl.shape[1] % splits:
     raise ValueError(f"{tbl.shape[1]} pages must divide into {splits} splits")
-  need = M.smem_bytes(d, page, stages, "token")
-  if need > M.SM90_SMEM:
+  need = C.smem_bytes(d, page, stages, "token")
+  if need > C.SM90_SMEM:
     raise ValueError(f"page {page} x {stages} stages needs {need} bytes of shared memory, over "
-                     f"the {M.SM90_SMEM} a Hopper block has: use fewer stages")
+                     f"the {C.SM90_SMEM} a Hopper block has: use fewer stages")
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "qk_scale", "cols",
                                              "approx_math", "no_auto_barriers"))
 def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages: int = 2,
-                    qk_scale: float = 1.0, cols: int = M.N_PAD, approx_math: bool = False,
+                    qk_scale: float = 1.0, cols: int = C.N_PAD, approx_math: bool = False,
                     no_auto_barriers: bool = False):
   """-> (o, m, l) ``[BH, splits, D, 16]`` f32 as ``mgpu_int4.partition`` (module doc)."""
   _check(q, bias, k, ks, v, vs, tbl, lens, splits=splits, stages=stages)
-  narrow = M._check_cols(cols)
+  narrow = C.check_cols(cols)
   bh, _, d = q.shape
   _, page, hkv, h = k.shape
   steps = tbl.shape[1] // splits
-  _, b_tr = M._transforms(h, jnp.int8, "pool bytes")
-  _, q_tr = M._transforms(h, jnp.bfloat16, "queries")      # swizzled in halves: sliced at D/2
-  _, p_tr = M._transforms(M.N_PAD, jnp.bfloat16, "probabilities")
-  _, vb_tr = M._transforms(d, jnp.bfloat16, "values", swz=32)   # P^T's swizzle (wgmma: equal)
+  _, b_tr = C.transforms(h, jnp.int8, "pool bytes")
+  _, q_tr = C.transforms(h, jnp.bfloat16, "queries")      # swizzled in halves: sliced at D/2
+  _, p_tr = C.transforms(C.N_PAD, jnp.bfloat16, "probabilities")
+  _, vb_tr = C.transforms(d, jnp.bfloat16, "values", swz=32)   # P^T's swizzle (wgmma: equal)
   row = plgpu.Layout.WGMMA.reduce(1)
   col = plgpu.Layout.WGMMA.reduce(0)
   wg = plgpu.Layout.WGMMA
 
   def halves(ref):
     """A byte tile -> (low elements + 8, 16 x high elements) as bf16 in the wgmma layout."""
-    x = M._load(ref, plgpu.Layout.WGMMA_UPCAST_2X)
+    x = C.load(ref, plgpu.Layout.WGMMA_UPCAST_2X)
     lo = lax.bitwise_xor(lax.bitwise_and(x, jnp.int8(15)), jnp.int8(8))
     return (plgpu.layout_cast(lo.astype(jnp.bfloat16), wg),
             plgpu.layout_cast(lax.bitwise_and(x, jnp.int8(-16)).astype(jnp.bfloat16), wg))
@@ -102,7 +103,7 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
     plgpu.copy_gmem_to_smem(q_gmem.at[i], q_smem, bar)
     plgpu.copy_gmem_to_smem(bias_gmem.at[i], b_smem, bar)
     plgpu.barrier_wait(bar)
-    bias = M._load(b_smem.at[0], col)
+    bias = C.load(b_smem.at[0], col)
 
     def step(idx, k_smem, ks_smem, v_smem, vs_smem, carry):
       m, l, acc = carry
@@ -113,15 +114,15 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
         plgpu.wgmma(acc_ref, khi, q_smem.at[:, h:].T)
         return acc_ref[...]
 
-      s = pl.run_scoped(scores, plgpu.ACC((page, M.N_PAD), jnp.float32))
+      s = pl.run_scoped(scores, plgpu.ACC((page, C.N_PAD), jnp.float32))
       s = s - lax.broadcast_in_dim(bias, s.shape, [1])
       if narrow:
         s = s[:, :cols]
-      p, alpha, m_new, l = M._softmax_tile(
-          s, M._load(ks_smem, row) * qk_scale, M._load(vs_smem, row),
+      p, alpha, m_new, l = C.softmax_tile(
+          s, C.load(ks_smem, row) * qk_scale, C.load(vs_smem, row),
           (sp * steps + idx[0]) * page, length, m, l)
       if narrow:
-        p = jnp.concatenate([p, M._zeros((page, M.N_PAD - cols))], axis=1)
+        p = jnp.concatenate([p, C.zeros((page, C.N_PAD - cols))], axis=1)
       p_smem[...] = p.astype(jnp.bfloat16)
       vlo, vhi = halves(v_smem)
       vb_smem.at[:, :h][...] = vlo - 8.0     # small integers: exact in bf16
@@ -133,7 +134,7 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
         return acc_ref[...]
 
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      out = pl.run_scoped(pv, plgpu.ACC((d, M.N_PAD), jnp.float32))
+      out = pl.run_scoped(pv, plgpu.ACC((d, C.N_PAD), jnp.float32))
       return m_new, l, acc + (out[:, :cols] if narrow else out)
 
     page_of = lambda j: tbl_gmem[b, sp * steps + j]
@@ -145,28 +146,28 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
         grid=(steps,),
         in_specs=[codes, scales, codes, scales],
         max_concurrent_steps=stages,
-        init_carry=(plgpu.layout_cast(jnp.full((cols,), M._FLOOR, jnp.float32), col),
-                    M._zeros((page, cols)), M._zeros((d, cols))),
+        init_carry=(plgpu.layout_cast(jnp.full((cols,), C.FLOOR, jnp.float32), col),
+                    C.zeros((page, cols)), C.zeros((d, cols))),
     )(k_gmem, ks_gmem, v_gmem, vs_gmem)
     dim = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=wg)
     acc = jnp.where(dim < h, acc, acc * (1.0 / 16))
-    M._store_partials(o_smem, (o_gmem.at[i, sp], m_gmem.at[i, sp], l_gmem.at[i, sp]), acc, m,
-                      l.sum(axis=0), pad=M.N_PAD - cols)
+    C.store_partials(o_smem, (o_gmem.at[i, sp], m_gmem.at[i, sp], l_gmem.at[i, sp]), acc, m,
+                      l.sum(axis=0), pad=C.N_PAD - cols)
 
-  f32 = jax.ShapeDtypeStruct((bh, splits, d, M.N_PAD), jnp.float32)
+  f32 = jax.ShapeDtypeStruct((bh, splits, d, C.N_PAD), jnp.float32)
   as_s8 = lambda x: lax.bitcast_convert_type(x, jnp.int8)     # same width: a free bitcast
   return plgpu.kernel(
       body,
       out_type=(f32, f32, f32),
       grid=(bh, splits),
       grid_names=("bh", "sp"),
-      compiler_params=M._params(approx_math, no_auto_barriers),
+      compiler_params=C.params(approx_math, no_auto_barriers),
       scratch_types=dict(
-          q_smem=plgpu.SMEM((M.N_PAD, d), jnp.bfloat16, transforms=q_tr),
-          b_smem=plgpu.SMEM((4, M.N_PAD), jnp.float32),
+          q_smem=plgpu.SMEM((C.N_PAD, d), jnp.bfloat16, transforms=q_tr),
+          b_smem=plgpu.SMEM((4, C.N_PAD), jnp.float32),
           vb_smem=plgpu.SMEM((page, d), jnp.bfloat16, transforms=vb_tr),
-          p_smem=plgpu.SMEM((page, M.N_PAD), jnp.bfloat16, transforms=p_tr),
-          o_smem=plgpu.SMEM((d, M.N_PAD), jnp.float32),
+          p_smem=plgpu.SMEM((page, C.N_PAD), jnp.bfloat16, transforms=p_tr),
+          o_smem=plgpu.SMEM((d, C.N_PAD), jnp.float32),
           bar=plgpu.Barrier(num_arrivals=2),
       ),
   )(q, bias, as_s8(k), ks, as_s8(v), vs, tbl, lens)
@@ -176,7 +177,7 @@ def attend_paged(q, k, ks, v, vs, tbl, lens, *, sm_scale: float, **knobs):
   """Softmax attention of ``q[BH, 16, D]`` over the paged pool -> ``[BH, 16, D]`` f32."""
   qn, bias = nibble_q(q.astype(jnp.bfloat16))
   return M.merge(*partition_paged(qn, bias, k, ks, v, vs, tbl, lens,
-                                  qk_scale=sm_scale * M.LOG2E, **knobs))
+                                  qk_scale=sm_scale * C.LOG2E, **knobs))
 
 
 def gather(pool, tbl, scales):
