@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gpu import mgpu_int4, mgpu_paged
 from pallas_kernels.testing.synth import paged_pool
-from bench.bench_mgpu_qk import kernel_time
+from bench.bench_mgpu_qk import emit, failed, kernel_time
 
 SHAPES = {"4b": (8, 8, 4, 128), "0.5b": (8, 2, 7, 64)}   # batch, kv heads, q per kv, head dim
 
@@ -171,11 +171,6 @@ def paged(a) -> None:
   and, first, the committed contiguous kernel on the same codes."""
   fast = dict(approx_math=True, no_auto_barriers=True)
   with open(a.out, "w") as fo:
-    def emit(row):
-      print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "tb"}), flush=True)
-      fo.write(json.dumps(row) + "\n")
-      fo.flush()
-
     for name, page in itertools.product(SHAPES, (128, 64)):
       b, hkv, g, d = SHAPES[name]
       q, kp, tbl, ks = paged_pool(b, hkv, d, a.n, page, n_pad=mgpu_int4.N_PAD, seed=1)
@@ -191,7 +186,7 @@ def paged(a) -> None:
       full = jnp.full_like(lens, a.n)
       if page == 128:   # the contiguous kernel on the same codes (dim-major V), its best knobs
         c = (q, kc, kss, vc, vss, lens_bh, g, d, ref)
-        emit(dict(shape=name, batch=b, how="contiguous", **measure(
+        emit(fo, dict(shape=name, batch=b, how="contiguous", **measure(
             c, dict(tile=128, stages=2, splits=8 if name == "4b" else 32, v_major="dim", cols=8,
                     **fast), a.iters)))
       for splits, cols in itertools.product((4, 8) if name == "4b" else (8, 16, 32), (16, 8)):
@@ -206,9 +201,8 @@ def paged(a) -> None:
           sec = kernel_time(f, (qn, bias, kp, ks, vp, vs, tbl, full), a.iters)
           row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
-          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
-                     tb=traceback.format_exc()[-4000:])
-        emit(row)
+          failed(row, e)
+        emit(fo, row)
 
 
 if __name__ == "__main__":

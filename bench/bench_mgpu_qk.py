@@ -44,6 +44,25 @@ def kernel_time(f, args, iters: int) -> float:
   return (time.perf_counter() - t0) / iters
 
 
+def measure(row: dict, f, args, ref, nbytes: int, iters: int) -> None:
+  """Into ``row``: relative error norm of ``f(*args)`` against ``ref``, kernel time, rate."""
+  out = jax.block_until_ready(f(*args))
+  err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+  sec = kernel_time(f, args, iters)
+  row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+
+
+def failed(row: dict, e: Exception) -> None:
+  row.update(error=f"{type(e).__name__}: {str(e)[:2000]}", tb=traceback.format_exc()[-3000:])
+
+
+def emit(fo, row: dict) -> None:
+  """One JSON line to stdout (without the traceback) and to the output file."""
+  print(json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
+  fo.write(json.dumps(row) + "\n")
+  fo.flush()
+
+
 def ints(text: str) -> tuple[int, ...]:
   return tuple(int(x) for x in text.split(","))
 
@@ -87,18 +106,12 @@ def main() -> None:
         try:
           f = jax.jit(lambda q, k, s, t=tile, st=stages, sp=splits:
                       mgpu_qk.qk(q, k, s, tile=t, stages=st, splits=sp))
-          out = jax.block_until_ready(f(q, k, scale))
           ref = mgpu_qk.qk_reference(q, k, scale, tile=tile, splits=splits)
-          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          sec = kernel_time(f, (q, k, scale), a.iters)
           nbytes = bh * n * (d * (4 if kdt == jnp.int4 else 16) // 8 + 4)
-          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+          measure(row, f, (q, k, scale), ref, nbytes, a.iters)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
-          row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
-                     tb=traceback.format_exc()[-3000:])
-        print(json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
-        fo.write(json.dumps(row) + "\n")
-        fo.flush()
+          failed(row, e)
+        emit(fo, row)
 
 
 def paged(a) -> None:
@@ -123,16 +136,10 @@ def paged(a) -> None:
               f = jax.jit(lambda *x, t=page, sp=splits: mgpu_qk.qk(*x, tile=t, stages=2,
                                                                  splits=sp))
               args = (q, k4, kscale)
-            out = jax.block_until_ready(f(*args))
-            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-            sec = kernel_time(f, args, a.iters)
-            row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+            measure(row, f, args, ref, nbytes, a.iters)
           except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
-            row.update(error=f"{type(e).__name__}: {str(e)[:2000]}",
-                       tb=traceback.format_exc()[-3000:])
-          print(json.dumps({k: v for k, v in row.items() if k != "tb"}), flush=True)
-          fo.write(json.dumps(row) + "\n")
-          fo.flush()
+            failed(row, e)
+          emit(fo, row)
 
 
 if __name__ == "__main__":

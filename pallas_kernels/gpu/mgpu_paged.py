@@ -35,10 +35,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import int4
 from pallas_kernels.gpu import mgpu_common as C
 from pallas_kernels.gpu import mgpu_int4 as M
-from pallas_kernels.gpu.mgpu_qk import nibble_q
+from pallas_kernels.gpu.mgpu_qk import nibble_q, paged_keys
 
 __all__ = ["partition_paged", "attend_paged", "partition_paged_reference", "gather", "nibble_q"]
 
@@ -183,12 +182,8 @@ def attend_paged(q, k, ks, v, vs, tbl, lens, *, sm_scale: float, **knobs):
 def gather(pool, tbl, scales):
   """The pool through the tables as contiguous rows: (codes ``[BH, N, D]`` int4 in logical
   order, scales ``[BH, N]`` f32), N = n_pages x page, the head minor in BH."""
-  p, page, hkv, h = pool.shape
-  b, n_pages = tbl.shape
-  c = int4.unpack(pool)[tbl]                                   # [B, n_pages, page, Hkv, D]
-  c = jnp.moveaxis(c, 3, 1).reshape(b * hkv, n_pages * page, 2 * h)
-  s = jnp.moveaxis(scales[:, tbl], 0, 1).reshape(b * hkv, n_pages * page)
-  return c.astype(jnp.int4), s
+  codes, s = paged_keys(pool, tbl, scales)
+  return codes.astype(jnp.int4), s
 
 
 def partition_paged_reference(q, k, ks, v, vs, tbl, lens, *, splits: int = 8,

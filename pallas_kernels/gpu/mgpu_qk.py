@@ -48,6 +48,14 @@ def _transforms(minor: int, dtype, what: str):
                            plgpu.SwizzleTransform(swz))
 
 
+def _store_stats(o_smem, out, m, tot) -> None:
+  """Write a split's statistics: the tile sums plus the column max broadcast over the rows."""
+  o_smem[...] = tot + lax.broadcast_in_dim(m, tot.shape, [1])
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, out)
+  plgpu.wait_smem_to_gmem(0)
+
+
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits"))
 def qk(q, k, ks, *, tile: int = 64, stages: int = 4, splits: int = 4):
   """``S^T`` statistics over INT4 (or bf16) keys; see the module docstring for shapes."""
@@ -100,10 +108,7 @@ def qk(q, k, ks, *, tile: int = 64, stages: int = 4, splits: int = 4):
         max_concurrent_steps=stages,
         init_carry=(m0, t0),
     )(k_gmem.at[b], ks_gmem.at[b])
-    o_smem[...] = tot + lax.broadcast_in_dim(m, tot.shape, [1])
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, sp])
-    plgpu.wait_smem_to_gmem(0)
+    _store_stats(o_smem, o_gmem.at[b, sp], m, tot)
 
   return plgpu.kernel(
       body,
@@ -164,8 +169,8 @@ def qk_paged(q, bias, pool, tbl, ks, *, stages: int = 2, splits: int = 4):
     raise ValueError(f"{n_pages} pages must divide into {splits} splits, page {page} into 64-row "
                      "MMA tiles")
   steps = n_pages // splits
-  k_elems, k_tr = _transforms(h, jnp.int8, "keys")
-  q_elems, q_tr = _transforms(h, q.dtype, "queries")   # swizzled in halves: sliced at D/2
+  _, k_tr = _transforms(h, jnp.int8, "keys")
+  _, q_tr = _transforms(h, q.dtype, "queries")   # swizzled in halves: sliced at D/2
   row = plgpu.Layout.WGMMA.reduce(1)
   col = plgpu.Layout.WGMMA.reduce(0)
   codes = lax.bitcast_convert_type(pool, jnp.int8)   # same width: a free bitcast
@@ -212,12 +217,8 @@ def qk_paged(q, bias, pool, tbl, ks, *, stages: int = 2, splits: int = 4):
         max_concurrent_steps=stages,
         init_carry=(m0, t0),
     )(k_gmem, ks_gmem)
-    o_smem[...] = tot + lax.broadcast_in_dim(m, tot.shape, [1])
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[i_bh, sp])
-    plgpu.wait_smem_to_gmem(0)
+    _store_stats(o_smem, o_gmem.at[i_bh, sp], m, tot)
 
-  del k_elems, q_elems
   return plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((bh, splits, page, N_PAD), jnp.float32),
@@ -236,12 +237,20 @@ def paged_keys(pool, tbl, ks):
   """The contiguous keys and scales :func:`qk_paged` reads: (k[BH, N, D] int8 codes,
   ks[BH, N] f32), N = n_pages x page, heads minor in BH."""
   from pallas_kernels import int4
-  p, page, hkv, h = pool.shape
+  return _rows(int4.unpack(pool), tbl), _scale_rows(ks, tbl)
+
+
+def _rows(pool, tbl):
+  """``pool[P, page, Hkv, X]`` through the tables -> ``[B * Hkv, n_pages * page, X]``."""
   b, n_pages = tbl.shape
-  k = int4.unpack(pool)[tbl]                              # [B, n_pages, page, Hkv, D]
-  k = jnp.moveaxis(k, 3, 1).reshape(b * hkv, n_pages * page, 2 * h)
-  s = jnp.moveaxis(ks[:, tbl], 0, 1).reshape(b * hkv, n_pages * page)   # [B, Hkv, ...]
-  return k, s
+  x = jnp.moveaxis(pool[tbl], 3, 1)                          # [B, Hkv, n_pages, page, X]
+  return x.reshape(b * pool.shape[2], n_pages * pool.shape[1], pool.shape[3])
+
+
+def _scale_rows(scales, tbl):
+  """Head-major ``scales[Hkv, P, page]`` through the tables -> ``[B * Hkv, n_pages * page]``."""
+  b, n_pages = tbl.shape
+  return jnp.moveaxis(scales[:, tbl], 0, 1).reshape(b * scales.shape[0], -1)
 
 
 def qk_paged_reference(q, pool, tbl, ks, *, splits: int = 4):
@@ -256,13 +265,12 @@ def qk_paged_emulated(qn, bias, pool, tbl, ks, *, splits: int = 4):
   statistics. Equal to :func:`qk_paged_reference` on the original q (the tests check it)."""
   p, page, hkv, h = pool.shape
   b, n_pages = tbl.shape
-  x = lax.bitcast_convert_type(pool, jnp.int8)[tbl]              # [B, n_pages, page, Hkv, D/2]
-  x = jnp.moveaxis(x, 3, 1).reshape(b * hkv, n_pages * page, h)
+  x = _rows(lax.bitcast_convert_type(pool, jnp.int8), tbl)       # [BH, N, D/2] bytes
   hi = (x & jnp.int8(-16)).astype(jnp.float32)
   lo = ((x & jnp.int8(15)) ^ jnp.int8(8)).astype(jnp.float32)
   qf = qn.astype(jnp.float32)
   s = (jnp.einsum("bnd,bgd->bng", lo, qf[..., :h]) + jnp.einsum("bnd,bgd->bng", hi, qf[..., h:])
        - bias[:, None, 0, :])
-  s = s * jnp.moveaxis(ks[:, tbl], 0, 1).reshape(b * hkv, n_pages * page)[..., None]
+  s = s * _scale_rows(ks, tbl)[..., None]
   s = s.reshape(b * hkv, splits, n_pages // splits, page, N_PAD)
   return s.sum(2) + s.max(axis=(2, 3))[:, :, None, :]
