@@ -50,10 +50,14 @@ def scale_of(x: jax.Array) -> jax.Array:
   return jnp.where(amax == 0, jnp.float16(1.0), s)
 
 
-def _round_div(x: jax.Array, s: jax.Array) -> jax.Array:
-  """Round-half-even of x / s (f32, s > 0 an fp16 value), clipped to [-8, 8], without dividing."""
-  c = jnp.clip(jnp.round(x * (1.0 / s)), -8.0, 8.0)
-  up, dn = (c + 0.5) * s, (c - 0.5) * s                        # exact midpoints
+def round_div(x: jax.Array, s: jax.Array, offset: float = 0.0, lo: float = -8.0,
+              hi: float = 8.0) -> jax.Array:
+  """Round-half-even of ``x / s - offset`` (f32, s > 0 an fp16 value), clipped to [lo, hi],
+  without dividing: the reciprocal's guess is corrected against the exact midpoints
+  ``(c + offset ± 1/2) · s`` (``offset`` a multiple of 1/2 and |c| <= 255: at most 9 + 11
+  significant bits, an exact f32 product), so every backend stores the same codes."""
+  c = jnp.clip(jnp.round(x * (1.0 / s) - offset), lo, hi)
+  up, dn = (c + (offset + 0.5)) * s, (c + (offset - 0.5)) * s
   even = lambda a: jnp.where(jnp.fmod(a, 2.0) == 0, a, a + 1.0)  # the even one of (a, a + 1)
   c = jnp.where(x > up, c + 1.0, jnp.where(x == up, even(c), c))
   c = jnp.where(x < dn, c - 1.0, jnp.where(x == dn, even(c - 1.0), c))
@@ -65,7 +69,7 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   if x.shape[-1] % 2:
     raise ValueError(f"INT4 packing needs an even last dimension, got {x.shape[-1]}")
   s = scale_of(x)
-  c = _round_div(x.astype(jnp.float32), s[..., None].astype(jnp.float32))
+  c = round_div(x.astype(jnp.float32), s[..., None].astype(jnp.float32))
   return jnp.clip(c, -QMAX, QMAX).astype(jnp.int8), s
 
 

@@ -59,6 +59,36 @@ def test_quantizers_round_trip_within_their_bounds():
     Q.quantize(jnp.asarray(x), 5)
 
 
+def test_quantizers_round_ties_half_to_even_jitted_or_not():
+  """Elements exactly on a rounding midpoint (c + OFFSET + 1/2)·s of their row's own scale, or one
+  f32 ulp either side: the codes are the exactly rounded quotient, under jit and eagerly (a
+  division-based quantizer stored one code off on such a tie, 2026-12-03)."""
+  import jax
+  for b in Q.WIDTHS:
+    d = int(RNG.choice([8, 64, 128]))
+    n = 256
+    base = (RNG.standard_normal((n, d)) * RNG.choice([1e-3, 1.0, 300.0], (n, 1))).astype(np.float32)
+    _, s = Q.quantize_numpy(base, b)
+    s = s.astype(np.float32)[:, None]
+    k = RNG.integers(Q.CMIN[b], Q.CMAX[b], (n, d)).astype(np.float32)   # midpoint above code k
+    mid = ((k + Q.OFFSET[b] + 0.5) * s).astype(np.float32)
+    nudge = RNG.choice([-1, 0, 0, 1], (n, d))
+    mid = np.where(nudge > 0, np.nextafter(mid, np.float32(np.inf)),
+                   np.where(nudge < 0, np.nextafter(mid, -np.float32(np.inf)), mid))
+    x = np.where(RNG.random((n, d)) < 0.75, mid, base)
+    top = np.abs(base).argmax(-1)                       # the row's max keeps its scale
+    x[np.arange(n), top] = base[np.arange(n), top]
+    cn, sn = Q.quantize_numpy(x, b)
+    on_tie = (x == mid) & (nudge == 0) & (sn.astype(np.float32)[:, None] == s)
+    assert on_tie.sum() > n, b                          # the case under test occurs
+    tie_codes = cn[on_tie].astype(np.int64)
+    assert (tie_codes % 2 == 0).all(), b                # half to even
+    for f in (lambda v: Q.quantize(v, b), jax.jit(lambda v: Q.quantize(v, b))):
+      c, s2 = f(jnp.asarray(x))
+      np.testing.assert_array_equal(np.asarray(c), cn, err_msg=f"{b} bits")
+      np.testing.assert_array_equal(np.asarray(s2), sn, err_msg=f"{b} bits")
+
+
 def test_packing_round_trips_and_every_byte_is_counted():
   for b in Q.WIDTHS:
     for d in (int(RNG.integers(1, 140)), 64):

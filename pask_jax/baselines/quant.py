@@ -13,7 +13,9 @@ format (:mod:`pallas_kernels.int4`, paper B.5).  Grids:
 
 Every grid keeps ``|x - dequant(quant(x))| <= s/2`` (the scale is rounded to fp16 and bumped to
 the next fp16 where the rounding would push max|x|/s past the top level's half-step, as in
-:func:`pallas_kernels.int4.scale_of`), so a row's error is at most ``max|x| / (2·QMAX)``
+:func:`pallas_kernels.int4.scale_of`; codes are the exactly rounded ``x/s - OFFSET``, half to even,
+computed without dividing by :func:`pallas_kernels.int4.round_div`, so a tie stores the same code
+on every backend, under jit or not), so a row's error is at most ``max|x| / (2·QMAX)``
 (``max|x| / 3`` for 2 bits): INT2 > INT3 > INT4 > INT8.
 
 Packing (codes stored as unsigned ``c - CMIN``): 8 bits one per byte; 4 bits the cache's
@@ -79,8 +81,9 @@ def quantize(x, bits: int):
   if check_bits(bits) == 4 and x.shape[-1] % 2 == 0:
     return int4.quantize(x)
   s = scale_of(x, bits)
-  y = x.astype(jnp.float32) / s[..., None].astype(jnp.float32) - OFFSET[bits]
-  return jnp.clip(jnp.round(y), CMIN[bits], CMAX[bits]).astype(jnp.int8), s
+  c = int4.round_div(x.astype(jnp.float32), s[..., None].astype(jnp.float32), OFFSET[bits],
+                     CMIN[bits] - 1.0, CMAX[bits] + 1.0)
+  return jnp.clip(c, CMIN[bits], CMAX[bits]).astype(jnp.int8), s
 
 
 def dequantize(codes, scale, bits: int, dtype=jnp.float32):
@@ -97,8 +100,9 @@ def qdq(x, bits: int):
 
 
 def quantize_numpy(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-  """The same quantizer in numpy (an independent reference for tests), in the same float32
-  arithmetic: the codes are defined by it, and float64 can round an f32 tie the other way."""
+  """The same quantizer in float64 numpy (an independent reference for tests).  The codes are the
+  exactly rounded ``x / s - OFFSET`` (half to even), which float64 computes: a quotient that is
+  not on a midpoint lies at least ~2**-37 (relative) away from one (:func:`int4.quantize_numpy`)."""
   if check_bits(bits) == 4:
     return int4.quantize_numpy(x)
   top = QMAX[bits]
@@ -110,7 +114,7 @@ def quantize_numpy(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
   with np.errstate(over="ignore"):
     s = np.where(bump, np.nextafter(s, np.float16(np.inf)), s)
   s = np.where(amax == 0, np.float16(1.0), s).astype(np.float16)
-  q = np.round(x / s[..., None].astype(np.float32) - np.float32(OFFSET[bits]))
+  q = np.round(x.astype(np.float64) / s[..., None].astype(np.float64) - OFFSET[bits])
   return np.clip(q, CMIN[bits], CMAX[bits]).astype(np.int8), s
 
 
