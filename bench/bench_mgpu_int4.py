@@ -11,12 +11,17 @@ Pallas's automatic shared-memory barriers, against the warp-specialized ``partit
 compute warpgroups and a TMA warpgroup; 3 runs at 24K keys, a multiple of its 3-tile steps).
 ``--paged``: ``mgpu_paged.partition_paged`` reading the cache's paged uint8 pool (shuffled page
 tables, pages of 64 and 128 rows) beside the committed contiguous kernel, same bytes counted.
+``--pool``: ``mgpu_int4.partition`` over a pool of head-major int4 pages (page = tile = 128,
+shuffled tables; V dim- and token-major) beside the contiguous kernel on the same codes, then
+what one decode step's cache write costs XLA on such a pool: a row scatter into int4 (K
+token-major), a column scatter into int4 (dim-major V) and the same rows into uint8 bytes.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import time
 import traceback
 
 import jax
@@ -150,12 +155,16 @@ def main() -> None:
                   help="with --ws: also the committed kernel under each compiler-knob pair")
   ap.add_argument("--paged", action="store_true",
                   help="the kernel over the paged uint8 pool against the contiguous one")
+  ap.add_argument("--pool", action="store_true",
+                  help="the kernel over a head-major int4 page pool; XLA's int4 cache writes")
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()
   print(jax.devices(), jax.__version__, flush=True)
   if a.paged:
     return paged(a)
+  if a.pool:
+    return pool(a)
   with open(a.out, "w") as fo:
     for name, batch, n, variants in plan(a):
       c = case(name, n, batch)
@@ -189,20 +198,130 @@ def paged(a) -> None:
         emit(fo, dict(shape=name, batch=b, how="contiguous", **measure(
             c, dict(tile=128, stages=2, splits=8 if name == "4b" else 32, v_major="dim", cols=8,
                     **fast), a.iters)))
-      for splits, cols in itertools.product((4, 8) if name == "4b" else (8, 16, 32), (16, 8)):
-        row = dict(shape=name, batch=b, how="paged", page=page, n=a.n, splits=splits, cols=cols)
+      layouts = ("token", "head") if page == 128 else ("token",)
+      for splits, cols, layout in itertools.product(
+          (4, 8) if name == "4b" else (8, 16, 32), (16, 8), layouts):
+        if layout == "head" and cols == 16:
+          continue
+        row = dict(shape=name, batch=b, how="paged", page=page, n=a.n, splits=splits, cols=cols,
+                   layout=layout)
         try:
-          kn = dict(splits=splits, cols=cols, **fast)
-          out = mgpu_paged.attend_paged(q, kp, ks, vp, vs, tbl, lens, sm_scale=sm, **kn)[:, :g]
+          kn = dict(splits=splits, cols=cols, layout=layout, **fast)
+          if layout == "head":     # the same bytes, each (page, head) box contiguous
+            kp_, vp_ = jnp.swapaxes(kp, 1, 2), jnp.swapaxes(vp, 1, 2)
+          else:
+            kp_, vp_ = kp, vp
+          out = mgpu_paged.attend_paged(q, kp_, ks, vp_, vs, tbl, lens, sm_scale=sm,
+                                        **kn)[:, :g]
           err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
           qn, bias = mgpu_paged.nibble_q(q)
           f = jax.jit(lambda *x, kn=tuple(kn.items()): mgpu_paged.partition_paged(
               *x, qk_scale=sm * mgpu_int4.LOG2E, **dict(kn)))
-          sec = kernel_time(f, (qn, bias, kp, ks, vp, vs, tbl, full), a.iters)
+          sec = kernel_time(f, (qn, bias, kp_, ks, vp_, vs, tbl, full), a.iters)
           row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
           failed(row, e)
         emit(fo, row)
+
+
+
+def pool_inputs(name: str, n: int, tile: int, seed: int = 0):
+  """q, an int4 pool of head-major pages (one spare page per sequence, shuffled tables) with
+  both V layouts, f32 scales, per-row lengths [B * Hkv] and the page table."""
+  b, hkv, g, d = SHAPES[name]
+  n_pages, p = n // tile, b * (n // tile + 1)
+  ks = jax.random.split(jax.random.key(seed), 6)
+  codes = lambda key, shape: jax.random.randint(key, shape, -7, 8, jnp.int32).astype(jnp.int4)
+  k = codes(ks[0], (p, hkv, tile, d))
+  vt = codes(ks[1], (p, hkv, tile, d))                       # token-major
+  vd = jnp.swapaxes(vt, 2, 3)                                # the same values dim-major
+  kscale = jax.random.uniform(ks[2], (p, hkv, tile), jnp.float32, 0.05, 0.3)
+  vscale = jax.random.uniform(ks[3], (p, hkv, tile), jnp.float32, 0.05, 0.3)
+  tbl = jax.random.permutation(ks[4], p)[:b * n_pages].reshape(b, n_pages).astype(jnp.int32)
+  q = jnp.zeros((b * hkv, mgpu_int4.N_PAD, d), jnp.bfloat16)
+  q = q.at[:, :g].set(jax.random.normal(ks[5], (b * hkv, g, d)).astype(jnp.bfloat16))
+  lens = jnp.repeat(jax.random.randint(jax.random.key(seed + 1), (b,), 1, n + 1, jnp.int32), hkv)
+  return q, k, kscale, {"dim": vd, "token": vt}, vscale, lens, tbl, g, d
+
+
+def pool(a) -> None:
+  """``--pool``: per head shape, the contiguous kernel on the gathered codes, then the kernel
+  over the pool (splits x V layout, cols 8, both fast knobs); then XLA's cache writes."""
+  fast = dict(approx_math=True, no_auto_barriers=True, cols=8)
+  tile = 128
+  with open(a.out, "w") as fo:
+    for name in SHAPES:
+      q, k, ks, vv, vs, lens, tbl, g, d = pool_inputs(name, a.n, tile)
+      sm = d ** -0.5
+      nbytes = q.shape[0] * a.n * (d + 8)
+      full = jnp.full_like(lens, a.n)
+      kc, ksc, vd, vsc = mgpu_int4.pool_gather(k, ks, vv["dim"], vs, tbl)
+      ref = mgpu_int4.attend_reference(q, kc, ksc, jnp.swapaxes(vd, 1, 2), vsc, lens,
+                                       sm_scale=sm)[:, :g]
+      best = 8 if name == "4b" else 32
+      emit(fo, dict(shape=name, how="contiguous", **measure(
+          (q, kc, ksc, jnp.swapaxes(vd, 1, 2), vsc, lens, g, d, ref),   # token-major in
+          dict(tile=tile, stages=2, splits=best, v_major="dim", **fast), a.iters)))
+      for v_major, splits in itertools.product(("dim", "token"),
+                                               (4, 8) if name == "4b" else (8, 16, 32)):
+        row = dict(shape=name, how="pool", tile=tile, n=a.n, v_major=v_major, splits=splits,
+                   **fast)
+        try:
+          kn = dict(tile=tile, splits=splits, v_major=v_major, qk_scale=sm * mgpu_int4.LOG2E,
+                    **fast)
+          f = jax.jit(lambda q, k, ks, v, vs, lens, tbl, kn=tuple(kn.items()):
+                      mgpu_int4.partition(q, k, ks, v, vs, lens, None, tbl, **dict(kn)))
+          out = mgpu_int4.merge(*f(q, k, ks, vv[v_major], vs, lens, tbl))[:, :g]
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          sec = kernel_time(f, (q, k, ks, vv[v_major], vs, full, tbl), a.iters)
+          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
+        except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+          failed(row, e)
+        emit(fo, row)
+      writes(fo, name, k, vv["dim"], tbl, a.iters)
+
+
+def writes(fo, name, k, vd, tbl, iters: int) -> None:
+  """One decode step's INT4 cache write per sequence (the next free row of its last page), as
+  XLA does it on the pool: K rows into int4, V columns into dim-major int4, K rows into uint8
+  bytes; correctness checked on the written rows, time by the profiler (all kernels)."""
+  b = tbl.shape[0]
+  hkv, d = k.shape[1], k.shape[3]
+  pages = tbl[:, -1]
+  slot = jnp.arange(b, dtype=jnp.int32) % k.shape[2]
+  rows = jax.random.randint(jax.random.key(9), (b, hkv, d), -7, 8, jnp.int32).astype(jnp.int4)
+  heads = jnp.arange(hkv)
+  kw = jax.jit(lambda pool, x: pool.at[pages[:, None], heads[None], slot[:, None]].set(x),
+               donate_argnums=0)
+  vw = jax.jit(lambda pool, x: pool.at[pages[:, None], heads[None], :, slot[:, None]].set(x),
+               donate_argnums=0)
+  ku8 = jnp.zeros(k.shape[:3] + (d // 2,), jnp.uint8)
+  rows8 = jax.random.randint(jax.random.key(10), (b, hkv, d // 2), 0, 256,
+                             jnp.int32).astype(jnp.uint8)
+  bw = jax.jit(lambda pool, x: pool.at[pages[:, None], heads[None], slot[:, None]].set(x),
+               donate_argnums=0)
+  for how, f, pool_, x in (("k_rows_int4", kw, k, rows), ("v_cols_int4", vw, vd, rows),
+                           ("k_rows_uint8", bw, ku8, rows8)):
+    row = dict(shape=name, how="write", what=how, pool_bytes=int(pool_.size * pool_.dtype.itemsize
+                                                                 if pool_.dtype != jnp.int4
+                                                                 else pool_.size // 2))
+    try:
+      pool_ = jnp.array(pool_, copy=True)
+      out = f(pool_, x)
+      got = (out[pages[:, None], heads[None], slot[:, None]] if how != "v_cols_int4" else
+             out[pages[:, None], heads[None], :, slot[:, None]])
+      row["ok"] = bool(jnp.array_equal(got.astype(jnp.int32), x.astype(jnp.int32)))
+      hlo = f.lower(out, x).compile().as_text()
+      row["converts_pool"] = "convert" in hlo and "s8[" in hlo
+      t = jax.block_until_ready(out)
+      t0 = time.perf_counter()
+      for _ in range(iters):
+        t = f(t, x)
+      jax.block_until_ready(t)
+      row["us_wall"] = (time.perf_counter() - t0) / iters * 1e6
+    except Exception as e:  # noqa: BLE001
+      failed(row, e)
+    emit(fo, row)
 
 
 if __name__ == "__main__":

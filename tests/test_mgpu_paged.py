@@ -25,15 +25,17 @@ def make(b, hkv, g, d, page, n_pages, lens, seed):
   return q, kpool, ks, vpool, vs, tbl, jnp.asarray(lens, jnp.int32)
 
 
-@pytest.mark.parametrize("hkv,g,d,page,splits", [(2, 7, 64, 64, 2), (2, 4, 128, 128, 2),
-                                                  (1, 8, 128, 64, 4), (3, 1, 64, 64, 1)])
-def test_algorithm_matches_float32_attention(hkv, g, d, page, splits):
+@pytest.mark.parametrize("hkv,g,d,page,splits,layout", [
+    (2, 7, 64, 64, 2, "token"), (2, 4, 128, 128, 2, "head"), (1, 8, 128, 64, 4, "token"),
+    (3, 1, 64, 64, 1, "head"), (2, 2, 64, 128, 2, "head")])
+def test_algorithm_matches_float32_attention(hkv, g, d, page, splits, layout):
   n_pages, b = 4, 3
   lens = [n_pages * page, page + 5, 0][:b]          # full, ragged mid-page, empty
   q, kp, ks, vp, vs, tbl, lens = make(b, hkv, g, d, page, n_pages, lens, seed=hkv * d + g)
   sm = d ** -0.5
-  o, m, l = MP.partition_paged_reference(q, kp, ks, vp, vs, tbl, lens, splits=splits,
-                                         qk_scale=sm * M.LOG2E)
+  pool = (lambda x: x) if layout == "token" else (lambda x: jnp.swapaxes(x, 1, 2))
+  o, m, l = MP.partition_paged_reference(q, pool(kp), ks, pool(vp), vs, tbl, lens,
+                                         splits=splits, qk_scale=sm * M.LOG2E, layout=layout)
   got = M.merge(o, m, l)[:, :g]
   kc, kss = MP.gather(kp, tbl, ks)
   vc, vss = MP.gather(vp, tbl, vs)
@@ -80,6 +82,8 @@ def test_bad_input_is_one_line():
     call(ks=ks[:, :, :32])
   with pytest.raises(ValueError, match="^4 pages must divide into 3 splits"):
     call(splits=3)
+  with pytest.raises(ValueError, match="^layout must be 'token'"):
+    MP.partition_paged(qn, bias, kp, ks, vp, vs, tbl, lens, splits=2, layout="page")
   with pytest.raises(ValueError, match="cols must be 8 or 16"):
     MP.partition_paged(qn, bias, kp, ks, vp, vs, tbl, lens, splits=2, cols=4)
 
@@ -87,7 +91,8 @@ def test_bad_input_is_one_line():
 def _lower(d, page, hkv=2, b=2, n_pages=8, **kw):
   s = jax.ShapeDtypeStruct
   p = b * n_pages + 3
-  pool = s((p, page, hkv, d // 2), jnp.uint8)
+  pool = s((p, hkv, page, d // 2) if kw.get("layout") == "head" else (p, page, hkv, d // 2),
+           jnp.uint8)
   sc = s((hkv, p, page), jnp.float32)
   args = (s((b * hkv, M.N_PAD, d), jnp.bfloat16), s((b * hkv, 4, M.N_PAD), jnp.float32), pool, sc,
           pool, sc, s((b, n_pages), jnp.int32), s((b,), jnp.int32))
@@ -95,9 +100,10 @@ def _lower(d, page, hkv=2, b=2, n_pages=8, **kw):
       lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("d,page", [(128, 128), (64, 64), (128, 64), (64, 128)])
-def test_kernel_lowers_to_mosaic_gpu(d, page):
-  assert "mosaic_gpu" in _lower(d, page, approx_math=True, no_auto_barriers=True)
+@pytest.mark.parametrize("d,page,layout", [(128, 128, "token"), (64, 64, "token"),
+                                           (128, 64, "head"), (64, 128, "head")])
+def test_kernel_lowers_to_mosaic_gpu(d, page, layout):
+  assert "mosaic_gpu" in _lower(d, page, approx_math=True, no_auto_barriers=True, layout=layout)
 
 
 def test_narrow_columns_lower_or_name_what_they_need():

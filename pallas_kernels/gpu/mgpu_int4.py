@@ -47,11 +47,15 @@ Q_LO = 254.0        # q's int8 low half is in units of scale / Q_LO (split_q)
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
                                              "qk_scale", "k_upcast", "v_upcast", "approx_math",
                                              "no_auto_barriers", "cols"))
-def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: int = 2,
-              splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
+def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
+              stages: int = 2, splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
               qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16",
               approx_math: bool = False, no_auto_barriers: bool = False, cols: int = N_PAD):
   """-> (o[BH, splits, D, 16] f32 unnormalized O^T, m[BH, splits, D, 16], l[BH, splits, D, 16]).
+
+  ``tbl[B, n_pages]`` int32 (paged): ``k``, ``v``, ``ks``, ``vs`` are a pool of head-major
+  pages of ``tile`` tokens (:func:`pool_shapes`), read through the page table in the TMA index
+  map, one page per pipeline step; ``q`` and ``lens`` stay per (sequence, KV head), head minor.
 
   ``v_major="token"``: ``v[BH, N, D]``, upcast into a bf16 shared-memory tile read transposed.
   ``v_major="dim"``: ``v[BH, D, N]`` (V stored transposed), upcast in registers straight into
@@ -69,9 +73,18 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
   output rescaling work on the first 8 columns only and P^T's other 8 are zeros; the outputs'
   columns 8-15 are zeros (``l = 0``, which :func:`merge` reads as empty).
   """
-  bh, n, d = k.shape
-  _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages,
-         k_upcast=k_upcast, v_upcast=v_upcast, qscale=qscale)
+  if tbl is None:
+    bh, n, d = k.shape
+    hkv = 1
+    _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages,
+           k_upcast=k_upcast, v_upcast=v_upcast, qscale=qscale)
+    tbl = jnp.zeros((1, 1), jnp.int32)     # unread
+    paged = False
+  else:
+    _check_pool(q, k, ks, v, vs, lens, tbl, tile=tile, splits=splits, v_major=v_major,
+                stages=stages, k_upcast=k_upcast, v_upcast=v_upcast)
+    bh, (_, hkv, _, d), n = q.shape[0], k.shape, tbl.shape[1] * tile
+    paged = True
   if cols != N_PAD and not lazy_sum:
     raise ValueError(f"cols={cols} needs lazy_sum=True")
   narrow = _check_cols(cols)
@@ -99,8 +112,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
       return x.astype(jnp.bfloat16)
     return ref[...].astype(jnp.bfloat16)
 
-  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, o_gmem, m_gmem, l_gmem,
-           q_smem, vb_smem, p_smem, o_smem, bar):
+  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, tbl_gmem, o_gmem,
+           m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, bar):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
     length = lens_gmem[b]
@@ -162,21 +175,26 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
     m0 = cast(jnp.full((cols,), _FLOOR, jnp.float32), col)
     l0 = _zeros((tile, cols)) if lazy_sum else cast(jnp.zeros((cols,), jnp.float32), col)
     a0 = _zeros((d, cols))
-    blk = lambda i: (sp * steps + i, 0)
-    blk1 = lambda i: (sp * steps + i,)
+    if paged:     # one page per step: its table entry picks the box, the head its row
+      seq, hd = b // hkv, lax.rem(b, hkv)
+      pg = lambda i: tbl_gmem[seq, sp * steps + i]
+      rows = plgpu.BlockSpec((None, None, tile, d), lambda i: (pg(i), hd, 0, 0), transforms=k_tr)
+      sc = plgpu.BlockSpec((None, None, tile), lambda i: (pg(i), hd, 0))
+      cols_v = plgpu.BlockSpec((None, None, d, tile), lambda i: (pg(i), hd, 0, 0),
+                               transforms=vt_tr)
+      refs = (k_gmem, ks_gmem, v_gmem, vs_gmem)
+    else:
+      rows = plgpu.BlockSpec((tile, d), lambda i: (sp * steps + i, 0), transforms=k_tr)
+      sc = plgpu.BlockSpec((tile,), lambda i: (sp * steps + i,))
+      cols_v = plgpu.BlockSpec((d, tile), lambda i: (0, sp * steps + i), transforms=vt_tr)
+      refs = (k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b])
     m, l, acc = plgpu.emit_pipeline(
         step,
         grid=(steps,),
-        in_specs=[
-            plgpu.BlockSpec((tile, d), blk, transforms=k_tr),
-            plgpu.BlockSpec((tile,), blk1),
-            (plgpu.BlockSpec((tile, d), blk, transforms=k_tr) if v_major == "token" else
-             plgpu.BlockSpec((d, tile), lambda i: (0, sp * steps + i), transforms=vt_tr)),
-            plgpu.BlockSpec((tile,), blk1),
-        ],
+        in_specs=[rows, sc, rows if v_major == "token" else cols_v, sc],
         max_concurrent_steps=stages,
         init_carry=(m0, l0, a0),
-    )(k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b])
+    )(*refs)
     if lazy_sum:
       l = l.sum(axis=0)
     _store_partials(o_smem, (o_gmem.at[b, sp], m_gmem.at[b, sp], l_gmem.at[b, sp]), acc, m, l,
@@ -197,7 +215,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, stages: in
           o_smem=plgpu.SMEM((d, N_PAD), jnp.float32),
           bar=plgpu.Barrier(),
       ),
-  )(q, k, ks, v, vs, lens, qscale)
+  )(q, k, ks, v, vs, lens, qscale, tbl)
 
 
 def block_v(v: jax.Array, tile: int) -> jax.Array:
@@ -372,6 +390,70 @@ def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="
   if need > SM90_SMEM:
     raise ValueError(f"tile {tile} x {stages} stages needs {need} bytes of shared memory, over "
                      f"the {SM90_SMEM} a Hopper block has: use fewer stages or a smaller tile")
+
+
+def pool_shapes(n_pages: int, hkv: int, tile: int, d: int, v_major: str = "dim") -> dict:
+  """Shapes of a paged INT4 pool of ``n_pages`` head-major pages (one page = one tile): codes
+  ``k[P, Hkv, tile, D]``, ``v[P, Hkv, D, tile]`` (dim-major) or like ``k`` (token-major), f32
+  scales ``ks, vs[P, Hkv, tile]``. Each (page, head) box is contiguous: one TMA copy."""
+  return {"k": (n_pages, hkv, tile, d), "ks": (n_pages, hkv, tile), "vs": (n_pages, hkv, tile),
+          "v": (n_pages, hkv, d, tile) if v_major == "dim" else (n_pages, hkv, tile, d)}
+
+
+def _check_pool(q, k, ks, v, vs, lens, tbl, *, tile, splits, v_major, stages, k_upcast,
+                v_upcast) -> None:
+  """One-line errors for a paged call (``tbl`` given): pool shapes, table, lengths."""
+  if v_major not in ("token", "dim"):
+    raise ValueError(f"a paged pool takes v_major 'token' or 'dim', got {v_major!r}")
+  if k.ndim != 4:
+    raise ValueError(f"k must be the pool [P, Hkv, tile, D] with a page table, got {k.shape}")
+  p, hkv, page, d = k.shape
+  if page != tile:
+    raise ValueError(f"the pool's pages hold {page} tokens but tile is {tile}: one page is "
+                     "one tile")
+  if tbl.ndim != 2 or tbl.dtype != jnp.int32:
+    raise ValueError(f"tbl must be int32 [B, n_pages], got {tbl.dtype} {tuple(tbl.shape)}")
+  b, n_pages = tbl.shape
+  want = pool_shapes(p, hkv, tile, d, v_major)
+  for name, arr in (("v", v), ("ks", ks), ("vs", vs)):
+    if tuple(arr.shape) != want[name]:
+      raise ValueError(f"{name} must have shape {want[name]} for k {tuple(k.shape)} "
+                       f"(v_major={v_major!r}), got {tuple(arr.shape)}")
+  # The rest is the contiguous kernel's contract at B x Hkv rows of n_pages x tile keys.
+  flat = jax.ShapeDtypeStruct((b * hkv, n_pages * tile, d), k.dtype)
+  vflat = jax.ShapeDtypeStruct((b * hkv, d, n_pages * tile) if v_major == "dim" else
+                               (b * hkv, n_pages * tile, d), v.dtype)
+  sflat = jax.ShapeDtypeStruct((b * hkv, n_pages * tile), ks.dtype)
+  _check(q, flat, sflat, vflat, sflat, lens, tile=tile, splits=splits, v_major=v_major,
+         stages=stages, k_upcast=k_upcast, v_upcast=v_upcast,
+         qscale=jnp.ones((b * hkv,)) if k_upcast == "s8" else None)
+
+
+def pool_gather(k, ks, v, vs, tbl, *, v_major: str = "dim"):
+  """A paged pool through its tables -> the contiguous operands of :func:`partition`
+  (``k[BH, N, D]``, ``ks[BH, N]``, ``v`` dim- or token-major, ``vs``), head minor in BH."""
+  b, n_pages = tbl.shape
+  p, hkv, tile, d = k.shape
+  n = n_pages * tile
+
+  def rows(x):      # [P, Hkv, A, C] -> [B * Hkv, n_pages, A, C]
+    return jnp.moveaxis(x[tbl], 2, 1).reshape(b * hkv, n_pages, *x.shape[2:])
+
+  kc = rows(k).reshape(b * hkv, n, d)
+  sc = lambda s: jnp.moveaxis(s[tbl], 2, 1).reshape(b * hkv, n)
+  if v_major == "dim":
+    vc = jnp.moveaxis(rows(v), 2, 1).reshape(b * hkv, d, n)
+  else:
+    vc = rows(v).reshape(b * hkv, n, d)
+  return kc, sc(ks), vc, sc(vs)
+
+
+def pool_reference(q, k, ks, v, vs, lens, tbl, *, v_major: str = "dim", **knobs):
+  """:func:`partition` over a paged pool, in jnp: the pool gathered through the tables, then
+  :func:`partition_reference` with page-sized tiles."""
+  kc, ksc, vc, vsc = pool_gather(k, ks, v, vs, tbl, v_major=v_major)
+  return partition_reference(q, kc, ksc, vc, vsc, lens, tile=k.shape[2], v_major=v_major,
+                             **knobs)
 
 
 def int4_view(packed: jax.Array) -> jax.Array:

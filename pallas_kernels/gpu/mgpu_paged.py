@@ -42,11 +42,14 @@ from pallas_kernels.gpu.mgpu_qk import nibble_q, paged_keys
 __all__ = ["partition_paged", "attend_paged", "partition_paged_reference", "gather", "nibble_q"]
 
 
-def _check(q, bias, k, ks, v, vs, tbl, lens, *, splits, stages) -> None:
+def _check(q, bias, k, ks, v, vs, tbl, lens, *, splits, stages, layout) -> None:
   bh, n16, d = q.shape
+  if layout not in ("token", "head"):
+    raise ValueError(f"layout must be 'token' ([P, page, Hkv, D/2]) or 'head' ([P, Hkv, page, "
+                     f"D/2]), got {layout!r}")
   if k.ndim != 4 or k.dtype != jnp.uint8:
     raise ValueError(f"k must be the uint8 pool [P, page, Hkv, D/2], got {k.dtype} {k.shape}")
-  p, page, hkv, h = k.shape
+  p, page, hkv, h = _dims(k, layout)
   b = tbl.shape[0]
   want = {"q": (b * hkv, C.N_PAD, 2 * h), "bias": (b * hkv, 4, C.N_PAD), "v": k.shape,
           "ks": (hkv, p, page), "vs": (hkv, p, page), "lens": (b,)}
@@ -67,16 +70,25 @@ def _check(q, bias, k, ks, v, vs, tbl, lens, *, splits, stages) -> None:
                      f"the {C.SM90_SMEM} a Hopper block has: use fewer stages")
 
 
+def _dims(pool, layout: str):
+  """(P, page, Hkv, D/2) of a pool in either layout."""
+  p, a, b, h = pool.shape
+  return (p, a, b, h) if layout == "token" else (p, b, a, h)
+
+
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "qk_scale", "cols",
-                                             "approx_math", "no_auto_barriers"))
+                                             "approx_math", "no_auto_barriers", "layout"))
 def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages: int = 2,
                     qk_scale: float = 1.0, cols: int = C.N_PAD, approx_math: bool = False,
-                    no_auto_barriers: bool = False):
-  """-> (o, m, l) ``[BH, splits, D, 16]`` f32 as ``mgpu_int4.partition`` (module doc)."""
-  _check(q, bias, k, ks, v, vs, tbl, lens, splits=splits, stages=stages)
+                    no_auto_barriers: bool = False, layout: str = "token"):
+  """-> (o, m, l) ``[BH, splits, D, 16]`` f32 as ``mgpu_int4.partition`` (module doc).
+
+  ``layout="head"``: pools ``[P, Hkv, page, D/2]``, so a (page, head) box is contiguous bytes
+  instead of ``page`` rows ``Hkv x D/2`` bytes apart."""
+  _check(q, bias, k, ks, v, vs, tbl, lens, splits=splits, stages=stages, layout=layout)
   narrow = C.check_cols(cols)
   bh, _, d = q.shape
-  _, page, hkv, h = k.shape
+  _, page, hkv, h = _dims(k, layout)
   steps = tbl.shape[1] // splits
   _, b_tr = C.transforms(h, jnp.int8, "pool bytes")
   _, q_tr = C.transforms(h, jnp.bfloat16, "queries")      # swizzled in halves: sliced at D/2
@@ -137,8 +149,10 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
       return m_new, l, acc + (out[:, :cols] if narrow else out)
 
     page_of = lambda j: tbl_gmem[b, sp * steps + j]
-    codes = plgpu.BlockSpec((None, page, None, h), lambda j: (page_of(j), 0, hd, 0),
-                            transforms=b_tr)
+    codes = (plgpu.BlockSpec((None, page, None, h), lambda j: (page_of(j), 0, hd, 0),
+                             transforms=b_tr) if layout == "token" else
+             plgpu.BlockSpec((None, None, page, h), lambda j: (page_of(j), hd, 0, 0),
+                             transforms=b_tr))
     scales = plgpu.BlockSpec((None, None, page), lambda j: (hd, page_of(j), 0))
     m, l, acc = plgpu.emit_pipeline(
         step,
@@ -187,9 +201,11 @@ def gather(pool, tbl, scales):
 
 
 def partition_paged_reference(q, k, ks, v, vs, tbl, lens, *, splits: int = 8,
-                              qk_scale: float = 1.0, **_):
+                              qk_scale: float = 1.0, layout: str = "token", **_):
   """:func:`partition_paged` in jnp from the original ``q``: the pool gathered through the
   tables, then ``mgpu_int4.partition_reference`` with page-sized tiles and token-major V."""
+  if layout == "head":      # [P, Hkv, page, D/2] -> the token layout
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
   kc, kss = gather(k, tbl, ks)
   vc, vss = gather(v, tbl, vs)
   hkv = k.shape[2]

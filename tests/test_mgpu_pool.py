@@ -1,0 +1,111 @@
+"""The Mosaic GPU INT4 partition over a paged pool of head-major int4 pages
+(``mgpu_int4.partition`` with a page table) on a CPU host: the gather through shuffled tables,
+its algorithm through ``pool_reference`` against float32 attention (every supported GQA ratio,
+ragged and empty rows, both V layouts), one-line errors, and the kernel's lowering to Mosaic GPU
+for CUDA. On the H200: ``bench/bench_mgpu_int4.py --paged``."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_kernels.gpu import mgpu_int4 as M  # noqa: E402
+
+
+def pool(b, hkv, g, d, tile, n_pages, lens, seed, v_major="dim"):
+  """q (G real rows of 16), an int4 pool with one spare page per sequence handed out in a
+  shuffled order, its table, f32 scales and per-row lengths ``[B * Hkv]``."""
+  ks_ = jax.random.split(jax.random.key(seed), 6)
+  p = b * (n_pages + 1)
+  shapes = M.pool_shapes(p, hkv, tile, d, v_major)
+  codes = lambda key, shape: jax.random.randint(key, shape, -7, 8, jnp.int32).astype(jnp.int4)
+  k, v = codes(ks_[0], shapes["k"]), codes(ks_[1], shapes["v"])
+  ks = jax.random.uniform(ks_[2], shapes["ks"], jnp.float32, 0.02, 0.3)
+  vs = jax.random.uniform(ks_[3], shapes["vs"], jnp.float32, 0.02, 0.3)
+  tbl = jax.random.permutation(ks_[4], p)[:b * n_pages].reshape(b, n_pages).astype(jnp.int32)
+  q = jnp.zeros((b * hkv, M.N_PAD, d), jnp.bfloat16)
+  q = q.at[:, :g].set(jax.random.normal(ks_[5], (b * hkv, g, d)).astype(jnp.bfloat16))
+  return q, k, ks, v, vs, jnp.repeat(jnp.asarray(lens, jnp.int32), hkv), tbl
+
+
+def test_gather_follows_the_tables():
+  b, hkv, d, tile, n_pages = 2, 3, 64, 64, 2
+  q, k, ks, v, vs, lens, tbl = pool(b, hkv, 1, d, tile, n_pages, [128, 5], seed=1)
+  kc, ksc, vc, vsc = M.pool_gather(k, ks, v, vs, tbl)
+  kn, vn = np.asarray(k, np.int8), np.asarray(v, np.int8)
+  for s, j, h in [(0, 0, 0), (1, 127, 2), (1, 64, 1), (0, 70, 2)]:
+    pg, r = int(tbl[s, j // tile]), j % tile
+    row = s * hkv + h
+    np.testing.assert_array_equal(np.asarray(kc[row, j], np.int8), kn[pg, h, r])
+    np.testing.assert_array_equal(np.asarray(vc[row, :, j], np.int8), vn[pg, h, :, r])
+    assert float(ksc[row, j]) == float(ks[pg, h, r])
+    assert float(vsc[row, j]) == float(vs[pg, h, r])
+
+
+@pytest.mark.parametrize("hkv,g,d,tile,v_major,splits", [
+    (2, 1, 64, 64, "dim", 2), (2, 2, 128, 128, "dim", 1), (1, 4, 128, 64, "token", 4),
+    (2, 7, 64, 128, "dim", 2), (3, 8, 64, 64, "token", 2)])
+def test_algorithm_matches_float32_attention(hkv, g, d, tile, v_major, splits):
+  n_pages, b = 4, 3
+  lens = [n_pages * tile, tile + 5, 0]          # full, ragged mid-page, empty
+  q, k, ks, v, vs, lens, tbl = pool(b, hkv, g, d, tile, n_pages, lens, seed=hkv * d + g,
+                                    v_major=v_major)
+  sm = d ** -0.5
+  got = M.merge(*M.pool_reference(q, k, ks, v, vs, lens, tbl, v_major=v_major, splits=splits,
+                                  qk_scale=sm * M.LOG2E))[:, :g]
+  kc, ksc, vc, vsc = M.pool_gather(k, ks, v, vs, tbl, v_major=v_major)
+  vt = vc if v_major == "token" else jnp.swapaxes(vc, 1, 2)
+  ref = M.attend_reference(q, kc, ksc, vt, vsc, lens, sm_scale=sm)[:, :g]
+  assert not jnp.isnan(got).any()
+  live = np.asarray(lens) > 0
+  err = float(jnp.linalg.norm(got[live] - ref[live]) / jnp.linalg.norm(ref[live]))
+  assert err < 4e-3, err
+  assert float(jnp.abs(got[~live]).max()) == 0.0
+
+
+def test_bad_pool_input_is_one_line():
+  q, k, ks, v, vs, lens, tbl = pool(2, 2, 4, 64, 64, 4, [256, 10], seed=3)
+  call = lambda **kw: M.partition(*[kw.get(n, a) for n, a in zip(
+      ("q", "k", "ks", "v", "vs", "lens"), (q, k, ks, v, vs, lens))], None,
+      kw.get("tbl", tbl), tile=kw.get("tile", 64), splits=kw.get("splits", 2),
+      v_major=kw.get("v_major", "dim"))
+  with pytest.raises(ValueError, match="^the pool's pages hold 64 tokens but tile is 128"):
+    call(tile=128)
+  with pytest.raises(ValueError, match=r"^v must have shape \(10, 2, 64, 64\)"):
+    call(v=v[:, :, :32])
+  with pytest.raises(ValueError, match=r"^tbl must be int32 \[B, n_pages\]"):
+    call(tbl=tbl.astype(jnp.float32))
+  with pytest.raises(ValueError, match="^a paged pool takes v_major 'token' or 'dim'"):
+    call(v_major="block")
+  with pytest.raises(ValueError, match=r"^lens must have shape \(4,\)"):
+    call(lens=lens[:2])
+  with pytest.raises(ValueError, match="must divide into 3 splits"):
+    call(splits=3)
+
+
+def _lower(d, tile, v_major="dim", b=2, hkv=2, n_pages=8, **kw):
+  S = jax.ShapeDtypeStruct
+  p = b * n_pages + 3
+  sh = M.pool_shapes(p, hkv, tile, d, v_major)
+  args = (S((b * hkv, M.N_PAD, d), jnp.bfloat16), S(sh["k"], jnp.int4),
+          S(sh["ks"], jnp.float32), S(sh["v"], jnp.int4), S(sh["vs"], jnp.float32),
+          S((b * hkv,), jnp.int32), None, S((b, n_pages), jnp.int32))
+  return M.partition.trace(*args, tile=tile, splits=4, v_major=v_major, qk_scale=0.1,
+                           **kw).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("d,tile,v_major", [(128, 128, "dim"), (64, 128, "dim"),
+                                            (128, 64, "token"), (64, 64, "dim")])
+def test_kernel_lowers_to_mosaic_gpu(d, tile, v_major):
+  assert "mosaic_gpu" in _lower(d, tile, v_major, approx_math=True, no_auto_barriers=True)
+
+
+def test_narrow_columns_lower_or_name_what_they_need():
+  if M.HAS_CONCAT:
+    assert "mosaic_gpu" in _lower(128, 128, cols=8)
+  else:
+    with pytest.raises(ValueError, match="needs Pallas Mosaic GPU's concatenate"):
+      _lower(128, 128, cols=8)
