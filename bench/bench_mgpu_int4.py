@@ -155,6 +155,8 @@ def main() -> None:
                   help="with --ws: also the committed kernel under each compiler-knob pair")
   ap.add_argument("--paged", action="store_true",
                   help="the kernel over the paged uint8 pool against the contiguous one")
+  ap.add_argument("--head-only", action="store_true",
+                  help="with --paged: only the head-layout rows (page 128)")
   ap.add_argument("--pool", action="store_true",
                   help="the kernel over a head-major int4 page pool; XLA's int4 cache writes")
   ap.add_argument("--table", action="store_true",
@@ -180,7 +182,7 @@ def paged(a) -> None:
   and, first, the committed contiguous kernel on the same codes."""
   fast = dict(approx_math=True, no_auto_barriers=True)
   with open(a.out, "w") as fo:
-    for name, page in itertools.product(SHAPES, (128, 64)):
+    for name, page in itertools.product(SHAPES, (128,) if a.head_only else (128, 64)):
       b, hkv, g, d = SHAPES[name]
       q, kp, tbl, ks = paged_pool(b, hkv, d, a.n, page, n_pad=mgpu_int4.N_PAD, seed=1)
       _, vp, _, vs = paged_pool(b, hkv, d, a.n, page, n_pad=mgpu_int4.N_PAD, seed=2)
@@ -193,12 +195,12 @@ def paged(a) -> None:
       ref = mgpu_int4.attend_reference(q, kc, kss, vc, vss, lens_bh, sm_scale=sm)[:, :g]
       nbytes = q.shape[0] * a.n * (d + 8)
       full = jnp.full_like(lens, a.n)
-      if page == 128:   # the contiguous kernel on the same codes (dim-major V), its best knobs
+      if page == 128 and not a.head_only:   # the contiguous kernel on the same codes
         c = (q, kc, kss, vc, vss, lens_bh, g, d, ref)
         emit(fo, dict(shape=name, batch=b, how="contiguous", **measure(
             c, dict(tile=128, stages=2, splits=8 if name == "4b" else 32, v_major="dim", cols=8,
                     **fast), a.iters)))
-      layouts = ("token", "head") if page == 128 else ("token",)
+      layouts = ("head",) if a.head_only else ("token", "head") if page == 128 else ("token",)
       for splits, cols, layout in itertools.product(
           (4, 8) if name == "4b" else (8, 16, 32), (16, 8), layouts):
         if layout == "head" and cols == 16:
