@@ -3,6 +3,8 @@
   python bench/bench_kernels.py --out DIR [--quick] [--sweep]
   python bench/bench_kernels.py --out DIR --int4-sweep   # INT4-path variants, headline shape only
   python bench/bench_kernels.py --profile-one 'KNOBS' --mix b_int4_part   # one call, for ncu
+  python bench/bench_kernels.py --out DIR --lo-page 128 --int4-kernels triton,mosaic --shapes 0,3
+      # INT4 pages of 128 tokens; each INT4 row with both INT4 kernels (Mosaic GPU: Hopper only)
 
 Measures, in ONE process and run, per configuration:
   * the card's copy bandwidth (jnp elementwise read+write of 2 GiB) -- the ceiling;
@@ -38,10 +40,10 @@ PAGE = 16
 WIN = 64
 
 
-def build(key, b, hq, hkv, d, lo_len, hi_len, win_len):
+def build(key, b, hq, hkv, d, lo_len, hi_len, win_len, lo_page=PAGE):
   """Random inputs on device (no poisoning; scattered page tables), tight pool capacities."""
   ks = jax.random.split(key, 8)
-  n_lo, n_hi = -(-lo_len // PAGE), -(-hi_len // PAGE)
+  n_lo, n_hi = -(-lo_len // lo_page), -(-hi_len // PAGE)
   p_lo, p_hi = b * n_lo, b * n_hi
   bf = jnp.bfloat16
   def normal(k, shape):
@@ -50,8 +52,8 @@ def build(key, b, hq, hkv, d, lo_len, hi_len, win_len):
   hi = HighPool(normal(ks[2], (max(p_hi, 0), PAGE, hkv, d)),
                 normal(ks[3], (max(p_hi, 0), PAGE, hkv, d)))
   qz = jax.jit(int4.quantize_packed)
-  kc, ksc = qz(jax.random.normal(ks[4], (p_lo, PAGE, hkv, d), jnp.float32))
-  vc, vsc = qz(jax.random.normal(ks[5], (p_lo, PAGE, hkv, d), jnp.float32))
+  kc, ksc = qz(jax.random.normal(ks[4], (p_lo, lo_page, hkv, d), jnp.float32))
+  vc, vsc = qz(jax.random.normal(ks[5], (p_lo, lo_page, hkv, d), jnp.float32))
   lo = LowPool(kc, vc, jnp.stack([ksc, vsc], -1))
   perm = lambda k, n: jax.random.permutation(k, n).reshape(b, -1).astype(jnp.int32)
   maps = PageMaps(perm(ks[6], p_hi) if p_hi else jnp.zeros((b, 0), jnp.int32),
@@ -152,6 +154,10 @@ def main(argv=None):
   ap.add_argument("--profile-one", default=None, help="JSON knobs: run the headline shape's --mix "
                   "once (after one warm-up call) and exit; for ncu")
   ap.add_argument("--mix", default="b_int4_part")
+  ap.add_argument("--lo-page", type=int, default=PAGE, help="tokens per INT4 page")
+  ap.add_argument("--int4-kernels", default="",
+                  help="comma list of int4_kernel values: each row with INT4 entries runs each")
+  ap.add_argument("--shapes", default="", help="comma list of shape indices (default: all)")
   args = ap.parse_args(argv)
   if args.profile_one is not None:
     return profile_one(json.loads(args.profile_one), args.mix)
@@ -171,6 +177,8 @@ def main(argv=None):
             ("0.5B b1 8K", 1, 14, 2, 64, 8192)]
   if args.quick or args.int4_sweep:
     shapes = shapes[:1]
+  if args.shapes:
+    shapes = [shapes[int(i)] for i in args.shapes.split(",")]
   key = jax.random.key(1)
   for name, b, hq, hkv, d, ctx in shapes:
     # (a) all BF16: pool + window.  (b) B ~ 0.33: 8% released, 79% INT4, 12% BF16 pool, window.
@@ -206,11 +214,13 @@ def main(argv=None):
     for mix, (lo_len, hi_len, win_len) in mixes.items():
       nbytes = kv_bytes(b, hkv, d, lo_len, hi_len, win_len)
       payload = (hi_len + win_len + lo_len * (4 * d + 16) / (16 * d)) / ctx
-      arg_sets = [build(jax.random.fold_in(key, 10 + i), b, hq, hkv, d, lo_len, hi_len, win_len)
-                  for i in range(n_copies(nbytes))]
+      arg_sets = [build(jax.random.fold_in(key, 10 + i), b, hq, hkv, d, lo_len, hi_len, win_len,
+                        args.lo_page) for i in range(n_copies(nbytes))]
       ref = synth.reference_f32(*arg_sets[0])
       assert len(arg_sets) > 1 or nbytes * 10 > 12e9
       variants = [knobs]
+      if args.int4_kernels and lo_len:
+        variants = [{**knobs, "int4_kernel": k} for k in args.int4_kernels.split(",")]
       if args.sweep and name.startswith("4B-like b8") and mix == "a_bf16":
         variants += [dict(num_warps=8, num_stages=3), dict(num_warps=4, num_stages=2, block_hi=64),
                      dict(chunk_hi=1024)]

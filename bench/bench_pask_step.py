@@ -13,6 +13,8 @@ all timed in the same process, plus the measured live B.
     python bench/bench_pask_step.py --shape qwen3-4b --batch 8 --context 8192 32768 \
         --mixes 0.2,0.65,0.15 0.5,0.4,0.1 --layouts unrolled --json out.jsonl [--profile DIR]
 
+``--lo-page 128``: INT4 pages of 128 rows, so on Hopper ``decode_attention`` reads the INT4
+partition with the Mosaic GPU kernel (``int4_kernel="auto"``).
 ``--layouts stacked unrolled`` times both layer layouts of ``models.decoder`` (the model is
 converted in place between them).  ``--profile DIR`` also writes a device trace of each timed step
 and its per-op table (``bench/profile_step.py``).  ``--time-limit S`` skips what would start after
@@ -45,6 +47,9 @@ def main(argv=None) -> int:
   ap.add_argument("--profile", default=None)
   ap.add_argument("--time-limit", type=float, default=1e9)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--lo-page", type=int, default=None,
+                  help="rows per INT4 page (default: the runner's page); 64 or 128 let the "
+                       "Mosaic GPU INT4 kernel run on Hopper")
   a = ap.parse_args(argv)
   if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidia0"):
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -109,8 +114,10 @@ def main(argv=None) -> int:
     n_h = int((past == 2).sum(axis=1).max()) + pol.sink + S + 1
     n_l = int((past == 1).sum(axis=1).max()) + S + 1
     page = runner.page
-    cache = pc.init_for(cfg, B, pol, capacity=C + S + 1, page=page,
-                        hi_capacity=max(page, n_h), lo_capacity=max(page, n_l) if mix[1] else page)
+    lo_page = a.lo_page or page
+    cache = pc.init_for(cfg, B, pol, capacity=C + S + 1, page=page, lo_page=lo_page,
+                        hi_capacity=max(page, n_h),
+                        lo_capacity=max(lo_page, n_l) if mix[1] else lo_page)
     lengths = jnp.full((B,), C, jnp.int32)
     # donated: a pass-through of the pools is otherwise a copy (2 x 36 GiB all-BF16 at b16 32K).
     cache, rows = jax.jit(pc.prefill_rows, static_argnums=2, donate_argnums=0)(
@@ -195,7 +202,7 @@ def main(argv=None) -> int:
           if mix not in res:
             continue
           r = res[mix]
-          row = {"shape": a.shape, "layout": layout, "batch": B, "context": C,
+          row = {"shape": a.shape, "layout": layout, "lo_page": a.lo_page, "batch": B, "context": C,
                  "mix_RLH": [round(float(m), 4) for m in mix], "live_B": r["live_B"],
                  "pask_ms": r["ms"], "all_bf16_ms": allbf, "full_xla_ms": t_full * 1e3,
                  "pask_launch_ms": r["launch_ms"], "pask_device_ms": r["device_ms"],

@@ -5,8 +5,8 @@ slots, G layer groups, Hkv KV heads, D head dim, ``page`` rows per page)::
 
   layers.win_k/win_v  [L, B, W, Hkv, D]      bf16  recent window, ring slot = position % W
   layers.hi_k/hi_v    [L, P_hi, page, Hkv, D]  bf16  high pool (pages shared by sequences)
-  layers.lo_k/lo_v    [L, P_lo, page, Hkv, D/2] u8  low pool, INT4 half-split nibbles
-  layers.lo_s         [L, P_lo, page, Hkv, 2]  f16   (K scale, V scale) per row
+  layers.lo_k/lo_v    [L, P_lo, lo_page, Hkv, D/2] u8  low pool, INT4 half-split nibbles
+  layers.lo_s         [L, P_lo, lo_page, Hkv, 2]  f16   (K scale, V scale) per row
   win_pos             [B, W]      int32  absolute position held by each slot (-1: empty)
   win_act             [B, W, G]   int8   pending actions of each window token (R/L/H)
   count               [B]         int32  tokens written so far = next absolute position
@@ -107,7 +107,13 @@ class Cache:
 
   @property
   def page(self) -> int:
+    """Rows per page of the BF16 pool."""
     return self.layers.hi_k.shape[2]
+
+  @property
+  def lo_page(self) -> int:
+    """Rows per page of the INT4 pool (``page`` unless the cache was made with ``lo_page``)."""
+    return self.layers.lo_k.shape[2]
 
   @property
   def win_len(self) -> jax.Array:
@@ -126,10 +132,13 @@ class StepPlan(NamedTuple):
 
 def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity: int,
          window: int, sink: int = 0, n_groups: int = 3, page: int = 16,
-         hi_capacity: int | None = None, lo_capacity: int | None = None) -> Cache:
+         hi_capacity: int | None = None, lo_capacity: int | None = None,
+         lo_page: int | None = None) -> Cache:
   """An empty cache.  ``capacity``: tokens per sequence a pool can hold (default for both pools;
   ``hi_capacity``/``lo_capacity`` override), rounded up to whole pages.  ``window``/``sink`` come
-  from the policy (``policy.window``, ``policy.sink``).
+  from the policy (``policy.window``, ``policy.sink``).  ``lo_page``: rows per INT4 page when it
+  differs from ``page`` (the Mosaic GPU INT4 kernel reads pages of a multiple of 64 rows, one
+  per pipeline step).
   """
   if head_dim % 2:
     raise ValueError(f"INT4 packing needs an even head_dim, got {head_dim}")
@@ -138,7 +147,10 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
                      f"got window={window}")
   G, B, W, Hkv, D = n_groups, batch, window, n_kv_heads, head_dim
   n_hi = math.ceil((capacity if hi_capacity is None else hi_capacity) / page)
-  n_lo = math.ceil((capacity if lo_capacity is None else lo_capacity) / page)
+  lo_page = page if lo_page is None else int(lo_page)
+  if page < 1 or lo_page < 1:
+    raise ValueError(f"pages need at least one row, got page={page}, lo_page={lo_page}")
+  n_lo = math.ceil((capacity if lo_capacity is None else lo_capacity) / lo_page)
 
   def dense_pages(n):   # [G, B, n]: sequence b owns pages b*n .. b*n+n-1
     return jnp.broadcast_to(jnp.arange(B * n, dtype=jnp.int32).reshape(1, B, n), (G, B, n))
@@ -149,15 +161,15 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
       win_v=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
       hi_k=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       hi_v=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
-      lo_k=z((n_layers, B * n_lo, page, Hkv, D // 2), jnp.uint8),
-      lo_v=z((n_layers, B * n_lo, page, Hkv, D // 2), jnp.uint8),
-      lo_s=jnp.ones((n_layers, B * n_lo, page, Hkv, 2), jnp.float16))
+      lo_k=z((n_layers, B * n_lo, lo_page, Hkv, D // 2), jnp.uint8),
+      lo_v=z((n_layers, B * n_lo, lo_page, Hkv, D // 2), jnp.uint8),
+      lo_s=jnp.ones((n_layers, B * n_lo, lo_page, Hkv, 2), jnp.float16))
   return Cache(
       layers=layers, win_pos=jnp.full((B, W), -1, jnp.int32), win_act=z((B, W, G), jnp.int8),
       count=z((B,), jnp.int32), hi_pages=dense_pages(n_hi), lo_pages=dense_pages(n_lo),
       hi_len=z((G, B), jnp.int32), lo_len=z((G, B), jnp.int32),
       hi_pos=jnp.full((G, B, n_hi * page), -1, jnp.int32),
-      lo_pos=jnp.full((G, B, n_lo * page), -1, jnp.int32),
+      lo_pos=jnp.full((G, B, n_lo * lo_page), -1, jnp.int32),
       overflow=z((B,), bool), group_of=tuple(T.group_of_layer(n_layers, n_groups)), sink=int(sink))
 
 
@@ -242,8 +254,9 @@ def prefill_rows(cache: Cache, plan: jax.Array, n_tokens: int,
   def pool(which, pages, length, pool_k):
     sel = done[None] & (jnp.moveaxis(act, -1, 0) == which)           # [G, B, T]
     j = length[..., None] + jnp.cumsum(sel, axis=-1) - 1             # entry index per token
-    rows = pool_k.shape[1] * cache.page
-    dest = jnp.where(sel, _flat_row(pages, j, cache.page, rows), rows)
+    page = pool_k.shape[2]
+    rows = pool_k.shape[1] * page
+    dest = jnp.where(sel, _flat_row(pages, j, page, rows), rows)
     return sel, j, dest, rows
 
   sel_h, j_h, dest_h, rows_h = pool(Act.H, cache.hi_pages, cache.hi_len, lay.hi_k)
@@ -316,9 +329,7 @@ def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None
   evict = act_on & (p >= W)                                          # [B]
   old_pos = cache.win_pos[bi, slot]                                  # [B]
   old_act = cache.win_act[bi, slot].T                                # [G, B]
-  page = cache.page
-
-  def one_pool(which, pages, length, pos, rows):
+  def one_pool(which, pages, length, pos, rows, page):
     sel = evict[None] & (old_act == which)                           # [G, B]
     j = length                                                       # next entry
     dest = jnp.where(sel, _flat_row(pages, j, page, rows), rows)     # [G, B]
@@ -328,12 +339,12 @@ def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None
     lost = jnp.any(sel & (dest == rows), axis=0)                     # [B]
     return dest, length + sel, pos, lost
 
-  rows_h = cache.layers.hi_k.shape[1] * page
-  rows_l = cache.layers.lo_k.shape[1] * page
+  rows_h = cache.layers.hi_k.shape[1] * cache.page
+  rows_l = cache.layers.lo_k.shape[1] * cache.lo_page
   dest_h, hi_len, hi_pos, lost_h = one_pool(Act.H, cache.hi_pages, cache.hi_len, cache.hi_pos,
-                                            rows_h)
+                                            rows_h, cache.page)
   dest_l, lo_len, lo_pos, lost_l = one_pool(Act.L, cache.lo_pages, cache.lo_len, cache.lo_pos,
-                                            rows_l)
+                                            rows_l, cache.lo_page)
   wslot = jnp.where(act_on, slot, W)                                 # W: dropped
   new_act = _force_sink(actions, p, cache.sink)
   cache = cache.replace(
@@ -560,10 +571,11 @@ def assign_pages(cache: Cache, hi_new: jax.Array, lo_new: jax.Array) -> Cache:
   ``*_len // page`` — or -1 for none.  The engine passes an id exactly when the token leaving
   the window at this step starts a new page of that pool (it mirrors the pending actions).
   """
-  def put(pages, length, new):
+  def put(pages, length, new, page):
     G, B, n = pages.shape
-    idx = jnp.where(new >= 0, length // cache.page, n)              # n: dropped
+    idx = jnp.where(new >= 0, length // page, n)                    # n: dropped
     return pages.at[jnp.arange(G)[:, None], jnp.arange(B)[None], idx].set(new, mode="drop")
 
-  return cache.replace(hi_pages=put(cache.hi_pages, cache.hi_len, jnp.asarray(hi_new, jnp.int32)),
-                       lo_pages=put(cache.lo_pages, cache.lo_len, jnp.asarray(lo_new, jnp.int32)))
+  return cache.replace(
+      hi_pages=put(cache.hi_pages, cache.hi_len, jnp.asarray(hi_new, jnp.int32), cache.page),
+      lo_pages=put(cache.lo_pages, cache.lo_len, jnp.asarray(lo_new, jnp.int32), cache.lo_page))

@@ -190,12 +190,13 @@ class PaskRunner:
   """
 
   def __init__(self, model: nnx.Module, policy, *, batch: int, capacity: int, page: int = 16,
-               backend: str = "auto"):
+               backend: str = "auto", lo_page: int | None = None):
     self.cfg = model.cfg
     self.policy = policy
     decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
+    self.lo_page = lo_page      # INT4 pages (None: ``page``); 64 or 128 for the Mosaic GPU kernel
     self.traces = Traces()
     self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16)
     self._dense.params = self.params
@@ -206,7 +207,7 @@ class PaskRunner:
 
   def new_cache(self) -> pcache.Cache:
     return pcache.init_for(self.cfg, self.batch, self.policy, capacity=self.capacity,
-                           page=self.page)
+                           page=self.page, lo_page=self.lo_page)
 
   def _commit(self, policy, cache, k, v, cands, lengths):
     """Dense prefill K/V [L, B, T, Hkv, D] -> plan, materialized cache, ledger, R_1."""

@@ -178,3 +178,36 @@ def test_generation_compiles_once_and_ledger_adds_up():
         else:
           assert 0 < led["measured_B"] < 1
     assert runner.traces["step"] == 1 and runner.traces["commit"] == 1
+
+
+def test_int4_pages_of_their_own_size_change_nothing():
+  """``lo_page`` (INT4 pages of 64 rows, as the Mosaic GPU kernel reads them, beside BF16 pages
+  of 16) stores the same entries: the same logits, ledger and lengths as one page size, through
+  prefill and decode steps that move tokens from the window into both pools."""
+  cfg = TINY["qwen2"]
+  m = random_model(cfg, seed=4)
+  policy = dataclasses.replace(P.demo(cfg), window=4)
+  rng = np.random.default_rng(7)
+  seq = rng.integers(0, cfg.vocab_size, (2, 90)).tolist()
+  runs = []
+  for lo_page in (None, 64):
+    r = PaskRunner(m, policy, batch=2, capacity=160, lo_page=lo_page)
+    t, l = pad_prompts([s[:70] for s in seq], 2, r.capacity)
+    logits, (cache, bud, led) = r.begin(t, l)
+    out = [logits]
+    for i in range(70, 90):
+      tok = jnp.asarray([s[i] for s in seq], jnp.int32)
+      logits, cache, bud, led, _ = r.decode_step(
+          r.params, policy, cache, bud, led, tok, jnp.asarray([FREE_TAG] * 2),
+          jnp.array([-1, -1]), jnp.array([True, True]))
+      out.append(logits)
+    assert cache.lo_page == (lo_page or 16) and cache.page == 16
+    runs.append((jnp.stack(out), cache, led))
+  (a, ca, la), (b, cb, lb) = runs
+  assert int(ca.lo_len.sum()) > 64 and int(ca.hi_len.sum()) > 0   # both pools really used
+  np.testing.assert_array_equal(np.asarray(ca.lo_len), np.asarray(cb.lo_len))
+  n = ca.lo_pos.shape[-1]
+  np.testing.assert_array_equal(np.asarray(ca.lo_pos), np.asarray(cb.lo_pos)[..., :n])
+  assert relerr(b, a) < 1e-6
+  for x, y in zip(jax.tree.leaves(la), jax.tree.leaves(lb)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from pallas_kernels.gpu import mgpu_decode
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 _LO, _HI, _WIN = 0, 1, 2
@@ -291,7 +292,7 @@ def _plan(cap, bk, chunk):
 
 _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
           "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse",
-          "num_warps_lo", "num_stages_lo", "interpret")
+          "num_warps_lo", "num_stages_lo", "interpret", "int4_kernel", "splits_lo")
 
 
 def stack_inputs(window: Window, hi: HighPool, lo: LowPool, layer):
@@ -311,8 +312,16 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  exact_pv_lo: bool | None = None, int4_dequant: str | None = None,
                  int4_prefetch: bool | None = None,
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
-                 interpret: bool = False):
+                 interpret: bool = False, int4_kernel: str = "auto",
+                 splits_lo: int | None = None):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten).
+
+  ``int4_kernel``: which kernel reads the INT4 pool. ``"mosaic"``: the Mosaic GPU kernel
+  (:mod:`pallas_kernels.gpu.mgpu_decode`; Hopper, INT4 pages of a multiple of 64 tokens, head dim
+  a multiple of 64, <= 16 query heads per KV head), ``splits_lo`` context splits (default: by the
+  grid size); ``"triton"``: this module's kernel; ``"auto"`` (default): Mosaic GPU wherever it
+  applies on a Hopper GPU (not in interpret mode), Triton elsewhere.  ``"mosaic_reference"``: the
+  Mosaic GPU path with the kernel's jnp reference in its place (CPU tests of the glue).
 
   ``layer`` (see ``pallas_kernels.decode_attention``): the kernel gets the whole stacked pools
   and window and adds the layer's row offset to every gathered row, so nothing is copied per
@@ -348,6 +357,12 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
     chunk_lo = min(8192, max(512, common.cdiv(max(cap_lo, 1), target)))
   n_lo, chunk_lo = _plan(cap_lo, block_lo, chunk_lo)
   n_hi, chunk_hi = _plan(cap_hi, block_hi, chunk_hi)
+  if int4_kernel not in ("auto", "triton", "mosaic", "mosaic_reference"):
+    raise ValueError(f"int4_kernel must be 'auto', 'triton', 'mosaic' or 'mosaic_reference', "
+                     f"got {int4_kernel!r}")
+  if int4_kernel == "auto":
+    ok = n_lo and not interpret and mgpu_decode.supported(page_lo, d, g) and mgpu_decode.hopper()
+    int4_kernel = "mosaic" if ok else "triton"
   if fuse == "auto":
     fuse = b * hkv * n_lo < _NUM_SMS
   if int4_dequant is None:
@@ -419,6 +434,12 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
         name=name,
     )(lens, qp, *args)
 
+  if n_lo and int4_kernel != "triton":
+    lo_part = mgpu_decode.int4_partials(qp, lo, maps, layer, c=c, g=g, splits=splits_lo,
+                                        reference=int4_kernel == "mosaic_reference")
+    rest = call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,
+                "pask_decode_attention")
+    return tuple(jnp.concatenate(x, axis=2) for x in zip(lo_part, rest))
   if fuse or not n_lo:
     return call(n_lo, n_hi, n_w, lo_args + hi_args + w_args, lo_specs + hi_specs + w_specs,
                 num_warps, num_stages, "pask_decode_attention")

@@ -51,8 +51,10 @@ def _check(q, bias, k, ks, v, vs, tbl, lens, *, splits, stages, layout) -> None:
     raise ValueError(f"k must be the uint8 pool [P, page, Hkv, D/2], got {k.dtype} {k.shape}")
   p, page, hkv, h = _dims(k, layout)
   b = tbl.shape[0]
+  # The scales may cover one layer of a code stack of L layers (``base`` picks the layer).
+  p_s = ks.shape[1] if ks.ndim == 3 and ks.shape[1] and p % ks.shape[1] == 0 else p
   want = {"q": (b * hkv, C.N_PAD, 2 * h), "bias": (b * hkv, 4, C.N_PAD), "v": k.shape,
-          "ks": (hkv, p, page), "vs": (hkv, p, page), "lens": (b,)}
+          "ks": (hkv, p_s, page), "vs": (hkv, p_s, page), "lens": (b,)}
   for name, arr in (("q", q), ("bias", bias), ("v", v), ("ks", ks), ("vs", vs),
                     ("lens", lens)):
     if tuple(arr.shape) != tuple(want[name]):
@@ -78,14 +80,18 @@ def _dims(pool, layout: str):
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages", "qk_scale", "cols",
                                              "approx_math", "no_auto_barriers", "layout"))
-def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages: int = 2,
-                    qk_scale: float = 1.0, cols: int = C.N_PAD, approx_math: bool = False,
-                    no_auto_barriers: bool = False, layout: str = "token"):
+def partition_paged(q, bias, k, ks, v, vs, tbl, lens, base=None, *, splits: int = 8,
+                    stages: int = 2, qk_scale: float = 1.0, cols: int = C.N_PAD,
+                    approx_math: bool = False, no_auto_barriers: bool = False,
+                    layout: str = "token"):
   """-> (o, m, l) ``[BH, splits, D, 16]`` f32 as ``mgpu_int4.partition`` (module doc).
 
   ``layout="head"``: pools ``[P, Hkv, page, D/2]``, so a (page, head) box is contiguous bytes
-  instead of ``page`` rows ``Hkv x D/2`` bytes apart."""
+  instead of ``page`` rows ``Hkv x D/2`` bytes apart. ``base`` (int32 ``[1]``, default 0) is
+  added to every page id of the codes but not of the scales: the codes of a layer stack
+  (``[L * P, ...]``) read at one layer's pages, with that layer's scales alone."""
   _check(q, bias, k, ks, v, vs, tbl, lens, splits=splits, stages=stages, layout=layout)
+  base = jnp.zeros((1,), jnp.int32) if base is None else jnp.asarray(base, jnp.int32).reshape(1)
   narrow = C.check_cols(cols)
   bh, _, d = q.shape
   _, page, hkv, h = _dims(k, layout)
@@ -105,7 +111,7 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
     return (plgpu.layout_cast(lo.astype(jnp.bfloat16), wg),
             plgpu.layout_cast(lax.bitwise_and(x, jnp.int8(-16)).astype(jnp.bfloat16), wg))
 
-  def body(q_gmem, bias_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, tbl_gmem, lens_gmem,
+  def body(q_gmem, bias_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, tbl_gmem, lens_gmem, base_gmem,
            o_gmem, m_gmem, l_gmem, q_smem, b_smem, vb_smem, p_smem, o_smem, bar):
     i = lax.axis_index("bh")
     sp = lax.axis_index("sp")
@@ -149,9 +155,10 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
       return m_new, l, acc + (out[:, :cols] if narrow else out)
 
     page_of = lambda j: tbl_gmem[b, sp * steps + j]
-    codes = (plgpu.BlockSpec((None, page, None, h), lambda j: (page_of(j), 0, hd, 0),
+    code_page = lambda j: page_of(j) + base_gmem[0]
+    codes = (plgpu.BlockSpec((None, page, None, h), lambda j: (code_page(j), 0, hd, 0),
                              transforms=b_tr) if layout == "token" else
-             plgpu.BlockSpec((None, None, page, h), lambda j: (page_of(j), hd, 0, 0),
+             plgpu.BlockSpec((None, None, page, h), lambda j: (code_page(j), hd, 0, 0),
                              transforms=b_tr))
     scales = plgpu.BlockSpec((None, None, page), lambda j: (hd, page_of(j), 0))
     m, l, acc = plgpu.emit_pipeline(
@@ -183,7 +190,7 @@ def partition_paged(q, bias, k, ks, v, vs, tbl, lens, *, splits: int = 8, stages
           o_smem=plgpu.SMEM((d, C.N_PAD), jnp.float32),
           bar=plgpu.Barrier(num_arrivals=2),
       ),
-  )(q, bias, as_s8(k), ks, as_s8(v), vs, tbl, lens)
+  )(q, bias, as_s8(k), ks, as_s8(v), vs, tbl, lens, base)
 
 
 def attend_paged(q, k, ks, v, vs, tbl, lens, *, sm_scale: float, **knobs):
@@ -200,12 +207,15 @@ def gather(pool, tbl, scales):
   return codes.astype(jnp.int4), s
 
 
-def partition_paged_reference(q, k, ks, v, vs, tbl, lens, *, splits: int = 8,
+def partition_paged_reference(q, k, ks, v, vs, tbl, lens, base=None, *, splits: int = 8,
                               qk_scale: float = 1.0, layout: str = "token", **_):
   """:func:`partition_paged` in jnp from the original ``q``: the pool gathered through the
   tables, then ``mgpu_int4.partition_reference`` with page-sized tiles and token-major V."""
   if layout == "head":      # [P, Hkv, page, D/2] -> the token layout
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  if base is not None:      # the codes at the layer's pages, the scales at the table's
+    k = lax.dynamic_slice_in_dim(k, jnp.asarray(base, jnp.int32).reshape(()), ks.shape[1], 0)
+    v = lax.dynamic_slice_in_dim(v, jnp.asarray(base, jnp.int32).reshape(()), ks.shape[1], 0)
   kc, kss = gather(k, tbl, ks)
   vc, vss = gather(v, tbl, vs)
   hkv = k.shape[2]

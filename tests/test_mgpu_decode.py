@@ -1,0 +1,100 @@
+"""``decode_attention``'s GPU backend with the INT4 partition on the Mosaic GPU kernel
+(pallas_kernels/gpu/mgpu_decode.py), on a CPU host: the glue (q padding and nibble split, the
+layer's scales made head-major, unspecified table entries and garbage rows kept out, the layer
+offset, the partials' layout and merge with the Triton kernel's BF16-pool and window partials)
+end to end with the kernel's jnp reference in its place (``int4_kernel="mosaic_reference"``, the
+Triton kernel in interpret mode) against the float32 reference, on poisoned random inputs; and the
+whole call's lowering for CUDA. On the H200: ``bench/bench_kernels.py``."""
+import os
+import zlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_kernels.gpu import mgpu_decode, partials_gpu  # noqa: E402
+from pallas_kernels.testing import synth  # noqa: E402
+
+S, C = synth.Shape, synth.Case
+# INT4 pages of 64 / 128 tokens; every GQA ratio (1, 2, 4, 7, 8), head dim 64 and 128; ragged,
+# empty and full INT4 partitions; empty BF16 pool and window.
+CASES = [
+    C("g1_d64_p64", S(b=3, hq=2, hkv=2, d=64, page=64, w=24, lo_cap=256, hi_cap=128),
+      (0, 1, 255), (127, 0, 17), (1, 24, 13)),
+    C("g2_d128_p128", S(b=2, hq=4, hkv=2, d=128, page=128, w=32, lo_cap=384, hi_cap=128),
+      (384, 129), (1, 127), (32, 1)),
+    C("g4_d128_p64", S(b=2, hq=16, hkv=4, d=128, page=64, w=16, lo_cap=320, hi_cap=64),
+      (300, 64), (64, 0), (7, 16)),
+    C("g7_d64_p64", S(b=2, hq=14, hkv=2, d=64, page=64, w=32, lo_cap=256, hi_cap=64),
+      (255, 65), (0, 50), (32, 5)),
+    C("g8_d64_p128_hkv1", S(b=2, hq=8, hkv=1, d=64, page=128, w=16, lo_cap=256, hi_cap=64),
+      (256, 3), (0, 0), (0, 2)),
+]
+SMALL = dict(block_hi=16, block_w=16, chunk_hi=48)
+
+
+def merged(args, g, **kw):
+  o, m, l = partials_gpu(*args, interpret=True, **SMALL, **kw)
+  return synth.merged_f32(o, m, l, axis=2, hq=args[0].shape[1], g=g)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_mosaic_int4_partition_glue_matches_reference(case):
+  args = case.make(seed=zlib.crc32(case.name.encode()) % 1000)
+  want = synth.reference_f32(*args)
+  got = merged(args, case.shape.g, int4_kernel="mosaic_reference")
+  assert bool(jnp.isfinite(got).all())
+  # The partition rounds P^T to bf16 once (the Triton INT4 path splits it in two): ~1e-3.
+  assert synth.rel_err(got, want) < 6e-3
+
+
+def test_mosaic_glue_reads_the_traced_layer_of_a_stack():
+  case = CASES[2]
+  args = synth.stack_layers(case.make(seed=21))
+  f = jax.jit(lambda l, *a: partials_gpu(*a, l, interpret=True, int4_kernel="mosaic_reference",
+                                        **SMALL))
+  for layer in (1, 2):
+    want = synth.reference_f32(*synth.layer_of(args, layer))
+    got = synth.merged_f32(*f(layer, *args), axis=2, hq=args[0].shape[1], g=case.shape.g)
+    assert synth.rel_err(got, want) < 6e-3, layer
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_splits_that_do_not_divide_the_table_are_padded(splits):
+  case = CASES[1]          # 3 INT4 pages per sequence
+  args = case.make(seed=5)
+  got = merged(args, case.shape.g, int4_kernel="mosaic_reference", splits_lo=splits)
+  assert synth.rel_err(got, synth.reference_f32(*args)) < 6e-3
+
+
+def test_auto_is_triton_off_hopper_and_names_bad_choices():
+  case = CASES[0]
+  args = case.make(seed=7)
+  assert not mgpu_decode.hopper()
+  got = partials_gpu(*args, interpret=True, **SMALL)
+  want = partials_gpu(*args, interpret=True, int4_kernel="triton", **SMALL)
+  for a, b in zip(got, want):
+    assert bool(jnp.array_equal(a, b, equal_nan=True))
+  with pytest.raises(ValueError, match="^int4_kernel must be 'auto', 'triton', 'mosaic'"):
+    partials_gpu(*args, interpret=True, int4_kernel="mgpu")
+  small = synth.CASES[2].make(seed=3)          # pages of 16
+  with pytest.raises(ValueError, match="^the Mosaic GPU INT4 partition takes pages"):
+    partials_gpu(*small, interpret=True, int4_kernel="mosaic_reference")
+
+
+def test_splits_fill_the_gpu():
+  assert mgpu_decode.splits_for(64, 256) == 8          # 4B-like B=8: 8 KV heads
+  assert mgpu_decode.splits_for(16, 256) == 32         # 0.5B-like B=8: 2 KV heads
+  assert mgpu_decode.splits_for(1024, 4) == 1
+  assert mgpu_decode.splits_for(4, 3) == 3             # never more splits than pages
+
+
+def test_whole_call_lowers_for_cuda_with_both_kernels():
+  case = CASES[2]
+  args = synth.stack_layers(case.make(poison=False)) + (jnp.int32(1),)
+  sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype), args)
+  text = partials_gpu.trace(*sds, int4_kernel="mosaic").lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "triton" in text
