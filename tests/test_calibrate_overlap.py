@@ -106,3 +106,66 @@ def test_overlapped_rejects_bad_input(setup):
     S.generate_overlapped(runner, tok, [[1] * CAP], trackers=[task.tracker(0)])
   with pytest.raises(ValueError, match="2 trackers for 1 prompts"):
     S.generate_overlapped(runner, tok, [[1, 2]], trackers=[task.tracker(0)] * 2)
+
+
+def test_stack_equals_each_policy_alone_on_int4_prompts():
+  """Policies whose prefill plan puts the prompt at INT4 (every prompt floor L under a B_P below
+  the INT4 cost of the prompt; floors R with a small B_P; floors L with H bought by priority, and
+  decode compression), stacked over requests of different prompt lengths with the last policy
+  chunk padded, generate exactly what each generates alone through PaskRunner in an ordinary
+  batch (the eval harness's path): tokens, texts, finishes and ledgers.  Fresh random model,
+  priorities and prompt lengths on every run (the seed is in the failure message)."""
+  import dataclasses
+
+  from pask_jax.grammar.toolcall import tools_system_prompt
+  from pask_jax.prompt import encode, render
+  seed = int(np.random.SeedSequence().entropy % 2**31)
+  rng = np.random.default_rng(seed)
+  tok = smollm2().tokenizer
+  cfg = ModelConfig(arch="llama", vocab_size=smollm2().cfg.vocab_size, hidden=64,
+                    intermediate=96, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
+                    rope_theta=10000.0, tie_embeddings=True)
+  model = random_model(cfg, seed=seed)
+  n = 4
+  task = tasks.SyntheticTask(tok, GrammarCompiler(tok, cfg.vocab_size), n, seed=seed)
+  for i, r in enumerate(task.requests):     # prompt lengths ~150 .. ~400 tokens
+    system = tools_system_prompt(r.tools, r.fmt) + " Note." * int(rng.integers(0, 120))
+    text = render(tok, [{"role": "system", "content": system},
+                        {"role": "user", "content": f"Switch to eco mode, request {i}."}])
+    ids, tags = encode(tok, text, labels=True)
+    task.requests[i] = dataclasses.replace(r, text=text, ids=ids, tags=tags)
+  task.expected = [[{"name": "set_mode", "arguments": {"mode": "eco", "level": "low"}}]] * n
+  G, sink, window = 3, 2, 4
+  prio = lambda: rng.uniform(0.0, 1.0, (G, 2)).tolist()
+
+  def pol(prompt_floor, b_p, decode_floor=None, b_d=1.0):
+    ent = {T.prompt(lb): P.Entry([prompt_floor] * G, [prompt_floor] * G, prio())
+           for lb in T.PromptLabel}
+    if decode_floor is not None:
+      ent.update({T.fc(c): P.Entry([Act.H] * G, [decode_floor] * G, prio()) for c in T.Cls})
+    return P.build(ent, cfg, n_groups=G, b_d=b_d, b_p=b_p, sink=sink, window=window,
+                   adapter="fc+prompt")
+
+  pols = [pol(Act.L, 0.1), pol(Act.R, 0.15), pol(Act.L, 0.35, Act.R, 0.3)]
+  tmpl = P.all_high(cfg, sink=sink, window=window)
+  mt = 16
+  stacked = S.run_stack(S.runner_factory(model, tmpl, 512), task, pols, rows=2 * n,
+                        max_tokens=mt)
+  runner = dec.PaskRunner(model, tmpl, batch=n, capacity=512)
+  counts = {a: 0 for a in "RLH"}
+  for p, outs in zip(pols, stacked):
+    runner.policy = p
+    alone = dec.generate(runner, tok, [r.ids for r in task.requests],
+                         trackers=[task.tracker(i) for i in range(n)],
+                         prompt_tags=[r.tags for r in task.requests],
+                         sampling=dec.Sampling(max_tokens=mt))
+    for i, (x, y) in enumerate(zip(outs, alone)):
+      where = f"seed {seed}, policy b_p={float(p.b_p)}, request {i}"
+      assert x.case == i and x.prompt_len == len(task.requests[i].ids), where
+      assert (x.tokens, x.text, x.finish) == (y.tokens, y.text, y.finish), where
+      assert x.ledger == y.ledger, where
+      for c in x.ledger["prefill_counts"].values():
+        for a in counts:
+          counts[a] += c[a]
+  assert min(counts.values()) > 0, counts          # the prompts were released, INT4 and BF16
+  assert len({len(r.ids) for r in task.requests}) > 1

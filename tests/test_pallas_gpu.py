@@ -107,3 +107,61 @@ def test_gpu_stacked_layers_match_single_layer(fuse):
     want = synth.reference_f32(*synth.layer_of(args, layer))
     got = synth.merged_f32(*f(layer, *args), axis=2, hq=args[0].shape[1], g=case.shape.g)
     assert synth.rel_err(got, want) < 3e-5, layer
+
+
+_BYTES = {"i1": 1, "i8": 1, "ui8": 1, "i16": 2, "ui16": 2, "bf16": 2, "f16": 2, "i32": 4, "ui32": 4,
+          "f32": 4, "i64": 8, "ui64": 8, "f64": 8}
+
+
+def _triton_operands(fn, *args):
+  """(shape, element bytes) of every operand of every Pallas-Triton call in ``fn(*args)``,
+  lowered for the GPU on this host (abstract arguments: nothing is allocated)."""
+  import re
+
+  from jax._src.interpreters import mlir  # noqa: F401  (registers the dialects)
+  low = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for o in block.operations:
+          if (o.operation.name == "stablehlo.custom_call"
+              and "triton" in str(o.attributes["call_target_name"])):
+            for v in o.operands:
+              m = re.fullmatch(r"tensor<(?:([\dx]+)x)?(\w+)>", str(v.type))
+              dims = [int(x) for x in m.group(1).split("x")] if m.group(1) else []
+              found.append((tuple(dims), _BYTES[m.group(2)]))
+          walk(o)
+
+  walk(low.compiler_ir("stablehlo").operation)
+  return found
+
+
+def test_gpu_kernel_operands_are_indexed_without_offset_overflow():
+  """Regression (the 1.5B calibration: 960 stacked rows at capacity 1024, every layer past the
+  17th attended to garbage INT4 keys).  Pallas Triton indexes an operand with 32-bit offsets,
+  added as signed, unless it exceeds 2**32 bytes; the stacked uint8 INT4 pools were a 3.5 GB
+  operand, so offsets past 2**31 wrapped.  At those shapes, lowered for the GPU, every operand of
+  the kernels must have elements <= 2**31 or bytes > 2**32."""
+  import jax.numpy as jnp
+
+  from pallas_kernels.gpu import decode as gd
+  from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
+  L, B, hq, hkv, d, page, cap, w = 28, 960, 12, 2, 128, 16, 1024, 16
+  P = B * cap // page
+  S = jax.ShapeDtypeStruct
+  bf, i32 = jnp.bfloat16, jnp.int32
+  args = (S((B, hq, d), bf),
+          Window(S((L, B, w, hkv, d), bf), S((L, B, w, hkv, d), bf), S((B,), i32)),
+          HighPool(S((L, P, page, hkv, d), bf), S((L, P, page, hkv, d), bf)),
+          LowPool(S((L, P, page, hkv, d // 2), jnp.uint8), S((L, P, page, hkv, d // 2), jnp.uint8),
+                  S((L, P, page, hkv, 2), jnp.float16)),
+          PageMaps(S((B, cap // page), i32), S((B,), i32), S((B, cap // page), i32), S((B,), i32)),
+          S((), i32))
+  ops = _triton_operands(partials_gpu, *args)
+  size = lambda dims: int(np.prod(dims, dtype=np.int64))
+  assert any(2**31 < size(s) * n <= 2**32 for s, n in ops)   # the INT4 pools: 2-4 GiB each
+  bad = [(s, n) for s, n in ops if size(s) > 2**31 and size(s) * n <= 2**32]
+  assert not bad, bad
+  assert all(gd.offsets_fit(S(s, {1: jnp.uint8, 2: bf, 4: i32, 8: jnp.int64}[n])) for s, n in ops)

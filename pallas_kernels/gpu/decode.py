@@ -19,6 +19,12 @@ Why this shape:
   memory-bound loop hides.
 * Heads are the fastest grid axis (CUDA's x) so the programs reading the same tokens' rows,
   table entries and scale sectors run together.
+* The INT4 pools reach the kernel as uint16 views (two code bytes per element, a free bitcast),
+  split back into bytes after the load.  Pallas Triton computes a load's element offsets in
+  32 bits unless the whole operand exceeds 2**32 *bytes*, and the pointer add treats them as
+  signed: a uint8 operand of (2, 4] GiB (the stacked pools of a 960-row calibration batch at
+  capacity 1024) wrapped every offset past 2**31 and read other memory.  With 2-byte elements
+  no offset of an operand up to 4 GiB reaches 2**31 (:func:`offsets_fit`).
 """
 from __future__ import annotations
 
@@ -77,7 +83,7 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
   # the BF16 page table arrives with the layer's page offset already added.
   refs = list(refs)
   if has_lo:
-    tlo_ref, klo_ref, vlo_ref, sc_ref = refs[:4]   # [n_pages], [L*P*page, D/2] u8 x2, [P*page] u32
+    tlo_ref, klo_ref, vlo_ref, sc_ref = refs[:4]   # [n_pages], [L*P*page, D/4] u16 x2, [P*page] u32
     refs = refs[4:]
   if has_hi:
     thi_ref, khi_ref, vhi_ref = refs[:3]           # [n_pages], [L*P*page, D] bf16 x2
@@ -149,7 +155,8 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
     def fetch(i, rows):
       """Issue the loads of block i (raw codes and the packed K|V fp16 scales)."""
       valid = where(i)[1]
-      return (_gather(klo_ref, rows + base, valid, 0), _gather(vlo_ref, rows + base, valid, 0),
+      return (_gather_codes(klo_ref, rows + base, valid),
+              _gather_codes(vlo_ref, rows + base, valid),
               plgpu.load(sc_ref.at[rows], mask=valid, other=0))
 
     def step(i, kraw, vraw, sc, carry):
@@ -275,6 +282,27 @@ def _gather(ref, rows, valid, other):
   return plgpu.load(ref.at[rows[:, None], cols], mask=valid[:, None], other=other)
 
 
+def _gather_codes(ref, rows, valid):
+  """The INT4 pool as a uint16 view ref [R, D/4], rows [bk] -> the rows' code bytes [bk, D/2] u8
+  (little endian: byte 2j is the low half of element j)."""
+  w = _gather(ref, rows, valid, 0)
+  lo = (w & 0xFF).astype(jnp.uint8)
+  hi = lax.shift_right_logical(w, jnp.uint16(8)).astype(jnp.uint8)
+  return jnp.stack([lo, hi], axis=-1).reshape(w.shape[0], 2 * w.shape[1])
+
+
+def as_u16(x):
+  """uint8 [..., 2n] -> its uint16 view [..., n] (XLA: a bitcast, no copy)."""
+  return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)), jnp.uint16)
+
+
+def offsets_fit(x) -> bool:
+  """Whether Pallas Triton indexes ``x`` (a kernel operand) without overflow: it uses 32-bit
+  element offsets, added as signed, unless the operand exceeds 2**32 bytes."""
+  n, item = x.size, jnp.dtype(x.dtype).itemsize
+  return n * item > 2**32 or n <= 2**31
+
+
 def _paged_rows(tbl_ref, page, pos, valid):
   """Logical positions [bk] -> flat pool rows via the page table (invalid lanes -> row 0)."""
   pid = plgpu.load(tbl_ref.at[lax.div(pos, page)], mask=valid, other=0)
@@ -388,11 +416,12 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
     # Only this layer's are repacked (a size-changing bitcast may not be free).
     sc = lax.dynamic_index_in_dim(lo.scale, layer, 0, keepdims=False)
     sc = lax.bitcast_convert_type(sc, jnp.uint32).reshape(rows, hkv)
-    lo_args = [maps.lo_pages.astype(jnp.int32), lo.k.reshape(n_l * rows, hkv, d // 2),
-               lo.v.reshape(n_l * rows, hkv, d // 2), sc]
+    # uint16 views of the codes: see the module doc (offsets of a uint8 pool of 2-4 GiB wrap).
+    lo_args = [maps.lo_pages.astype(jnp.int32), as_u16(lo.k).reshape(n_l * rows, hkv, d // 4),
+               as_u16(lo.v).reshape(n_l * rows, hkv, d // 4), sc]
     lo_specs = [pl.BlockSpec((None, maps.lo_pages.shape[1]), lambda h, s, i: (i, 0)),
-                pl.BlockSpec((n_l * rows, None, d // 2), lambda h, s, i: (0, h, 0)),
-                pl.BlockSpec((n_l * rows, None, d // 2), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((n_l * rows, None, d // 4), lambda h, s, i: (0, h, 0)),
+                pl.BlockSpec((n_l * rows, None, d // 4), lambda h, s, i: (0, h, 0)),
                 pl.BlockSpec((rows, None), lambda h, s, i: (0, h))]
   if n_hi:
     rows = p_hi * page_hi
