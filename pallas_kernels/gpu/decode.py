@@ -367,6 +367,9 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   """
   window, hi, lo, layer = stack_inputs(window, hi, lo, layer)
   b, hq, d = q.shape
+  if d % 4:
+    raise ValueError(f"the GPU kernel reads INT4 codes as 16-bit words: head dim must be a "
+                     f"multiple of 4, got {d}")
   n_l, _, w, hkv = window.k.shape[:4]
   g = hq // hkv
   m_rows = max(16, common.next_pow2(g))              # tl.dot needs M >= 16
