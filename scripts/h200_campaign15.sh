@@ -5,6 +5,8 @@
 #   LIMIT   seconds this call may take (default 560); MAX_CASES  cases per category for
 #   calibration (default: every calibration case); OUT  where the logs and tarballs go.
 # Results come back as $OUT/cal15c.tgz (policy + calibration.json) and $OUT/c15.tgz (cells).
+# A call that only resumes the campaign must copy the policy again: every call sends the
+# committed tree, whose policies/ still hold the committed policy (cells are keyed by it).
 set -x
 . scripts/h200_env.sh
 limit=${LIMIT:-560}
@@ -20,8 +22,10 @@ rm -rf policies/qwen2.5-coder-1.5b-instruct-bfcl && mkdir -p policies/qwen2.5-co
 cp -r /tmp/cal15c/policy/. policies/qwen2.5-coder-1.5b-instruct-bfcl/
 cp /tmp/cal15c/calibration.json policies/qwen2.5-coder-1.5b-instruct-bfcl/
 mkdir -p /tmp/c15 && cp -rn results/campaign/qwen15-bfcl /tmp/c15/
-python3 -m pask_jax.cli campaign examples/campaign_15b.toml --time-limit $((limit - SECONDS)) \
-  --results /tmp/c15 --no-progress >> $OUT/campaign.log 2>&1
-grep -E "accuracy|campaign|failed" $OUT/campaign.log | tail -40
+# The policy and calibration record come back even if the campaign is cut short.
 tar czf $OUT/cal15c.tgz -C /tmp cal15c/policy cal15c/calibration.json
+# A campaign cell can run past --time-limit (its estimate is a guess): leave 60 s for the tars.
+timeout $((limit - SECONDS - 20)) python3 -m pask_jax.cli campaign examples/campaign_15b.toml \
+  --time-limit $((limit - SECONDS - 60)) --results /tmp/c15 --no-progress >> $OUT/campaign.log 2>&1
+grep -E "accuracy|campaign|failed" $OUT/campaign.log | tail -40
 tar czf $OUT/c15.tgz -C /tmp c15
