@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 
 from pallas_kernels import int4  # noqa: E402
 from pallas_kernels.gpu import mgpu_int4 as M  # noqa: E402
+from pallas_kernels.testing.mgpu import assert_narrow_lowers  # noqa: E402
 
 
 def make(g: int, d: int, n: int, lens, seed: int, hkv: int = 2):
@@ -202,11 +203,7 @@ def test_narrow_softmax_columns_lower_or_name_what_they_need():
                                          **kn).lower(lowering_platforms=("cuda",)).as_text()
   with pytest.raises(ValueError, match="cols must be 8 or 16"):
     lower(cols=12)
-  if M.HAS_CONCAT:
-    assert "mosaic_gpu" in lower(cols=8)
-  else:
-    with pytest.raises(ValueError, match="needs Pallas Mosaic GPU's concatenate"):
-      lower(cols=8)
+  assert_narrow_lowers(lower)
 
 
 def test_shared_memory_budget_is_checked_before_the_device():

@@ -15,6 +15,7 @@ from pallas_kernels import int4  # noqa: E402
 from pallas_kernels.gpu import mgpu_int4 as M  # noqa: E402
 from pallas_kernels.gpu import mgpu_paged as MP  # noqa: E402
 from pallas_kernels.testing.synth import paged_pool  # noqa: E402
+from pallas_kernels.testing.mgpu import assert_narrow_lowers  # noqa: E402
 
 
 def make(b, hkv, g, d, page, n_pages, lens, seed):
@@ -107,8 +108,4 @@ def test_kernel_lowers_to_mosaic_gpu(d, page, layout):
 
 
 def test_narrow_columns_lower_or_name_what_they_need():
-  if M.HAS_CONCAT:
-    assert "mosaic_gpu" in _lower(128, 128, cols=8)
-  else:
-    with pytest.raises(ValueError, match="needs Pallas Mosaic GPU's concatenate"):
-      _lower(128, 128, cols=8)
+  assert_narrow_lowers(lambda **kw: _lower(128, 128, **kw))

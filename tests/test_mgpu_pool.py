@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels.gpu import mgpu_int4 as M  # noqa: E402
+from pallas_kernels.testing.mgpu import assert_narrow_lowers  # noqa: E402
 
 
 def pool(b, hkv, g, d, tile, n_pages, lens, seed, v_major="dim"):
@@ -104,8 +105,4 @@ def test_kernel_lowers_to_mosaic_gpu(d, tile, v_major):
 
 
 def test_narrow_columns_lower_or_name_what_they_need():
-  if M.HAS_CONCAT:
-    assert "mosaic_gpu" in _lower(128, 128, cols=8)
-  else:
-    with pytest.raises(ValueError, match="needs Pallas Mosaic GPU's concatenate"):
-      _lower(128, 128, cols=8)
+  assert_narrow_lowers(lambda **kw: _lower(128, 128, **kw))
