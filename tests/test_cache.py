@@ -402,3 +402,21 @@ def test_int4_rows_past_the_pool_are_dropped():
       want = np.asarray(int4.dequantize(*int4.quantize_packed(k[:, b, j].astype(jnp.bfloat16))))
       np.testing.assert_array_equal(kq[:, 2 * b + j // 2, j % 2], want)
       np.testing.assert_array_equal(vq[:, 2 * b + j // 2, j % 2], -want)
+
+
+def test_int4_format_step_lowers_for_cuda():
+  """The decode step's writes on an int4-format pool (evict_step's stacked scatters, write_step
+  with a traced layer) lower for the GPU, as int4 scatters (no pool conversion)."""
+  c = KC.init(NL, B, HKV, 64, capacity=128, window=W, sink=SINK, n_groups=G, page=16,
+              lo_page=64, lo_format="int4")
+  act = jnp.ones((B, G), jnp.int8)
+  kn = jnp.ones((B, HKV, 64), jnp.bfloat16)
+
+  def step(c, l):
+    c, p = KC.begin_step(c, act)
+    c = KC.write_step(KC.evict_step(c, p), p, l, kn, kn, evict=False)
+    return KC.write_step(c, p, l, kn, kn)
+
+  text = jax.jit(step, donate_argnums=0).trace(c, jnp.int32(1)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "scatter" in text and "xi4>" in text
