@@ -23,8 +23,9 @@ float32 math of :func:`attend_reference`.
 Shapes: ``q[BH, 16, D]`` bf16 (G <= 16 query heads per KV head, zero rows after them),
 ``k[BH, N, D]`` int4 (jax's packing: element 2j in the low nibble of byte j; :func:`int4_view`
 reads our half-split bytes that way), ``ks, vs[BH, N]`` f32 scales, ``lens[BH]`` int32 visible
-keys. Contiguous keys per row; ``mgpu_paged`` reads the cache's paged pool (not yet wired into
-``decode_attention`` either).
+keys. Contiguous keys per row, or (``tbl`` given) a paged pool of head-major int4 pages: the
+cache's INT4 pool when it is made with ``lo_format="int4"`` (``mgpu_decode`` runs it behind
+``decode_attention``'s GPU backend, ``base`` picking the layer of the stacked codes).
 """
 from __future__ import annotations
 
