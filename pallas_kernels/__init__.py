@@ -47,6 +47,8 @@ def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, ma
   ``window.k/v`` and every pool array carry a leading layer axis (the cache's stacked
   ``[L, ...]`` arrays) and ``layer`` (an int or a traced int32 scalar) picks the layer inside the
   kernel, so a decode step never copies a layer's pools out of the stack.
+  The INT4 pool ``lo`` may be in either storage format of :class:`LowPool` ("bytes" or
+  "int4"); the "tpu" backend reads "bytes" only, "gpu" reads "int4" with its Mosaic GPU kernel.
   Hq must be a multiple of the KV head count; ``scale`` (a Python float) defaults to 1/sqrt(D).
   ``knobs`` are backend tuning parameters (block and chunk sizes, ``num_warps``/``num_stages`` on
   GPU, ``splits`` on TPU, ``interpret``); the defaults are the tuned ones.  Jittable.

@@ -117,3 +117,45 @@ def quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   s = np.where(amax == 0, np.float16(1.0), s).astype(np.float16)
   q = np.round(x.astype(np.float64) / s[..., None].astype(np.float64))   # half to even
   return np.clip(q, -QMAX, QMAX).astype(np.int8), s
+
+
+# ---- the two storage formats of an INT4 pool ---------------------------------------------------
+# (pask_jax.cache.init(lo_format=...); pallas_kernels.types.LowPool)
+#
+# "bytes": codes packed as above, token-major pages ``k, v [.., P, page, Hkv, D/2]`` uint8.
+# "int4":  codes as jax int4, head-major pages ``k [.., P, Hkv, page, D]`` (token rows) and
+#          ``v [.., P, Hkv, D, page]`` (dim-major: one token is one element in each of D rows),
+#          what the Mosaic GPU kernel reads fastest (pallas_kernels.gpu.mgpu_int4, paged mode).
+# The codes, the scales and the bytes per row are the same in both: D/2 bytes per K row and per
+# V row (jax stores int4 two to a byte) plus the two fp16 scales (4 bytes).
+
+FORMATS = ("bytes", "int4")
+
+
+def check_format(fmt: str) -> str:
+  if fmt not in FORMATS:
+    raise ValueError(f"lo_format must be 'bytes' or 'int4', got {fmt!r}")
+  return fmt
+
+
+def format_of(codes: jax.Array) -> str:
+  """The storage format of an INT4 pool from its code array's dtype."""
+  return "int4" if jnp.dtype(codes.dtype) == jnp.dtype(jnp.int4) else "bytes"
+
+
+def pool_codes(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A pool's K/V codes in either format (leading axes ``[.., P]`` kept) -> token-major signed
+  codes ``int32 [.., P, page, Hkv, D]`` each."""
+  if format_of(k) == "bytes":
+    return unpack(k), unpack(v)
+  return (jnp.swapaxes(k, -3, -2).astype(jnp.int32),
+          jnp.moveaxis(v, -1, -3).astype(jnp.int32))
+
+
+def pool_arrays(kc: jax.Array, vc: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
+  """Inverse of :func:`pool_codes`: token-major codes ``[.., P, page, Hkv, D]`` in [-8, 7] ->
+  the pool's K/V arrays in format ``fmt``."""
+  if check_format(fmt) == "bytes":
+    return pack(kc), pack(vc)
+  return (jnp.swapaxes(kc, -3, -2).astype(jnp.int4),
+          jnp.moveaxis(vc, -3, -1).astype(jnp.int4))

@@ -1,8 +1,9 @@
 """Plain-jnp decode attention over {INT4 pool, BF16 pool, window}: the numerical reference.
 
-Each partition is gathered densely through its page table, INT4 rows are dequantized with
-``pallas_kernels.int4.dequantize``, and a per-partition partial (unnormalized value sum, score max,
-exponential sum; all FP32) is formed and merged with the shared-normalization rule (Eq. 15).
+Each partition is gathered densely through its page table, INT4 rows (either storage format of
+``types.LowPool``) are dequantized as ``codes * fp16 scale`` in FP32, and a per-partition partial
+(unnormalized value sum, score max, exponential sum; all FP32) is formed and merged with the
+shared-normalization rule (Eq. 15).
 Invisible entries (beyond a length) are masked *before* any arithmetic touches them, since the
 contract lets them hold garbage, NaN included.  Memory is O(B * capacity), fine for tests and CPU.
 
@@ -38,6 +39,23 @@ def _gather_pages(x: jax.Array, pages: jax.Array, layer=None) -> jax.Array:
   return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
+def _gather_lo_codes(lo: LowPool, pages: jax.Array, layer=None):
+  """The INT4 pool's K/V codes through the page table, either storage format ("bytes" uint8
+  ``[P, page, Hkv, D/2]``, "int4" ``[P, Hkv, page, D]`` / ``[P, Hkv, D, page]``; a leading layer
+  axis with ``layer``) -> token-major signed codes ``int32 [B, n*page, Hkv, D]`` each.  The
+  pages are gathered first, so only the gathered rows are transposed."""
+  pool = lo.k.shape if layer is None else lo.k.shape[1:]
+  if pool[0] == 0 or pages.shape[1] == 0:
+    d = pool[-1] * 2 if lo.format == "bytes" else pool[-1]      # K's last axis
+    z = jnp.zeros((pages.shape[0], 0, lo.scale.shape[-2], d), jnp.int32)
+    return z, z
+  ids = jnp.clip(pages, 0, pool[0] - 1)
+  take = lambda x: x[ids] if layer is None else x[layer, ids]     # [B, n, <page's shape>]
+  kc, vc = int4.pool_codes(take(lo.k), take(lo.v))              # [B, n, page, Hkv, D]
+  flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])
+  return flat(kc), flat(vc)
+
+
 def _partial(q, k, v, valid, c):
   """q [B,Hkv,g,D] f32; k, v [B,S,Hkv,D] f32; valid [B,S] -> o [B,Hkv,g,D], m, l [B,Hkv,g]."""
   k = jnp.where(valid[:, :, None, None], k, 0.0)
@@ -64,14 +82,13 @@ def partials(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer
   c = common.default_scale(d, scale) * common.LOG2E
   qf = q.astype(jnp.float32).reshape(b, hkv, g, d)
 
-  # INT4 pool: dequantize (codes * fp16 scale) in FP32.
-  klo = _gather_pages(lo.k, maps.lo_pages, layer)               # [B, S_lo, Hkv, D/2] u8
-  vlo = _gather_pages(lo.v, maps.lo_pages, layer)
+  # INT4 pool (either storage format): dequantize (codes * fp16 scale) in FP32.
+  klo, vlo = _gather_lo_codes(lo, maps.lo_pages, layer)         # [B, S_lo, Hkv, D] int32
   slo = _gather_pages(lo.scale, maps.lo_pages, layer)           # [B, S_lo, Hkv, 2] f16
   vis_lo = jnp.arange(klo.shape[1])[None] < maps.lo_len[:, None]
   slo = jnp.where(vis_lo[..., None, None], slo, jnp.float16(0))  # garbage scales may be NaN
-  klo = int4.dequantize(klo, slo[..., 0])
-  vlo = int4.dequantize(vlo, slo[..., 1])
+  klo = klo.astype(jnp.float32) * slo[..., 0:1].astype(jnp.float32)
+  vlo = vlo.astype(jnp.float32) * slo[..., 1:2].astype(jnp.float32)
 
   khi = _gather_pages(hi.k, maps.hi_pages, layer).astype(jnp.float32)  # [B, S_hi, Hkv, D]
   vhi = _gather_pages(hi.v, maps.hi_pages, layer).astype(jnp.float32)

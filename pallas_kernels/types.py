@@ -10,8 +10,14 @@ Shapes (B = batch, W = recent-window slots, Hkv = KV heads, D = head dim, page =
   filled in order, so the visible slots are always a prefix ``[0, min(count, W))``.
 * ``HighPool``: BF16 pages of this layer.  Pages are shared by all sequences; which pages a
   sequence owns, in order, is in ``PageMaps.hi_pages``.
-* ``LowPool``: packed INT4 pages of this layer (half-split nibble layout, see
-  ``pallas_kernels.int4``) with fp16 scales, ``scale[..., 0]`` for K and ``scale[..., 1]`` for V.
+* ``LowPool``: INT4 pages of this layer with fp16 scales ``[P_lo, page, Hkv, 2]``,
+  ``scale[..., 0]`` for K and ``scale[..., 1]`` for V, in one of two storage formats (chosen when
+  the cache is made, told apart by the codes' dtype: ``pallas_kernels.int4.format_of``):
+  ``"bytes"``: ``k, v [P_lo, page, Hkv, D/2]`` uint8, half-split nibbles (``pallas_kernels.int4``);
+  ``"int4"``: ``k [P_lo, Hkv, page, D]`` and ``v [P_lo, Hkv, D, page]`` jax int4 (head-major pages,
+  V dim-major per page).  Same codes and the same bytes per row in both.  The reference reads
+  both; the Triton and TPU kernels read "bytes" only (they refuse "int4" in one line); the GPU
+  backend reads "int4" with the Mosaic GPU kernel.
 * ``PageMaps``: the page tables and lengths of this layer's *group* (layers in a group share
   actions, hence maps).  Entry ``j`` of sequence ``b`` lives in page ``pages[b, j // page]`` at row
   ``j % page``; entries ``j >= len[b]`` are invisible (and may hold garbage).
@@ -23,6 +29,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+
+from pallas_kernels import int4
 
 
 class Window(NamedTuple):
@@ -37,9 +45,20 @@ class HighPool(NamedTuple):
 
 
 class LowPool(NamedTuple):
-  k: jax.Array      # [P_lo, page, Hkv, D // 2] uint8, two signed nibbles per byte
-  v: jax.Array      # [P_lo, page, Hkv, D // 2] uint8
+  k: jax.Array      # "bytes": [P_lo, page, Hkv, D // 2] uint8, two signed nibbles per byte
+                    # "int4":  [P_lo, Hkv, page, D] int4
+  v: jax.Array      # "bytes": [P_lo, page, Hkv, D // 2] uint8; "int4": [P_lo, Hkv, D, page] int4
   scale: jax.Array  # [P_lo, page, Hkv, 2] float16: (K scale, V scale)
+
+  @property
+  def format(self) -> str:
+    """The storage format, "bytes" or "int4" (from the codes' dtype)."""
+    return int4.format_of(self.k)
+
+  @property
+  def page(self) -> int:
+    """Rows per page (either format; also with a leading layer axis)."""
+    return self.scale.shape[-3]
 
 
 class PageMaps(NamedTuple):

@@ -6,7 +6,10 @@ slots, G layer groups, Hkv KV heads, D head dim, ``page`` rows per page)::
   layers.win_k/win_v  [L, B, W, Hkv, D]      bf16  recent window, ring slot = position % W
   layers.hi_k/hi_v    [L, P_hi, page, Hkv, D]  bf16  high pool (pages shared by sequences)
   layers.lo_k/lo_v    [L, P_lo, lo_page, Hkv, D/2] u8  low pool, INT4 half-split nibbles
-  layers.lo_s         [L, P_lo, lo_page, Hkv, 2]  f16   (K scale, V scale) per row
+                      (lo_format="bytes", the default), or with lo_format="int4":
+  layers.lo_k         [L, P_lo, Hkv, lo_page, D]  int4  token rows, head-major pages
+  layers.lo_v         [L, P_lo, Hkv, D, lo_page]  int4  dim-major per page
+  layers.lo_s         [L, P_lo, lo_page, Hkv, 2]  f16   (K scale, V scale) per row (both formats)
   win_pos             [B, W]      int32  absolute position held by each slot (-1: empty)
   win_act             [B, W, G]   int8   pending actions of each window token (R/L/H)
   count               [B]         int32  tokens written so far = next absolute position
@@ -22,6 +25,16 @@ quantized and appended to the INT4 pool, R → gone.  Pools are append-only and 
 never undone; ``hi_pos``/``lo_pos`` keep absolute positions across released gaps.  Every visible
 key appears exactly once across the INT4 pool, the BF16 pool and the window (which already holds
 the current token when attention runs).
+
+**The INT4 pool's two storage formats** (``init(..., lo_format=...)``, :attr:`Cache.lo_format`
+from the codes' dtype) hold the same codes (``pallas_kernels.int4.quantize``: [-7, 7]) and the
+same fp16 scales in the same number of bytes: D/2 per K row and per V row (two codes a byte,
+jax packs int4 that way too) plus 4 scale bytes, so the ledger and the engine's sizing are the
+same for both.  "bytes" is what the Triton and TPU kernels read; "int4" is what the Mosaic GPU
+kernel reads fastest (head-major pages, V dim-major: ``pallas_kernels.gpu.mgpu_int4``), and XLA
+on the GPU writes a token's K row and V column into it in place.  A flat INT4 row
+``r = page · lo_page + i`` (what the page tables and ``StepPlan.dest_lo`` give) is
+``lo_k[l, page, :, i, :]`` and ``lo_v[l, page, :, :, i]`` there, ``_flat(lo_k)[l, r]`` in "bytes".
 
 Page allocation here is the dense default: sequence b owns pages [b·n_pages, (b+1)·n_pages) of
 every pool, identically for every group.  An engine may hand in its own page tables; the update
@@ -68,8 +81,8 @@ class LayerKV:
   win_v: jax.Array
   hi_k: jax.Array   # [P_hi, page, Hkv, D] bf16
   hi_v: jax.Array
-  lo_k: jax.Array   # [P_lo, page, Hkv, D/2] uint8
-  lo_v: jax.Array
+  lo_k: jax.Array   # [P_lo, page, Hkv, D/2] uint8 ("bytes") or [P_lo, Hkv, page, D] int4
+  lo_v: jax.Array   # [P_lo, page, Hkv, D/2] uint8 ("bytes") or [P_lo, Hkv, D, page] int4
   lo_s: jax.Array   # [P_lo, page, Hkv, 2] float16
 
 
@@ -113,7 +126,12 @@ class Cache:
   @property
   def lo_page(self) -> int:
     """Rows per page of the INT4 pool (``page`` unless the cache was made with ``lo_page``)."""
-    return self.layers.lo_k.shape[2]
+    return self.layers.lo_s.shape[2]
+
+  @property
+  def lo_format(self) -> str:
+    """Storage format of the INT4 pool: "bytes" (uint8 half-split) or "int4" (module doc)."""
+    return int4.format_of(self.layers.lo_k)
 
   @property
   def win_len(self) -> jax.Array:
@@ -133,13 +151,15 @@ class StepPlan(NamedTuple):
 def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity: int,
          window: int, sink: int = 0, n_groups: int = 3, page: int = 16,
          hi_capacity: int | None = None, lo_capacity: int | None = None,
-         lo_page: int | None = None) -> Cache:
+         lo_page: int | None = None, lo_format: str = "bytes") -> Cache:
   """An empty cache.  ``capacity``: tokens per sequence a pool can hold (default for both pools;
   ``hi_capacity``/``lo_capacity`` override), rounded up to whole pages.  ``window``/``sink`` come
   from the policy (``policy.window``, ``policy.sink``).  ``lo_page``: rows per INT4 page when it
   differs from ``page`` (the Mosaic GPU INT4 kernel reads pages of a multiple of 64 rows, one
-  per pipeline step).
+  per pipeline step).  ``lo_format``: how the INT4 pool stores its codes, "bytes" (default) or
+  "int4" (module doc).
   """
+  int4.check_format(lo_format)
   if head_dim % 2:
     raise ValueError(f"INT4 packing needs an even head_dim, got {head_dim}")
   if window < 1:
@@ -156,13 +176,13 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
     return jnp.broadcast_to(jnp.arange(B * n, dtype=jnp.int32).reshape(1, B, n), (G, B, n))
 
   z = lambda shape, dt: jnp.zeros(shape, dt)
+  lo_k_shape, lo_v_shape = _lo_shapes(n_layers, B * n_lo, lo_page, Hkv, D, lo_format)
   layers = LayerKV(
       win_k=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
       win_v=z((n_layers, B, W, Hkv, D), jnp.bfloat16),
       hi_k=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       hi_v=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
-      lo_k=z((n_layers, B * n_lo, lo_page, Hkv, D // 2), jnp.uint8),
-      lo_v=z((n_layers, B * n_lo, lo_page, Hkv, D // 2), jnp.uint8),
+      lo_k=z(lo_k_shape, _LO_DTYPE[lo_format]), lo_v=z(lo_v_shape, _LO_DTYPE[lo_format]),
       lo_s=jnp.ones((n_layers, B * n_lo, lo_page, Hkv, 2), jnp.float16))
   return Cache(
       layers=layers, win_pos=jnp.full((B, W), -1, jnp.int32), win_act=z((B, W, G), jnp.int8),
@@ -171,6 +191,16 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
       hi_pos=jnp.full((G, B, n_hi * page), -1, jnp.int32),
       lo_pos=jnp.full((G, B, n_lo * lo_page), -1, jnp.int32),
       overflow=z((B,), bool), group_of=tuple(T.group_of_layer(n_layers, n_groups)), sink=int(sink))
+
+
+_LO_DTYPE = {"bytes": jnp.uint8, "int4": jnp.int4}
+
+
+def _lo_shapes(n_layers, n_pages, page, hkv, d, fmt):
+  """(lo_k, lo_v) shapes of an INT4 pool in format ``fmt``."""
+  if fmt == "bytes":
+    return ((n_layers, n_pages, page, hkv, d // 2),) * 2
+  return (n_layers, n_pages, hkv, page, d), (n_layers, n_pages, hkv, d, page)
 
 
 def init_for(model, batch: int, policy, *, capacity: int, page: int = 16, **kw) -> Cache:
@@ -199,11 +229,38 @@ def _flat(x: jax.Array) -> jax.Array:
   return x.reshape(x.shape[:-4] + (x.shape[-4] * x.shape[-3],) + x.shape[-2:])
 
 
-def _quant_kv(k: jax.Array, v: jax.Array):
-  """K/V rows [..., D] -> (k codes [..., D/2], v codes, scales [..., 2]) per (token, head) row."""
-  kq, ks = int4.quantize_packed(k)
-  vq, vs = int4.quantize_packed(v)
+def _quant_kv(k: jax.Array, v: jax.Array, fmt: str = "bytes"):
+  """K/V rows [..., D] -> (k codes, v codes, scales [..., 2]) per (token, head) row; codes are
+  packed ``uint8 [..., D/2]`` for ``fmt="bytes"``, ``int4 [..., D]`` for "int4"."""
+  if fmt == "bytes":
+    kq, ks = int4.quantize_packed(k)
+    vq, vs = int4.quantize_packed(v)
+  else:
+    kq, ks = int4.quantize(k)
+    vq, vs = int4.quantize(v)
+    kq, vq = kq.astype(jnp.int4), vq.astype(jnp.int4)
   return kq, vq, jnp.stack([ks, vs], axis=-1)
+
+
+def _put_lo(lay: LayerKV, layer, rows: jax.Array, kq: jax.Array, vq: jax.Array,
+            s: jax.Array) -> dict:
+  """The INT4 pool of ``lay`` (stacked ``[L, ...]``) with flat row ``rows`` of layer ``layer``
+  set to codes ``kq, vq`` (from :func:`_quant_kv` in the pool's format) and scales ``s``, in
+  either format; ``layer`` and ``rows`` broadcast as in :func:`_put_rows`, rows out of range are
+  dropped.  -> dict(lo_k=, lo_v=, lo_s=) for ``LayerKV.replace``."""
+  put = lambda x, val: _put_rows(_flat(x), layer, rows, val).reshape(x.shape)
+  out = dict(lo_s=put(lay.lo_s, s))
+  if int4.format_of(lay.lo_k) == "bytes":
+    return out | dict(lo_k=put(lay.lo_k, kq), lo_v=put(lay.lo_v, vq))
+  # Row r = page * lo_page + i is lo_k[l, page, :, i, :] and lo_v[l, page, :, :, i]; a row past
+  # the pool has page >= P_lo, which mode="drop" drops like the flat row.  XLA on the GPU does
+  # both scatters in place (bench/RESULTS.md, 2026-12-04).  XLA:CPU runs an int4 scatter by
+  # widening the whole operand and back (O(pool) per call: slow but correct, fine for tests).
+  lo_page = lay.lo_s.shape[2]
+  pg, i = rows // lo_page, rows % lo_page
+  return out | dict(
+      lo_k=lay.lo_k.at[layer, pg, :, i, :].set(kq.astype(jnp.int4), mode="drop"),
+      lo_v=lay.lo_v.at[layer, pg, :, :, i].set(vq.astype(jnp.int4), mode="drop"))
 
 
 def _force_sink(actions: jax.Array, pos: jax.Array, sink: int) -> jax.Array:
@@ -251,16 +308,16 @@ def prefill_rows(cache: Cache, plan: jax.Array, n_tokens: int,
   act = _force_sink(plan, jnp.broadcast_to(t, (B, Tn)), cache.sink)  # [B, T, G]
   lay = cache.layers
 
-  def pool(which, pages, length, pool_k):
+  def pool(which, pages, length, pool_k, page):
     sel = done[None] & (jnp.moveaxis(act, -1, 0) == which)           # [G, B, T]
     j = length[..., None] + jnp.cumsum(sel, axis=-1) - 1             # entry index per token
-    page = pool_k.shape[2]
     rows = pool_k.shape[1] * page
     dest = jnp.where(sel, _flat_row(pages, j, page, rows), rows)
     return sel, j, dest, rows
 
-  sel_h, j_h, dest_h, rows_h = pool(Act.H, cache.hi_pages, cache.hi_len, lay.hi_k)
-  sel_l, j_l, dest_l, rows_l = pool(Act.L, cache.lo_pages, cache.lo_len, lay.lo_k)
+  sel_h, j_h, dest_h, rows_h = pool(Act.H, cache.hi_pages, cache.hi_len, lay.hi_k, cache.page)
+  sel_l, j_l, dest_l, rows_l = pool(Act.L, cache.lo_pages, cache.lo_len, lay.lo_k,
+                                    cache.lo_page)
   # Positions and lengths per group.
   gi, bi = jnp.arange(G)[:, None, None], jnp.arange(B)[None, :, None]
   tt = jnp.broadcast_to(t[None], (G, B, Tn))
@@ -296,17 +353,14 @@ def write_prefill(cache: Cache, rows: PrefillRows, k: jax.Array, v: jax.Array,
   hi_k = _flat(lay.hi_k).at[li, d].set(k.astype(jnp.bfloat16), mode="drop")
   hi_v = _flat(lay.hi_v).at[li, d].set(v.astype(jnp.bfloat16), mode="drop")
   d = rows.dest_l[gl]
-  kq, vq, s = _quant_kv(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-  lo_k = _flat(lay.lo_k).at[li, d].set(kq, mode="drop")
-  lo_v = _flat(lay.lo_v).at[li, d].set(vq, mode="drop")
-  lo_s = _flat(lay.lo_s).at[li, d].set(s, mode="drop")
+  kq, vq, s = _quant_kv(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), cache.lo_format)
+  lo = _put_lo(lay, li, d, kq, vq, s)
   bj = jnp.arange(B)[:, None]
   win_k = lay.win_k.at[li[:, :, :1], bj, rows.slot].set(jnp.asarray(k, jnp.bfloat16), mode="drop")
   win_v = lay.win_v.at[li[:, :, :1], bj, rows.slot].set(jnp.asarray(v, jnp.bfloat16), mode="drop")
   unflat = lambda x, ref: x.reshape(ref.shape)
   layers = LayerKV(win_k=win_k, win_v=win_v, hi_k=unflat(hi_k, lay.hi_k),
-                   hi_v=unflat(hi_v, lay.hi_v), lo_k=unflat(lo_k, lay.lo_k),
-                   lo_v=unflat(lo_v, lay.lo_v), lo_s=unflat(lo_s, lay.lo_s))
+                   hi_v=unflat(hi_v, lay.hi_v), **lo)
   return cache.replace(layers=layers)
 
 
@@ -390,10 +444,10 @@ def evict_step(cache: Cache, plan: StepPlan) -> Cache:
   def put(x, rows, val):
     return _put_rows(_flat(x), li, rows, val).reshape(x.shape)
 
-  kq, vq, sc = _quant_kv(old_k, old_v)
+  kq, vq, sc = _quant_kv(old_k, old_v, cache.lo_format)
   return cache.replace(layers=lay.replace(
       hi_k=put(lay.hi_k, dh, old_k), hi_v=put(lay.hi_v, dh, old_v),
-      lo_k=put(lay.lo_k, dl, kq), lo_v=put(lay.lo_v, dl, vq), lo_s=put(lay.lo_s, dl, sc)))
+      **_put_lo(lay, li, dl, kq, vq, sc)))
 
 
 def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array, *,
@@ -428,11 +482,11 @@ def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array, 
   def put(x, rows, val):   # [L, P, page, ...] pool: row ``rows`` of layer ``layer`` <- val
     return _put_rows(_flat(x), layer, rows, val).reshape(x.shape)
 
-  kq, vq, s = _quant_kv(old_k, old_v)
+  kq, vq, s = _quant_kv(old_k, old_v, cache.lo_format)
   return cache.replace(layers=LayerKV(
       win_k=win(lay.win_k, k), win_v=win(lay.win_v, v),
       hi_k=put(lay.hi_k, dh, old_k), hi_v=put(lay.hi_v, dh, old_v),
-      lo_k=put(lay.lo_k, dl, kq), lo_v=put(lay.lo_v, dl, vq), lo_s=put(lay.lo_s, dl, s)))
+      **_put_lo(lay, layer, dl, kq, vq, s)))
 
 
 def _put_rows(x: jax.Array, layer, rows: jax.Array, val: jax.Array) -> jax.Array:
@@ -476,7 +530,7 @@ def kernel_inputs(lkv: LayerKV, cache: Cache, g) -> tuple[Window, HighPool, LowP
 
 def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity: int,
                window: int, hi_pool_pages: int, lo_pool_pages: int, sink: int = 0,
-               n_groups: int = 3, page: int = 16) -> Cache:
+               n_groups: int = 3, page: int = 16, lo_format: str = "bytes") -> Cache:
   """An empty cache of ``batch`` slots whose pools hold ``hi_pool_pages``/``lo_pool_pages`` pages
   shared by all slots; ``capacity`` (tokens per slot) sizes each slot's page table.
 
@@ -484,11 +538,12 @@ def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, cap
   out-of-range id, so a write through it is dropped by the scatters' ``mode="drop"`` and the
   kernels (which read only entries below ``*_len``) never see it.  The engine assigns pages with
   :func:`insert_slot`.  Pools need at least one page (zero-size pools do not index).
+  ``lo_format``: the INT4 pool's storage format (:func:`init`).
   """
   if hi_pool_pages < 1 or lo_pool_pages < 1:
     raise ValueError("each pool needs at least one page")
   base = init(n_layers, batch, n_kv_heads, head_dim, capacity=page, window=window, sink=sink,
-              n_groups=n_groups, page=page)
+              n_groups=n_groups, page=page, lo_format=lo_format)
   G, B, n = n_groups, batch, math.ceil(capacity / page)
   pool = lambda x, P: jnp.zeros((n_layers, P) + x.shape[2:], x.dtype)
   lay = base.layers

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
+from pallas_kernels import int4
 from models import decoder
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
@@ -190,13 +191,14 @@ class PaskRunner:
   """
 
   def __init__(self, model: nnx.Module, policy, *, batch: int, capacity: int, page: int = 16,
-               backend: str = "auto", lo_page: int | None = None):
+               backend: str = "auto", lo_page: int | None = None, lo_format: str = "bytes"):
     self.cfg = model.cfg
     self.policy = policy
     decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
     self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
     self.lo_page = lo_page      # INT4 pages (None: ``page``); 64 or 128 for the Mosaic GPU kernel
+    self.lo_format = int4.check_format(lo_format)   # the INT4 pool's storage (pask_jax.cache)
     self.traces = Traces()
     self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16)
     self._dense.params = self.params
@@ -207,7 +209,7 @@ class PaskRunner:
 
   def new_cache(self) -> pcache.Cache:
     return pcache.init_for(self.cfg, self.batch, self.policy, capacity=self.capacity,
-                           page=self.page, lo_page=self.lo_page)
+                           page=self.page, lo_page=self.lo_page, lo_format=self.lo_format)
 
   def _commit(self, policy, cache, k, v, cands, lengths):
     """Dense prefill K/V [L, B, T, Hkv, D] -> plan, materialized cache, ledger, R_1."""

@@ -160,3 +160,40 @@ def test_per_group_pages_assigned_on_demand_match_dense_layout():
   assert (np.asarray(c.lo_len[:, 1]) == length["lo"]).all()
   q = jnp.asarray(r.normal(size=(1, 2 * Hkv, D)), jnp.float32)
   np.testing.assert_allclose(_attend(c, 1, q), _attend(ref, 0, q), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_format_slots_store_what_the_bytes_format_stores():
+  """init_paged / insert_slot / decode steps / release_slot on an int4-format INT4 pool: the same
+  state and the same dequantized INT4 rows as the bytes format, only the slots' own pages
+  written, the same attention."""
+  k0, v0, p0, n0 = _prompt(7, 12)
+  k1, v1, p1, n1 = _prompt(8, 10)
+  r = np.random.default_rng(9)
+  steps = [(jnp.asarray(r.normal(size=(L, 3, Hkv, D)), jnp.float32),
+            jnp.asarray(r.normal(size=(L, 3, Hkv, D)), jnp.float32),
+            jnp.asarray(r.integers(1, 3, size=(3, G)), jnp.int8)) for _ in range(3)]
+  out = []
+  for fmt in ("bytes", "int4"):
+    c = C.init_paged(L, 3, Hkv, D, capacity=CAP, window=W, hi_pool_pages=P_HI,
+                     lo_pool_pages=P_LO, sink=1, n_groups=G, page=PAGE, lo_format=fmt)
+    assert c.lo_format == fmt
+    ins = jax.jit(C.insert_slot)
+    c = ins(c, jnp.int32(0), k0, v0, p0, n0, _row([0, 1, 2], 4, P_HI), _row([3, 1], 4, P_LO))
+    c = ins(c, jnp.int32(2), k1, v1, p1, n1, _row([5, 3, 9], 4, P_HI), _row([2, 6, 8], 4, P_LO))
+    for kk, vv, act in steps:
+      c = append(c, kk, vv, act, jnp.asarray([True, False, True]))
+    out.append(c)
+  a, b = out
+  for x, y in zip(jax.tree.leaves(a.replace(layers=a.layers.replace(lo_k=0, lo_v=0))),
+                  jax.tree.leaves(b.replace(layers=b.layers.replace(lo_k=0, lo_v=0)))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  (ka, va), (kb, vb) = tcache.lo_dequantized(a), tcache.lo_dequantized(b)
+  np.testing.assert_array_equal(ka, kb)
+  np.testing.assert_array_equal(va, vb)
+  assert int(b.lo_len.sum()) > 0 and np.abs(kb).sum() > 0
+  assert not kb[:, [0, 4, 5, 7]].any()            # pages no slot was given stay empty
+  q = jnp.asarray(r.normal(size=(1, 2 * Hkv, D)), jnp.float32)
+  for s in (0, 2):
+    np.testing.assert_array_equal(_attend(a, s, q), _attend(b, s, q))
+  b = jax.jit(C.release_slot)(b, jnp.int32(2))
+  assert (np.asarray(b.lo_pages[:, 2]) == P_LO).all() and int(b.lo_len[:, 2].sum()) == 0

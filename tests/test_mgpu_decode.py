@@ -98,3 +98,69 @@ def test_whole_call_lowers_for_cuda_with_both_kernels():
   text = partials_gpu.trace(*sds, int4_kernel="mosaic").lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "triton" in text
+
+
+
+# ---- the int4 storage format (head-major int4 pages, V dim-major): mgpu_int4.partition ---------
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_int4_format_glue_matches_reference(case):
+  """An int4-format pool through mgpu_int4.partition's paged mode (its jnp reference): every GQA
+  ratio, head dim 64 and 128, ragged, empty and full INT4 partitions, poisoned invisible rows
+  (NaN scales, garbage table entries) against the float32 reference; the same case in the bytes
+  format gives the same reference."""
+  seed = zlib.crc32(case.name.encode()) % 1000
+  args = case.make(seed=seed, lo_format="int4")
+  assert args[3].format == "int4" and args[3].k.dtype == jnp.int4
+  want = synth.reference_f32(*args)
+  assert bool(jnp.array_equal(want, synth.reference_f32(*case.make(seed=seed))))
+  got = merged(args, case.shape.g, int4_kernel="mosaic_reference")
+  assert bool(jnp.isfinite(got).all())
+  assert synth.rel_err(got, want) < 6e-3
+
+
+def test_int4_format_glue_reads_the_traced_layer_of_a_stack():
+  case = CASES[3]          # GQA 7, head dim 64
+  args = synth.stack_layers(case.make(seed=22, lo_format="int4"))
+  f = jax.jit(lambda l, *a: partials_gpu(*a, l, interpret=True, int4_kernel="mosaic_reference",
+                                        **SMALL))
+  for layer in (0, 1, 2):
+    want = synth.reference_f32(*synth.layer_of(args, layer))
+    got = synth.merged_f32(*f(layer, *args), axis=2, hq=args[0].shape[1], g=case.shape.g)
+    assert synth.rel_err(got, want) < 6e-3, layer
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_int4_format_splits_that_do_not_divide_the_table(splits):
+  case = CASES[1]          # 3 INT4 pages per sequence
+  args = case.make(seed=6, lo_format="int4")
+  got = merged(args, case.shape.g, int4_kernel="mosaic_reference", splits_lo=splits)
+  assert synth.rel_err(got, synth.reference_f32(*args)) < 6e-3
+
+
+def test_int4_format_goes_to_mosaic_and_never_to_triton():
+  case = CASES[0]
+  args = case.make(seed=8, lo_format="int4")
+  auto = partials_gpu(*args, interpret=True, **SMALL)     # interpret: the kernel's reference
+  ref = partials_gpu(*args, interpret=True, int4_kernel="mosaic_reference", **SMALL)
+  for a, b in zip(auto, ref):
+    assert bool(jnp.array_equal(a, b, equal_nan=True))
+  with pytest.raises(ValueError, match="^the Triton kernel reads the INT4 pool as uint8 "
+                                       "half-split bytes only: an int4-format pool takes"):
+    partials_gpu(*args, interpret=True, int4_kernel="triton", **SMALL)
+  small = synth.CASES[2].make(seed=3, lo_format="int4")     # pages of 16
+  with pytest.raises(ValueError, match="^the Mosaic GPU INT4 partition takes pages"):
+    partials_gpu(*small, interpret=True)
+
+
+def _lower_int4(**kw):
+  case = CASES[2]
+  args = synth.stack_layers(case.make(poison=False, lo_format="int4")) + (jnp.int32(1),)
+  sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype), args)
+  return partials_gpu.trace(*sds, **kw).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("kernel", ["mosaic", "auto"])
+def test_int4_format_whole_call_lowers_for_cuda_with_both_kernels(kernel):
+  text = _lower_int4(int4_kernel=kernel)
+  assert "mosaic_gpu" in text and "triton" in text

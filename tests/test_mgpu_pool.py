@@ -106,3 +106,62 @@ def test_kernel_lowers_to_mosaic_gpu(d, tile, v_major):
 
 def test_narrow_columns_lower_or_name_what_they_need():
   assert_narrow_lowers(lambda **kw: _lower(128, 128, **kw))
+
+
+
+# ---- base: the codes of a layer stack read at one layer's pages (mgpu_decode's int4 pool) -----
+
+def _stack(n_layers, b, hkv, g, d, tile, n_pages, lens, seed):
+  """``pool`` for ``n_layers`` layers: codes stacked ``[L * P, ...]``, scales per layer."""
+  parts = [pool(b, hkv, g, d, tile, n_pages, lens, seed + i) for i in range(n_layers)]
+  q, _, _, _, _, lens, tbl = parts[0]
+  k = jnp.concatenate([x[1] for x in parts])
+  v = jnp.concatenate([x[3] for x in parts])
+  return q, k, v, [(x[2], x[4]) for x in parts], [(x[1], x[3]) for x in parts], lens, tbl
+
+
+@pytest.mark.parametrize("hkv,g,d,tile", [(2, 7, 64, 64), (1, 8, 128, 128)])
+def test_base_reads_the_codes_of_one_layer_of_a_stack(hkv, g, d, tile):
+  b, n_pages = 2, 3
+  q, k, v, scales, layers, lens, tbl = _stack(3, b, hkv, g, d, tile, n_pages,
+                                              [n_pages * tile - 3, 1], seed=40 + d)
+  p = k.shape[0] // 3
+  sm = d ** -0.5
+  f = jax.jit(lambda base, ks, vs: M.merge(*M.pool_reference(
+      q, k, ks, v, vs, lens, tbl, base, splits=3, qk_scale=sm * M.LOG2E)))
+  rel = lambda x, y: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
+  for layer in (0, 2, 1):
+    (ks, vs), (kl, vl) = scales[layer], layers[layer]
+    got = f(jnp.asarray([layer * p], jnp.int32), ks, vs)[:, :g]
+    alone = M.merge(*M.pool_reference(q, kl, ks, vl, vs, lens, tbl, splits=3,
+                                      qk_scale=sm * M.LOG2E))[:, :g]
+    assert rel(got, alone) < 1e-6, layer          # the same math (jit and eager round apart)
+    other = f(jnp.asarray([(layer + 1) % 3 * p], jnp.int32), ks, vs)[:, :g]
+    assert rel(other, alone) > 0.1, layer         # another layer's codes: another result
+    kc, ksc, vc, vsc = M.pool_gather(kl, ks, vl, vs, tbl)
+    ref = M.attend_reference(q, kc, ksc, jnp.swapaxes(vc, 1, 2), vsc, lens, sm_scale=sm)[:, :g]
+    assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 4e-3, layer
+
+
+def test_base_lowers_and_is_checked():
+  S = jax.ShapeDtypeStruct
+  b, hkv, d, tile, n_pages, n_l = 2, 2, 128, 128, 8, 3
+  p = b * n_pages + 3
+  sh = M.pool_shapes(p, hkv, tile, d)
+  stack = lambda shape: S((n_l * shape[0],) + shape[1:], jnp.int4)
+  args = (S((b * hkv, M.N_PAD, d), jnp.bfloat16), stack(sh["k"]), S(sh["ks"], jnp.float32),
+          stack(sh["v"]), S(sh["vs"], jnp.float32), S((b * hkv,), jnp.int32), None,
+          S((b, n_pages), jnp.int32), S((1,), jnp.int32))
+  text = M.partition.trace(*args, tile=tile, splits=4, qk_scale=0.1, approx_math=True,
+                           no_auto_barriers=True).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  q, k, ks, v, vs, lens, tbl = pool(2, 2, 4, 64, 64, 4, [256, 10], seed=3)
+  with pytest.raises(ValueError, match="^base offsets the page ids of a paged pool: it needs tbl"):
+    M.partition(q, k[0], ks[0], jnp.swapaxes(v[0], 1, 2), vs[0], lens, None, None,
+                jnp.zeros((1,), jnp.int32), tile=64, splits=1)
+  with pytest.raises(ValueError, match=r"^ks must have shape \(10, 2, 64\)"):
+    M.partition(q, k, ks[:3], v, vs, lens, None, tbl, tile=64, splits=2)   # no base: one layer
+  two = jnp.concatenate([k, k])
+  with pytest.raises(ValueError, match=r"^ks must have shape \(20, 2, 64\)"):
+    M.partition(q, two, ks[:3], jnp.concatenate([v, v]), vs[:3], lens, None, tbl,
+                jnp.zeros((1,), jnp.int32), tile=64, splits=2)           # 3 does not divide 20

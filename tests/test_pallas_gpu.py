@@ -165,3 +165,15 @@ def test_gpu_kernel_operands_are_indexed_without_offset_overflow():
   bad = [(s, n) for s, n in ops if size(s) > 2**31 and size(s) * n <= 2**32]
   assert not bad, bad
   assert all(gd.offsets_fit(S(s, {1: jnp.uint8, 2: bf, 4: i32, 8: jnp.int64}[n])) for s, n in ops)
+
+
+def test_triton_refuses_an_int4_format_pool_in_one_line():
+  """The Triton kernel reads uint8 half-split bytes; an int4-format pool (pask_jax.cache's
+  lo_format="int4") is the Mosaic GPU kernel's (tests/test_mgpu_decode.py)."""
+  args = synth.CASES[2].make(seed=26, lo_format="int4")
+  with pytest.raises(ValueError, match="^the Triton kernel reads the INT4 pool as uint8 "
+                                       "half-split bytes only: an int4-format pool takes "
+                                       "int4_kernel 'auto', 'mosaic' or 'mosaic_reference'"):
+    partials_gpu(*args, interpret=True, int4_kernel="triton", **SMALL)
+  with pytest.raises(ValueError, match="^the Triton kernel reads the INT4 pool"):
+    decode_attention_gpu(*args, interpret=True, int4_kernel="triton")

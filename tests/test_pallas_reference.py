@@ -110,3 +110,26 @@ def test_stacked_layers_with_traced_layer_index():
     want = pk.decode_attention(*synth.layer_of(args, layer), backend="reference")
     np.testing.assert_array_equal(np.asarray(f(layer, *args), np.float32),
                                   np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("case", synth.CASES, ids=lambda c: c.name)
+def test_reference_reads_the_int4_format_as_the_bytes_format(case):
+  """The same codes stored head-major as jax int4 (V dim-major) give exactly the bytes format's
+  result, within the float64 oracle's bound, poisoned invisible rows included."""
+  seed = 40 + synth.CASES.index(case)
+  args = case.make(seed=seed, lo_format="int4")
+  assert args[3].format == "int4" and args[3].page == case.shape.page
+  got = synth.reference_f32(*args)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(synth.reference_f32(*case.make(
+      seed=seed))))
+  assert synth.rel_err(got, synth.naive(*args)) < 2e-6
+
+
+def test_int4_format_stacked_layers_with_traced_layer_index():
+  args = synth.stack_layers(synth.CASES[3].make(seed=32, lo_format="int4"))
+  f = jax.jit(lambda l, *a: pk.decode_attention(*a, layer=l, backend="reference"))
+  for layer in (0, 1, 2):
+    want = pk.decode_attention(*synth.layer_of(args, layer), backend="reference")
+    np.testing.assert_array_equal(np.asarray(f(layer, *args), np.float32),
+                                  np.asarray(want, np.float32))
+    assert synth.rel_err(want, synth.naive(*synth.layer_of(args, layer))) < 6e-3

@@ -62,3 +62,12 @@ def test_tpu_stacked_layers_match_single_layer():
     want = synth.reference_f32(*synth.layer_of(args, layer))
     got = synth.merged_f32(*f(layer, *args), axis=1, hq=args[0].shape[1])
     assert synth.rel_err(got, want) < 3e-5, layer
+
+
+def test_tpu_refuses_an_int4_format_pool_in_one_line():
+  args = synth.CASES[2].make(seed=25, lo_format="int4")
+  with pytest.raises(NotImplementedError, match="^the TPU kernel reads the INT4 pool as uint8 "
+                                                "half-split bytes only"):
+    partials_tpu(*args, interpret=True)
+  with pytest.raises(NotImplementedError, match="^the TPU kernel reads the INT4 pool"):
+    decode_attention_tpu(*synth.stack_layers(args), 1, interpret=True)

@@ -350,6 +350,8 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   grid size); ``"triton"``: this module's kernel; ``"auto"`` (default): Mosaic GPU wherever it
   applies on a Hopper GPU (not in interpret mode), Triton elsewhere.  ``"mosaic_reference"``: the
   Mosaic GPU path with the kernel's jnp reference in its place (CPU tests of the glue).
+  An INT4 pool in the "int4" storage format (``types.LowPool``) is read by the Mosaic GPU kernel
+  only: ``"auto"`` picks it (its jnp reference in interpret mode), ``"triton"`` is refused.
 
   ``layer`` (see ``pallas_kernels.decode_attention``): the kernel gets the whole stacked pools
   and window and adds the layer's row offset to every gathered row, so nothing is copied per
@@ -374,7 +376,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   g = hq // hkv
   m_rows = max(16, common.next_pow2(g))              # tl.dot needs M >= 16
   c = common.default_scale(d, scale) * common.LOG2E
-  p_lo, page_lo = lo.k.shape[1:3]
+  p_lo, page_lo = lo.scale.shape[1:3]          # either storage format of the INT4 pool
   p_hi, page_hi = hi.k.shape[1:3]
   cap_lo = maps.lo_pages.shape[1] * page_lo if p_lo else 0
   cap_hi = maps.hi_pages.shape[1] * page_hi if p_hi else 0
@@ -391,6 +393,12 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   if int4_kernel not in ("auto", "triton", "mosaic", "mosaic_reference"):
     raise ValueError(f"int4_kernel must be 'auto', 'triton', 'mosaic' or 'mosaic_reference', "
                      f"got {int4_kernel!r}")
+  if lo.format == "int4":
+    if int4_kernel == "triton":
+      raise ValueError("the Triton kernel reads the INT4 pool as uint8 half-split bytes only: an "
+                       "int4-format pool takes int4_kernel 'auto', 'mosaic' or 'mosaic_reference'")
+    if int4_kernel == "auto":
+      int4_kernel = "mosaic_reference" if interpret else "mosaic"
   if int4_kernel == "auto":
     ok = n_lo and not interpret and mgpu_decode.supported(page_lo, d, g) and mgpu_decode.hopper()
     int4_kernel = "mosaic" if ok else "triton"
@@ -413,7 +421,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                    + [jnp.zeros((b,), jnp.int32)] * 3, 1).astype(jnp.int32)
 
   lo_args, lo_specs, hi_args, hi_specs = [], [], [], []
-  if n_lo:
+  if n_lo and int4_kernel == "triton":
     rows = p_lo * page_lo
     # (K, V) fp16 scales of a row as one u32 (K in the low half): one 4-byte load per row.
     # Only this layer's are repacked (a size-changing bitcast may not be free).

@@ -4,23 +4,27 @@
 pages hold a multiple of 64 tokens (wgmma's M), its INT4 partition runs instead as
 :func:`pallas_kernels.gpu.mgpu_paged.partition_paged`, one page per pipeline step read by TMA
 straight from the cache's stacked uint8 pool, and its partials join the Triton kernel's BF16-pool
-and window partials in the one Eq. 15 merge.
+and window partials in the one Eq. 15 merge.  A cache made with ``lo_format="int4"``
+(head-major int4 pages, V dim-major: ``pallas_kernels.types.LowPool``) is read instead by
+:func:`pallas_kernels.gpu.mgpu_int4.partition`'s paged mode (2.34 TB/s against 1.5 TB/s on the
+H200, bench/RESULTS.md 2026-12-04), the only GPU kernel that reads that format.
 
 What this module adds around the kernel (all small XLA work on this layer's data):
 * q per (sequence, KV head) padded to 16 query rows (the kernel's N side) and split into its
-  nibble halves (``nibble_q``);
+  nibble halves (``nibble_q``; the bytes pool only);
 * this layer's fp16 scales ``[P, page, Hkv, 2]`` -> head-major f32 ``[Hkv, P, page]`` for K and
-  V (the Triton path repacks the same scales per layer); non-finite scales of unused rows become
-  0, so garbage in invisible rows (which the cache contract allows) cannot reach the output
-  through ``p * scale``;
+  V (``[P, Hkv, page]`` for the int4 pool; the Triton path repacks the same scales per layer);
+  non-finite scales of unused rows become 0, so garbage in invisible rows (which the cache
+  contract allows) cannot reach the output through ``p * scale``;
 * the page table clamped to page 0 past each sequence's pages (entries there are unspecified)
   and padded to a multiple of the context splits; the layer's page offset ``layer * P`` goes to
   the kernel as ``base`` (codes of every layer stay in one array, nothing is sliced);
 * the kernel's ``[BH, S, D, 16]`` outputs transposed into the Triton layout
   ``o [B, Hkv, S, 16, D]``, ``m, l [B, Hkv, S, 16]`` (log2 units in both).
 
-``reference=True`` runs ``partition_paged_reference`` (jnp) in the kernel's place: the CPU tests
-check everything above end to end against ``decode_attention_reference``.
+``reference=True`` runs ``partition_paged_reference`` (``pool_reference`` for the int4 pool;
+jnp) in the kernel's place: the CPU tests check everything above end to end against
+``decode_attention_reference``.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.gpu import mgpu_common as C
+from pallas_kernels.gpu import mgpu_int4 as MI
 from pallas_kernels.gpu import mgpu_paged as MP
 from pallas_kernels.types import LowPool, PageMaps
 
@@ -58,11 +63,12 @@ def splits_for(bh: int, n_pages: int) -> int:
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
                   g: int, splits: int | None = None, reference: bool = False):
-  """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked ``[L, P, page, Hkv,
-  D/2]`` with scales ``[L, P, page, Hkv, 2]``, ``layer`` int32 -> partials ``o [B, Hkv, S, 16,
-  D]`` f32, ``m, l [B, Hkv, S, 16]`` (``c`` = softmax scale x log2 e)."""
+  """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
+  D/2]`` uint8 or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv, D, page]`` int4, scales ``[L, P, page,
+  Hkv, 2]``), ``layer`` int32 -> partials ``o [B, Hkv, S, 16, D]`` f32, ``m, l [B, Hkv, S, 16]``
+  (``c`` = softmax scale x log2 e)."""
   b, hkv, rows, d = qp.shape
-  n_l, p_lo, page = lo.k.shape[:3]
+  n_l, p_lo, page = lo.scale.shape[:3]
   if rows != C.N_PAD or not supported(page, d, g):
     raise ValueError(f"the Mosaic GPU INT4 partition takes pages and head dim in multiples of "
                      f"64 and <= {C.N_PAD} query heads per KV head; got page {page}, head dim "
@@ -71,10 +77,12 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   q = qp.reshape(bh, C.N_PAD, d).astype(jnp.bfloat16)
   sc = lax.dynamic_index_in_dim(lo.scale, layer, 0, keepdims=False).astype(jnp.float32)
   sc = jnp.where(jnp.isfinite(sc), sc, 0.0)                       # [P, page, Hkv, 2]
-  ks = jnp.transpose(sc[..., 0], (2, 0, 1))                       # [Hkv, P, page]
-  vs = jnp.transpose(sc[..., 1], (2, 0, 1))
-  k = lo.k.reshape(n_l * p_lo, page, hkv, d // 2)                 # free: layers lead
-  v = lo.v.reshape(n_l * p_lo, page, hkv, d // 2)
+  int4_pool = lo.format == "int4"
+  # Head-major scales: [Hkv, P, page] for partition_paged, [P, Hkv, page] for the int4 pool's
+  # partition (mgpu_int4.pool_shapes).
+  perm = (0, 2, 1) if int4_pool else (2, 0, 1)
+  ks = jnp.transpose(sc[..., 0], perm)
+  vs = jnp.transpose(sc[..., 1], perm)
   tbl = maps.lo_pages.astype(jnp.int32)
   n_pages = tbl.shape[1]
   used = (maps.lo_len.astype(jnp.int32) + page - 1) // page
@@ -83,15 +91,37 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   tbl = jnp.pad(tbl, ((0, 0), (0, (-n_pages) % s)))
   base = (jnp.asarray(layer, jnp.int32) * p_lo).reshape(1)
   lens = maps.lo_len.astype(jnp.int32)
+  cols = 8 if g <= 8 and C.HAS_CONCAT else C.N_PAD
+  if int4_pool:
+    # Head-major int4 pages, V dim-major: mgpu_int4.partition's paged mode (the faster read,
+    # bench/RESULTS.md 2026-12-04), lengths per (sequence, KV head).
+    k = lo.k.reshape(n_l * p_lo, hkv, page, d)                    # free: layers lead
+    v = lo.v.reshape(n_l * p_lo, hkv, d, page)
+    lens = jnp.repeat(lens, hkv)
+    if reference:
+      o, m, l = MI.pool_reference(q, k, ks, v, vs, lens, tbl, base, v_major="dim", splits=s,
+                                  qk_scale=c)
+    else:
+      o, m, l = MI.partition(q, k, ks, v, vs, lens, None, tbl, base, tile=page, splits=s,
+                             v_major="dim", qk_scale=c, cols=cols, approx_math=True,
+                             no_auto_barriers=True)
+    return _layout(o, m, l, b, hkv, s, d)
+  k = lo.k.reshape(n_l * p_lo, page, hkv, d // 2)                 # free: layers lead
+  v = lo.v.reshape(n_l * p_lo, page, hkv, d // 2)
   if reference:
     o, m, l = MP.partition_paged_reference(q, k, ks, v, vs, tbl, lens, base, splits=s,
                                            qk_scale=c)
   else:
-    cols = 8 if g <= 8 and C.HAS_CONCAT else C.N_PAD
     qn, bias = MP.nibble_q(q)
     o, m, l = MP.partition_paged(qn, bias, k, ks, v, vs, tbl, lens, base, splits=s,
                                  qk_scale=c, cols=cols, approx_math=True,
                                  no_auto_barriers=True)
+  return _layout(o, m, l, b, hkv, s, d)
+
+
+def _layout(o, m, l, b, hkv, s, d):
+  """The kernels' ``[BH, S, D, 16]`` partials -> ``o [B, Hkv, S, 16, D]``, ``m, l [B, Hkv, S,
+  16]`` (the Triton kernel's layout)."""
   o = jnp.swapaxes(o.reshape(b, hkv, s, d, C.N_PAD), 3, 4)
   m = m[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)
   l = l[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)

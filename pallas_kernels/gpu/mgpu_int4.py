@@ -23,8 +23,9 @@ float32 math of :func:`attend_reference`.
 Shapes: ``q[BH, 16, D]`` bf16 (G <= 16 query heads per KV head, zero rows after them),
 ``k[BH, N, D]`` int4 (jax's packing: element 2j in the low nibble of byte j; :func:`int4_view`
 reads our half-split bytes that way), ``ks, vs[BH, N]`` f32 scales, ``lens[BH]`` int32 visible
-keys. Contiguous keys per row; ``mgpu_paged`` reads the cache's paged pool (not yet wired into
-``decode_attention`` either).
+keys. Contiguous keys per row, or (``tbl`` given) a paged pool of head-major int4 pages: the
+cache's INT4 pool when it is made with ``lo_format="int4"`` (``mgpu_decode`` runs it behind
+``decode_attention``'s GPU backend, ``base`` picking the layer of the stacked codes).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ Q_LO = 254.0        # q's int8 low half is in units of scale / Q_LO (split_q)
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
                                              "qk_scale", "k_upcast", "v_upcast", "approx_math",
                                              "no_auto_barriers", "cols"))
-def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
+def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: int = 128,
               stages: int = 2, splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
               qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16",
               approx_math: bool = False, no_auto_barriers: bool = False, cols: int = N_PAD):
@@ -56,6 +57,9 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
   ``tbl[B, n_pages]`` int32 (paged): ``k``, ``v``, ``ks``, ``vs`` are a pool of head-major
   pages of ``tile`` tokens (:func:`pool_shapes`), read through the page table in the TMA index
   map, one page per pipeline step; ``q`` and ``lens`` stay per (sequence, KV head), head minor.
+  ``base`` (paged only; int32 ``[1]``, default 0) is added to every page id of the codes but not
+  of the scales, as in ``mgpu_paged.partition_paged``: codes of a layer stack ``[L * P, ...]``
+  read at one layer's pages, with that layer's scales ``[P, Hkv, tile]`` alone.
 
   ``v_major="token"``: ``v[BH, N, D]``, upcast into a bf16 shared-memory tile read transposed.
   ``v_major="dim"``: ``v[BH, D, N]`` (V stored transposed), upcast in registers straight into
@@ -74,6 +78,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
   columns 8-15 are zeros (``l = 0``, which :func:`merge` reads as empty).
   """
   if tbl is None:
+    if base is not None:
+      raise ValueError("base offsets the page ids of a paged pool: it needs tbl")
     bh, n, d = k.shape
     hkv = 1
     _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages,
@@ -82,9 +88,10 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
     paged = False
   else:
     _check_pool(q, k, ks, v, vs, lens, tbl, tile=tile, splits=splits, v_major=v_major,
-                stages=stages, k_upcast=k_upcast, v_upcast=v_upcast)
+                stages=stages, k_upcast=k_upcast, v_upcast=v_upcast, stacked=base is not None)
     bh, (_, hkv, _, d), n = q.shape[0], k.shape, tbl.shape[1] * tile
     paged = True
+  base = jnp.zeros((1,), jnp.int32) if base is None else jnp.asarray(base, jnp.int32).reshape(1)
   if cols != N_PAD and not lazy_sum:
     raise ValueError(f"cols={cols} needs lazy_sum=True")
   narrow = _check_cols(cols)
@@ -112,8 +119,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
       return x.astype(jnp.bfloat16)
     return ref[...].astype(jnp.bfloat16)
 
-  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, tbl_gmem, o_gmem,
-           m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, bar):
+  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, tbl_gmem, base_gmem,
+           o_gmem, m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, bar):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
     length = lens_gmem[b]
@@ -178,9 +185,11 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
     if paged:     # one page per step: its table entry picks the box, the head its row
       seq, hd = b // hkv, lax.rem(b, hkv)
       pg = lambda i: tbl_gmem[seq, sp * steps + i]
-      rows = plgpu.BlockSpec((None, None, tile, d), lambda i: (pg(i), hd, 0, 0), transforms=k_tr)
+      code_pg = lambda i: pg(i) + base_gmem[0]        # the codes' layer offset (not the scales')
+      rows = plgpu.BlockSpec((None, None, tile, d), lambda i: (code_pg(i), hd, 0, 0),
+                             transforms=k_tr)
       sc = plgpu.BlockSpec((None, None, tile), lambda i: (pg(i), hd, 0))
-      cols_v = plgpu.BlockSpec((None, None, d, tile), lambda i: (pg(i), hd, 0, 0),
+      cols_v = plgpu.BlockSpec((None, None, d, tile), lambda i: (code_pg(i), hd, 0, 0),
                                transforms=vt_tr)
       refs = (k_gmem, ks_gmem, v_gmem, vs_gmem)
     else:
@@ -215,7 +224,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, *, tile: int = 128,
           o_smem=plgpu.SMEM((d, N_PAD), jnp.float32),
           bar=plgpu.Barrier(),
       ),
-  )(q, k, ks, v, vs, lens, qscale, tbl)
+  )(q, k, ks, v, vs, lens, qscale, tbl, base)
 
 
 def block_v(v: jax.Array, tile: int) -> jax.Array:
@@ -401,8 +410,10 @@ def pool_shapes(n_pages: int, hkv: int, tile: int, d: int, v_major: str = "dim")
 
 
 def _check_pool(q, k, ks, v, vs, lens, tbl, *, tile, splits, v_major, stages, k_upcast,
-                v_upcast) -> None:
-  """One-line errors for a paged call (``tbl`` given): pool shapes, table, lengths."""
+                v_upcast, stacked=False) -> None:
+  """One-line errors for a paged call (``tbl`` given): pool shapes, table, lengths.
+  ``stacked`` (a ``base`` was given): the scales may cover one layer of the codes' layer stack,
+  ``P_s`` pages with ``P % P_s == 0``."""
   if v_major not in ("token", "dim"):
     raise ValueError(f"a paged pool takes v_major 'token' or 'dim', got {v_major!r}")
   if k.ndim != 4:
@@ -415,6 +426,9 @@ def _check_pool(q, k, ks, v, vs, lens, tbl, *, tile, splits, v_major, stages, k_
     raise ValueError(f"tbl must be int32 [B, n_pages], got {tbl.dtype} {tuple(tbl.shape)}")
   b, n_pages = tbl.shape
   want = pool_shapes(p, hkv, tile, d, v_major)
+  p_s = ks.shape[0] if ks.ndim == 3 else p
+  if stacked and p_s and p % p_s == 0:      # one layer's scales beside the stack's codes
+    want |= {n: (p_s,) + want[n][1:] for n in ("ks", "vs")}
   for name, arr in (("v", v), ("ks", ks), ("vs", vs)):
     if tuple(arr.shape) != want[name]:
       raise ValueError(f"{name} must have shape {want[name]} for k {tuple(k.shape)} "
@@ -448,9 +462,14 @@ def pool_gather(k, ks, v, vs, tbl, *, v_major: str = "dim"):
   return kc, sc(ks), vc, sc(vs)
 
 
-def pool_reference(q, k, ks, v, vs, lens, tbl, *, v_major: str = "dim", **knobs):
+def pool_reference(q, k, ks, v, vs, lens, tbl, base=None, *, v_major: str = "dim", **knobs):
   """:func:`partition` over a paged pool, in jnp: the pool gathered through the tables, then
-  :func:`partition_reference` with page-sized tiles."""
+  :func:`partition_reference` with page-sized tiles.  ``base`` as in :func:`partition`: the
+  codes at pages ``base + tbl``, the scales at ``tbl``."""
+  if base is not None:      # the codes of the layer the scales belong to
+    at = jnp.asarray(base, jnp.int32).reshape(())
+    k = lax.dynamic_slice_in_dim(k, at, ks.shape[0], 0)
+    v = lax.dynamic_slice_in_dim(v, at, ks.shape[0], 0)
   kc, ksc, vc, vsc = pool_gather(k, ks, v, vs, tbl, v_major=v_major)
   return partition_reference(q, kc, ksc, vc, vsc, lens, tile=k.shape[2], v_major=v_major,
                              **knobs)

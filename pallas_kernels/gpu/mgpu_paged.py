@@ -23,7 +23,8 @@ Shapes (B sequences, Hkv KV heads, BH = B x Hkv with the head minor, P pages of 
 Hkv, D/2]`` uint8; ``ks, vs[Hkv, P, page]`` f32 (head-major: a page's scales are one TMA box);
 ``tbl[B, n_pages]`` int32 pages in order; ``lens[B]`` int32 visible keys. Outputs are
 ``mgpu_int4.partition``'s partials ``[BH, splits, D, 16]``, combined by ``mgpu_int4.merge``.
-Not yet behind ``decode_attention`` (the cache's fp16 scales are ``[P, page, Hkv, 2]``).
+Behind ``decode_attention``'s GPU backend through ``mgpu_decode`` (which makes the cache's fp16
+scales ``[P, page, Hkv, 2]`` head-major).
 """
 from __future__ import annotations
 

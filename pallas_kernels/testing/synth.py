@@ -35,8 +35,13 @@ class Shape:
 
 
 def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool = True,
-         spare_pages: int = 3):
-  """Returns (q [B, Hq, D] bf16, Window, HighPool, LowPool, PageMaps); lengths are per sequence."""
+         spare_pages: int = 3, lo_format: str = "bytes"):
+  """Returns (q [B, Hq, D] bf16, Window, HighPool, LowPool, PageMaps); lengths are per sequence.
+
+  ``lo_format``: the INT4 pool's storage format (``types.LowPool``).  "int4" holds exactly the
+  codes (poison included) and scales of "bytes" for the same arguments, so one case compares
+  across formats."""
+  int4.check_format(lo_format)
   s = shape
   rng = np.random.default_rng(seed)
   lo_len = np.broadcast_to(np.asarray(lo_len, np.int32), (s.b,)).copy()
@@ -104,7 +109,10 @@ def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool =
   bf = lambda x: jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
   window = Window(bf(kw), bf(vw), jnp.asarray(win_len))
   hi = HighPool(bf(khi), bf(vhi))
-  lo = LowPool(jnp.asarray(kc, jnp.uint8), jnp.asarray(vc, jnp.uint8), jnp.asarray(sc, jnp.float16))
+  kc, vc = jnp.asarray(kc, jnp.uint8), jnp.asarray(vc, jnp.uint8)
+  if lo_format == "int4":        # the same codes (0xFF poison: -1s), head-major, V dim-major
+    kc, vc = int4.pool_arrays(*int4.pool_codes(kc, vc), "int4")
+  lo = LowPool(kc, vc, jnp.asarray(sc, jnp.float16))
   maps = PageMaps(jnp.asarray(hi_tbl), jnp.asarray(hi_len), jnp.asarray(lo_tbl),
                   jnp.asarray(lo_len))
   return bf(q), window, hi, lo, maps
@@ -120,9 +128,8 @@ def visible_rows(window: Window, hi: HighPool, lo: LowPool, maps: PageMaps):
   f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
   kw, vw, khi, vhi = f(window.k), f(window.v), f(hi.k), f(hi.v)
   sc = f(lo.scale)
-  kcodes = np.asarray(int4.unpack(lo.k), np.float64)
-  vcodes = np.asarray(int4.unpack(lo.v), np.float64)
-  page_lo, page_hi = lo.k.shape[1], hi.k.shape[1]
+  kcodes, vcodes = (np.asarray(x, np.float64) for x in int4.pool_codes(lo.k, lo.v))
+  page_lo, page_hi = lo.page, hi.k.shape[1]
   hkv, d = window.k.shape[2], window.k.shape[3]
   out = []
   for b in range(window.k.shape[0]):
@@ -191,7 +198,8 @@ def stack_layers(args):
   with K negated and the INT4 K/V codes and scales swapped, layer 2 with K and V swapped.  The
   poisoned (invisible) slots stay where they were."""
   q, win, hi, lo, maps = args
-  swap = LowPool(lo.v, lo.k, lo.scale[..., ::-1])
+  kc, vc = int4.pool_codes(lo.k, lo.v)
+  swap = LowPool(*int4.pool_arrays(vc, kc, lo.format), lo.scale[..., ::-1])
   layers = [(win.k, win.v, hi, lo), (-win.k, win.v, HighPool(-hi.k, hi.v), swap),
             (win.v, win.k, HighPool(hi.v, hi.k), swap)]
   st = lambda *xs: jnp.stack(xs)
@@ -216,9 +224,9 @@ class Case:
   win: tuple
   spare_pages: int = 3
 
-  def make(self, seed: int = 0, poison: bool = True):
+  def make(self, seed: int = 0, poison: bool = True, lo_format: str = "bytes"):
     return make(self.shape, self.lo, self.hi, self.win, seed=seed, poison=poison,
-                spare_pages=self.spare_pages)
+                spare_pages=self.spare_pages, lo_format=lo_format)
 
 
 # Ragged lengths: 0, 1, and non-multiples of every page and block size; every GQA ratio of the

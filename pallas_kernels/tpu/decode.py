@@ -175,8 +175,12 @@ def partials_tpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
 
   ``layer`` (see ``pallas_kernels.decode_attention``) is one more scalar prefetch: the index
   maps pick the layer's blocks from the stacked pools and window, so no layer is copied except
-  its scales (repacked to int32 bits, 4 B a row).
+  its scales (repacked to int32 bits, 4 B a row).  The INT4 pool must be in the "bytes" storage
+  format (``types.LowPool``); an "int4" pool is refused.
   """
+  if lo.format != "bytes":
+    raise NotImplementedError("the TPU kernel reads the INT4 pool as uint8 half-split bytes only: "
+                              "make the cache with lo_format='bytes' (or use backend='reference')")
   if layer is None:
     add = lambda t: type(t)(*(x[None] for x in t))
     window, hi, lo, layer = window._replace(k=window.k[None], v=window.v[None]), add(hi), add(lo), 0

@@ -2,7 +2,9 @@
 
 :func:`write_layer` is the per-layer form of one decode-step update on a copy of that layer's
 arrays (``layer_slice`` … ``set_layer``): simpler than the in-place ``write_step`` /
-``evict_step`` the decode step runs, written independently of them, so tests compare the two.
+``evict_step`` the decode step runs, written independently of them, so tests compare the two
+(for an INT4 pool of either storage format: it puts rows into the token-major codes of
+``pallas_kernels.int4.pool_codes`` and converts back).
 :func:`append` is a whole step for every layer's K/V at once (a scan of :func:`write_layer`).
 """
 from __future__ import annotations
@@ -35,14 +37,16 @@ def write_layer(lkv: LayerKV, plan: StepPlan, g, k: jax.Array, v: jax.Array) -> 
   def put(pool, rows, val):
     return _rows(pool).at[rows].set(val.astype(pool.dtype), mode="drop").reshape(pool.shape)
 
-  kq, ks = int4.quantize_packed(old_k)
-  vq, vs = int4.quantize_packed(old_v)
+  kq, ks = int4.quantize(old_k)
+  vq, vs = int4.quantize(old_v)
+  # The INT4 pool in either format: as token-major codes, the row put, back to the format.
+  kc, vc = int4.pool_codes(lkv.lo_k, lkv.lo_v)                      # [P, page, Hkv, D]
+  lo_k, lo_v = int4.pool_arrays(put(kc, dl, kq), put(vc, dl, vq), int4.format_of(lkv.lo_k))
   return LayerKV(
       win_k=lkv.win_k.at[bi, plan.slot].set(k.astype(lkv.win_k.dtype), mode="drop"),
       win_v=lkv.win_v.at[bi, plan.slot].set(v.astype(lkv.win_v.dtype), mode="drop"),
       hi_k=put(lkv.hi_k, dh, old_k), hi_v=put(lkv.hi_v, dh, old_v),
-      lo_k=put(lkv.lo_k, dl, kq), lo_v=put(lkv.lo_v, dl, vq),
-      lo_s=put(lkv.lo_s, dl, jnp.stack([ks, vs], axis=-1)))
+      lo_k=lo_k, lo_v=lo_v, lo_s=put(lkv.lo_s, dl, jnp.stack([ks, vs], axis=-1)))
 
 
 def layer_slice(cache: Cache, layer) -> LayerKV:
@@ -72,6 +76,17 @@ def append(cache: Cache, k: jax.Array, v: jax.Array, actions: jax.Array,
 
   _, layers = jax.lax.scan(body, None, (cache.layers, k, v, group_array(cache)))
   return cache.replace(layers=layers)
+
+
+def lo_dequantized(cache: Cache) -> tuple[np.ndarray, np.ndarray]:
+  """Every row of the INT4 pool, either format, dequantized (codes x fp16 scale, float32) and
+  token-major: (k, v) ``[L, P_lo, lo_page, Hkv, D]`` numpy arrays.  Rows never written hold
+  zero codes with scale 1 in both formats, so two caches that stored the same entries in the
+  same rows compare equal here whatever their formats."""
+  lay = cache.layers
+  kc, vc = int4.pool_codes(lay.lo_k, lay.lo_v)
+  s = np.asarray(lay.lo_s, np.float32)
+  return (np.asarray(kc, np.float32) * s[..., 0:1], np.asarray(vc, np.float32) * s[..., 1:2])
 
 
 def stored_positions(cache: Cache, g: int, b: int) -> dict[str, list[int]]:
