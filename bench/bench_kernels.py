@@ -5,6 +5,8 @@
   python bench/bench_kernels.py --profile-one 'KNOBS' --mix b_int4_part   # one call, for ncu
   python bench/bench_kernels.py --out DIR --lo-page 128 --int4-kernels triton,mosaic --shapes 0,3
       # INT4 pages of 128 tokens; each INT4 row with both INT4 kernels (Mosaic GPU: Hopper only)
+  python bench/bench_kernels.py --out DIR --lo-page 128 --lo-formats bytes,int4 --shapes 0,3
+      # each INT4 row also with the pool in the int4 storage format (the Mosaic GPU pool kernel)
 
 Measures, in ONE process and run, per configuration:
   * the card's copy bandwidth (jnp elementwise read+write of 2 GiB) -- the ceiling;
@@ -63,6 +65,13 @@ def build(key, b, hq, hkv, d, lo_len, hi_len, win_len, lo_page=PAGE):
   q = normal(jax.random.fold_in(key, 99), (b, hq, d))
   win = Window(kw, vw, jnp.full((b,), win_len, jnp.int32))
   return q, win, hi, lo, maps
+
+
+def to_format(args, fmt):
+  """Kernel inputs with the INT4 pool's codes in storage format ``fmt`` (same codes, scales)."""
+  q, win, hi, lo, maps = args
+  k, v = jax.jit(lambda k, v: int4.pool_arrays(*int4.pool_codes(k, v), fmt))(lo.k, lo.v)
+  return q, win, hi, LowPool(k, v, lo.scale), maps
 
 
 def kv_bytes(b, hkv, d, lo_len, hi_len, win_len):
@@ -155,6 +164,9 @@ def main(argv=None):
                   "once (after one warm-up call) and exit; for ncu")
   ap.add_argument("--mix", default="b_int4_part")
   ap.add_argument("--lo-page", type=int, default=PAGE, help="tokens per INT4 page")
+  ap.add_argument("--lo-formats", default="bytes",
+                  help="comma list of INT4 storage formats (bytes, int4): each INT4 row in each; "
+                       "int4 is read by the Mosaic GPU kernel only")
   ap.add_argument("--int4-kernels", default="",
                   help="comma list of int4_kernel values: each row with INT4 entries runs each")
   ap.add_argument("--shapes", default="", help="comma list of shape indices (default: all)")
@@ -231,20 +243,29 @@ def main(argv=None):
                      dict(num_warps=4, num_stages=3, block_lo=128, block_hi=64),
                      dict(chunk_lo=2048), dict(int4_dequant="cvt"),
                      dict(int4_dequant="cvt", num_warps=8, num_stages=4, block_hi=64)]
-      for kn in variants if variants else ():
-        try:
-          fn = lambda *a, kn=kn: decode_attention_gpu(*a, **kn)
-          out = fn(*arg_sets[0])
-          err = synth.rel_err(out, ref)
-          t = timeit(fn, arg_sets)[0]
-        except Exception as e:
-          print(f"FAILED {name} {mix} {kn}: {type(e).__name__}: {str(e)[:500]}", flush=True)
-          continue
-        rows.append(dict(shape=name, variant=f"pask {mix}", B_payload=round(payload, 3),
-                         time_us=t * 1e6, bytes=nbytes, tbps=nbytes / t / 1e12,
-                         vs_baseline=t_base / t, err=err, knobs=json.dumps(kn)))
-        print(rows[-1], flush=True)
-      del arg_sets, ref
+      runs = [("bytes", arg_sets, variants)]
+      for fmt in args.lo_formats.split(","):
+        if fmt != "bytes" and lo_len:     # the same codes in another format, its own kernel
+          runs.append((fmt, [to_format(a, fmt) for a in arg_sets], [knobs]))
+      if "bytes" not in args.lo_formats.split(",") and lo_len:
+        runs = runs[1:]
+      for fmt, sets, kns in runs:
+        for kn in kns if kns else ():
+          try:
+            fn = lambda *a, kn=kn: decode_attention_gpu(*a, **kn)
+            out = fn(*sets[0])
+            err = synth.rel_err(out, ref)
+            t = timeit(fn, sets)[0]
+          except Exception as e:
+            print(f"FAILED {name} {mix} {fmt} {kn}: {type(e).__name__}: {str(e)[:500]}",
+                  flush=True)
+            continue
+          rows.append(dict(shape=name, variant=f"pask {mix}", B_payload=round(payload, 3),
+                           time_us=t * 1e6, bytes=nbytes, tbps=nbytes / t / 1e12,
+                           vs_baseline=t_base / t, err=err,
+                           knobs=json.dumps(kn if fmt == "bytes" else {**kn, "lo_format": fmt})))
+          print(rows[-1], flush=True)
+      del arg_sets, ref, runs
 
   with open(os.path.join(args.out, "kernels.json"), "w") as f:
     json.dump(dict(jax=jax.__version__, device=dev.device_kind, copy_tbps=bw / 1e12,

@@ -47,6 +47,8 @@ def main(argv=None) -> int:
   ap.add_argument("--profile", default=None)
   ap.add_argument("--time-limit", type=float, default=1e9)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--lo-format", default="bytes", choices=["bytes", "int4"],
+                  help="the INT4 pool's storage format (int4: read by the Mosaic GPU kernel)")
   ap.add_argument("--lo-page", type=int, default=None,
                   help="rows per INT4 page (default: the runner's page); 64 or 128 let the "
                        "Mosaic GPU INT4 kernel run on Hopper")
@@ -116,6 +118,7 @@ def main(argv=None) -> int:
     page = runner.page
     lo_page = a.lo_page or page
     cache = pc.init_for(cfg, B, pol, capacity=C + S + 1, page=page, lo_page=lo_page,
+                        lo_format=a.lo_format,
                         hi_capacity=max(page, n_h),
                         lo_capacity=max(lo_page, n_l) if mix[1] else lo_page)
     lengths = jnp.full((B,), C, jnp.int32)
@@ -202,7 +205,8 @@ def main(argv=None) -> int:
           if mix not in res:
             continue
           r = res[mix]
-          row = {"shape": a.shape, "layout": layout, "lo_page": a.lo_page, "batch": B, "context": C,
+          row = {"shape": a.shape, "layout": layout, "lo_page": a.lo_page,
+                 "lo_format": a.lo_format, "batch": B, "context": C,
                  "mix_RLH": [round(float(m), 4) for m in mix], "live_B": r["live_B"],
                  "pask_ms": r["ms"], "all_bf16_ms": allbf, "full_xla_ms": t_full * 1e3,
                  "pask_launch_ms": r["launch_ms"], "pask_device_ms": r["device_ms"],
