@@ -17,6 +17,8 @@ from pask_jax.decode import Runner, Sampling, generate
 
 from calibrate import alg1, stack as S, tasks
 
+pytestmark = pytest.mark.fast_compile
+
 CFG = alg1.Config(thresholds=((0.0, 0.0), (0.2, 0.4)), prefill_thresholds=((0.0, 0.0), (0.2, 0.4)),
                   alpha_d=0.25, alpha_p=0.25, b_p_grid=(0.3, 0.7), path_points=3, rows=192,
                   max_tokens=64, sink=2, window=4)
@@ -202,7 +204,11 @@ print("SHARDED-OK", len({tuple(o.tokens) for r in a for o in r}))
 
 
 def test_policy_stack_sharded_over_four_cpu_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  import jax
+  # compiled at this file's level (tests/conftest.py: fast_compile), as in the test process
+  fast = jax.config.values["jax_disable_most_optimizations"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
   r = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env,
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
