@@ -6,6 +6,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import reference
@@ -14,6 +15,8 @@ from pask_jax import cache as KC
 from pask_jax.testing import cache as tcache
 from pallas_kernels import int4
 from pask_jax import actions as Act
+
+pytestmark = pytest.mark.fast_compile
 
 # 4 layers -> groups [0,2), [2,3), [3,4): group 0 has two layers sharing maps.
 NL, B, HKV, D, W, SINK, G = 4, 3, 2, 8, 4, 2, 3
