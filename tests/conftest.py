@@ -1,6 +1,7 @@
 import atexit
 import contextlib
 import gc
+import json
 import os
 import shutil
 import tempfile
@@ -111,3 +112,34 @@ def _drop_compiled_programs():
       "programs would exhaust the process's mappings; compile fewer (shared shapes, fewer "
       "static arguments)")
 
+
+# ---- test order: heaviest files first -------------------------------------------------------
+# `pytest -n 2 --dist loadfile` hands whole files to the workers in the order the items arrive,
+# the next file to whichever worker is nearly done.  Files in descending time (tests/durations.json:
+# seconds per file under the CI line, from `--durations=0`; scripts/test_durations.py rebuilds
+# it) are a longest-first schedule: the long files start at once and the short ones fill the end,
+# so both workers finish together (a file's own tests keep their order).  A file missing from
+# the table goes first (unknown: maybe long).  xdist's own reordering (files by number of tests)
+# is turned off so it keeps this one.
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("failedfirst", False) or config.getoption("newfirst", False):
+    return   # --ff / --nf chose the order
+  try:
+    with open(DURATIONS) as f:
+      secs = json.load(f)["seconds"]
+  except (OSError, ValueError, KeyError):
+    return
+  first: dict[str, int] = {}
+  for i, it in enumerate(items):
+    first.setdefault(it.nodeid.split("::", 1)[0], i)
+  key = lambda f: (-secs.get(os.path.basename(f), float("inf")), first[f])
+  rank = {f: r for r, f in enumerate(sorted(first, key=key))}
+  items.sort(key=lambda it: rank[it.nodeid.split("::", 1)[0]])
