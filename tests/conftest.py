@@ -1,5 +1,7 @@
 import atexit
+import contextlib
 import gc
+import json
 import os
 import shutil
 import tempfile
@@ -45,6 +47,49 @@ if _CACHE_DIR != "off":
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+# A test file marked ``pytestmark = pytest.mark.fast_compile`` (or one test marked
+# ``@pytest.mark.fast_compile``; ``fast_compile(False)`` exempts a test of a marked file) compiles
+# with XLA's most expensive optimizations off (jax_disable_most_optimizations: backend
+# optimization level 0, no expensive LLVM passes).  For files and tests whose time is compiling
+# many small programs (tiny random models, kernel references and interpret-mode kernels on small
+# shapes); never for one that executes the real SmolLM2 model (its O0 code runs slower than it
+# compiles faster), checks compiled memory, or compiles for a GPU/TPU to check its resources.
+# The flag is read at compile time and is not part of the jit cache key: the programs a file
+# compiled are dropped at its end (_drop_compiled_programs), so no other file runs them (a test
+# marked alone shares its file's jit caches), and the persistent cache keys programs by their
+# compile options.  PASK_TEST_FAST_COMPILE=off compiles everything at the default level.
+FAST_COMPILE = os.environ.get("PASK_TEST_FAST_COMPILE", "on") != "off"
+
+
+def _fast_wanted(node) -> bool:
+  m = node.get_closest_marker("fast_compile")
+  return FAST_COMPILE and m is not None and bool(m.args[0] if m.args else True)
+
+
+@contextlib.contextmanager
+def _fast(on: bool):
+  old = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", on)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile_file(request):
+  """A marked file: from before its module-scoped fixtures to the end of its last test."""
+  with _fast(_fast_wanted(request.node)):
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _fast_compile_test(request):
+  """A test's own mark, ``fast_compile`` or ``fast_compile(False)``, over its file's."""
+  with _fast(_fast_wanted(request.node)):
+    yield
+
+
 def _maps() -> tuple[int, int]:
   try:
     with open("/proc/self/maps") as f:
@@ -66,3 +111,35 @@ def _drop_compiled_programs():
       f"this test file left {n} memory mappings of vm.max_map_count {limit}: its compiled "
       "programs would exhaust the process's mappings; compile fewer (shared shapes, fewer "
       "static arguments)")
+
+
+# ---- test order: heaviest files first -------------------------------------------------------
+# `pytest -n 2 --dist loadfile` hands whole files to the workers in the order the items arrive,
+# the next file to whichever worker is nearly done.  Files in descending time (tests/durations.json:
+# seconds per file under the CI line, from `--durations=0`; scripts/test_durations.py rebuilds
+# it) are a longest-first schedule: the long files start at once and the short ones fill the end,
+# so both workers finish together (a file's own tests keep their order).  A file missing from
+# the table goes first (unknown: maybe long).  xdist's own reordering (files by number of tests)
+# is turned off so it keeps this one.
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("failedfirst", False) or config.getoption("newfirst", False):
+    return   # --ff / --nf chose the order
+  try:
+    with open(DURATIONS) as f:
+      secs = json.load(f)["seconds"]
+  except (OSError, ValueError, KeyError):
+    return
+  first: dict[str, int] = {}
+  for i, it in enumerate(items):
+    first.setdefault(it.nodeid.split("::", 1)[0], i)
+  key = lambda f: (-secs.get(os.path.basename(f), float("inf")), first[f])
+  rank = {f: r for r, f in enumerate(sorted(first, key=key))}
+  items.sort(key=lambda it: rank[it.nodeid.split("::", 1)[0]])

@@ -15,6 +15,8 @@ from pask_jax.baselines import h2o, int4, mikv, snapkv, streaming
 from pask_jax.baselines.masked import Config, MaskedRunner, plan, qdq
 from pask_jax.decode import PaskRunner, Runner, Sampling, generate
 
+pytestmark = pytest.mark.fast_compile
+
 RNG = np.random.default_rng()   # fresh randomness each run
 
 

@@ -16,6 +16,8 @@ from pask_jax.testing import cache as tcache
 from pallas_kernels import int4
 from pask_jax import actions as Act
 
+pytestmark = pytest.mark.fast_compile
+
 # 4 layers -> groups [0,2), [2,3), [3,4): group 0 has two layers sharing maps.
 NL, B, HKV, D, W, SINK, G = 4, 3, 2, 8, 4, 2, 3
 TP, STEPS, CAP, PAGE = 9, 14, 24, 4

@@ -2,10 +2,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import pallas_kernels
 from pask_jax import cache as C
 from pask_jax.testing import cache as tcache
+
+pytestmark = pytest.mark.fast_compile
 
 L, Hkv, D, W, PAGE, CAP, G = 3, 2, 8, 4, 4, 16, 3
 P_HI, P_LO = 10, 9

@@ -1,6 +1,7 @@
 """Offline calibration (Alg. 1) on a tiny random model with a synthetic tool-call task whose oracle
 is exact: the pipeline end to end, Eq. 5/6 floors, nested greedy paths (Prop. 2), the reserve
 (Eq. 16, Prop. 4), Eq. 9 selection, resume, and stacked (vmapped) == sequential interventions."""
+import contextlib
 import json
 import os
 import subprocess
@@ -17,14 +18,36 @@ from pask_jax.decode import Runner, Sampling, generate
 
 from calibrate import alg1, stack as S, tasks
 
+pytestmark = pytest.mark.fast_compile
+
 CFG = alg1.Config(thresholds=((0.0, 0.0), (0.2, 0.4)), prefill_thresholds=((0.0, 0.0), (0.2, 0.4)),
                   alpha_d=0.25, alpha_p=0.25, b_p_grid=(0.3, 0.7), path_points=3, rows=192,
                   max_tokens=64, sink=2, window=4)
 CAP = 256
 
 
+@contextlib.contextmanager
+def default_compile():
+  """XLA's default optimizations inside, whatever the file's level (tests/conftest.py)."""
+  import jax
+  old = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+  # Compiled at the default level: Runtime-V decodes 192-row stacks over SmolLM2's 49152-token
+  # vocabulary, whose execution at O0 costs more than its compile saves (44 -> 53 s measured);
+  # the runners it compiles serve the file's later runs of the same shapes.
+  with default_compile():
+    return _setup(tmp_path_factory)
+
+
+def _setup(tmp_path_factory):
   from pask_jax.grammar import GrammarCompiler
   tok = smollm2().tokenizer
   model = tiny_llama(smollm2().cfg.vocab_size)
@@ -202,7 +225,11 @@ print("SHARDED-OK", len({tuple(o.tokens) for r in a for o in r}))
 
 
 def test_policy_stack_sharded_over_four_cpu_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  import jax
+  # compiled at this file's level (tests/conftest.py: fast_compile), as in the test process
+  fast = jax.config.values["jax_disable_most_optimizations"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
   r = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env,
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -17,6 +17,8 @@ from pask_jax.grammar import tool_call_grammar
 from pask_jax.prompt import Prompt
 from pask_jax.testing import grammar_compiler, stored_tokenizer
 
+pytestmark = pytest.mark.fast_compile
+
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 COLORS = ["red", "green", "blue", "amber"]
 TOOL = {"type": "function", "function": {"name": "paint", "description": "Paint the wall",

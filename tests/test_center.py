@@ -7,6 +7,8 @@ import pytest
 from models import ModelConfig, center, decoder, fingerprint, random_model
 from pallas_kernels import int4
 
+pytestmark = pytest.mark.fast_compile   # tiny random models (tests/conftest.py) ...
+
 CFG = ModelConfig(arch="qwen2", vocab_size=97, hidden=64, intermediate=96, n_layers=3, n_heads=4,
                   n_kv_heads=2, head_dim=16, rope_theta=1e6)
 
@@ -98,6 +100,7 @@ def test_bad_inputs_name_the_problem():
     center.apply(m, jnp.zeros((CFG.n_layers, CFG.n_kv_heads, CFG.head_dim + 1)))
 
 
+@pytest.mark.fast_compile(False)   # ... but this one runs the real SmolLM2
 def test_load_centers_a_registered_model():
   from models import load
   m = load(None, dtype=jnp.float32, need_tokenizer=True, center_keys=True)

@@ -7,6 +7,27 @@ import pytest
 from pask_jax import cli
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _load_once():
+  """Every ``generate`` here loads the embedded model with the same arguments (each load reads
+  the GGUF and estimates its key centering, ~8 s on a 2-core CPU): the file loads it once.  The
+  command's own path runs as written; the loader (pask_jax.platform.load_model) returns the model
+  it loaded before for the same arguments; what it refuses is refused as before (not memoized)."""
+  from pask_jax import platform
+  real, loaded = platform.load_model, {}
+
+  def load(name_or_path=None, *, dtype_name="auto", center_keys=True):
+    key = (name_or_path, str(dtype_name), center_keys)
+    if key not in loaded:
+      loaded[key] = real(name_or_path, dtype_name=dtype_name, center_keys=center_keys)
+    return loaded[key]
+
+  mp = pytest.MonkeyPatch()
+  mp.setattr(platform, "load_model", load)
+  yield
+  mp.undo()
+
+
 def test_generate_json_schema(tmp_path, capsys):
   schema = json.load(open("examples/weather_schema.json"))
   rc = cli.main(["generate", "--prompt", "Weather in Paris as JSON", "--json-schema",

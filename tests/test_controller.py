@@ -15,6 +15,8 @@ from pask_jax import policy as P
 from pask_jax import tags as T
 from pask_jax import actions as Act
 
+pytestmark = pytest.mark.fast_compile
+
 R, L, H = Act.R, Act.L, Act.H
 # 3 layers, 1 KV head, d = 8: per group n_c = 16, k_c = 2 -> m(H) = 256, m(L) = 64 + 32 = 96.
 MODEL = {"n_layers": 3, "n_kv_heads": 1, "head_dim": 8}

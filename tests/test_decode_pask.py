@@ -75,6 +75,7 @@ def test_all_high_equals_full_kv_on_smollm2():
   assert int(cache.hi_len[0, 0]) == len(prompt) + len(cont) - policy.window
 
 
+@pytest.mark.fast_compile   # a tiny random model (tests/conftest.py)
 @pytest.mark.parametrize("window", [4, 64])
 def test_all_high_equals_full_kv_random_model(window):
   cfg = TINY["qwen2"]
@@ -104,6 +105,7 @@ def _attend_all_layers(c, q):
                     for l in range(c.n_layers)])
 
 
+@pytest.mark.fast_compile
 def test_released_tokens_do_not_influence_attention():
   rng = np.random.default_rng(0)
   N, L, B, Hkv, D, G, W = 24, 3, 2, 2, 16, 3, 4
@@ -131,6 +133,7 @@ def test_released_tokens_do_not_influence_attention():
   assert not bool(jnp.all(_attend_all_layers(_run_cache(k3, v, jnp.asarray(acts), W), q) == base))
 
 
+@pytest.mark.fast_compile
 def test_low_tokens_match_dequantized_values():
   """Attention over a cache with INT4 entries equals dense attention over the dequantized K/V
   (to FP32 rounding), and differs from unquantized attention by no more than INT4 allows."""

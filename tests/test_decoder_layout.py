@@ -14,6 +14,8 @@ from models import ModelConfig, random_model
 from models import decoder
 from pask_jax import kv_dense
 
+pytestmark = pytest.mark.fast_compile
+
 _BASE = dict(vocab_size=97, hidden=64, intermediate=96, n_layers=3, n_heads=4, n_kv_heads=2,
              head_dim=16, max_position=256)
 FAMILIES = {

@@ -24,6 +24,8 @@ from pask_jax.tracker import Tracker
 from serve.engine import (DenseEngine, Engine, Request, expected_mix, page_bytes, reachable,
                           size_pools)
 
+pytestmark = pytest.mark.fast_compile
+
 CFG = ModelConfig(arch="llama", vocab_size=49152, hidden=64, intermediate=128, n_layers=3,
                   n_heads=4, n_kv_heads=2, head_dim=16, tie_embeddings=True)
 PAGE, CTX, SLOTS = 4, 192, 4

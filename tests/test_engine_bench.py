@@ -8,6 +8,8 @@ import pytest
 
 from bench import bench_serving as BS
 
+pytestmark = pytest.mark.fast_compile
+
 
 def test_tiny_serving_matrix_end_to_end(tmp_path, monkeypatch):
   # The embedded model's tokenizer for the tiny rows wherever the test runs (the default takes

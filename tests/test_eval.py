@@ -16,6 +16,8 @@ from pask_jax.prompt import Prompt
 
 from pask_jax.testing import grammar_compiler, stored_tokenizer
 
+pytestmark = pytest.mark.fast_compile
+
 DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
 RNG = np.random.default_rng()
 COLORS = ["red", "green", "blue", "amber"]

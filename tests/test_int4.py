@@ -8,11 +8,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pallas_kernels import int4
 from pallas_kernels.testing.quant import adversarial_rows
+
+pytestmark = pytest.mark.fast_compile
 
 D = 8
 # Magnitudes from subnormal-fp16 scales (max|x| ~ 1e-7) to large activations; bf16-representable

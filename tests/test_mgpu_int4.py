@@ -20,6 +20,8 @@ from pallas_kernels import int4  # noqa: E402
 from pallas_kernels.gpu import mgpu_int4 as M  # noqa: E402
 from pallas_kernels.testing.mgpu import assert_narrow_lowers  # noqa: E402
 
+pytestmark = pytest.mark.fast_compile
+
 
 def make(g: int, d: int, n: int, lens, seed: int, hkv: int = 2):
   """Fresh random q (G real rows of 16), int4 K/V codes, scales and the given lengths."""

@@ -17,6 +17,8 @@ from pallas_kernels.gpu import mgpu_paged as MP  # noqa: E402
 from pallas_kernels.testing.synth import paged_pool  # noqa: E402
 from pallas_kernels.testing.mgpu import assert_narrow_lowers  # noqa: E402
 
+pytestmark = pytest.mark.fast_compile
+
 
 def make(b, hkv, g, d, page, n_pages, lens, seed):
   """q (G real rows of 16), K and V pools with shuffled tables, head-major scales, lengths."""

@@ -15,6 +15,8 @@ import pytest  # noqa: E402
 from pallas_kernels.gpu import mgpu_int4 as M  # noqa: E402
 from pallas_kernels.testing.mgpu import assert_narrow_lowers  # noqa: E402
 
+pytestmark = pytest.mark.fast_compile
+
 
 def pool(b, hkv, g, d, tile, n_pages, lens, seed, v_major="dim"):
   """q (G real rows of 16), an int4 pool with one spare page per sequence handed out in a

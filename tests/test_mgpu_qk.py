@@ -21,6 +21,8 @@ from pallas_kernels import int4  # noqa: E402
 from pallas_kernels.gpu import mgpu_qk as M  # noqa: E402
 from pallas_kernels.testing.synth import paged_pool  # noqa: E402
 
+pytestmark = pytest.mark.fast_compile
+
 
 @pytest.mark.parametrize("hkv,d,page,splits", [(2, 64, 64, 2), (3, 128, 64, 4), (1, 128, 128, 1)])
 def test_nibble_arithmetic_equals_float32_scores(hkv, d, page, splits):

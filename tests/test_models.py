@@ -11,6 +11,8 @@ from models import ModelConfig, UnknownArchitectureError, load, load_gguf, load_
 from pask_jax import kv_dense
 from pask_jax.decode import CapacityError, Runner, Sampling, generate
 
+pytestmark = pytest.mark.fast_compile
+
 
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_decode_equals_prefill(arch):

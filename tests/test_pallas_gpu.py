@@ -16,6 +16,8 @@ import pytest
 from pallas_kernels.testing import synth
 from pallas_kernels.gpu import decode_attention_gpu, partials_gpu
 
+pytestmark = pytest.mark.fast_compile
+
 # Small blocks and chunks force several splits per partition and partial last blocks.
 SMALL = dict(block_lo=32, block_hi=16, block_w=16, chunk_lo=96, chunk_hi=48)
 
@@ -81,6 +83,7 @@ def test_gpu_int4_prefetch_and_unfused_match_reference(case):
     assert synth.rel_err(got, want) < 3e-5, kn
 
 
+@pytest.mark.fast_compile(False)   # ptxas's resource report of the default compile
 def test_gpu_large_int4_pool_gets_its_own_launch_within_sm90a_limits():
   """fuse="auto": an INT4 partition with >= one program per SM runs as its own kernel (2 warps,
   register prefetch, inline-PTX dequant); both kernels compile for sm_90a without spills."""

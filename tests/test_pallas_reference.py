@@ -12,6 +12,8 @@ import pallas_kernels as pk
 from pallas_kernels import common
 from pallas_kernels.testing import synth
 
+pytestmark = pytest.mark.fast_compile
+
 
 @pytest.mark.parametrize("hq,hkv,d,page,lens", [
     (8, 2, 128, 16, ([0, 1, 250], [96, 0, 17], [1, 32, 23])),

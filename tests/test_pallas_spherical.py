@@ -20,6 +20,8 @@ from pallas_kernels import spherical
 from pallas_kernels.sph_types import SphInputs, SphMaps, TierSpec
 from pallas_kernels.testing import synth
 
+pytestmark = pytest.mark.fast_compile
+
 FORMATS = [(lay, val) for lay in spherical.LAYOUTS for val in spherical.VALUE_FORMATS]
 
 

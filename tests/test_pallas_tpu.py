@@ -16,6 +16,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.testing import synth
 from pallas_kernels.tpu import decode_attention_tpu, partials_tpu
 
+pytestmark = pytest.mark.fast_compile
+
 
 def _check(case, seed, tol=3e-5, **kw):
   args = case.make(seed=seed)

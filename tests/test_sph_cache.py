@@ -21,6 +21,8 @@ from pallas_kernels.testing import synth
 from pask_jax import actions as Act
 from pask_jax.spherical import cache as C
 
+pytestmark = pytest.mark.fast_compile
+
 L, B, H, D, W, G, SINK, PAGE = 4, 2, 2, 64, 8, 2, 2, 8
 TIERS = (TierSpec("A4", "bf16", D), TierSpec("A42", "int4", D), TierSpec("A2", "int4", D))
 K = len(TIERS)

@@ -17,6 +17,8 @@ from pallas_kernels import spherical
 from pallas_kernels.sph_types import TierSpec
 from pask_jax.spherical import rdr
 
+pytestmark = pytest.mark.fast_compile
+
 D = 64
 TIERS = (TierSpec("A2", "bf16", D), TierSpec("A42", "bf16", D), TierSpec("A4", "bf16", D))
 K = len(TIERS)

@@ -15,6 +15,8 @@ import pytest
 
 from pallas_kernels import spherical as S
 
+pytestmark = pytest.mark.fast_compile
+
 DIMS = (64, 128)
 CASES = [(lay, d) for d in DIMS for lay in S.LAYOUTS]
 

@@ -12,6 +12,8 @@ from pask_jax import policy as P
 from serve.engine import Engine, Request
 from serve.metrics import Metrics, parse
 
+pytestmark = pytest.mark.fast_compile
+
 CFG = ModelConfig(arch="llama", vocab_size=49152, hidden=64, intermediate=128, n_layers=2,
                   n_heads=4, n_kv_heads=2, head_dim=16, tie_embeddings=True)
 PARTS = ("launch", "wait", "host")

@@ -20,6 +20,8 @@ from pask_jax.decode import Runner, Sampling, generate, pad_prompts
 from pask_jax.grammar import GrammarCompiler
 from pask_jax.testing import TINY, load_tokenizer
 
+pytestmark = pytest.mark.fast_compile
+
 RNG = np.random.default_rng()   # fresh randomness each run
 
 
