@@ -17,6 +17,8 @@ import pytest  # noqa: E402
 from pallas_kernels.gpu import mgpu_decode, partials_gpu  # noqa: E402
 from pallas_kernels.testing import synth  # noqa: E402
 
+pytestmark = pytest.mark.fast_compile
+
 S, C = synth.Shape, synth.Case
 # INT4 pages of 64 / 128 tokens; every GQA ratio (1, 2, 4, 7, 8), head dim 64 and 128; ragged,
 # empty and full INT4 partitions; empty BF16 pool and window.
