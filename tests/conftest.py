@@ -1,5 +1,4 @@
 import atexit
-import contextlib
 import gc
 import json
 import os
@@ -16,6 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 from pask_jax.grammar.matcher import import_xgrammar  # noqa: E402
+from pask_jax.testing import fast_compile  # noqa: E402
 
 # xgrammar first, here: its SIGSEGV handler is replaced by faulthandler's (import_xgrammar), so a
 # crash ends the run with a traceback instead of hanging it.
@@ -66,27 +66,17 @@ def _fast_wanted(node) -> bool:
   return FAST_COMPILE and m is not None and bool(m.args[0] if m.args else True)
 
 
-@contextlib.contextmanager
-def _fast(on: bool):
-  old = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", on)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", old)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _fast_compile_file(request):
   """A marked file: from before its module-scoped fixtures to the end of its last test."""
-  with _fast(_fast_wanted(request.node)):
+  with fast_compile(_fast_wanted(request.node)):
     yield
 
 
 @pytest.fixture(autouse=True)
 def _fast_compile_test(request):
   """A test's own mark, ``fast_compile`` or ``fast_compile(False)``, over its file's."""
-  with _fast(_fast_wanted(request.node)):
+  with fast_compile(_fast_wanted(request.node)):
     yield
 
 

@@ -1,7 +1,6 @@
 """Offline calibration (Alg. 1) on a tiny random model with a synthetic tool-call task whose oracle
 is exact: the pipeline end to end, Eq. 5/6 floors, nested greedy paths (Prop. 2), the reserve
 (Eq. 16, Prop. 4), Eq. 9 selection, resume, and stacked (vmapped) == sequential interventions."""
-import contextlib
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from pask_jax.testing import smollm2, tiny_llama
+from pask_jax.testing import fast_compile, smollm2, tiny_llama
 from models import random_model
 from pask_jax import policy as P
 from pask_jax import actions as Act
@@ -26,24 +25,12 @@ CFG = alg1.Config(thresholds=((0.0, 0.0), (0.2, 0.4)), prefill_thresholds=((0.0,
 CAP = 256
 
 
-@contextlib.contextmanager
-def default_compile():
-  """XLA's default optimizations inside, whatever the file's level (tests/conftest.py)."""
-  import jax
-  old = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", old)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   # Compiled at the default level: Runtime-V decodes 192-row stacks over SmolLM2's 49152-token
   # vocabulary, whose execution at O0 costs more than its compile saves (44 -> 53 s measured);
   # the runners it compiles serve the file's later runs of the same shapes.
-  with default_compile():
+  with fast_compile(False):
     return _setup(tmp_path_factory)
 
 

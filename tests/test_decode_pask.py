@@ -195,17 +195,9 @@ def test_int4_pages_of_their_own_size_change_nothing():
   runs = []
   for lo_page in (None, 64):
     r = PaskRunner(m, policy, batch=2, capacity=160, lo_page=lo_page)
-    t, l = pad_prompts([s[:70] for s in seq], 2, r.capacity)
-    logits, (cache, bud, led) = r.begin(t, l)
-    out = [logits]
-    for i in range(70, 90):
-      tok = jnp.asarray([s[i] for s in seq], jnp.int32)
-      logits, cache, bud, led, _ = r.decode_step(
-          r.params, policy, cache, bud, led, tok, jnp.asarray([FREE_TAG] * 2),
-          jnp.array([-1, -1]), jnp.array([True, True]))
-      out.append(logits)
+    logits, cache, _, led = _prefill_then_steps(r, policy, seq, 70)
     assert cache.lo_page == (lo_page or 16) and cache.page == 16
-    runs.append((jnp.stack(out), cache, led))
+    runs.append((logits, cache, led))
   (a, ca, la), (b, cb, lb) = runs
   assert int(ca.lo_len.sum()) > 64 and int(ca.hi_len.sum()) > 0   # both pools really used
   np.testing.assert_array_equal(np.asarray(ca.lo_len), np.asarray(cb.lo_len))
@@ -232,17 +224,9 @@ def test_int4_storage_format_changes_nothing(lo_page):
   for fmt in ("bytes", "int4"):
     r = PaskRunner(m, policy, batch=2, capacity=160, lo_page=lo_page, lo_format=fmt,
                    backend="reference")
-    t, l = pad_prompts([s[:70] for s in seq], 2, r.capacity)
-    logits, (cache, bud, led) = r.begin(t, l)
-    out = [logits]
-    for i in range(70, 92):
-      tok = jnp.asarray([s[i] for s in seq], jnp.int32)
-      logits, cache, bud, led, _ = r.decode_step(
-          r.params, policy, cache, bud, led, tok, jnp.asarray([FREE_TAG] * 2),
-          jnp.array([-1, -1]), jnp.array([True, True]))
-      out.append(logits)
+    logits, cache, bud, led = _prefill_then_steps(r, policy, seq, 70)
     assert cache.lo_format == fmt and cache.lo_page == lo_page
-    runs.append((jnp.stack(out), cache, bud, led))
+    runs.append((logits, cache, bud, led))
   (a, ca, ba, la), (b, cb, bb, lb) = runs
   assert int(ca.lo_len.sum()) > 64 and int(ca.hi_len.sum()) > 0   # both pools really used
   assert ca.layers.lo_k.dtype == jnp.uint8 and cb.layers.lo_k.dtype == jnp.int4
@@ -253,3 +237,18 @@ def test_int4_storage_format_changes_nothing(lo_page):
     np.testing.assert_array_equal(x, y)
   assert np.abs(tcache.lo_dequantized(cb)[1]).sum() > 0
   np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _prefill_then_steps(r, policy, seq, n_prompt):
+  """Two sequences ``seq``: prefill their first ``n_prompt`` tokens, then one decode step per
+  remaining token (free tags) -> (logits of every step stacked, cache, budget, ledger)."""
+  t, l = pad_prompts([s[:n_prompt] for s in seq], 2, r.capacity)
+  logits, (cache, bud, led) = r.begin(t, l)
+  out = [logits]
+  for i in range(n_prompt, len(seq[0])):
+    tok = jnp.asarray([s[i] for s in seq], jnp.int32)
+    logits, cache, bud, led, _ = r.decode_step(
+        r.params, policy, cache, bud, led, tok, jnp.asarray([FREE_TAG] * 2),
+        jnp.array([-1, -1]), jnp.array([True, True]))
+    out.append(logits)
+  return jnp.stack(out), cache, bud, led

@@ -52,21 +52,23 @@ def test_mosaic_int4_partition_glue_matches_reference(case):
   assert synth.rel_err(got, want) < 6e-3
 
 
-def test_mosaic_glue_reads_the_traced_layer_of_a_stack():
-  case = CASES[2]
-  args = synth.stack_layers(case.make(seed=21))
+@pytest.mark.parametrize("case_index,lo_format,seed", [(2, "bytes", 21), (3, "int4", 22)])
+def test_mosaic_glue_reads_the_traced_layer_of_a_stack(case_index, lo_format, seed):
+  case = CASES[case_index]
+  args = synth.stack_layers(case.make(seed=seed, lo_format=lo_format))
   f = jax.jit(lambda l, *a: partials_gpu(*a, l, interpret=True, int4_kernel="mosaic_reference",
                                         **SMALL))
-  for layer in (1, 2):
+  for layer in (0, 1, 2):
     want = synth.reference_f32(*synth.layer_of(args, layer))
     got = synth.merged_f32(*f(layer, *args), axis=2, hq=args[0].shape[1], g=case.shape.g)
     assert synth.rel_err(got, want) < 6e-3, layer
 
 
+@pytest.mark.parametrize("lo_format", ["bytes", "int4"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_splits_that_do_not_divide_the_table_are_padded(splits):
+def test_splits_that_do_not_divide_the_table_are_padded(splits, lo_format):
   case = CASES[1]          # 3 INT4 pages per sequence
-  args = case.make(seed=5)
+  args = case.make(seed=5, lo_format=lo_format)
   got = merged(args, case.shape.g, int4_kernel="mosaic_reference", splits_lo=splits)
   assert synth.rel_err(got, synth.reference_f32(*args)) < 6e-3
 
@@ -119,25 +121,6 @@ def test_int4_format_glue_matches_reference(case):
   got = merged(args, case.shape.g, int4_kernel="mosaic_reference")
   assert bool(jnp.isfinite(got).all())
   assert synth.rel_err(got, want) < 6e-3
-
-
-def test_int4_format_glue_reads_the_traced_layer_of_a_stack():
-  case = CASES[3]          # GQA 7, head dim 64
-  args = synth.stack_layers(case.make(seed=22, lo_format="int4"))
-  f = jax.jit(lambda l, *a: partials_gpu(*a, l, interpret=True, int4_kernel="mosaic_reference",
-                                        **SMALL))
-  for layer in (0, 1, 2):
-    want = synth.reference_f32(*synth.layer_of(args, layer))
-    got = synth.merged_f32(*f(layer, *args), axis=2, hq=args[0].shape[1], g=case.shape.g)
-    assert synth.rel_err(got, want) < 6e-3, layer
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_int4_format_splits_that_do_not_divide_the_table(splits):
-  case = CASES[1]          # 3 INT4 pages per sequence
-  args = case.make(seed=6, lo_format="int4")
-  got = merged(args, case.shape.g, int4_kernel="mosaic_reference", splits_lo=splits)
-  assert synth.rel_err(got, synth.reference_f32(*args)) < 6e-3
 
 
 def test_int4_format_goes_to_mosaic_and_never_to_triton():

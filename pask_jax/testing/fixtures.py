@@ -1,6 +1,8 @@
 """Model and tokenizer fixtures: tiny configs, the embedded SmolLM2, teacher-forced log-probs."""
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import gzip
 import json
@@ -129,3 +131,16 @@ def load_tokenizer(path: str):
                    chat_template=rec["chat_template"], stop_ids=rec["stop_ids"],
                    bos_id=rec["bos_id"], add_bos=rec["add_bos"], vocab_size=rec["vocab_size"],
                    special_tokens=rec.get("special_tokens"))
+
+
+@contextlib.contextmanager
+def fast_compile(on: bool = True):
+  """XLA's most expensive optimizations off (``on``) or at their defaults inside, whatever the
+  level outside (``jax_disable_most_optimizations``; tests/conftest.py's ``fast_compile`` mark)."""
+  import jax
+  old = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", on)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
