@@ -97,6 +97,16 @@ def timeit(fn, arg_sets, inner=10, reps=7):
   return statistics.median(ts), min(ts), max(ts)
 
 
+def kernel_times(fn, args, iterations=5):
+  """CUPTI: per kernel (name, median ms) of one call of ``jax.jit(fn)(*args)``, and their sum."""
+  from jax.experimental.mosaic.gpu import profiler
+  _, runs = profiler.measure(jax.jit(fn), aggregate=False, iterations=iterations)(*args)
+  per = [[t for _, t in r] for r in runs]
+  names = [n for n, _ in runs[0]]
+  med = [statistics.median(ts) for ts in zip(*per)]
+  return [(n[:80], round(t * 1e3, 2)) for n, t in zip(names, med)], sum(med) * 1e3
+
+
 def copy_bw():
   """(copy read+write, read-only) bandwidth in bytes/s over a 2 GiB f32 array."""
   x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.float32)
@@ -170,6 +180,9 @@ def main(argv=None):
   ap.add_argument("--int4-kernels", default="",
                   help="comma list of int4_kernel values: each row with INT4 entries runs each")
   ap.add_argument("--shapes", default="", help="comma list of shape indices (default: all)")
+  ap.add_argument("--cupti", action="store_true",
+                  help="also each variant's kernels one by one under CUPTI (device time per "
+                       "kernel; the gap to the timed call is host or launch time)")
   args = ap.parse_args(argv)
   if args.profile_one is not None:
     return profile_one(json.loads(args.profile_one), args.mix)
@@ -264,6 +277,12 @@ def main(argv=None):
                            time_us=t * 1e6, bytes=nbytes, tbps=nbytes / t / 1e12,
                            vs_baseline=t_base / t, err=err,
                            knobs=json.dumps(kn if fmt == "bytes" else {**kn, "lo_format": fmt})))
+          if args.cupti:
+            try:
+              ks, total = kernel_times(fn, sets[0])
+              rows[-1].update(kernels_us=total, kernels=ks)
+            except Exception as e:
+              print(f"CUPTI failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
           print(rows[-1], flush=True)
       del arg_sets, ref, runs
 
@@ -272,7 +291,7 @@ def main(argv=None):
                    read_tbps=rbw / 1e12, rows=rows), f,
               indent=1)
   with open(os.path.join(args.out, "kernels.csv"), "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
     w.writeheader()
     w.writerows(rows)
   print(f"\ncopy {bw / 1e12:.3f} TB/s, read {rbw / 1e12:.3f} TB/s  ({dev.device_kind}, "
