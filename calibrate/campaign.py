@@ -22,7 +22,8 @@ A plan (TOML; relative paths are relative to the current directory)::
     [methods.full]                                   # the table name is the label
     [methods.h2o]
     budgets = [0.33, 0.5]
-    knobs = "runs/tune/knobs.json"                   # from pask-jax tune; or an inline table
+    knobs = "runs/tune/B{budget:.2f}/knobs.json"     # from pask-jax tune ({budget}, {model});
+                                                     # or one file, or an inline table
     [methods.pask]
     budgets = [0.33, 0.5]
     policy = "policies/qwen2.5-coder-0.5b-instruct-bfcl/B{budget:.2f}"   # {budget}, {model}
@@ -413,13 +414,17 @@ def select(split: Split, every: list, seed: int) -> list[list]:
           for i in range(parts)]
 
 
-def _knobs(method: Method, model: Model) -> dict | None:
+def _knobs(method: Method, model: Model, budget: float) -> dict | None:
   where = f"methods.{method.label}.knobs"
   if method.knobs is None or isinstance(method.knobs, dict):
     return method.knobs
-  path = method.knobs.format(model=model.label)
+  try:   # knobs tuned at each budget: "runs/tune/B{budget:.2f}/knobs.json" (pask-jax tune)
+    path = method.knobs.format(budget=budget, model=model.label)
+  except (KeyError, IndexError, ValueError) as e:
+    raise PlanError(f"{where}: bad pattern {method.knobs!r} ({e}); fields: {{budget}}, "
+                    "{model}") from None
   if not os.path.isfile(path):
-    raise PlanError(f"{where}: file not found: {path}")
+    raise PlanError(f"{where}: file not found: {path} (model {model.label}, B={budget:g})")
   try:
     return E.read_knobs(path)
   except ValueError as e:
@@ -479,8 +484,8 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
       for i, cs in enumerate(parts):
         ids = sorted(f"{c.category}/{c.id}" for c in cs)
         for me in plan.methods:
-          knobs = _knobs(me, mo)
           for b in me.budgets:
+            knobs = _knobs(me, mo, b)
             policy, policy_fp = _policy(me, mo, b)
             material = {"task": task.name, "model": model_fp, "method": me.method, "budget": b,
                         "settings": _settings(me.method, knobs, policy_fp, plan.max_tokens),
@@ -741,23 +746,49 @@ def _walk(path: str, runs: list, cells_: list, skipped: list) -> None:
     skipped.extend(inner)
 
 
+def _current(plan: Plan) -> set[str]:
+  """(method, budget, settings) of every cell the plan makes now (no model or data needed): a
+  cell of the plan's folder outside it ran under settings since replaced (a recalibrated policy,
+  retuned knobs)."""
+  out = set()
+  for mo in plan.models:
+    for me in plan.methods:
+      for b in me.budgets:
+        _, policy_fp = _policy(me, mo, b)
+        st = _settings(me.method, _knobs(me, mo, b), policy_fp, plan.max_tokens)
+        out.add(canonical([me.method, b, st]))
+  return out
+
+
 def collect(paths: Sequence[str], *, results: str | None = None,
             log: Callable[[str], None] = _say) -> list[dict]:
   """Runs for :func:`calibrate.evaluate.report` from eval run folders, campaign cells, folders
   holding either (a plan's results folder, ``results/campaign``), or plan files (their results
-  folder).  Folders that hold neither are skipped with a note; cells of one configuration over
-  different cases are pooled into one run (each case counted once)."""
+  folder; only the cells of the plan's current settings: give the folder for every cell).
+  Folders that hold neither are skipped with a note; cells of one configuration over different
+  cases are pooled into one run (each case counted once)."""
   runs: list[dict] = []
   found: list[dict] = []
   for p in paths:
+    current = None
     if p.endswith(".toml") and os.path.isfile(p):
-      p = load_plan(p, results).folder
+      plan = load_plan(p, results)
+      p, current = plan.folder, _current(plan)
     if not os.path.isdir(p):
       raise ValueError(f"{p}: no such folder (an eval run, a campaign cell or a folder of them)")
     skipped: list[str] = []
-    _walk(p, runs, found, skipped)
+    cells_: list[dict] = []
+    _walk(p, runs, cells_, skipped)
     for s in skipped:
       log(f"report: skipped {s}: not an eval run or a campaign cell")
+    if current is not None:
+      now = [c for c in cells_ if canonical([c["material"]["method"], c["material"]["budget"],
+                                             c["material"]["settings"]]) in current]
+      if len(now) < len(cells_):
+        log(f"report: left out {len(cells_) - len(now)} cells of {p} whose settings the plan no "
+            f"longer has (a recalibrated policy, retuned knobs); report the folder to see them")
+      cells_ = now
+    found.extend(cells_)
   groups: dict[str, list[dict]] = {}
   for c in found:
     groups.setdefault(_group(c["material"]), []).append(c)

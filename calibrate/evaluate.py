@@ -512,63 +512,151 @@ def grid_configs(method: str, grid: str | dict) -> list[dict]:
   return out
 
 
-def tune(s: Session, methods: Sequence[str], budget: float, *, grid: str = "small",
-         split: str = "dev", max_cases: int | None = None, max_tokens: int = 128,
-         categories: Sequence[str] | None = None, out: str | None = None,
-         progress: bool = True) -> dict:
+# How far over its target a tuned grid point's measured B on dev may lie and still count as
+# meeting it (budget matching from prompt lengths and ĝ is not exact: test cells land within ~0.02).
+B_SLACK = 0.02
+
+
+def check_tunable(methods: Sequence[str], grid: str | dict) -> None:
+  """One-line ``ValueError`` for a method without a tuning grid (before anything is run)."""
+  if isinstance(grid, str) and grid not in GRIDS:
+    raise ValueError(f"unknown grid {grid!r}; grids: {sorted(GRIDS)}")
+  g = GRIDS[grid] if isinstance(grid, str) else grid
+  bad = [m for m in methods if m not in GRIDS["paper"] or m not in g]
+  if bad:
+    raise ValueError(f"no tuning grid for {', '.join(map(repr, bad))} (tunable: "
+                     f"{', '.join(sorted(GRIDS['paper']))}; full and int4 have no knobs to tune "
+                     f"against a budget)")
+
+
+def tune(s: Session, methods: Sequence[str], budget: float | Sequence[float], *,
+         grid: str | dict = "small", split: str = "dev", max_cases: int | None = None,
+         max_tokens: int = 128, categories: Sequence[str] | None = None, out: str | None = None,
+         progress: bool = True, resume: bool = True):
   """Dev-split tuning (paper C.3): measure ``gen`` (mean generated tokens under Full KV), then per
-  method pick the grid point with the best overall accuracy at ``budget`` (ties: headline
-  accuracy, then measured B closest to the target) and record that point's own mean generated
+  method pick the grid point with the best overall accuracy at ``budget`` among those whose
+  measured B meets it (within ``B_SLACK``; ties: headline accuracy, then measured B closest to
+  the target; none meets it: the closest B) and record that point's own mean generated
   length as the method's ``gen`` (its ĝ for budget matching).  Returns (and writes
-  ``out``/knobs.json, ``out``/tune.csv) the frozen knobs."""
+  ``out``/knobs.json, ``out``/tune.csv) the frozen knobs.
+
+  ``budget`` may be a list: one Full-KV run serves every budget, and each budget's results go to
+  ``out``/B<budget>/ (a list of results is returned).  Results are written after every grid point
+  (``"complete": false`` until the last), and with ``resume`` a rerun into the same ``out`` with
+  the same model, cases, split, grid and max_tokens measures only the points still missing, so a
+  search cut short by a time limit goes on where it stopped."""
   if SPLIT_NAMES.get(split) == "test":
     raise ValueError("tuning on the test split is not allowed (C.3: dev only, frozen before test)")
-  budget = BU.check_target(budget)
+  check_tunable(methods, grid)
+  many = not isinstance(budget, (int, float))
+  budgets = [BU.check_target(b) for b in (budget if many else [budget])]
+  if not budgets:
+    raise ValueError("no budget to tune at")
   cases = s.task.cases(split, categories, max_cases)
-  base = RunConfig("full", 1.0, split, max_tokens=max_tokens)
-  full = run(s, base, None, progress=progress, cases=cases)
-  gen = full["categories"]["overall"]["gen_len"]
-  knobs = merged_knobs({"gen": gen})
-  log = [{"method": "full", "knobs": "{}", "accuracy": full["categories"]["overall"]["accuracy"],
-          "total_B": 1.0}]
-  for m in methods:
-    if m not in GRIDS["paper"] or (not isinstance(grid, str) and m not in grid):
-      raise ValueError(f"no tuning grid for {m!r}; tunable: {sorted(GRIDS['paper'])}")
+  # What makes a measured grid point reusable (the grid itself may grow between runs).
+  identity = {"model": _ident(s), "task": s.task.name, "split": split, "max_tokens": max_tokens,
+              "cases": sorted(f"{c.category}/{c.id}" for c in cases)}
+  dirs = [(os.path.join(out, f"B{b:.2f}") if many else out) if out else None for b in budgets]
+  logs = [_tune_log(d, identity, b) if resume and d else [] for d, b in zip(dirs, budgets)]
+  full = next((r for lg in logs for r in lg if r["method"] == "full"), None)
+  if full is None:
+    r = run(s, RunConfig("full", 1.0, split, max_tokens=max_tokens), None, progress=progress,
+            cases=cases)
+    o = r["categories"]["overall"]
+    full = {"method": "full", "knobs": "{}", "accuracy": o["accuracy"], "total_B": 1.0,
+            "gen": o["gen_len"]}
+  results = []
+  for b, d, log in zip(budgets, dirs, logs):
+    if not any(r["method"] == "full" for r in log):
+      log.insert(0, full)
+    done = {(r["method"], r["knobs"]) for r in log}
+    for m in methods:
+      for c in grid_configs(m, grid):
+        if (m, json.dumps(c)) in done:
+          continue
+        kn = merged_knobs({"gen": full["gen"], m: c})
+        try:
+          r = run(s, RunConfig(m, b, split, max_tokens=max_tokens, knobs=kn), None,
+                  progress=progress, cases=cases)
+        except ValueError as e:  # e.g. a budget the method cannot reach
+          log.append({"method": m, "knobs": json.dumps(c), "error": str(e)})
+        else:
+          o = r["categories"]["overall"]
+          h = r["categories"].get("simple+multiple", o)
+          # the method's own mean generated length on dev: its ĝ for budget matching on test
+          # (and a calibrated baseline's allocation, frozen with its knobs)
+          log.append({"method": m, "knobs": json.dumps(c), "accuracy": o["accuracy"],
+                      "headline": h["accuracy"], "total_B": o["total_B"], "gen": o["gen_len"],
+                      **({"allocation": r["settings"]["allocation"]}
+                         if "allocation" in r["settings"] else {})})
+        if d:
+          _write_tune(d, _tune_result(log, methods, b, split, grid, identity, False))
+    res = _tune_result(log, methods, b, split, grid, identity, True)
+    if d:
+      _write_tune(d, res)
+    results.append(res)
+  return results if many else results[0]
+
+
+def _tune_result(log, methods, budget, split, grid, identity, complete) -> dict:
+  """The frozen knobs from the measured grid points in ``log``: per method the best point."""
+  full = log[0]
+  knobs = merged_knobs({"gen": full["gen"]})
+  # Methods tuned into this folder by an earlier call keep their knobs.
+  g = GRIDS[grid] if isinstance(grid, str) else grid
+  for m in dict.fromkeys([*methods, *(r["method"] for r in log[1:])]):
     best = None
-    for c in grid_configs(m, grid):
-      kn = merged_knobs({"gen": gen, m: c})
-      try:
-        r = run(s, RunConfig(m, budget, split, max_tokens=max_tokens, knobs=kn), None,
-                progress=progress, cases=cases)
-      except ValueError as e:  # e.g. a budget the method cannot reach
-        log.append({"method": m, "knobs": json.dumps(c), "error": str(e)})
+    points = [json.dumps(c) for c in grid_configs(m, grid)] if m in g else \
+        [r["knobs"] for r in log if r["method"] == m]
+    for r in log:
+      if r["method"] != m or "error" in r or r["knobs"] not in points:
         continue
-      o = r["categories"]["overall"]
-      h = r["categories"].get("simple+multiple", o)
-      key = (o["accuracy"], h["accuracy"], -abs(o["total_B"] - budget))
-      log.append({"method": m, "knobs": json.dumps(c), "accuracy": o["accuracy"],
-                  "headline": h["accuracy"], "total_B": o["total_B"]})
+      # a point that spends more than the budget (a protected sink + recent floor above the
+      # target) cannot win on accuracy bought with bytes: over-budget points rank last
+      within = r["total_B"] <= budget + B_SLACK
+      key = (within, r["accuracy"] if within else -abs(r["total_B"] - budget), r["headline"],
+             -abs(r["total_B"] - budget))
       if best is None or key > best[0]:
-        # the method's own mean generated length on dev: its ĝ for budget matching on test
-        # (and a calibrated baseline's allocation, frozen with its knobs)
-        frozen = {"allocation": r["settings"]["allocation"]} if "allocation" in r["settings"] \
-            else {}
-        best = (key, {**c, "gen": o["gen_len"], **frozen})
+        frozen = {"allocation": r["allocation"]} if "allocation" in r else {}
+        best = (key, {**json.loads(r["knobs"]), "gen": r["gen"], **frozen})
     if best is not None:
       knobs[m].update(best[1])
-  res = {"knobs": knobs, "budget": budget, "split": split, "grid": grid, "n_cases": len(cases),
-         "full_accuracy": full["categories"]["overall"]["accuracy"], "log": log}
-  if out:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "knobs.json"), "w") as f:
-      json.dump(res, f, indent=1)
-      f.write("\n")
-    with open(os.path.join(out, "tune.csv"), "w", newline="") as f:
-      w = csv.DictWriter(f, ["method", "knobs", "accuracy", "headline", "total_B", "error"])
-      w.writeheader()
-      for row in log:
-        w.writerow(row)
-  return res
+  return {"knobs": knobs, "budget": budget, "split": split, "grid": grid,
+          "n_cases": len(identity["cases"]), "full_accuracy": full["accuracy"],
+          "complete": complete, "identity": identity, "log": log}
+
+
+def _tune_log(d: str, identity: dict, budget: float) -> list[dict]:
+  """The grid points already measured in ``d``/knobs.json by a tune with the same identity."""
+  p = os.path.join(d, "knobs.json")
+  if not os.path.isfile(p):
+    return []
+  try:
+    with open(p) as f:
+      prev = json.load(f)
+  except (OSError, ValueError):
+    return []
+  same = prev.get("identity") == json.loads(json.dumps(identity)) and prev.get("budget") == budget
+  if not same:
+    import sys
+    print(f"tune: {p} was measured with other settings; measuring again", file=sys.stderr)
+    return []
+  return [r for r in prev.get("log", []) if "error" not in r]
+
+
+def _write_tune(d: str, res: dict) -> None:
+  os.makedirs(d, exist_ok=True)
+  tmp = os.path.join(d, "knobs.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(res, f, indent=1)
+    f.write("\n")
+  os.replace(tmp, os.path.join(d, "knobs.json"))  # a cut-off write never leaves half a file
+  with open(os.path.join(d, "tune.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, ["method", "knobs", "accuracy", "headline", "total_B", "gen", "error"],
+                       extrasaction="ignore")
+    w.writeheader()
+    for row in res["log"]:
+      w.writerow(row)
 
 
 def read_cases(d: str) -> list[dict]:

@@ -139,17 +139,26 @@ def cmd_eval(args) -> int:
 def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
   from calibrate import bfcl, evaluate as E
+  from pask_jax.baselines import budget as BU
+  try:   # bad methods or budgets fail here, before the model loads and minutes are spent
+    E.check_tunable(args.methods, args.grid)
+    for b in args.budget:
+      BU.check_target(b)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
   bfcl.need()
   m = platform.load_model_or_exit(args.model, args.dtype,
                                    center_keys=args.key_center == "on")
   try:
     s = E.Session(m, batch=args.batch)
-    res = E.tune(s, args.methods, args.budget, grid=args.grid, split=args.split,
-                 max_cases=args.max_cases, max_tokens=args.max_tokens,
-                 categories=args.categories, out=args.out)
+    res = E.tune(s, args.methods, args.budget[0] if len(args.budget) == 1 else args.budget,
+                 grid=args.grid, split=args.split, max_cases=args.max_cases,
+                 max_tokens=args.max_tokens, categories=args.categories, out=args.out,
+                 resume=not args.fresh)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  print(json.dumps(res["knobs"], indent=1))
+  for r in res if isinstance(res, list) else [res]:
+    print(json.dumps({"budget": r["budget"], "knobs": r["knobs"]}, indent=1))
   return 0
 
 
@@ -390,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
   t.add_argument("--model", default=None)
   t.add_argument("--task", choices=["bfcl"], default="bfcl")
   t.add_argument("--methods", nargs="+", default=["h2o", "snapkv", "mikv"])
-  t.add_argument("--budget", type=float, default=0.33, help="target B the knobs are tuned at")
+  t.add_argument("--budget", type=float, nargs="+", default=[0.33],
+                 help="target B the knobs are tuned at; several: one Full-KV run for all, each "
+                      "budget's knobs in OUT/B<budget>/")
   t.add_argument("--grid", choices=["small", "paper"], default="small")
   t.add_argument("--split", choices=["cal", "dev"], default="dev")
   t.add_argument("--max-cases", type=int, default=None, help="at most N cases per category")
@@ -401,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
   t.add_argument("--key-center", choices=["on", "off"], default="on",
                  help=KEY_CENTER_HELP)
   t.add_argument("--out", required=True, help="output directory (knobs.json, tune.csv)")
+  t.add_argument("--fresh", action="store_true",
+                 help="measure every grid point again (default: a rerun into the same --out "
+                      "with the same settings measures only the points still missing)")
   from calibrate import cli as calibrate_cli
   calibrate_cli.add_parser(sub)
   po = sub.add_parser("policy", help="work on a calibrated policy directory")

@@ -279,6 +279,14 @@ def test_cell_key_follows_settings_not_plan_order(env, task):
   tri = PLAN + ("\n[methods.triaxial]\nbudgets = [0.3]\n"
                 "knobs = {{ triaxial = {{ window = {w} }} }}\n")
   assert keys(tri, w=32)[("triaxial", 0.3)] != keys(tri, w=128)[("triaxial", 0.3)]
+  # knobs tuned at each budget (pask-jax tune --budget 0.5 0.4): each cell reads its own file
+  for b, r in ((0.5, 8), (0.4, 16)):
+    (env / f"B{b:.2f}").mkdir()
+    (env / f"B{b:.2f}" / "knobs.json").write_text(json.dumps(
+        {"knobs": {"gen": 20.0, "h2o": {"sink": 2, "recent": r}}}))
+  per = keys(PLAN.replace("knobs = {{ gen = 20.0, h2o = {{ sink = 2, recent = 8 }} }}",
+                          f'knobs = "{env}/B{{{{budget:.2f}}}}/knobs.json"'))
+  assert per[("h2o", 0.5)] == base[("h2o", 0.5)] and per[("h2o", 0.4)] == knob[("h2o", 0.4)]
   (env / "tiny.bin").write_bytes(b"other weights")
   assert not set(keys(PLAN).values()) & set(base.values())
 
@@ -293,6 +301,20 @@ def test_chunks_pool_into_one_row(env, task, capsys):
   md, _ = C.report([plan.folder], str(env / "rep"), log=lambda s: None)
   rows = [l for l in md.splitlines() if l.startswith("| ") and "target B" not in l]
   assert len(rows) == 2 and all(r.rstrip(" |").endswith("4 / 6") for r in rows)
+
+
+def test_report_of_a_plan_keeps_only_its_current_settings(env, task):
+  one = PLAN.replace("budgets = [0.5, 0.4]", "budgets = [0.5]")
+  plan = C.load_plan(write_plan(env, one), str(env / "results"))
+  C.run(plan, task=task, log=lambda s: None)
+  retuned = write_plan(env, one.replace("recent = 8", "recent = 16"), name="retuned.toml")
+  notes = []
+  md, _ = C.report([retuned], str(env / "rep"), results=str(env / "results"), log=notes.append)
+  rows = [l for l in md.splitlines() if l.startswith("| ") and "target B" not in l]
+  assert [r.split(" | ")[0] for r in rows] == ["| full"]
+  assert any("left out 1 cells" in n for n in notes)
+  md, _ = C.report([plan.folder], str(env / "rep2"), log=notes.append)   # the folder: every cell
+  assert len([l for l in md.splitlines() if l.startswith("| h2o ")]) == 1
 
 
 def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
@@ -315,6 +337,10 @@ def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
        "methods.full.policy: only method pask"),
       (PLAN.replace("seed = 3", "seed = 3\nsed = 4"), "plan.sed: unknown key"),
       (PLAN.replace("seed = 3", "seed = \"x\""), "plan.seed: expected int"),
+      (PLAN.replace("[methods.full]", "[methods.int4]\nknobs = \"t/B{{budget:.2f}}.json\""),
+       "methods.int4.knobs: file not found: t/B1.00.json (model tiny, B=1)"),
+      (PLAN.replace("[methods.full]", "[methods.int4]\nknobs = \"t/{{bud}}.json\""),
+       "methods.int4.knobs: bad pattern"),
       (PLAN.replace("[methods.full]", "[methods.int4]\nknobs = \"none.json\""),
        "methods.int4.knobs: file not found"),
       (PLAN + "]]", "not valid TOML"),

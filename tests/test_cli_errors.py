@@ -80,3 +80,16 @@ def test_bad_arguments(argv, why, capsys):
   assert _exit(argv) == "2"
   err = capsys.readouterr().err
   assert why in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra,why", [
+    (["--methods", "h2o", "int4"], "no tuning grid for 'int4'"),
+    (["--methods", "h2o", "--budget", "0.33", "1.5"], "budget B must be in (0, 1]"),
+])
+def test_tune_refuses_before_loading_a_model(tmp_path, monkeypatch, extra, why):
+  from pask_jax import platform
+  monkeypatch.setattr(platform, "load_model_or_exit",
+                      lambda *a, **k: pytest.fail("loaded a model for a tune that cannot run"))
+  msg = _exit(["tune", "--out", str(tmp_path / "t")] + extra)
+  assert msg.startswith("error: ") and why in msg and "\n" not in msg
+  assert not (tmp_path / "t").exists()

@@ -173,6 +173,72 @@ def test_tune_on_dev_only(session, tmp_path):
     E.tune(session, ["h2o"], 0.5, split="test")
 
 
+def test_tune_checks_methods_first_and_resumes(session, tmp_path, monkeypatch):
+  grid = {"h2o": {"sink": [2], "recent": [4, 8]}}
+  calls = []
+  real = E.run
+
+  def counted(s, rc, *a, **k):
+    own = rc.knobs.get(rc.method) if rc.knobs else None
+    calls.append((rc.method, rc.budget, json.dumps(own, sort_keys=True) if own else ""))
+    if len(calls) == cut_after:
+      raise KeyboardInterrupt   # a device call's time limit, in the middle of the search
+    return real(s, rc, *a, **k)
+
+  monkeypatch.setattr(E, "run", counted)
+  kw = dict(grid=grid, split="dev", max_cases=2, max_tokens=32, progress=False)
+  cut_after = 0
+  with pytest.raises(ValueError, match="no tuning grid for 'int4'"):
+    E.tune(session, ["h2o", "int4"], 0.5, out=str(tmp_path), **kw)
+  assert not calls and not list(tmp_path.iterdir())
+  # two budgets: one Full-KV run; cut short after the first budget's first grid point
+  cut_after = 3
+  with pytest.raises(KeyboardInterrupt):
+    E.tune(session, ["h2o"], [0.5, 0.6], out=str(tmp_path), **kw)
+  part = json.loads((tmp_path / "B0.50" / "knobs.json").read_text())
+  assert part["complete"] is False and [r["method"] for r in part["log"]] == ["full", "h2o"]
+  assert not (tmp_path / "B0.60").exists()
+  calls.clear()
+  cut_after = 0
+  res = E.tune(session, ["h2o"], [0.5, 0.6], out=str(tmp_path), **kw)
+  # only the three points still missing were measured; nothing of Full KV again
+  assert [c[:2] for c in calls] == [("h2o", 0.5), ("h2o", 0.6), ("h2o", 0.6)]
+  for r, b in zip(res, (0.5, 0.6)):
+    on_disk = json.loads((tmp_path / f"B{b:.2f}" / "knobs.json").read_text())
+    assert on_disk["complete"] is True and on_disk["budget"] == b and len(on_disk["log"]) == 3
+    assert on_disk["knobs"] == json.loads(json.dumps(r["knobs"]))
+    assert r["knobs"]["h2o"]["recent"] in (4, 8) and r["knobs"]["gen"] == res[0]["knobs"]["gen"]
+  # a larger grid measures only its new point; a fresh run measures everything again
+  calls.clear()
+  big = {"h2o": {"sink": [2], "recent": [4, 8, 16]}}
+  E.tune(session, ["h2o"], 0.5, out=str(tmp_path / "B0.50"), **{**kw, "grid": big})
+  assert [c[2] for c in calls] == [json.dumps({"recent": 16, "sink": 2}, sort_keys=True)]
+  # another method tuned into the same folder later: h2o's knobs stay
+  calls.clear()
+  both = {**big, "streaming": {"sink": [2]}}
+  r = E.tune(session, ["streaming"], 0.5, out=str(tmp_path / "B0.50"), **{**kw, "grid": both})
+  assert [c[0] for c in calls] == ["streaming"] and r["knobs"]["streaming"]["sink"] == 2
+  assert r["knobs"]["h2o"]["sink"] == 2 and r["knobs"]["h2o"]["recent"] in (4, 8, 16)
+  calls.clear()
+  E.tune(session, ["h2o"], 0.5, out=str(tmp_path / "B0.50"), resume=False, **kw)
+  assert [c[0] for c in calls] == ["full", "h2o", "h2o"]
+
+
+def test_tune_never_buys_accuracy_with_bytes_over_the_budget():
+  grid = {"h2o": {"sink": [2], "recent": [4, 8, 64]}}
+  full = {"method": "full", "knobs": "{}", "accuracy": 0.9, "total_B": 1.0, "gen": 30.0}
+  pt = lambda r, acc, b: {"method": "h2o", "knobs": json.dumps({"recent": r, "sink": 2}),
+                          "accuracy": acc, "headline": acc, "total_B": b, "gen": 20.0 + r}
+  ident = {"cases": ["a/1", "a/2"]}
+  pick = lambda log: E._tune_result(log, ["h2o"], 0.33, "dev", grid, ident, True)["knobs"]["h2o"]
+  # recent 64 is the most accurate only because its protected floor spends B 0.40
+  assert pick([full, pt(4, 0.70, 0.33), pt(8, 0.75, 0.345), pt(64, 0.85, 0.40)])["recent"] == 8
+  # none within the budget: the closest B, not the most accurate
+  assert pick([full, pt(4, 0.70, 0.37), pt(64, 0.85, 0.40)])["recent"] == 4
+  # a point measured for another grid (kept in the log) is not chosen
+  assert pick([full, pt(4, 0.70, 0.33), pt(16, 0.99, 0.33)])["recent"] == 4
+
+
 def test_bad_input(session, tmp_path):
   from pask_jax import cli
   base = ["eval", "--out", str(tmp_path)]
