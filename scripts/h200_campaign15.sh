@@ -3,7 +3,9 @@
 # the warm machine keeps in /tmp (the calibration's stages, the cells) is resumed by the next call.
 #   bash scripts/h200_campaign15.sh    (carry .whl; the model uploaded to /tmp/m beforehand)
 #   LIMIT   seconds this call may take (default 560); MAX_CASES  cases per category for
-#   calibration (default: every calibration case); OUT  where the logs and tarballs go.
+#   calibration (default: every calibration case); WINDOWS  recent windows the decode candidates
+#   are also evaluated at, the selection over all (e.g. "8 16 32"; default: 16 only); OUT  where
+#   the logs and tarballs go.
 # Results come back as $OUT/cal15c.tgz (policy + calibration.json) and $OUT/c15.tgz (cells).
 # A call that only resumes the campaign must copy the policy again: every call sends the
 # committed tree, whose policies/ still hold the committed policy (cells are keyed by it).
@@ -14,7 +16,8 @@ if [ ! -d /tmp/cal15c/policy ]; then
   mkdir -p /tmp/cal15c
   timeout $((limit - 15)) python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
     --out /tmp/cal15c ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 \
-    --window 16 --targets 0.15 0.20 0.25 0.33 >> $OUT/cal15.log 2>&1 \
+    --window 16 ${WINDOWS:+--windows $WINDOWS} --targets 0.15 0.20 0.25 0.33 \
+    >> $OUT/cal15.log 2>&1 \
     || { tail -c 3000 $OUT/cal15.log; exit 1; }
   tail -c 2500 $OUT/cal15.log
 fi
