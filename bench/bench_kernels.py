@@ -71,7 +71,7 @@ def to_format(args, fmt):
   """Kernel inputs with the INT4 pool's codes in storage format ``fmt`` (same codes, scales)."""
   q, win, hi, lo, maps = args
   k, v = jax.jit(lambda k, v: int4.pool_arrays(*int4.pool_codes(k, v), fmt))(lo.k, lo.v)
-  return q, win, hi, LowPool(k, v, lo.scale), maps
+  return q, win, hi, LowPool(k, v, int4.scale_array(lo.scale, fmt)), maps
 
 
 def kv_bytes(b, hkv, d, lo_len, hi_len, win_len):

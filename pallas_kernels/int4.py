@@ -126,6 +126,9 @@ def quantize_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # "int4":  codes as jax int4, head-major pages ``k [.., P, Hkv, page, D]`` (token rows) and
 #          ``v [.., P, Hkv, D, page]`` (dim-major: one token is one element in each of D rows),
 #          what the Mosaic GPU kernel reads fastest (pallas_kernels.gpu.mgpu_int4, paged mode).
+#          Its fp16 scales are head-major too, ``s [.., P, Hkv, 2, page]`` (K plane, V plane): a
+#          (page, head)'s K or V scales are one contiguous run the kernel reads by TMA as they are.
+# "bytes" scales are per row, ``s [.., P, page, Hkv, 2]`` (K scale, V scale).
 # The codes, the scales and the bytes per row are the same in both: D/2 bytes per K row and per
 # V row (jax stores int4 two to a byte) plus the two fp16 scales (4 bytes).
 
@@ -150,6 +153,22 @@ def pool_codes(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return unpack(k), unpack(v)
   return (jnp.swapaxes(k, -3, -2).astype(jnp.int32),
           jnp.moveaxis(v, -1, -3).astype(jnp.int32))
+
+
+def scale_shape(n_pages: int, page: int, hkv: int, fmt: str) -> tuple[int, ...]:
+  """Shape of an INT4 pool's scales (one layer) in format ``fmt``."""
+  return (n_pages, page, hkv, 2) if check_format(fmt) == "bytes" else (n_pages, hkv, 2, page)
+
+
+def pool_scales(s: jax.Array, fmt: str) -> jax.Array:
+  """A pool's scales in format ``fmt`` (leading axes ``[.., P]`` kept) -> per row
+  ``[.., P, page, Hkv, 2]`` (K scale, V scale)."""
+  return s if check_format(fmt) == "bytes" else jnp.moveaxis(s, -1, -3)
+
+
+def scale_array(s: jax.Array, fmt: str) -> jax.Array:
+  """Inverse of :func:`pool_scales`: per-row scales ``[.., P, page, Hkv, 2]`` -> format ``fmt``."""
+  return s if check_format(fmt) == "bytes" else jnp.moveaxis(s, -3, -1)
 
 
 def pool_arrays(kc: jax.Array, vc: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:

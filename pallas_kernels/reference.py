@@ -47,7 +47,8 @@ def _gather_lo_codes(lo: LowPool, pages: jax.Array, layer=None):
   pool = lo.k.shape if layer is None else lo.k.shape[1:]
   if pool[0] == 0 or pages.shape[1] == 0:
     d = pool[-1] * 2 if lo.format == "bytes" else pool[-1]      # K's last axis
-    z = jnp.zeros((pages.shape[0], 0, lo.scale.shape[-2], d), jnp.int32)
+    hkv = lo.k.shape[-2] if lo.format == "bytes" else lo.k.shape[-3]
+    z = jnp.zeros((pages.shape[0], 0, hkv, d), jnp.int32)
     return z, z
   ids = jnp.clip(pages, 0, pool[0] - 1)
   take = lambda x: x[ids] if layer is None else x[layer, ids]     # [B, n, <page's shape>]
@@ -84,7 +85,8 @@ def partials(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer
 
   # INT4 pool (either storage format): dequantize (codes * fp16 scale) in FP32.
   klo, vlo = _gather_lo_codes(lo, maps.lo_pages, layer)         # [B, S_lo, Hkv, D] int32
-  slo = _gather_pages(lo.scale, maps.lo_pages, layer)           # [B, S_lo, Hkv, 2] f16
+  slo = _gather_pages(int4.pool_scales(lo.scale, lo.format), maps.lo_pages, layer)
+  # [B, S_lo, Hkv, 2] f16 (an "int4" pool's head-major scales are transposed by the gather)
   vis_lo = jnp.arange(klo.shape[1])[None] < maps.lo_len[:, None]
   slo = jnp.where(vis_lo[..., None, None], slo, jnp.float16(0))  # garbage scales may be NaN
   klo = klo.astype(jnp.float32) * slo[..., 0:1].astype(jnp.float32)

@@ -10,12 +10,15 @@ Shapes (B = batch, W = recent-window slots, Hkv = KV heads, D = head dim, page =
   filled in order, so the visible slots are always a prefix ``[0, min(count, W))``.
 * ``HighPool``: BF16 pages of this layer.  Pages are shared by all sequences; which pages a
   sequence owns, in order, is in ``PageMaps.hi_pages``.
-* ``LowPool``: INT4 pages of this layer with fp16 scales ``[P_lo, page, Hkv, 2]``,
-  ``scale[..., 0]`` for K and ``scale[..., 1]`` for V, in one of two storage formats (chosen when
-  the cache is made, told apart by the codes' dtype: ``pallas_kernels.int4.format_of``):
-  ``"bytes"``: ``k, v [P_lo, page, Hkv, D/2]`` uint8, half-split nibbles (``pallas_kernels.int4``);
+* ``LowPool``: INT4 pages of this layer with fp16 scales (a K and a V scale per row and head), in
+  one of two storage formats (chosen when the cache is made, told apart by the codes' dtype:
+  ``pallas_kernels.int4.format_of``):
+  ``"bytes"``: ``k, v [P_lo, page, Hkv, D/2]`` uint8, half-split nibbles (``pallas_kernels.int4``),
+  scales ``[P_lo, page, Hkv, 2]`` (``[..., 0]`` K, ``[..., 1]`` V);
   ``"int4"``: ``k [P_lo, Hkv, page, D]`` and ``v [P_lo, Hkv, D, page]`` jax int4 (head-major pages,
-  V dim-major per page).  Same codes and the same bytes per row in both.  The reference reads
+  V dim-major per page), scales ``[P_lo, Hkv, 2, page]`` (K and V planes per page and head).
+  Same codes and the same bytes per row in both (``int4.pool_codes``/``pool_scales`` read either
+  as token rows).  The reference reads
   both; the Triton and TPU kernels read "bytes" only (they refuse "int4" in one line); the GPU
   backend reads "int4" with the Mosaic GPU kernel.
 * ``PageMaps``: the page tables and lengths of this layer's *group* (layers in a group share
@@ -48,7 +51,8 @@ class LowPool(NamedTuple):
   k: jax.Array      # "bytes": [P_lo, page, Hkv, D // 2] uint8, two signed nibbles per byte
                     # "int4":  [P_lo, Hkv, page, D] int4
   v: jax.Array      # "bytes": [P_lo, page, Hkv, D // 2] uint8; "int4": [P_lo, Hkv, D, page] int4
-  scale: jax.Array  # [P_lo, page, Hkv, 2] float16: (K scale, V scale)
+  scale: jax.Array  # "bytes": [P_lo, page, Hkv, 2] float16, (K scale, V scale) per row
+                    # "int4":  [P_lo, Hkv, 2, page] float16, K and V planes per (page, head)
 
   @property
   def format(self) -> str:
@@ -58,7 +62,7 @@ class LowPool(NamedTuple):
   @property
   def page(self) -> int:
     """Rows per page (either format; also with a leading layer axis)."""
-    return self.scale.shape[-3]
+    return self.scale.shape[-3] if self.format == "bytes" else self.scale.shape[-1]
 
 
 class PageMaps(NamedTuple):

@@ -9,7 +9,8 @@ slots, G layer groups, Hkv KV heads, D head dim, ``page`` rows per page)::
                       (lo_format="bytes", the default), or with lo_format="int4":
   layers.lo_k         [L, P_lo, Hkv, lo_page, D]  int4  token rows, head-major pages
   layers.lo_v         [L, P_lo, Hkv, D, lo_page]  int4  dim-major per page
-  layers.lo_s         [L, P_lo, lo_page, Hkv, 2]  f16   (K scale, V scale) per row (both formats)
+  layers.lo_s         [L, P_lo, lo_page, Hkv, 2]  f16   (K scale, V scale) per row ("bytes");
+                      [L, P_lo, Hkv, 2, lo_page]  f16   K and V planes per page and head ("int4")
   win_pos             [B, W]      int32  absolute position held by each slot (-1: empty)
   win_act             [B, W, G]   int8   pending actions of each window token (R/L/H)
   count               [B]         int32  tokens written so far = next absolute position
@@ -83,7 +84,7 @@ class LayerKV:
   hi_v: jax.Array
   lo_k: jax.Array   # [P_lo, page, Hkv, D/2] uint8 ("bytes") or [P_lo, Hkv, page, D] int4
   lo_v: jax.Array   # [P_lo, page, Hkv, D/2] uint8 ("bytes") or [P_lo, Hkv, D, page] int4
-  lo_s: jax.Array   # [P_lo, page, Hkv, 2] float16
+  lo_s: jax.Array   # [P_lo, page, Hkv, 2] float16 ("int4" format: [P_lo, Hkv, 2, page])
 
 
 @flax.struct.dataclass
@@ -126,7 +127,7 @@ class Cache:
   @property
   def lo_page(self) -> int:
     """Rows per page of the INT4 pool (``page`` unless the cache was made with ``lo_page``)."""
-    return self.layers.lo_s.shape[2]
+    return self.layers.lo_s.shape[2 if self.lo_format == "bytes" else 4]
 
   @property
   def lo_format(self) -> str:
@@ -183,7 +184,8 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity:
       hi_k=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       hi_v=z((n_layers, B * n_hi, page, Hkv, D), jnp.bfloat16),
       lo_k=z(lo_k_shape, _LO_DTYPE[lo_format]), lo_v=z(lo_v_shape, _LO_DTYPE[lo_format]),
-      lo_s=jnp.ones((n_layers, B * n_lo, lo_page, Hkv, 2), jnp.float16))
+      lo_s=jnp.ones((n_layers,) + int4.scale_shape(B * n_lo, lo_page, Hkv, lo_format),
+                    jnp.float16))
   return Cache(
       layers=layers, win_pos=jnp.full((B, W), -1, jnp.int32), win_act=z((B, W, G), jnp.int8),
       count=z((B,), jnp.int32), hi_pages=dense_pages(n_hi), lo_pages=dense_pages(n_lo),
@@ -249,16 +251,19 @@ def _put_lo(lay: LayerKV, layer, rows: jax.Array, kq: jax.Array, vq: jax.Array,
   either format; ``layer`` and ``rows`` broadcast as in :func:`_put_rows`, rows out of range are
   dropped.  -> dict(lo_k=, lo_v=, lo_s=) for ``LayerKV.replace``."""
   put = lambda x, val: _put_rows(_flat(x), layer, rows, val).reshape(x.shape)
-  out = dict(lo_s=put(lay.lo_s, s))
   if int4.format_of(lay.lo_k) == "bytes":
-    return out | dict(lo_k=put(lay.lo_k, kq), lo_v=put(lay.lo_v, vq))
-  # Row r = page * lo_page + i is lo_k[l, page, :, i, :] and lo_v[l, page, :, :, i]; a row past
-  # the pool has page >= P_lo, which mode="drop" drops like the flat row.  XLA on the GPU does
-  # both scatters in place (bench/RESULTS.md, 2026-12-04).  XLA:CPU runs an int4 scatter by
-  # widening the whole operand and back (O(pool) per call: slow but correct, fine for tests).
-  lo_page = lay.lo_s.shape[2]
+    return dict(lo_s=put(lay.lo_s, s), lo_k=put(lay.lo_k, kq), lo_v=put(lay.lo_v, vq))
+  # Row r = page * lo_page + i is lo_k[l, page, :, i, :], lo_v[l, page, :, :, i] and
+  # lo_s[l, page, :, :, i]; a row past the pool has page >= P_lo, which mode="drop" drops like
+  # the flat row.  XLA on the GPU does the code scatters in place (bench/RESULTS.md,
+  # 2026-12-04).  XLA:CPU runs an int4 scatter by widening the whole operand and back (O(pool)
+  # per call: slow but correct, fine for tests).
+  lo_page = lay.lo_s.shape[-1]
   pg, i = rows // lo_page, rows % lo_page
-  return out | dict(
+  u16 = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
+  lo_s = u16(lay.lo_s).at[layer, pg, :, :, i].set(u16(s), mode="drop")   # see _put_rows
+  return dict(
+      lo_s=jax.lax.bitcast_convert_type(lo_s, jnp.float16),
       lo_k=lay.lo_k.at[layer, pg, :, i, :].set(kq.astype(jnp.int4), mode="drop"),
       lo_v=lay.lo_v.at[layer, pg, :, :, i].set(vq.astype(jnp.int4), mode="drop"))
 

@@ -74,6 +74,7 @@ def _check(cache, brute):
       for l in [l for l in range(NL) if cache.group_of[l] == g]:
         window, hp, lp, maps = tcache.layer_inputs(cache, l)
         codes = int4.pool_codes(lp.k, lp.v)         # token-major codes, either format
+        scales = int4.pool_scales(lp.scale, lp.format)   # per row, either format
         for j, p in enumerate(hi):
           pg = int(maps.hi_pages[b, j // PAGE])
           np.testing.assert_array_equal(np.asarray(hp.k[pg, j % PAGE], np.float32),
@@ -87,9 +88,9 @@ def _check(cache, brute):
             want, s = int4.quantize(jnp.asarray(x, jnp.bfloat16))
             got = np.asarray(codes[which][pg, j % PAGE])
             np.testing.assert_array_equal(got, np.asarray(want))
-            np.testing.assert_array_equal(np.asarray(lp.scale[pg, j % PAGE, :, which]),
+            np.testing.assert_array_equal(np.asarray(scales[pg, j % PAGE, :, which]),
                                           np.asarray(s))
-            sc = np.asarray(lp.scale[pg, j % PAGE, :, which], np.float32)[:, None]
+            sc = np.asarray(scales[pg, j % PAGE, :, which], np.float32)[:, None]
             deq = got * sc
             assert np.all(np.abs(deq - x) <= sc / 2 * (1 + 1e-6))
         for p in win:
@@ -305,13 +306,14 @@ def test_prefill_in_layer_chunks_equals_whole(fmt):
 # ---- the INT4 pool's storage formats ----------------------------------------------------------
 
 def test_formats_have_their_shapes_and_bad_ones_are_named():
-  for fmt, k, v, dt in (("bytes", (NL, 9, 8, HKV, D // 2), (NL, 9, 8, HKV, D // 2), jnp.uint8),
-                        ("int4", (NL, 9, HKV, 8, D), (NL, 9, HKV, D, 8), jnp.int4)):
+  for fmt, k, v, s, dt in (
+      ("bytes", (NL, 9, 8, HKV, D // 2), (NL, 9, 8, HKV, D // 2), (NL, 9, 8, HKV, 2), jnp.uint8),
+      ("int4", (NL, 9, HKV, 8, D), (NL, 9, HKV, D, 8), (NL, 9, HKV, 2, 8), jnp.int4)):
     c = KC.init(NL, B, HKV, D, capacity=24, window=W, page=4, lo_page=8, lo_format=fmt)
     assert c.lo_format == fmt and c.lo_page == 8 and c.page == 4
     assert c.layers.lo_k.shape == k and c.layers.lo_v.shape == v
     assert c.layers.lo_k.dtype == dt and c.layers.lo_v.dtype == dt
-    assert c.layers.lo_s.shape == (NL, 9, 8, HKV, 2)
+    assert c.layers.lo_s.shape == s and c.layers.lo_s.dtype == jnp.float16
     # Same bytes per row: D/2 per K and V row (int4 two to a byte) + 4 scale bytes.
     nbytes = lambda x: x.size * (0.5 if x.dtype == jnp.int4 else x.dtype.itemsize)
     assert nbytes(c.layers.lo_k) == NL * 9 * 8 * HKV * D // 2
@@ -327,9 +329,11 @@ def _same_entries(a, b):
   for f in ("win_pos", "win_act", "count", "hi_len", "lo_len", "hi_pos", "lo_pos", "overflow",
             "hi_pages", "lo_pages"):
     np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
-  for f in ("win_k", "win_v", "hi_k", "hi_v", "lo_s"):
+  for f in ("win_k", "win_v", "hi_k", "hi_v"):
     np.testing.assert_array_equal(np.asarray(getattr(a.layers, f)),
                                   np.asarray(getattr(b.layers, f)), f)
+  rows = lambda c: int4.pool_scales(c.layers.lo_s, c.lo_format)     # per row, either format
+  np.testing.assert_array_equal(np.asarray(rows(a)), np.asarray(rows(b)), "lo_s")
   for x, y in zip(tcache.lo_dequantized(a), tcache.lo_dequantized(b)):
     np.testing.assert_array_equal(x, y)
 

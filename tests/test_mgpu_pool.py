@@ -167,3 +167,48 @@ def test_base_lowers_and_is_checked():
   with pytest.raises(ValueError, match=r"^ks must have shape \(20, 2, 64\)"):
     M.partition(q, two, ks[:3], jnp.concatenate([v, v]), vs[:3], lens, None, tbl,
                 jnp.zeros((1,), jnp.int32), tile=64, splits=2)           # 3 does not divide 20
+
+
+# ---- scale planes: the cache's "int4" scales [L * P, Hkv, 2, page] f16, as stored -------------
+
+def test_scale_planes_read_like_separate_scales_at_the_codes_layer():
+  b, hkv, g, d, tile, n_pages = 2, 2, 7, 64, 64, 3
+  q, k, v, scales, layers, lens, tbl = _stack(3, b, hkv, g, d, tile, n_pages,
+                                              [n_pages * tile - 3, 1], seed=70)
+  p = k.shape[0] // 3
+  # planes of every layer, fp16 as the cache stores them; NaN past each row's length (a page's
+  # unwritten rows may hold any bits): the kernel's masking keeps them out
+  planes = jnp.concatenate([jnp.stack([ks, vs], 2) for ks, vs in scales]).astype(jnp.float16)
+  r = jnp.arange(tile)
+  for s in range(b):
+    last = int(tbl[s, (int(lens[s * hkv]) - 1) // tile]) if int(lens[s * hkv]) else None
+    if last is not None:
+      cut = (int(lens[s * hkv]) - 1) % tile + 1
+      planes = planes.at[last::p, :, :, :].set(
+          jnp.where(r >= cut, jnp.float16(jnp.nan), planes[last::p]))
+  sm = d ** -0.5
+  for layer in (2, 0):
+    (ks, vs), _ = scales[layer], layers[layer]
+    base = jnp.asarray([layer * p], jnp.int32)
+    got = M.merge(*M.pool_reference(q, k, planes, v, None, lens, tbl, base, splits=3,
+                                    qk_scale=sm * M.LOG2E))[:, :g]
+    sep = M.merge(*M.pool_reference(q, k, ks.astype(jnp.float16).astype(jnp.float32), v,
+                                    vs.astype(jnp.float16).astype(jnp.float32), lens, tbl, base,
+                                    splits=3, qk_scale=sm * M.LOG2E))[:, :g]
+    assert bool(jnp.isfinite(got).all())
+    assert float(jnp.linalg.norm(got - sep) / jnp.linalg.norm(sep)) < 1e-6, layer
+  S = jax.ShapeDtypeStruct
+  args = (S(q.shape, q.dtype), S(k.shape, k.dtype), S(planes.shape, jnp.float16),
+          S(v.shape, v.dtype), None, S(lens.shape, jnp.int32), None, S(tbl.shape, jnp.int32),
+          S((1,), jnp.int32))
+  text = M.partition.trace(*args, tile=tile, splits=3, qk_scale=0.1, approx_math=True,
+                           no_auto_barriers=True).lower(
+                               lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match=r"^ks must have shape \(24, 2, 2, 64\)"):
+    M.partition(q, k, planes[:, :, 0], v, None, lens, None, tbl, base, tile=64, splits=3)
+  with pytest.raises(ValueError, match="^scale planes must be float16 or float32"):
+    M.partition(q, k, planes.astype(jnp.bfloat16), v, None, lens, None, tbl, base, tile=64,
+                splits=3)
+  with pytest.raises(ValueError, match="^vs=None .* needs tbl"):
+    M.partition(q, k[0], planes[0, 0], v[0], None, lens, tile=64, splits=1)

@@ -376,7 +376,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   g = hq // hkv
   m_rows = max(16, common.next_pow2(g))              # tl.dot needs M >= 16
   c = common.default_scale(d, scale) * common.LOG2E
-  p_lo, page_lo = lo.scale.shape[1:3]          # either storage format of the INT4 pool
+  p_lo, page_lo = lo.scale.shape[1], lo.page    # either storage format of the INT4 pool
   p_hi, page_hi = hi.k.shape[1:3]
   cap_lo = maps.lo_pages.shape[1] * page_lo if p_lo else 0
   cap_hi = maps.hi_pages.shape[1] * page_hi if p_hi else 0

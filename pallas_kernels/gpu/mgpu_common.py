@@ -50,10 +50,12 @@ def softmax_tile(s, kscale, vscale, first, length, m, l, *, lazy_sum=True, col_m
   the keys at or past ``length`` (``first`` is the tile's first key), update the running column
   max ``m[C]`` and the row sums ``l`` (per element ``[T, C]`` with ``lazy_sum``, else ``[C]``).
   ``col_max`` does the cross-warp max (default ``x.max(axis=0)``).
-  -> (P^T times the V scales ``[T, C]``, alpha ``[C]``, new m, new l)."""
+  -> (P^T times the V scales ``[T, C]``, zero past ``length`` whatever the scales hold there
+  (rows the cache never wrote may hold any bits), alpha ``[C]``, new m, new l)."""
   s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
   tok = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-  s = jnp.where(tok + first < length, s, -jnp.inf)
+  valid = tok + first < length
+  s = jnp.where(valid, s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=0) if col_max is None else col_max(s))
   alpha = jnp.exp2(m - m_new)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
@@ -61,7 +63,7 @@ def softmax_tile(s, kscale, vscale, first, length, m, l, *, lazy_sum=True, col_m
     l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
   else:
     l = l * alpha + p.sum(axis=0)
-  return p * lax.broadcast_in_dim(vscale, p.shape, [0]), alpha, m_new, l
+  return jnp.where(valid, p * lax.broadcast_in_dim(vscale, p.shape, [0]), 0.0), alpha, m_new, l
 
 
 def store_partials(o_smem, outs, acc, m, l, pad: int = 0) -> None:

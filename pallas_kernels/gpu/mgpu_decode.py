@@ -12,10 +12,12 @@ H200, bench/RESULTS.md 2026-12-04), the only GPU kernel that reads that format.
 What this module adds around the kernel (all small XLA work on this layer's data):
 * q per (sequence, KV head) padded to 16 query rows (the kernel's N side) and split into its
   nibble halves (``nibble_q``; the bytes pool only);
-* this layer's fp16 scales ``[P, page, Hkv, 2]`` -> head-major f32 ``[Hkv, P, page]`` for K and
-  V (``[P, Hkv, page]`` for the int4 pool; the Triton path repacks the same scales per layer);
-  non-finite scales of unused rows become 0, so garbage in invisible rows (which the cache
-  contract allows) cannot reach the output through ``p * scale``;
+* the bytes pool: this layer's fp16 scales ``[P, page, Hkv, 2]`` -> head-major f32 ``[Hkv, P,
+  page]`` for K and V (the Triton path repacks the same scales per layer); non-finite scales of
+  unused rows become 0, so garbage in invisible rows (which the cache contract allows) cannot
+  reach the output through ``p * scale``.  The int4 pool's scales are stored head-major (``[L,
+  P, Hkv, 2, page]``) and go to the kernel as they are; it masks ``p * scale`` of invisible
+  rows itself;
 * the page table clamped to page 0 past each sequence's pages (entries there are unspecified)
   and padded to a multiple of the context splits; the layer's page offset ``layer * P`` goes to
   the kernel as ``base`` (codes of every layer stay in one array, nothing is sliced);
@@ -64,25 +66,18 @@ def splits_for(bh: int, n_pages: int) -> int:
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
                   g: int, splits: int | None = None, reference: bool = False):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
-  D/2]`` uint8 or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv, D, page]`` int4, scales ``[L, P, page,
-  Hkv, 2]``), ``layer`` int32 -> partials ``o [B, Hkv, S, 16, D]`` f32, ``m, l [B, Hkv, S, 16]``
+  D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
+  D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
+  Hkv, S, 16, D]`` f32, ``m, l [B, Hkv, S, 16]``
   (``c`` = softmax scale x log2 e)."""
   b, hkv, rows, d = qp.shape
-  n_l, p_lo, page = lo.scale.shape[:3]
+  n_l, p_lo, page = lo.scale.shape[0], lo.scale.shape[1], lo.page
   if rows != C.N_PAD or not supported(page, d, g):
     raise ValueError(f"the Mosaic GPU INT4 partition takes pages and head dim in multiples of "
                      f"64 and <= {C.N_PAD} query heads per KV head; got page {page}, head dim "
                      f"{d}, {g} query heads per KV head")
   bh = b * hkv
   q = qp.reshape(bh, C.N_PAD, d).astype(jnp.bfloat16)
-  sc = lax.dynamic_index_in_dim(lo.scale, layer, 0, keepdims=False).astype(jnp.float32)
-  sc = jnp.where(jnp.isfinite(sc), sc, 0.0)                       # [P, page, Hkv, 2]
-  int4_pool = lo.format == "int4"
-  # Head-major scales: [Hkv, P, page] for partition_paged, [P, Hkv, page] for the int4 pool's
-  # partition (mgpu_int4.pool_shapes).
-  perm = (0, 2, 1) if int4_pool else (2, 0, 1)
-  ks = jnp.transpose(sc[..., 0], perm)
-  vs = jnp.transpose(sc[..., 1], perm)
   tbl = maps.lo_pages.astype(jnp.int32)
   n_pages = tbl.shape[1]
   used = (maps.lo_len.astype(jnp.int32) + page - 1) // page
@@ -92,20 +87,29 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   base = (jnp.asarray(layer, jnp.int32) * p_lo).reshape(1)
   lens = maps.lo_len.astype(jnp.int32)
   cols = 8 if g <= 8 and C.HAS_CONCAT else C.N_PAD
-  if int4_pool:
+  if lo.format == "int4":
     # Head-major int4 pages, V dim-major: mgpu_int4.partition's paged mode (the faster read,
-    # bench/RESULTS.md 2026-12-04), lengths per (sequence, KV head).
+    # bench/RESULTS.md 2026-12-04), lengths per (sequence, KV head).  The stacked fp16 scales go
+    # in as they are stored ([L * P, Hkv, 2, page]: the K and V planes of a page and head are
+    # each one TMA box), read at the codes' layer offset: no per-step scale copy.
     k = lo.k.reshape(n_l * p_lo, hkv, page, d)                    # free: layers lead
     v = lo.v.reshape(n_l * p_lo, hkv, d, page)
+    sc = lo.scale.reshape(n_l * p_lo, hkv, 2, page)
     lens = jnp.repeat(lens, hkv)
     if reference:
-      o, m, l = MI.pool_reference(q, k, ks, v, vs, lens, tbl, base, v_major="dim", splits=s,
+      o, m, l = MI.pool_reference(q, k, sc, v, None, lens, tbl, base, v_major="dim", splits=s,
                                   qk_scale=c)
     else:
-      o, m, l = MI.partition(q, k, ks, v, vs, lens, None, tbl, base, tile=page, splits=s,
+      o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,
                              no_auto_barriers=True)
     return _layout(o, m, l, b, hkv, s, d)
+  # The bytes pool: this layer's scales [P, page, Hkv, 2] -> head-major f32 [Hkv, P, page];
+  # non-finite scales of unused rows become 0 (garbage there must not reach the output).
+  sc = lax.dynamic_index_in_dim(lo.scale, layer, 0, keepdims=False).astype(jnp.float32)
+  sc = jnp.where(jnp.isfinite(sc), sc, 0.0)
+  ks = jnp.transpose(sc[..., 0], (2, 0, 1))
+  vs = jnp.transpose(sc[..., 1], (2, 0, 1))
   k = lo.k.reshape(n_l * p_lo, page, hkv, d // 2)                 # free: layers lead
   v = lo.v.reshape(n_l * p_lo, page, hkv, d // 2)
   if reference:

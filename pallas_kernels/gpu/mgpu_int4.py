@@ -60,6 +60,9 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   ``base`` (paged only; int32 ``[1]``, default 0) is added to every page id of the codes but not
   of the scales, as in ``mgpu_paged.partition_paged``: codes of a layer stack ``[L * P, ...]``
   read at one layer's pages, with that layer's scales ``[P, Hkv, tile]`` alone.
+  ``vs=None`` (paged only): ``ks[P, Hkv, 2, tile]`` holds both, the K plane then the V plane of
+  each (page, head), in the pool's own dtype (the cache's fp16, upcast in the kernel) and with
+  the codes' pages (``base`` offsets both): the cache's "int4" scales as stored.
 
   ``v_major="token"``: ``v[BH, N, D]``, upcast into a bf16 shared-memory tile read transposed.
   ``v_major="dim"``: ``v[BH, D, N]`` (V stored transposed), upcast in registers straight into
@@ -77,9 +80,12 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   output rescaling work on the first 8 columns only and P^T's other 8 are zeros; the outputs'
   columns 8-15 are zeros (``l = 0``, which :func:`merge` reads as empty).
   """
+  planes = vs is None
   if tbl is None:
     if base is not None:
       raise ValueError("base offsets the page ids of a paged pool: it needs tbl")
+    if planes:
+      raise ValueError("vs=None (K and V scale planes in ks) is for a paged pool: it needs tbl")
     bh, n, d = k.shape
     hkv = 1
     _check(q, k, ks, v, vs, lens, tile=tile, splits=splits, v_major=v_major, stages=stages,
@@ -145,17 +151,18 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
           plgpu.wgmma(hi, kr[:, sl], q_smem.at[0, :, sl].T)
           plgpu.wgmma(lo, kr[:, sl], q_smem.at[1, :, sl].T)
 
+      kscale = _load(ks_smem, row).astype(jnp.float32)
       if s8:
         zero = plgpu.layout_cast(jnp.zeros((tile, N_PAD), jnp.int32), plgpu.Layout.WGMMA)
         hi, lo = pl.run_state(scores_s8)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
         s = hi.astype(jnp.float32) + lo.astype(jnp.float32) * (1.0 / Q_LO)
-        scale = _load(ks_smem, row) * (qk_scale * qs_gmem[b])
+        scale = kscale * (qk_scale * qs_gmem[b])
       else:
         s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
-        scale = _load(ks_smem, row) * qk_scale
+        scale = kscale * qk_scale
       if narrow:
         s = s[:, :cols]
-      p, alpha, m_new, l = _softmax_tile(s, scale, _load(vs_smem, row),
+      p, alpha, m_new, l = _softmax_tile(s, scale, _load(vs_smem, row).astype(jnp.float32),
                                          (sp * steps + idx[0]) * tile, length, m, l,
                                          lazy_sum=lazy_sum)
       if narrow:
@@ -188,19 +195,23 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
       code_pg = lambda i: pg(i) + base_gmem[0]        # the codes' layer offset (not the scales')
       rows = plgpu.BlockSpec((None, None, tile, d), lambda i: (code_pg(i), hd, 0, 0),
                              transforms=k_tr)
-      sc = plgpu.BlockSpec((None, None, tile), lambda i: (pg(i), hd, 0))
+      if planes:    # [P, Hkv, 2, tile]: plane 0 K, plane 1 V, at the codes' pages
+        sc = plgpu.BlockSpec((None, None, None, tile), lambda i: (code_pg(i), hd, 0, 0))
+        sc_v = plgpu.BlockSpec((None, None, None, tile), lambda i: (code_pg(i), hd, 1, 0))
+      else:
+        sc = sc_v = plgpu.BlockSpec((None, None, tile), lambda i: (pg(i), hd, 0))
       cols_v = plgpu.BlockSpec((None, None, d, tile), lambda i: (code_pg(i), hd, 0, 0),
                                transforms=vt_tr)
       refs = (k_gmem, ks_gmem, v_gmem, vs_gmem)
     else:
       rows = plgpu.BlockSpec((tile, d), lambda i: (sp * steps + i, 0), transforms=k_tr)
-      sc = plgpu.BlockSpec((tile,), lambda i: (sp * steps + i,))
+      sc = sc_v = plgpu.BlockSpec((tile,), lambda i: (sp * steps + i,))
       cols_v = plgpu.BlockSpec((d, tile), lambda i: (0, sp * steps + i), transforms=vt_tr)
       refs = (k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b])
     m, l, acc = plgpu.emit_pipeline(
         step,
         grid=(steps,),
-        in_specs=[rows, sc, rows if v_major == "token" else cols_v, sc],
+        in_specs=[rows, sc, rows if v_major == "token" else cols_v, sc_v],
         max_concurrent_steps=stages,
         init_carry=(m0, l0, a0),
     )(*refs)
@@ -224,7 +235,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
           o_smem=plgpu.SMEM((d, N_PAD), jnp.float32),
           bar=plgpu.Barrier(),
       ),
-  )(q, k, ks, v, vs, lens, qscale, tbl, base)
+  )(q, k, ks, v, ks if planes else vs, lens, qscale, tbl, base)
 
 
 def block_v(v: jax.Array, tile: int) -> jax.Array:
@@ -404,8 +415,10 @@ def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="
 def pool_shapes(n_pages: int, hkv: int, tile: int, d: int, v_major: str = "dim") -> dict:
   """Shapes of a paged INT4 pool of ``n_pages`` head-major pages (one page = one tile): codes
   ``k[P, Hkv, tile, D]``, ``v[P, Hkv, D, tile]`` (dim-major) or like ``k`` (token-major), f32
-  scales ``ks, vs[P, Hkv, tile]``. Each (page, head) box is contiguous: one TMA copy."""
+  scales ``ks, vs[P, Hkv, tile]``, or both as planes ``s[P, Hkv, 2, tile]`` (``vs=None``). Each
+  (page, head) box is contiguous: one TMA copy."""
   return {"k": (n_pages, hkv, tile, d), "ks": (n_pages, hkv, tile), "vs": (n_pages, hkv, tile),
+          "s": (n_pages, hkv, 2, tile),
           "v": (n_pages, hkv, d, tile) if v_major == "dim" else (n_pages, hkv, tile, d)}
 
 
@@ -429,7 +442,11 @@ def _check_pool(q, k, ks, v, vs, lens, tbl, *, tile, splits, v_major, stages, k_
   p_s = ks.shape[0] if ks.ndim == 3 else p
   if stacked and p_s and p % p_s == 0:      # one layer's scales beside the stack's codes
     want |= {n: (p_s,) + want[n][1:] for n in ("ks", "vs")}
-  for name, arr in (("v", v), ("ks", ks), ("vs", vs)):
+  if vs is None:                            # K and V planes, at the codes' pages
+    want["ks"] = want["s"]
+    if jnp.dtype(ks.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+      raise ValueError(f"scale planes must be float16 or float32, got {ks.dtype}")
+  for name, arr in (("v", v), ("ks", ks)) + ((("vs", vs),) if vs is not None else ()):
     if tuple(arr.shape) != want[name]:
       raise ValueError(f"{name} must have shape {want[name]} for k {tuple(k.shape)} "
                        f"(v_major={v_major!r}), got {tuple(arr.shape)}")
@@ -437,7 +454,7 @@ def _check_pool(q, k, ks, v, vs, lens, tbl, *, tile, splits, v_major, stages, k_
   flat = jax.ShapeDtypeStruct((b * hkv, n_pages * tile, d), k.dtype)
   vflat = jax.ShapeDtypeStruct((b * hkv, d, n_pages * tile) if v_major == "dim" else
                                (b * hkv, n_pages * tile, d), v.dtype)
-  sflat = jax.ShapeDtypeStruct((b * hkv, n_pages * tile), ks.dtype)
+  sflat = jax.ShapeDtypeStruct((b * hkv, n_pages * tile), jnp.float32)
   _check(q, flat, sflat, vflat, sflat, lens, tile=tile, splits=splits, v_major=v_major,
          stages=stages, k_upcast=k_upcast, v_upcast=v_upcast,
          qscale=jnp.ones((b * hkv,)) if k_upcast == "s8" else None)
@@ -445,7 +462,11 @@ def _check_pool(q, k, ks, v, vs, lens, tbl, *, tile, splits, v_major, stages, k_
 
 def pool_gather(k, ks, v, vs, tbl, *, v_major: str = "dim"):
   """A paged pool through its tables -> the contiguous operands of :func:`partition`
-  (``k[BH, N, D]``, ``ks[BH, N]``, ``v`` dim- or token-major, ``vs``), head minor in BH."""
+  (``k[BH, N, D]``, ``ks[BH, N]`` f32, ``v`` dim- or token-major, ``vs``), head minor in BH.
+  ``vs=None``: ``ks`` holds the K and V planes ``[P, Hkv, 2, tile]``."""
+  if vs is None:
+    ks, vs = ks[:, :, 0], ks[:, :, 1]
+  ks, vs = ks.astype(jnp.float32), vs.astype(jnp.float32)
   b, n_pages = tbl.shape
   p, hkv, tile, d = k.shape
   n = n_pages * tile
@@ -465,11 +486,15 @@ def pool_gather(k, ks, v, vs, tbl, *, v_major: str = "dim"):
 def pool_reference(q, k, ks, v, vs, lens, tbl, base=None, *, v_major: str = "dim", **knobs):
   """:func:`partition` over a paged pool, in jnp: the pool gathered through the tables, then
   :func:`partition_reference` with page-sized tiles.  ``base`` as in :func:`partition`: the
-  codes at pages ``base + tbl``, the scales at ``tbl``."""
+  codes at pages ``base + tbl``, the scales at ``tbl`` (planes, ``vs=None``: at ``base + tbl``
+  too)."""
   if base is not None:      # the codes of the layer the scales belong to
     at = jnp.asarray(base, jnp.int32).reshape(())
-    k = lax.dynamic_slice_in_dim(k, at, ks.shape[0], 0)
-    v = lax.dynamic_slice_in_dim(v, at, ks.shape[0], 0)
+    if vs is None:          # planes span the stack like the codes: offset every page id
+      tbl = tbl + at
+    else:
+      k = lax.dynamic_slice_in_dim(k, at, ks.shape[0], 0)
+      v = lax.dynamic_slice_in_dim(v, at, ks.shape[0], 0)
   kc, ksc, vc, vsc = pool_gather(k, ks, v, vs, tbl, v_major=v_major)
   return partition_reference(q, kc, ksc, vc, vsc, lens, tile=k.shape[2], v_major=v_major,
                              **knobs)
@@ -544,7 +569,9 @@ def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, 
   else:
     s = jnp.einsum("bgd,bnd->bng", q.astype(jnp.bfloat16).astype(jnp.float32), kf)
   s = s * (ks * qk_scale)[..., None]
-  s = jnp.where(jnp.arange(n)[None, :, None] < lens[:, None, None], s, -jnp.inf)
+  valid = jnp.arange(n)[None, :] < lens[:, None]
+  s = jnp.where(valid[..., None], s, -jnp.inf)
+  vs = jnp.where(valid, vs, 0.0)      # the kernel zeroes p * scale past the length (any scale)
   # Partial (split sp, warpgroup w) takes tiles (sp * steps + i) * wgs + w, i < steps.
   tiles = lambda x: jnp.moveaxis(x.reshape(bh, splits, steps, wgs, tile, *x.shape[2:]), 2,
                                  0).reshape(steps, bh, splits * wgs, tile, *x.shape[2:])

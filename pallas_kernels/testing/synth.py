@@ -112,7 +112,7 @@ def make(shape: Shape, lo_len, hi_len, win_len, *, seed: int = 0, poison: bool =
   kc, vc = jnp.asarray(kc, jnp.uint8), jnp.asarray(vc, jnp.uint8)
   if lo_format == "int4":        # the same codes (0xFF poison: -1s), head-major, V dim-major
     kc, vc = int4.pool_arrays(*int4.pool_codes(kc, vc), "int4")
-  lo = LowPool(kc, vc, jnp.asarray(sc, jnp.float16))
+  lo = LowPool(kc, vc, int4.scale_array(jnp.asarray(sc, jnp.float16), int4.format_of(kc)))
   maps = PageMaps(jnp.asarray(hi_tbl), jnp.asarray(hi_len), jnp.asarray(lo_tbl),
                   jnp.asarray(lo_len))
   return bf(q), window, hi, lo, maps
@@ -127,7 +127,7 @@ def visible_rows(window: Window, hi: HighPool, lo: LowPool, maps: PageMaps):
   reading of the pools, not the kernels' gather."""
   f = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
   kw, vw, khi, vhi = f(window.k), f(window.v), f(hi.k), f(hi.v)
-  sc = f(lo.scale)
+  sc = f(int4.pool_scales(lo.scale, lo.format))
   kcodes, vcodes = (np.asarray(x, np.float64) for x in int4.pool_codes(lo.k, lo.v))
   page_lo, page_hi = lo.page, hi.k.shape[1]
   hkv, d = window.k.shape[2], window.k.shape[3]
@@ -199,7 +199,8 @@ def stack_layers(args):
   poisoned (invisible) slots stay where they were."""
   q, win, hi, lo, maps = args
   kc, vc = int4.pool_codes(lo.k, lo.v)
-  swap = LowPool(*int4.pool_arrays(vc, kc, lo.format), lo.scale[..., ::-1])
+  swap = LowPool(*int4.pool_arrays(vc, kc, lo.format), int4.scale_array(
+      int4.pool_scales(lo.scale, lo.format)[..., ::-1], lo.format))
   layers = [(win.k, win.v, hi, lo), (-win.k, win.v, HighPool(-hi.k, hi.v), swap),
             (win.v, win.k, HighPool(hi.v, hi.k), swap)]
   st = lambda *xs: jnp.stack(xs)

@@ -41,12 +41,14 @@ def write_layer(lkv: LayerKV, plan: StepPlan, g, k: jax.Array, v: jax.Array) -> 
   vq, vs = int4.quantize(old_v)
   # The INT4 pool in either format: as token-major codes, the row put, back to the format.
   kc, vc = int4.pool_codes(lkv.lo_k, lkv.lo_v)                      # [P, page, Hkv, D]
-  lo_k, lo_v = int4.pool_arrays(put(kc, dl, kq), put(vc, dl, vq), int4.format_of(lkv.lo_k))
+  fmt = int4.format_of(lkv.lo_k)
+  lo_k, lo_v = int4.pool_arrays(put(kc, dl, kq), put(vc, dl, vq), fmt)
+  lo_s = int4.scale_array(put(int4.pool_scales(lkv.lo_s, fmt), dl, jnp.stack([ks, vs], -1)), fmt)
   return LayerKV(
       win_k=lkv.win_k.at[bi, plan.slot].set(k.astype(lkv.win_k.dtype), mode="drop"),
       win_v=lkv.win_v.at[bi, plan.slot].set(v.astype(lkv.win_v.dtype), mode="drop"),
       hi_k=put(lkv.hi_k, dh, old_k), hi_v=put(lkv.hi_v, dh, old_v),
-      lo_k=lo_k, lo_v=lo_v, lo_s=put(lkv.lo_s, dl, jnp.stack([ks, vs], axis=-1)))
+      lo_k=lo_k, lo_v=lo_v, lo_s=lo_s)
 
 
 def layer_slice(cache: Cache, layer) -> LayerKV:
@@ -85,7 +87,7 @@ def lo_dequantized(cache: Cache) -> tuple[np.ndarray, np.ndarray]:
   same rows compare equal here whatever their formats."""
   lay = cache.layers
   kc, vc = int4.pool_codes(lay.lo_k, lay.lo_v)
-  s = np.asarray(lay.lo_s, np.float32)
+  s = np.asarray(int4.pool_scales(lay.lo_s, int4.format_of(lay.lo_k)), np.float32)
   return (np.asarray(kc, np.float32) * s[..., 0:1], np.asarray(vc, np.float32) * s[..., 1:2])
 
 
