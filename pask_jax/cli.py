@@ -85,7 +85,7 @@ def cmd_serve(args) -> int:
                         api_key=args.api_key or ([os.environ["PASK_API_KEY"]]
                                                  if os.environ.get("PASK_API_KEY") else None),
                         chat_template=args.chat_template,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, lo_format=args.lo_format)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
@@ -317,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                  metavar="N",
                  help="most tokens (prompt + max_tokens) per request (alias --context)")
   s.add_argument("--page", type=_positive, default=16, help="tokens per KV page")
+  s.add_argument("--lo-format", choices=["bytes", "int4"], default="bytes",
+                 help="storage of the INT4 pool: bytes (half-split nibbles: the Triton and TPU "
+                      "kernels) or int4 (head-major int4 pages: the Mosaic GPU kernel on "
+                      "Hopper, ~1.5x the INT4 read rate; needs --page 64 or 128 there)")
   mem = s.add_mutually_exclusive_group()
   mem.add_argument("--kv-memory", type=_positive_float, default=None, metavar="GB",
                    help="KV cache memory budget in GB: both pools sized from it and the "

@@ -68,7 +68,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pask_jax.prompt import Prompt
 from pask_jax.tracker import Tracker
-from serve.engine import Engine, Request
+from serve.engine import Engine, Request, check_lo_format
 from serve.guard import Auth, Guard
 from serve.metrics import Metrics
 from serve.prepare import (TOOL_CALL_PARSERS, BadRequest, Preparer, load_chat_template,
@@ -331,11 +331,12 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           grammar_timeout_s: float = 10.0, prefill_chunk: int = 512,
           prefill_share: float = 1 / 3, api_key: str | list[str] | None = None,
           chat_template: str | None = None, tool_call_parser: str | None = None,
-          center_keys: bool = True):
+          center_keys: bool = True, lo_format: str = "bytes"):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).
   ``chat_template``: a file path or a template (:func:`load_chat_template`); the other options
-  as for :func:`create_app`; ``center_keys``: :mod:`models.center` (default on)."""
+  as for :func:`create_app`; ``center_keys``: :mod:`models.center` (default on); ``lo_format``:
+  the INT4 pool's storage format (:class:`serve.engine.Engine`)."""
   import jax
   import jax.numpy as jnp
 
@@ -345,6 +346,7 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
   if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
     raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; choose one of "
                      f"{', '.join(TOOL_CALL_PARSERS)}")
+  check_lo_format(lo_format, page, "auto")            # before any weight loads
   template = None if chat_template is None else load_chat_template(chat_template)
   dt = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
         "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
@@ -361,7 +363,8 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
                   kv_bytes=None if kv_memory_gb is None else int(kv_memory_gb * 1e9),
                   gpu_memory_utilization=gpu_memory_utilization,
                   mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
-                  prefill_chunk=prefill_chunk, prefill_share=prefill_share)
+                  prefill_chunk=prefill_chunk, prefill_share=prefill_share,
+                  lo_format=lo_format)
   if warmup:
     engine.warmup()
   engine.start()

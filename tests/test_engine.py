@@ -21,8 +21,8 @@ from pask_jax.grammar import FCAdapter, tool_call_grammar
 from pask_jax.grammar.prompt_spans import label_prompt
 from pask_jax.testing import grammar_compiler, smollm2_tokenizer
 from pask_jax.tracker import Tracker
-from serve.engine import (DenseEngine, Engine, Request, expected_mix, page_bytes, reachable,
-                          size_pools)
+from serve.engine import (DenseEngine, Engine, Request, check_lo_format, expected_mix, page_bytes,
+                          reachable, size_pools)
 
 pytestmark = pytest.mark.fast_compile
 
@@ -363,6 +363,35 @@ def test_pask_engine_matches_single_sequence_generate():
                    sampling=Sampling(max_tokens=r.max_tokens))[0]
     assert x["tokens"] == ref.tokens
     assert x["ledger"]["measured_B"] == ref.ledger["measured_B"]
+
+
+def test_int4_pool_format_serves_the_same_tokens():
+  """``lo_format="int4"`` (what the Mosaic GPU kernel reads) through the engine: the same tokens
+  and measured B as the bytes pool for a batch that fills the INT4 pool; a format no kernel
+  reads is one line before anything compiles."""
+  e = Engine(model(), tok(), pol("sparse"), slots=SLOTS, context=CTX, page=PAGE,
+             prefiller=prefiller(), lo_format="int4")
+  assert e.step.state[0].lo_format == "int4"
+  got, want = run(e, requests())[0], run(engine("sparse"), requests())[0]
+  assert e.m["lo_used_peak"] > 0 and e.m["actions_L"] > 0          # the INT4 pool was used
+  for x, y in zip(got, want):
+    assert x["tokens"] == y["tokens"]
+    assert x["ledger"]["measured_B"] == y["ledger"]["measured_B"]
+  check_clean(e)
+  with pytest.raises(ValueError, match="^lo_format must be 'bytes' or 'int4', got 'u4'$"):
+    Engine(model(), tok(), pol("sparse"), slots=SLOTS, context=CTX, page=PAGE,
+           prefiller=prefiller(), lo_format="u4")
+  with pytest.raises(ValueError, match="^the TPU kernel reads the 'bytes' INT4 format only"):
+    check_lo_format("int4", 128, "tpu")
+
+
+def test_int4_pool_on_the_gpu_needs_pages_the_mosaic_kernel_reads(monkeypatch):
+  import jax
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with pytest.raises(ValueError, match="needs pages of a multiple of 64 tokens .* got page 16$"):
+    check_lo_format("int4", 16, "auto")
+  check_lo_format("int4", 128, "auto")
+  check_lo_format("bytes", 16, "auto")
 
 
 # ---- overlap: the host's work runs while the device computes the previous step -----------------

@@ -15,9 +15,10 @@ from serve.engine.scheduler import STARVE_STEPS
 from serve.engine.sizing import (PREFILL_BUCKETS, PREFILL_CHUNKS, Sizing, bucket, expected_mix,
                                  kv_bytes_for_utilization, page_bytes, reachable, size_pools,
                                  slot_bytes, worst_pages)
-from serve.engine.step import TOP_LOGPROBS
+from serve.engine.step import TOP_LOGPROBS, check_lo_format
 
 __all__ = ["METRIC_KEYS", "PREEMPTION", "PREFILL_BUCKETS", "PREFILL_CHUNKS", "STARVE_STEPS",
-           "TOP_LOGPROBS", "DenseEngine", "Engine", "Request", "Sizing", "bucket", "expected_mix",
+           "TOP_LOGPROBS", "DenseEngine", "Engine", "Request", "Sizing", "bucket",
+           "check_lo_format", "expected_mix",
            "kv_bytes_for_utilization", "page_bytes", "reachable", "size_pools", "slot_bytes",
            "worst_pages"]

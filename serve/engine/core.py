@@ -36,7 +36,8 @@ class Engine(Loop):
                mix: tuple[float, float] | None = None, watermark: float = 0.01,
                preemption: str = "replay", backend: str = "auto",
                prefiller: Runner | None = None, overlap: bool = True,
-               prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE):
+               prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE,
+               lo_format: str = "bytes"):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
@@ -47,7 +48,8 @@ class Engine(Loop):
     overlap the host's work with the device step (:mod:`serve.engine.loop`; off where it does
     not apply); ``prefill_chunk``: tokens per prefill piece (one of :data:`PREFILL_CHUNKS`);
     ``prefill_share``: the most of the engine's time a long prompt's prefill takes while others
-    decode."""
+    decode; ``lo_format``: the INT4 pool's storage format (:func:`pask_jax.cache.init`): "int4"
+    is what the Mosaic GPU kernel reads on Hopper, with ``page`` a multiple of 64."""
     if prefill_chunk not in PREFILL_CHUNKS:
       raise ValueError(f"prefill_chunk must be one of {PREFILL_CHUNKS}, got {prefill_chunk!r}")
     self.sched = Scheduler(prefill_chunk, prefill_share)
@@ -66,7 +68,8 @@ class Engine(Loop):
       kv_bytes = kv_bytes_for_utilization(gpu_memory_utilization, self.cfg, context)
     self.step = self.kind(model, policy, slots=slots, context=context, page=page,
                           backend=backend, watermark=watermark, kv_bytes=kv_bytes, mix=mix,
-                          hi_pages=hi_pages, lo_pages=lo_pages, prefiller=prefiller)
+                          hi_pages=hi_pages, lo_pages=lo_pages, prefiller=prefiller,
+                          lo_format=lo_format)
     self.pages, self.sizing, self.reach = self.step.pages, self.step.sizing, self.step.reach
     self.hi_total, self.lo_total = self.sizing.hi_pages, self.sizing.lo_pages
     self.runner, self.traces = self.step.runner, self.step.traces

@@ -101,14 +101,28 @@ class Step:
     return self._pick_rows(logits, jnp.asarray(packed))
 
 
+def check_lo_format(lo_format: str, page: int, backend: str) -> None:
+  """One-line errors for an INT4 storage format the step's kernels cannot read: "int4" is read
+  by the reference (CPU) and by the Mosaic GPU kernel, whose pages hold multiples of 64 rows."""
+  from pallas_kernels import int4
+  int4.check_format(lo_format)
+  if lo_format == "int4" and backend in ("auto", "gpu") and jax.default_backend() == "gpu" \
+      and page % 64:
+    raise ValueError(f"lo_format 'int4' on the GPU needs pages of a multiple of 64 tokens (the "
+                     f"Mosaic GPU kernel reads one page per pipeline step), got page {page}")
+  if lo_format == "int4" and backend == "tpu":
+    raise ValueError("the TPU kernel reads the 'bytes' INT4 format only, got lo_format 'int4'")
+
+
 class PagedStep(Step):
   """The paged PASK cache: ``(cache, controller balances, ledger)`` for ``slots`` sequences."""
 
   def __init__(self, model, policy, *, slots: int, context: int, page: int, backend: str,
                watermark: float, kv_bytes=None, mix=None, hi_pages=None, lo_pages=None,
-               **_):
+               lo_format: str = "bytes", **_):
     super().__init__()
     c = model.cfg
+    check_lo_format(lo_format, page, backend)
     self.policy, self.window, self.G = policy, int(policy.window), int(policy.n_groups)
     self.page, self.can_overlap = page, self.window >= 3   # page growth needs a window of 3
     self.sizing = size_pools(c, policy, slots=slots, context=context, page=page,
@@ -118,12 +132,12 @@ class PagedStep(Step):
     self.pages = PagePools(totals, slots=slots, context=context, page=page, window=self.window,
                            sink=int(policy.sink), n_groups=self.G, watermark=watermark)
     self.runner = PaskRunner(model, policy, batch=slots, capacity=context, page=page,
-                             backend=backend)
+                             backend=backend, lo_format=lo_format)
     self.traces = self.runner.traces
     cache = pcache.init_paged(c.n_layers, slots, c.n_kv_heads, c.head_dim, capacity=context,
                               window=self.window, hi_pool_pages=totals[0],
                               lo_pool_pages=totals[1], sink=policy.sink, n_groups=self.G,
-                              page=page)
+                              page=page, lo_format=lo_format)
     self.state = (cache, jnp.zeros((slots,), jnp.float32), ledger.init(slots, self.G))
     self._plan = jax.jit(self._plan_fn)
     self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
