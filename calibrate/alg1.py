@@ -170,6 +170,31 @@ def fixed_order(buckets: Sequence[tuple[int, int]]) -> dict:
   return {b: (2.0 - k / n, 1.0 - k / n) for k, b in enumerate(order)}
 
 
+def position_bins(lengths: dict[str, Sequence[int]], n_bins: int = 10,
+                  reach: float = 0.75) -> list[int]:
+  """The no-transition ablation's keys (C.5; not wired into the runtime yet): ``n_bins``
+  contiguous request-local position bins from Full-KV calibration completion lengths (per
+  category), each reached by at least ``reach`` of the requests of every category, the last
+  absorbing the tail.  Returns the bins' first positions (0-based decode index; position p is
+  reached by a completion of n tokens when n > p), equal widths up to the start of the last bin,
+  which is the largest position so reached; a ValueError if the completions are too short to
+  give ``n_bins`` distinct bins."""
+  if n_bins < 1 or not lengths or any(len(v) == 0 for v in lengths.values()):
+    raise ValueError("position bins need n_bins >= 1 and completion lengths in every category")
+  last = []
+  for cat, ns in lengths.items():
+    ns = np.sort(np.asarray(ns, np.int64))
+    # The largest p with #{n > p} >= ⌈reach·N⌉: one less than the ⌈reach·N⌉-th largest n.
+    k = len(ns) - math.ceil(reach * len(ns) - 1e-9)
+    last.append(int(ns[k]) - 1)
+  top = min(last)
+  if top < n_bins - 1:
+    raise ValueError(f"{n_bins} position bins each reached by {reach:.0%} of every category need "
+                     f"completions of at least {n_bins} tokens there; the shortest category "
+                     f"reaches position {top}")
+  return [(j * top) // (n_bins - 1) for j in range(n_bins)]
+
+
 def greedy_path(floors: dict, rho: dict) -> list[dict]:
   """Prop. 2: maps Θ_0 = floors ⪯ Θ_1 ⪯ … ⪯ all-high, one adjacent upgrade per step, the largest
   ρ_D first; ties by ascending (tag id, group), then R→L before L→H (one per bucket anyway)."""

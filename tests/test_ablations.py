@@ -149,6 +149,25 @@ def test_fixed_order_is_a_layer_group_round_robin_level_by_level():
   assert all(rho[b][0] > rho[c][1] for b in buckets for c in buckets)
 
 
+# ---- no-transition's position bins (the runtime side is not there yet) ---------------------------
+
+def test_position_bins_are_each_reached_by_the_share_of_every_category():
+  rng = np.random.default_rng(1)
+  lengths = {"simple_python": list(rng.integers(20, 90, 40)),
+             "multiple": list(rng.integers(35, 140, 23))}
+  edges = alg1.position_bins(lengths)
+  assert len(edges) == 10 and edges[0] == 0 and all(np.diff(edges) > 0)
+  widths = np.diff(edges)
+  assert widths.max() - widths.min() <= 1                  # equal up to rounding
+  for ns in lengths.values():
+    ns = np.asarray(ns)
+    assert all(np.mean(ns > e) >= 0.75 for e in edges)     # every bin reached by 75%
+  # ... and the last bin starts as late as that allows (one position later is reached by less).
+  assert min(np.mean(np.asarray(ns) > edges[-1] + 1) for ns in lengths.values()) < 0.75
+  with pytest.raises(ValueError, match="at least 10 tokens"):
+    alg1.position_bins({"simple_python": [5, 6, 30, 40]})
+
+
 # ---- the CLI and the campaign --------------------------------------------------------------------
 
 def test_calibrate_cli_refuses_an_unknown_ablation_in_one_line_before_loading(tmp_path,
