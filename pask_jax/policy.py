@@ -183,13 +183,22 @@ def ablation_of(pol: "FrozenPolicy") -> str | None:
   return pol.record.get("ablation")
 
 
+def position_bins(pol: "FrozenPolicy | None") -> tuple[int, ...] | None:
+  """The no-transition policy's position bins (first positions), else None."""
+  if pol is None:
+    return None
+  b = pol.record.get("position_bins")
+  return None if b is None else tuple(int(x) for x in b)
+
+
 def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
           reserve: Mapping[int, float] | Sequence[float] = (), pooled: float = 0.0,
           b_d: float = 1.0, b_p: float = 1.0, sink: int = DEFAULT_SINK,
           window: int = DEFAULT_WINDOW, tokenizer_hash: str | None = None,
           adapter: str = "", thresholds: Any = None, reserve_k: int = 8,
           reserve_beta: float = 0.8, extra: Mapping[str, Any] | None = None,
-          ablation: str | None = None) -> FrozenPolicy:
+          ablation: str | None = None, position_bins: Sequence[int] | None = None
+          ) -> FrozenPolicy:
   """Pack calibrated entries into a ``FrozenPolicy`` (Alg. 1 line 11, "Pack").
 
   ``entries``: tag id → :class:`Entry`.  ``reserve``: Γ per parser-state id in units of C_full
@@ -198,11 +207,21 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
   ``ablation`` (one of :data:`pask_jax.tags.ABLATIONS`, recorded as ``record["ablation"]``):
   entries are keyed by ablated keys (:func:`pask_jax.tags.coarsen`) and every tag id gets the
   entry of its key, resolved along the key's parent chain, and Crit of its key (no-state: no id
-  is critical); no-layer entries must be equal across the groups.  The component ablations
+  is critical); no-layer entries must be equal across the groups.  no-transition needs
+  ``position_bins`` (the bins' first positions, recorded as ``record["position_bins"]``; the
+  decode entries are keyed by :func:`pask_jax.tags.position_id`).  The component ablations
   (no-floors, fixed-order) change what calibration writes, not the table's layout.
   """
   G = n_groups
   T.check_ablation(ablation)
+  if (ablation == "no-transition") != (position_bins is not None):
+    raise ValueError("position_bins go with the no-transition ablation, and it needs them")
+  if position_bins is not None:
+    e = [int(x) for x in position_bins]
+    if not 1 <= len(e) <= T.MAX_POSITION_BINS or e[0] != 0 or any(
+        b <= a for a, b in zip(e, e[1:])):
+      raise ValueError(f"position bins must be 1..{T.MAX_POSITION_BINS} increasing first "
+                       f"positions from 0, got {e}")
   action = np.full((T.N_IDS, G), Act.H, np.int8)
   floor = np.full((T.N_IDS, G), Act.H, np.int8)
   prio = np.full((T.N_IDS, G, 2), np.nan, np.float32)
@@ -252,6 +271,8 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
   }
   if ablation is not None:      # only then: the records of unablated policies stay as they were
     record["ablation"] = ablation
+  if position_bins is not None:
+    record["position_bins"] = [int(x) for x in position_bins]
   pol = FrozenPolicy(
       action=jnp.asarray(action), floor=jnp.asarray(floor), prio=jnp.asarray(prio),
       crit=jnp.asarray(crit), reserve=jnp.asarray(res), pooled=jnp.float32(pooled),
@@ -497,7 +518,8 @@ def from_record(rec: Mapping[str, Any]) -> FrozenPolicy:
                b_p=float(rec["budgets"]["b_p"]), sink=int(rec["sink"]), window=int(rec["window"]),
                adapter=rec.get("adapter", ""), thresholds=rec.get("thresholds"),
                reserve_k=int(res.get("k", 8)), reserve_beta=float(res.get("beta", 0.8)),
-               extra=rec.get("extra"), ablation=rec.get("ablation"))
+               extra=rec.get("extra"), ablation=rec.get("ablation"),
+               position_bins=rec.get("position_bins"))
 
 
 def state_vocab(pol: FrozenPolicy):

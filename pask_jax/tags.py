@@ -169,6 +169,8 @@ def describe(tag_id: int, ablation: str | None = None) -> str:
   """Human-readable tag, e.g. ``fc:schema_bearing/required/critical/no_lookahead``; with a
   key ablation (:data:`KEY_ABLATIONS`) the stand-in of a merged field is written ``*``
   (``fc:*/required/critical/no_lookahead`` under no-class)."""
+  if ablation == "no-transition" and tag_id in _POSITION_IDS:
+    return f"pos:bin{_POSITION_IDS.index(int(tag_id))}"
   if ablation in MERGED and tag_id >= 0 and unpack(int(tag_id))[0] in _DECODE_FAMILIES:
     head, rest = describe(int(tag_id)).split(":", 1)
     parts = rest.split("/")
@@ -235,9 +237,15 @@ def all_ids(family: Family | None = None) -> list[int]:
 # Prompt labels (the PROMPT family) are the prefill's keys, not parser transitions: no ablation
 # coarsens them.  The frozen table stays indexed by tag id (entries[id] = entry[coarsen(id)],
 # :func:`pask_jax.policy.build`), so the runtime is unchanged.
+#
+# "no-transition" replaces the decode tags by request-local position bins: bin k of a request's
+# completion is the tag id :func:`position_id` (k), the bins' first positions are recorded in the
+# policy (``record["position_bins"]``) and :class:`pask_jax.tracker.PositionTracker` emits them
+# in place of the adapter's tags (and the unseen parser state, so the pooled reserve).
 COMPONENT_ABLATIONS = ("no-floors", "fixed-order")
 KEY_ABLATIONS = ("no-class", "no-role", "no-state")
-ABLATIONS = COMPONENT_ABLATIONS + KEY_ABLATIONS + ("no-layer",)
+ABLATIONS = COMPONENT_ABLATIONS + KEY_ABLATIONS + ("no-layer", "no-transition")
+MAX_POSITION_BINS = 12
 STAND_IN = 1                                  # the value a merged class / role field takes
 MERGED = {"no-class": 0, "no-role": 1}        # ablation -> index of the merged field
 _DECODE_FAMILIES = (int(Family.FC), int(Family.SQL))
@@ -276,6 +284,20 @@ def coarsen(tag_id: int, ablation: str | None) -> int:
 def key_table(ablation: str | None) -> tuple[int, ...]:
   """``coarsen(i, ablation)`` for every i < :data:`N_IDS` (cached: policies are built often)."""
   return tuple(coarsen(i, ablation) for i in range(N_IDS))
+
+
+def position_id(k: int) -> int:
+  """The tag id standing for position bin ``k`` (0-based) under no-transition: a well-formed FC
+  (class, role) id, one per bin, no state or next (so never critical)."""
+  if not 0 <= k < MAX_POSITION_BINS:
+    raise ValueError(f"position bin {k} outside 0..{MAX_POSITION_BINS - 1}")
+  return fc(1 + k // 4, 1 + k % 4)
+
+
+def position_bin(position: int, edges) -> int:
+  """The bin of a 0-based completion position, given the bins' first positions ``edges``
+  (increasing, starting at 0): the last bin absorbs the tail."""
+  return max(0, int(np.searchsorted(np.asarray(edges), position, side="right")) - 1)
 
 
 def ablated_keys(ablation: str | None) -> list[int]:
@@ -326,3 +348,6 @@ def vocab_record() -> dict:
 def stack_candidates(rows: Sequence[Sequence[int]]) -> np.ndarray:
   """A list of candidate lists -> ``int32[len(rows), N_CAND]``."""
   return np.stack([candidates(*r) for r in rows]) if rows else np.zeros((0, N_CAND), np.int32)
+
+
+_POSITION_IDS = [position_id(k) for k in range(MAX_POSITION_BINS)]
