@@ -127,7 +127,14 @@ ABLATION = {
     "no-layer": "actions tied across the layer groups: one bucket per key for every group "
                 "(interventions act on all groups; D summed over groups, costs too); the online "
                 "budget still demotes and promotes per group",
+    "no-transition": "decode tags replaced by request-local position bins (position_bins: ten "
+                     "from the reference's completion lengths, each reached by 75% of every "
+                     "category, the last absorbing the tail; pask_jax.tracker.PositionTracker "
+                     "emits them with the unseen parser state, so the pooled reserve and no Crit); "
+                     "prompt labels kept",
 }
+N_POSITION_BINS = 10
+POSITION_REACH = 0.75
 
 
 # ---- small pure pieces (unit-tested) ----------------------------------------------------------
@@ -329,7 +336,7 @@ def policy_entries(maps: dict, floors: dict, rho: dict | None, G: int) -> dict[i
 
 
 def intervention(model_ident, tmpl: Config, i: int, g: int, a: int, others: Sequence[int],
-                 tokenizer_hash=None) -> P.FrozenPolicy:
+                 tokenizer_hash=None, position_bins=None) -> P.FrozenPolicy:
   """π_{q,a} for q = (i, g): action = floor = a on q, H on every other observed id and group."""
   G, abl = tmpl.n_groups, tmpl.ablation
   ent = {o: P.Entry([Act.H] * G, [Act.H] * G) for o in others}
@@ -340,7 +347,7 @@ def intervention(model_ident, tmpl: Config, i: int, g: int, a: int, others: Sequ
   return P.build(ent, model_ident, n_groups=G, b_d=1.0, b_p=1.0, sink=tmpl.sink,
                  window=tmpl.window, tokenizer_hash=tokenizer_hash, adapter="fc",
                  extra={"name": f"intervention {T.describe(i, abl)} {where} {Act.NAMES[a]}"},
-                 ablation=abl)
+                 ablation=abl, position_bins=position_bins)
 
 
 @functools.partial(jax.jit)
@@ -383,6 +390,7 @@ class Calibration:
     self.ablation = T.check_ablation(cfg.ablation)
     # no-layer: one bucket (i, 0) per key stands for every group; bcost is the bucket cost model.
     self.tied = self.ablation == "no-layer"
+    self.bins = None      # no-transition: the position bins (set from the reference)
     self.ident = P.identity_of(model.cfg, tokenizer_hash)
     self.thash = tokenizer_hash
     self.out = out
@@ -407,7 +415,7 @@ class Calibration:
   # --- the ablation's policies (Config.ablation) ---
   def build(self, entries, *args, **kw) -> P.FrozenPolicy:
     """:func:`pask_jax.policy.build` under this run's ablation (entries keyed by ablated keys)."""
-    return P.build(entries, *args, ablation=self.ablation, **kw)
+    return P.build(entries, *args, ablation=self.ablation, position_bins=self.bins, **kw)
 
   def expand(self, m: dict | None) -> dict | None:
     """Per-bucket values -> per (key, group): no-layer's bucket (i, 0) stands for every group."""
@@ -450,9 +458,9 @@ class Calibration:
     abl = arg("ablation") if c["ablation"] else {}
     runtime = {**ref, "args": {**ref["args"], **arg("min_count")}}
     runtime_v = {**runtime, "args": {**runtime["args"], **(
-        abl if c["ablation"] in T.KEY_ABLATIONS + ("no-layer",) else {})}}
+        abl if c["ablation"] not in T.COMPONENT_ABLATIONS else {})}}
     runtime_d = {**runtime, "args": {**runtime["args"], **(
-        abl if c["ablation"] in T.KEY_ABLATIONS else {})}}
+        abl if c["ablation"] in T.KEY_ABLATIONS + ("no-transition",) else {})}}
     dev = {**runtime_v, "development_split": stages.task_fingerprint(self.dev),
            "args": {**runtime_v["args"], **arg("thresholds", "prefill_thresholds", "b_p_grid",
                                              "path_points", "reserve_k", "reserve_beta"), **abl}}
@@ -529,8 +537,28 @@ class Calibration:
       ref = got["outcomes"]
       for k in got["state_vocab"]:
         self.cal.vocab(k)
+    if self.ablation == "no-transition":
+      ref = self._to_positions(ref)
     self.ref = ref
     return ref
+
+  def _to_positions(self, ref):
+    """no-transition: the position bins from the reference's completion lengths per category,
+    and the reference's decode tags as those bins (stop tokens kept), states unseen (-1)."""
+    by: dict[str, list[int]] = {}
+    for r, o in enumerate(ref):
+      by.setdefault(str(self.cal.category(r)), []).append(len(o.tokens))
+    self.bins = tuple(position_bins(by, N_POSITION_BINS, POSITION_REACH))
+    self.log(f"position bins (no-transition): first positions {list(self.bins)}")
+    out = []
+    for o in ref:
+      n = len(o.tokens)
+      tags = np.asarray(o.tags, np.int32)[:n].copy()
+      for j in range(n):
+        if not (tags[j] == T.STOP).any():
+          tags[j] = T.candidates(T.position_id(T.position_bin(j, self.bins)))
+      out.append(dataclasses.replace(o, tags=tags, states=np.full(n, -1, np.int32)))
+    return out
 
   def _seq_cands(self, r: int, o) -> tuple[np.ndarray, np.ndarray]:
     """Reference request r: (prompt candidates [n_prompt, 4], decode candidates [n_dec, 4])."""
@@ -572,7 +600,7 @@ class Calibration:
 
   def intervention_policy(self, kind, i, g, a):
     others = [o for o in (self.nbar_dec if kind == "decode" else self.nbar_pre) if o != i]
-    return intervention(self.ident, self.cfg, i, g, a, others, self.thash)
+    return intervention(self.ident, self.cfg, i, g, a, others, self.thash, self.bins)
 
   # --- stage 3: Runtime-V ---
   def runtime_v(self):
@@ -1130,7 +1158,8 @@ class Calibration:
                    for k, v in dataclasses.asdict(self.cfg).items()},
         "ablation": (None if self.ablation is None else
                      {"name": self.ablation, "what": ABLATION[self.ablation],
-                      "stand_in": T.STAND_IN if self.ablation in T.MERGED else None}),
+                      "stand_in": T.STAND_IN if self.ablation in T.MERGED else None,
+                      "position_bins": None if self.bins is None else list(self.bins)}),
         "reference_cal_accuracy": 1 - self.error(self.ref),
         "nbar": {"decode": {d(i): v for i, v in self.nbar_dec.items()},
                  "prefill": {d(i): v for i, v in self.nbar_pre.items()}},

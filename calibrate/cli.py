@@ -69,8 +69,8 @@ def add_parser(sub) -> None:
   c.add_argument("--ablation", default=None, metavar="NAME",
                  help="calibrate an ablation of the paper's Fig. 5 instead of the full method: "
                       "no-floors, fixed-order (policy components), no-class, no-role, no-state, "
-                      "no-layer (structural; see calibrate.alg1.ABLATION); recorded in the "
-                      "policy and calibration.json")
+                      "no-layer, no-transition (structural; see calibrate.alg1.ABLATION); "
+                      "recorded in the policy and calibration.json")
   c.add_argument("--speedup", type=int, default=0, metavar="K",
                  help="also time K Runtime-V interventions sequentially vs stacked")
 

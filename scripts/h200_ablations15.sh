@@ -8,7 +8,8 @@
 # "ablations: all calibrated" and the campaign has nothing left.
 #   bash scripts/h200_ablations15.sh    (carry .whl; the model uploaded to /tmp/m beforehand)
 #   LIMIT     seconds this call may take (default 560)
-#   VARIANTS  which, in order (default: fixed-order no-floors no-layer no-state no-class no-role)
+#   VARIANTS  which, in order (default: fixed-order no-floors no-layer no-state no-class no-role
+#             no-transition)
 #   MAX_CASES cases per category for calibration and development (default: every case, as the
 #             committed full-method policy; keep it the same over the calls)
 #   FULL_WORK the work/ of a full-method calibration with the same flags (e.g. /tmp/cal15c/work
@@ -34,7 +35,8 @@ share() {   # share VARIANT STAGE SOURCE_DIR...: copy STAGE.npz into VARIANT's w
     if [ -f $src/$s.npz ]; then cp -n $src/$s.npz $root/$v/work/$s.npz; return; fi
   done
 }
-for v in ${VARIANTS:-fixed-order no-floors no-layer no-state no-class no-role}; do
+all="fixed-order no-floors no-layer no-state no-class no-role no-transition"
+for v in ${VARIANTS:-$all}; do
   [ -f $root/$v/calibration.json ] && continue
   left=$((limit - SECONDS - 30))
   if [ $left -lt 120 ]; then echo "ablations: out of time before $v"; exit 0; fi
@@ -52,11 +54,11 @@ for v in ${VARIANTS:-fixed-order no-floors no-layer no-state no-class no-role}; 
   tar czf $OUT/abl15_$v.tgz -C /tmp abl15/$v/policy abl15/$v/calibration.json
 done
 echo "ablations: all calibrated"
-# The plan names all six variants: with a VARIANTS subset, calibration only.
+# The plan names all seven variants: with a VARIANTS subset, calibration only.
 [ -n "$VARIANTS" ] && exit 0
 # Every call sends the committed tree: the policies go where the plan reads them, from /tmp.
 pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations
-for v in fixed-order no-floors no-layer no-state no-class no-role; do
+for v in $all; do
   rm -rf $pol/$v && mkdir -p $pol/$v && cp -r $root/$v/policy/. $pol/$v/ \
     && cp $root/$v/calibration.json $pol/$v/
 done

@@ -149,7 +149,7 @@ def test_fixed_order_is_a_layer_group_round_robin_level_by_level():
   assert all(rho[b][0] > rho[c][1] for b in buckets for c in buckets)
 
 
-# ---- no-transition's position bins (the runtime side is not there yet) ---------------------------
+# ---- no-transition: position bins in place of the parser's tags ---------------------------------
 
 def test_position_bins_are_each_reached_by_the_share_of_every_category():
   rng = np.random.default_rng(1)
@@ -166,6 +166,118 @@ def test_position_bins_are_each_reached_by_the_share_of_every_category():
   assert min(np.mean(np.asarray(ns) > edges[-1] + 1) for ns in lengths.values()) < 0.75
   with pytest.raises(ValueError, match="at least 10 tokens"):
     alg1.position_bins({"simple_python": [5, 6, 30, 40]})
+
+
+def test_position_ids_are_distinct_plain_tags_and_bins_cover_positions():
+  ids = [T.position_id(k) for k in range(T.MAX_POSITION_BINS)]
+  assert len(set(ids)) == len(ids) and all(T.is_well_formed(i) for i in ids)
+  assert not any(T.is_critical(i) for i in ids)
+  assert [T.describe(i, "no-transition") for i in ids[:2]] == ["pos:bin0", "pos:bin1"]
+  edges = (0, 3, 7)
+  assert [T.position_bin(p, edges) for p in range(10)] == [0] * 3 + [1] * 4 + [2] * 3
+  with pytest.raises(ValueError):
+    T.position_id(T.MAX_POSITION_BINS)
+
+
+class _Inner:
+  """A tracker double: tags of its own (a stop token's STOP), a parser state, forkable."""
+
+  def __init__(self, stop=99):
+    self.stop, self.terminated = stop, False
+
+  def fill(self, bits, row):
+    bits[row] = -1
+
+  def fork(self):
+    return _Inner(self.stop)
+
+  def accept(self, token):
+    if token == self.stop:
+      return T.candidates(T.STOP), 3
+    return T.candidates(T.fc(T.Cls.SCHEMA_BEARING, T.FCRole.REQUIRED, T.FCState.CRITICAL)), 3
+
+
+def test_position_tracker_emits_bins_by_position_and_keeps_stops():
+  from pask_jax.tracker import PositionTracker, with_positions
+  tr = PositionTracker(_Inner(), (0, 2, 5))
+  got = [tr.accept(t) for t in (1, 2, 3)]
+  assert [int(t[0]) for t, _ in got] == [T.position_id(0)] * 2 + [T.position_id(1)]
+  assert all(s == -1 for _, s in got) and all((t[1:] == T.PAD).all() for t, _ in got)
+  twin = tr.fork()                          # the fork continues at the same position
+  for t in (4, 5):
+    tr.accept(t)
+  assert int(tr.accept(6)[0][0]) == T.position_id(2)
+  assert int(twin.accept(4)[0][0]) == T.position_id(1) and len(twin.tags) == 4
+  stop, sid = tr.accept(99)
+  assert stop[0] == T.STOP and sid == -1
+  assert len(tr.tags) == len(tr.states) == 7
+  assert with_positions([tr], None)[0] is tr and with_positions([tr], (0, 1))[0] is tr
+
+
+def _no_transition_policy(bins=(0, 2, 4)):
+  ent = {T.position_id(k): P.Entry([k % 3] * 3, [0] * 3) for k in range(len(bins))}
+  return P.build(ent, n_groups=3, ablation="no-transition", position_bins=bins)
+
+
+def test_a_no_transition_policy_records_its_bins():
+  pol = _no_transition_policy()
+  assert P.position_bins(pol) == (0, 2, 4) and P.ablation_of(pol) == "no-transition"
+  assert P.position_bins(P.from_record(pol.record)) == (0, 2, 4)
+  assert P.position_bins(P.demo()) is None
+  with pytest.raises(ValueError, match="position_bins go with"):
+    P.build({}, ablation="no-transition")
+  with pytest.raises(ValueError, match="position_bins go with"):
+    P.build({}, position_bins=(0, 3))
+  with pytest.raises(ValueError, match="increasing first positions"):
+    P.build({}, ablation="no-transition", position_bins=(0, 3, 3))
+
+
+def test_generate_feeds_a_no_transition_policy_position_bins():
+  """decode.generate wraps the trackers for a runner whose policy has position bins: the
+  controller gets each token's bin and the unseen state, not the adapter's tag and state."""
+  import types
+  import jax.numpy as jnp
+  from pask_jax import decode
+  from pask_jax.tracker import Tracker
+
+  class Stub:
+    batch, capacity, cfg = 1, 64, types.SimpleNamespace(vocab_size=64)
+
+    def __init__(self, policy):
+      self.policy, self.seen = policy, []
+
+    def begin(self, tokens, lengths, prompt_tags):
+      return jnp.zeros((1, 64)), None
+
+    def select(self, logits, bits, key, temp, top_p):
+      return jnp.asarray([5])
+
+    def advance(self, state, nxt, tag_ids, state_ids, live, bits, key, temp, top_p):
+      self.seen.append((int(np.asarray(tag_ids)[0, 0]), int(np.asarray(state_ids)[0])))
+      return jnp.asarray([5]), None
+
+    def report(self, state):
+      return None
+
+  tok = types.SimpleNamespace(stop_ids=[], decode=lambda ids: "")
+
+  class Tagged(Tracker):        # an adapter's tag and a parser state of its own
+    def accept(self, token):
+      return T.candidates(T.fc(T.Cls.FREE_GENERATION)), 2
+
+  for pol, want in ((_no_transition_policy(), [T.position_id(k) for k in (0, 0, 1, 1, 2)]),
+                    (P.demo(), [T.fc(T.Cls.FREE_GENERATION)] * 5)):
+    r = Stub(pol)
+    decode.generate(r, tok, [[1, 2]], trackers=[Tagged()],
+                    sampling=decode.Sampling(max_tokens=6))
+    assert [t for t, _ in r.seen] == want
+    assert {s for _, s in r.seen} == ({-1} if P.position_bins(pol) else {2})
+
+
+def test_the_serving_engine_refuses_a_no_transition_policy():
+  from serve.engine.core import Engine
+  with pytest.raises(ValueError, match="no-transition"):
+    Engine(None, None, _no_transition_policy())
 
 
 # ---- the CLI and the campaign --------------------------------------------------------------------

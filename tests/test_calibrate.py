@@ -702,3 +702,32 @@ def test_an_ablation_keys_the_runtime_stages(ablated, tmp_path):
   with pytest.raises(ValueError, match="unknown ablation"):
     alg1.Calibration(model, tok, cal, dev, str(tmp_path),
                      dataclasses.replace(ABL_CFG, ablation="no-thing"), capacity=CAP)
+
+
+def test_no_transition_buckets_are_position_bins_and_its_rows_see_them(ablated):
+  """no-transition from the shared reference: ten bins each reached by 75% of the calibration
+  requests (one category here), the reference's decode tags remapped to them (stops kept), and
+  a stacked run of one of its interventions feeds its rows the bins and the unseen state."""
+  C, _, _ = ablated("no-transition", run_all=False)
+  ref = C.reference()
+  lengths = np.asarray([len(o.tokens) for o in ref])
+  assert len(C.bins) == alg1.N_POSITION_BINS and C.bins[0] == 0
+  assert all(np.mean(lengths > b) >= alg1.POSITION_REACH for b in C.bins)
+  pos = {T.position_id(k) for k in range(len(C.bins))}
+  for o in ref:
+    t = np.asarray(o.tags)[:len(o.tokens)]
+    stop = (t == T.STOP).any(1)
+    assert set(t[~stop, 0].tolist()) <= pos and (t[~stop, 1:] == T.PAD).all()
+    assert int(t[0, 0]) == T.position_id(0) and (np.asarray(o.states) == -1).all()
+  C.buckets()
+  assert set(C.nbar_dec) <= pos and len(C.nbar_dec) == len(C.bins)
+  i = T.position_id(len(C.bins) - 1)
+  pol = C.intervention_policy("decode", i, 2, Act.R)
+  assert P.position_bins(pol) == C.bins
+  out = S.run_stack(C.runner_for, C.cal, [pol], rows=CFG.rows, max_tokens=CFG.max_tokens)[0]
+  for o in out:
+    t = np.asarray(o.tags)
+    stop = (t == T.STOP).any(1)
+    want = [T.position_id(T.position_bin(j, C.bins)) for j in range(len(t))]
+    assert t[~stop, 0].tolist() == [w for w, s in zip(want, stop) if not s]
+    assert (np.asarray(o.states) == -1).all()
