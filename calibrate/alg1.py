@@ -179,7 +179,7 @@ def fixed_order(buckets: Sequence[tuple[int, int]]) -> dict:
 
 def position_bins(lengths: dict[str, Sequence[int]], n_bins: int = 10,
                   reach: float = 0.75) -> list[int]:
-  """The no-transition ablation's keys (C.5; not wired into the runtime yet): ``n_bins``
+  """The no-transition ablation's keys (C.5; :class:`pask_jax.tracker.PositionTracker`): ``n_bins``
   contiguous request-local position bins from Full-KV calibration completion lengths (per
   category), each reached by at least ``reach`` of the requests of every category, the last
   absorbing the tail.  Returns the bins' first positions (0-based decode index; position p is
@@ -655,7 +655,7 @@ class Calibration:
         ent = {o: P.Entry([Act.H] * G, [Act.H] * G) for o in others}
         ent[i] = P.Entry([a] * G, [a] * G)
         pols.append(self.build(ent, self.ident, n_groups=G, sink=self.cfg.sink,
-                            window=self.cfg.window))
+                               window=self.cfg.window))
       seqs = [list(self.cal.requests[r].ids) + list(o.tokens) for r, o in enumerate(self.ref)]
       total = np.zeros((len(keys), G))
       bar = self.progress("Runtime-D", len(seqs)) if self.progress else None
@@ -752,7 +752,7 @@ class Calibration:
 
     def nominal(m) -> float:
       pol = self.build(self.entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
-                    window=self.cfg.window)
+                       window=self.cfg.window)
       return self.nominal(pol, cands)
 
     if steps is None:
@@ -790,11 +790,11 @@ class Calibration:
     G, cfg = self.cfg.n_groups, self.cfg
     name = f"decode tau={c['tau']} step {c['step']}/{c['path_len'] - 1}"
     return self.build(self.entries(c["map"], c["floors"], self.rho_dec, G), self.ident, n_groups=G,
-                   b_d=c["nominal_b"], b_p=1.0, reserve=c["gamma"], pooled=c["pooled"],
-                   sink=cfg.sink, window=window, tokenizer_hash=self.thash, adapter="fc",
-                   thresholds={"decode": list(c["tau"])}, reserve_k=cfg.reserve_k,
-                   reserve_beta=cfg.reserve_beta,
-                   extra={"name": name + ("" if window == cfg.window else f" W={window}")})
+                      b_d=c["nominal_b"], b_p=1.0, reserve=c["gamma"], pooled=c["pooled"],
+                      sink=cfg.sink, window=window, tokenizer_hash=self.thash, adapter="fc",
+                      thresholds={"decode": list(c["tau"])}, reserve_k=cfg.reserve_k,
+                      reserve_beta=cfg.reserve_beta,
+                      extra={"name": name + ("" if window == cfg.window else f" W={window}")})
 
   def _dev_eval(self, name, policies, windows=None):
     """Dev outcomes of ``policies`` (saved as stage ``name``); ``windows``: each policy's recent
@@ -838,10 +838,10 @@ class Calibration:
       f = self.floors("prefill", tau)
       for b_p in self.cfg.b_p_grid:
         pol = self.build(self.entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0,
-                      b_p=b_p,
-                      sink=self.cfg.sink, window=self.cfg.window, tokenizer_hash=self.thash,
-                      adapter="prompt", thresholds={"prefill": list(tau)},
-                      extra={"name": f"prefill tau={tau} B_P={b_p}"})
+                         b_p=b_p,
+                         sink=self.cfg.sink, window=self.cfg.window, tokenizer_hash=self.thash,
+                         adapter="prompt", thresholds={"prefill": list(tau)},
+                         extra={"name": f"prefill tau={tau} B_P={b_p}"})
         out.append({"tau": tuple(tau), "b_p": b_p, "policy": pol, "floors": f})
     self.pre_cands = out
     return out
@@ -917,11 +917,11 @@ class Calibration:
       p_ent = self.entries(p["floors"], p["floors"], self.rho_pre, G)
       b_p, tau_p = p["b_p"], list(p["tau"])
     return self.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
-                   pooled=pooled, sink=cfg.sink, window=window, tokenizer_hash=self.thash,
-                   adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
-                   reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
-                   extra={"state_vocab": self.cal.vocab.keys(), "alpha_d": cfg.alpha_d,
-                          "alpha_p": cfg.alpha_p, **extra})
+                      pooled=pooled, sink=cfg.sink, window=window, tokenizer_hash=self.thash,
+                      adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
+                      reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
+                      extra={"state_vocab": self.cal.vocab.keys(), "alpha_d": cfg.alpha_d,
+                             "alpha_p": cfg.alpha_p, **extra})
 
   # --- total-B variants (Config.targets) ---
   def dev_row(self, outcomes) -> dict:
@@ -990,7 +990,7 @@ class Calibration:
     any B_P reaches under these floors."""
     G = self.cfg.n_groups
     pol = self.build(self.entries(floors, floors, None, G), self.ident, n_groups=G,
-                  sink=self.cfg.sink, window=self.cfg.window)
+                     sink=self.cfg.sink, window=self.cfg.window)
     parts = [np.asarray(r.tags, np.int32)[:len(r.ids)] for r in self.dev.requests
              if r.tags is not None]
     if not parts:
