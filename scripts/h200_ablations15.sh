@@ -3,9 +3,10 @@
 # development case, W 16, total-B target 0.20), one variant after another into /tmp/abl15/<v>,
 # then run examples/campaign_15b_ablations.toml (each variant at B 0.20 on the test split) into
 # /tmp/c15a.  Resumable across 10-minute calls on a warm machine: a variant whose
-# calibration.json exists is done and skipped, an interrupted one resumes from its saved stages
-# (work/), the campaign runs only the cells still missing; call it again until it prints
-# "ablations: all calibrated" and the campaign has nothing left.
+# calibration.json exists (in /tmp/abl15/<v>/, or committed under $pol/<v>/ by an earlier
+# session) is done and skipped, an interrupted one resumes from its saved stages (work/, on the
+# warm machine only), the campaign runs only the cells still missing; call it again until it
+# prints "ablations: all calibrated" and the campaign has nothing left.
 #   bash scripts/h200_ablations15.sh    (carry .whl; the model uploaded to /tmp/m beforehand)
 #   LIMIT     seconds this call may take (default 560)
 #   VARIANTS  which, in order (default: fixed-order no-floors no-layer no-state no-class no-role
@@ -27,6 +28,7 @@ set -x
 . scripts/h200_env.sh
 limit=${LIMIT:-560}
 root=/tmp/abl15
+pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations
 full=${FULL_WORK:-/nonexistent}
 mkdir -p $root
 share() {   # share VARIANT STAGE SOURCE_DIR...: copy STAGE.npz into VARIANT's work/ if missing
@@ -37,7 +39,7 @@ share() {   # share VARIANT STAGE SOURCE_DIR...: copy STAGE.npz into VARIANT's w
 }
 all="fixed-order no-floors no-layer no-state no-class no-role no-transition"
 for v in ${VARIANTS:-$all}; do
-  [ -f $root/$v/calibration.json ] && continue
+  [ -f $root/$v/calibration.json ] || [ -f $pol/$v/calibration.json ] && continue
   left=$((limit - SECONDS - 30))
   if [ $left -lt 120 ]; then echo "ablations: out of time before $v"; exit 0; fi
   mkdir -p $root/$v/work
@@ -56,9 +58,10 @@ done
 echo "ablations: all calibrated"
 # The plan names all seven variants: with a VARIANTS subset, calibration only.
 [ -n "$VARIANTS" ] && exit 0
-# Every call sends the committed tree: the policies go where the plan reads them, from /tmp.
-pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations
+# Every call sends the committed tree: the policies calibrated here go where the plan reads them
+# (committed ones stay as they are).
 for v in $all; do
+  [ -f $root/$v/calibration.json ] || continue
   rm -rf $pol/$v && mkdir -p $pol/$v && cp -r $root/$v/policy/. $pol/$v/ \
     && cp $root/$v/calibration.json $pol/$v/
 done
