@@ -90,6 +90,7 @@ class Config:
   n_groups: int = 3
   targets: Sequence[float] = ()      # total-B targets: one variant policy each (B<t>/)
   windows: Sequence[int] = ()        # more recent windows W to evaluate decode candidates at
+  ablation: str | None = None        # a Fig. 5 ablation (pask_jax.tags.ABLATIONS; see ABLATION)
 
 
 # A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
@@ -107,6 +108,33 @@ TARGET_RULE = 4
 KEEP = (-1.0, 1.0)
 PAIRS_PER_TARGET = 4     # estimated (decode, prefill) compositions evaluated per target
 REAIM_MARGIN = 0.01      # re-aimed B_P lands this far under the target (estimate noise)
+
+
+# What each ablation of the paper's Fig. 5 (§4.3, C.5) changes here, for the record.  Structural
+# variants rebuild their buckets over the ablated keys (pask_jax.tags.coarsen; no-layer: one bucket
+# per key for every layer group) and recalibrate Runtime-V and Runtime-D over them with the same
+# split and single-bucket interventions; the component variants drop what they ablate.
+ABLATION = {
+    "no-floors": "no Runtime-V protection floors: every floor R (Runtime-V not run), one greedy "
+                 "path from all-R by the D-ranking; the prefill likewise",
+    "fixed-order": "floors kept; the D-ranking replaced by a fixed order (fixed_order: every "
+                   "R->L before any L->H, layer-group round-robin within each, tags ascending) in "
+                   "the greedy path, the stored priorities and the prefill (Runtime-D not run)",
+    "no-class": "decode key without the token class (merged into a stand-in class)",
+    "no-role": "decode key without the structural role (merged into a stand-in role)",
+    "no-state": "decode key without the parser state and the lookahead (and so without Crit "
+                "promotions); the reserve stays per parser-state id",
+    "no-layer": "actions tied across the layer groups: one bucket per key for every group "
+                "(interventions act on all groups; D summed over groups, costs too); the online "
+                "budget still demotes and promotes per group",
+    "no-transition": "decode tags replaced by request-local position bins (position_bins: ten "
+                     "from the reference's completion lengths, each reached by 75% of every "
+                     "category, the last absorbing the tail; pask_jax.tracker.PositionTracker "
+                     "emits them with the unseen parser state, so the pooled reserve and no Crit); "
+                     "prompt labels kept",
+}
+N_POSITION_BINS = 10
+POSITION_REACH = 0.75
 
 
 # ---- small pure pieces (unit-tested) ----------------------------------------------------------
@@ -137,6 +165,41 @@ def priorities(d: dict, nbar: dict, cost: np.ndarray, buckets: Sequence[tuple[in
     l2h = max(dl, 0.0) / (n * (cost[Act.H, g] - cost[Act.L, g]))
     out[(i, g)] = (r2l, l2h)
   return out
+
+
+def fixed_order(buckets: Sequence[tuple[int, int]]) -> dict:
+  """The fixed-order ablation's stand-in for Eq. 8: bucket k of the order ascending (tag id,
+  group) — a layer-group round-robin over the tags — gets ρ = (2 − k/n, 1 − k/n), so every R→L
+  upgrade ranks before any L→H one and each level goes round the groups tag by tag.  No
+  distortion enters."""
+  order = sorted(buckets)
+  n = max(len(order), 1)
+  return {b: (2.0 - k / n, 1.0 - k / n) for k, b in enumerate(order)}
+
+
+def position_bins(lengths: dict[str, Sequence[int]], n_bins: int = 10,
+                  reach: float = 0.75) -> list[int]:
+  """The no-transition ablation's keys (C.5; :class:`pask_jax.tracker.PositionTracker`): ``n_bins``
+  contiguous request-local position bins from Full-KV calibration completion lengths (per
+  category), each reached by at least ``reach`` of the requests of every category, the last
+  absorbing the tail.  Returns the bins' first positions (0-based decode index; position p is
+  reached by a completion of n tokens when n > p), equal widths up to the start of the last bin,
+  which is the largest position so reached; a ValueError if the completions are too short to
+  give ``n_bins`` distinct bins."""
+  if n_bins < 1 or not lengths or any(len(v) == 0 for v in lengths.values()):
+    raise ValueError("position bins need n_bins >= 1 and completion lengths in every category")
+  last = []
+  for cat, ns in lengths.items():
+    ns = np.sort(np.asarray(ns, np.int64))
+    # The largest p with #{n > p} >= ⌈reach·N⌉: one less than the ⌈reach·N⌉-th largest n.
+    k = len(ns) - math.ceil(reach * len(ns) - 1e-9)
+    last.append(int(ns[k]) - 1)
+  top = min(last)
+  if top < n_bins - 1:
+    raise ValueError(f"{n_bins} position bins each reached by {reach:.0%} of every category need "
+                     f"completions of at least {n_bins} tokens there; the shortest category "
+                     f"reaches position {top}")
+  return [(j * top) // (n_bins - 1) for j in range(n_bins)]
 
 
 def greedy_path(floors: dict, rho: dict) -> list[dict]:
@@ -273,15 +336,18 @@ def policy_entries(maps: dict, floors: dict, rho: dict | None, G: int) -> dict[i
 
 
 def intervention(model_ident, tmpl: Config, i: int, g: int, a: int, others: Sequence[int],
-                 tokenizer_hash=None) -> P.FrozenPolicy:
+                 tokenizer_hash=None, position_bins=None) -> P.FrozenPolicy:
   """π_{q,a} for q = (i, g): action = floor = a on q, H on every other observed id and group."""
-  G = tmpl.n_groups
+  G, abl = tmpl.n_groups, tmpl.ablation
   ent = {o: P.Entry([Act.H] * G, [Act.H] * G) for o in others}
-  acts = [a if gg == g else Act.H for gg in range(G)]
+  # no-layer: a bucket is a key over every group, so its intervention acts on all of them.
+  acts = [a if gg == g or abl == "no-layer" else Act.H for gg in range(G)]
   ent[i] = P.Entry(acts, acts)
+  where = "all groups" if abl == "no-layer" else f"g{g}"
   return P.build(ent, model_ident, n_groups=G, b_d=1.0, b_p=1.0, sink=tmpl.sink,
                  window=tmpl.window, tokenizer_hash=tokenizer_hash, adapter="fc",
-                 extra={"name": f"intervention {T.describe(i)} g{g} {Act.NAMES[a]}"})
+                 extra={"name": f"intervention {T.describe(i, abl)} {where} {Act.NAMES[a]}"},
+                 ablation=abl, position_bins=position_bins)
 
 
 @functools.partial(jax.jit)
@@ -321,6 +387,10 @@ class Calibration:
     self.model, self.cfg, self.cal, self.dev = model, cfg, cal, dev
     check_targets(cfg.targets)
     check_windows(cfg.windows)
+    self.ablation = T.check_ablation(cfg.ablation)
+    # no-layer: one bucket (i, 0) per key stands for every group; bcost is the bucket cost model.
+    self.tied = self.ablation == "no-layer"
+    self.bins = None      # no-transition: the position bins (set from the reference)
     self.ident = P.identity_of(model.cfg, tokenizer_hash)
     self.thash = tokenizer_hash
     self.out = out
@@ -330,6 +400,7 @@ class Calibration:
                                  window=cfg.window, tokenizer_hash=tokenizer_hash)
     self.cost = np.asarray(self.ref_policy.cost, np.float64)
     self.c_full = float(self.cost[Act.H].sum())
+    self.bcost = self.cost.sum(1, keepdims=True) if self.tied else self.cost
     self.runner_for = runner_for or S.runner_factory(model, self.ref_policy, capacity,
                                                      backend=backend, devices=devices)
     self._runner_args = (capacity, backend, devices)
@@ -340,6 +411,27 @@ class Calibration:
     self.host: dict[str, float] = {}   # generate loops' host seconds (stack.generate_overlapped)
     self.keys = self._fingerprints()
     self._check_work()
+
+  # --- the ablation's policies (Config.ablation) ---
+  def build(self, entries, *args, **kw) -> P.FrozenPolicy:
+    """:func:`pask_jax.policy.build` under this run's ablation (entries keyed by ablated keys)."""
+    return P.build(entries, *args, ablation=self.ablation, position_bins=self.bins, **kw)
+
+  def expand(self, m: dict | None) -> dict | None:
+    """Per-bucket values -> per (key, group): no-layer's bucket (i, 0) stands for every group."""
+    if m is None or not self.tied:
+      return m
+    return {(i, g): v for (i, _), v in m.items() for g in range(self.cfg.n_groups)}
+
+  def entries(self, maps: dict, floors: dict, rho: dict | None, G: int) -> dict[int, P.Entry]:
+    """:func:`policy_entries` of per-bucket maps (expanded over the groups under no-layer)."""
+    return policy_entries(self.expand(maps), self.expand(floors), self.expand(rho), G)
+
+  def describe(self, i: int) -> str:
+    return T.describe(i, self.ablation)
+
+  def group_name(self, g: int) -> str:
+    return "gall" if self.tied else f"g{g}"
 
   # --- persistence (calibrate.stages: fingerprinted .npz, no pickles) ---
   STAGES = ("reference", "runtime_v", "runtime_d", "dev", "dev_composed")
@@ -358,17 +450,27 @@ class Calibration:
     ref = {"model": fingerprint(self.model), "tokenizer": self.thash,
            "xgrammar": xgrammar_version(), "calibration_split": stages.task_fingerprint(self.cal),
            "args": arg("max_tokens", "sink", "window", "n_groups")}
+    # The ablation only where given (full-method runs resume from earlier runs' stages) and only
+    # in what it changes: never the reference (a variant may start from another's), Runtime-V
+    # under the structural ablations, Runtime-D under those that change the keys (it measures
+    # every group of a key at once, so no-layer's is the full method's; the component ablations
+    # measure the same buckets).
+    abl = arg("ablation") if c["ablation"] else {}
     runtime = {**ref, "args": {**ref["args"], **arg("min_count")}}
-    dev = {**runtime, "development_split": stages.task_fingerprint(self.dev),
-           "args": {**runtime["args"], **arg("thresholds", "prefill_thresholds", "b_p_grid",
-                                             "path_points", "reserve_k", "reserve_beta")}}
+    runtime_v = {**runtime, "args": {**runtime["args"], **(
+        abl if c["ablation"] not in T.COMPONENT_ABLATIONS else {})}}
+    runtime_d = {**runtime, "args": {**runtime["args"], **(
+        abl if c["ablation"] in T.KEY_ABLATIONS + ("no-transition",) else {})}}
+    dev = {**runtime_v, "development_split": stages.task_fingerprint(self.dev),
+           "args": {**runtime_v["args"], **arg("thresholds", "prefill_thresholds", "b_p_grid",
+                                             "path_points", "reserve_k", "reserve_beta"), **abl}}
     # Windows only where given, so that runs without them resume from earlier runs' stages.
     win = arg("windows") if c["windows"] else {}
     windows = {**dev, "args": {**dev["args"], **arg("windows")}}
     composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p"), **win}}
     targets = {**composed, "args": {**composed["args"], **arg("targets"),
                                     "target_rule": TARGET_RULE}}
-    return {"reference": ref, "runtime_v": runtime, "runtime_d": runtime, "dev": dev,
+    return {"reference": ref, "runtime_v": runtime_v, "runtime_d": runtime_d, "dev": dev,
             "dev_windows": windows, "dev_composed": composed, "dev_keep": targets,
             "dev_targets": targets, "dev_targets_more": targets}
 
@@ -435,8 +537,28 @@ class Calibration:
       ref = got["outcomes"]
       for k in got["state_vocab"]:
         self.cal.vocab(k)
+    if self.ablation == "no-transition":
+      ref = self._to_positions(ref)
     self.ref = ref
     return ref
+
+  def _to_positions(self, ref):
+    """no-transition: the position bins from the reference's completion lengths per category,
+    and the reference's decode tags as those bins (stop tokens kept), states unseen (-1)."""
+    by: dict[str, list[int]] = {}
+    for r, o in enumerate(ref):
+      by.setdefault(str(self.cal.category(r)), []).append(len(o.tokens))
+    self.bins = tuple(position_bins(by, N_POSITION_BINS, POSITION_REACH))
+    self.log(f"position bins (no-transition): first positions {list(self.bins)}")
+    out = []
+    for o in ref:
+      n = len(o.tokens)
+      tags = np.asarray(o.tags, np.int32)[:n].copy()
+      for j in range(n):
+        if not (tags[j] == T.STOP).any():
+          tags[j] = T.candidates(T.position_id(T.position_bin(j, self.bins)))
+      out.append(dataclasses.replace(o, tags=tags, states=np.full(n, -1, np.int32)))
+    return out
 
   def _seq_cands(self, r: int, o) -> tuple[np.ndarray, np.ndarray]:
     """Reference request r: (prompt candidates [n_prompt, 4], decode candidates [n_dec, 4])."""
@@ -448,21 +570,24 @@ class Calibration:
   def buckets(self):
     dec: dict[int, int] = {}
     pre: dict[int, int] = {}
+    key = T.key_table(self.ablation)      # tag id -> its (ablated) policy key
     for r, o in enumerate(self.ref):
       pt, dt = self._seq_cands(r, o)
       for cands, acc in ((pt[self.cfg.sink:], pre), (dt, dec)):
         valid = cands >= 0
         one = valid.sum(1) == 1
         for i in cands[one].max(axis=1):
-          acc[int(i)] = acc.get(int(i), 0) + 1
+          k = key[int(i)] if 0 <= i < T.N_IDS else int(i)
+          acc[k] = acc.get(k, 0) + 1
     n = len(self.ref)
     keep = lambda c: {i: k / n for i, k in sorted(c.items()) if k >= self.cfg.min_count}
     self.nbar_dec, self.nbar_pre = keep(dec), keep(pre)
     G = self.cfg.n_groups
-    self.dec_buckets = [(i, g) for i in self.nbar_dec for g in range(G)]
-    self.pre_buckets = [(i, g) for i in self.nbar_pre for g in range(G)]
+    gs = range(1 if self.tied else G)
+    self.dec_buckets = [(i, g) for i in self.nbar_dec for g in gs]
+    self.pre_buckets = [(i, g) for i in self.nbar_pre for g in gs]
     self.log(f"buckets: {len(self.nbar_dec)} decode tags, {len(self.nbar_pre)} prompt labels "
-             f"x {G} groups")
+             f"x {len(gs)} groups" + (f" (ablation {self.ablation})" if self.ablation else ""))
     return self.dec_buckets, self.pre_buckets
 
   def interventions(self) -> list[tuple[str, int, int, int]]:
@@ -475,10 +600,14 @@ class Calibration:
 
   def intervention_policy(self, kind, i, g, a):
     others = [o for o in (self.nbar_dec if kind == "decode" else self.nbar_pre) if o != i]
-    return intervention(self.ident, self.cfg, i, g, a, others, self.thash)
+    return intervention(self.ident, self.cfg, i, g, a, others, self.thash, self.bins)
 
   # --- stage 3: Runtime-V ---
   def runtime_v(self):
+    if self.ablation == "no-floors":    # V only sets the floors, and there are none
+      self.log("Runtime-V: not run (ablation no-floors)")
+      self.V = {}
+      return self.V
     done = self._load("runtime_v") or {}
     todo = [k for k in self.interventions() if k not in done]
     if todo:
@@ -507,6 +636,12 @@ class Calibration:
 
   # --- stage 4: Runtime-D ---
   def runtime_d(self):
+    if self.ablation == "fixed-order":  # D only ranks the allocation, and the order is fixed
+      self.log("Runtime-D: not run (ablation fixed-order)")
+      self.D = {}
+      self.rho_dec = fixed_order(self.dec_buckets)
+      self.rho_pre = fixed_order(self.pre_buckets)
+      return self.D
     got = self._load("runtime_d")
     if got is None:
       t0 = time.perf_counter()
@@ -519,8 +654,8 @@ class Calibration:
         others = [o for o in (self.nbar_dec if kind == "decode" else self.nbar_pre) if o != i]
         ent = {o: P.Entry([Act.H] * G, [Act.H] * G) for o in others}
         ent[i] = P.Entry([a] * G, [a] * G)
-        pols.append(P.build(ent, self.ident, n_groups=G, sink=self.cfg.sink,
-                            window=self.cfg.window))
+        pols.append(self.build(ent, self.ident, n_groups=G, sink=self.cfg.sink,
+                               window=self.cfg.window))
       seqs = [list(self.cal.requests[r].ids) + list(o.tokens) for r, o in enumerate(self.ref)]
       total = np.zeros((len(keys), G))
       bar = self.progress("Runtime-D", len(seqs)) if self.progress else None
@@ -557,18 +692,32 @@ class Calibration:
       self._save("runtime_d", got)
       self.timings["Runtime-D"] = time.perf_counter() - t0
     self.D = got
-    dd = {(i, g, a): got[("decode", i, g, a)]
+    # Per bucket (no-layer: summed over the groups, as Eq. 7 sums over the layers of a bucket).
+    gs = range(self.cfg.n_groups) if self.tied else None
+    dsum = lambda kind, i, g, a: (sum(got[(kind, i, h, a)] for h in gs) if self.tied
+                                  else got[(kind, i, g, a)])
+    dd = {(i, g, a): dsum("decode", i, g, a)
           for (i, g) in self.dec_buckets for a in (Act.R, Act.L)}
-    dp = {(i, g, a): got[("prefill", i, g, a)]
+    dp = {(i, g, a): dsum("prefill", i, g, a)
           for (i, g) in self.pre_buckets for a in (Act.R, Act.L)}
-    self.rho_dec = priorities(dd, self.nbar_dec, self.cost, self.dec_buckets)
-    self.rho_pre = priorities(dp, self.nbar_pre, self.cost, self.pre_buckets)
+    self.rho_dec = priorities(dd, self.nbar_dec, self.bcost, self.dec_buckets)
+    self.rho_pre = priorities(dp, self.nbar_pre, self.bcost, self.pre_buckets)
     return got
 
   # --- stage 5: decode candidates ---
   def floors(self, kind, tau) -> dict:
     bk = self.dec_buckets if kind == "decode" else self.pre_buckets
+    if self.ablation == "no-floors":
+      return {b: Act.R for b in bk}
     return {(i, g): floor_of(*self.vbar(kind, i, g), tau) for i, g in bk}
+
+  def thresholds(self, kind: str) -> list[tuple[float, float]]:
+    """The configured threshold pairs; no-floors: one (:data:`NO_FLOOR`; its floors are all R,
+    so the others would repeat its path)."""
+    if self.ablation == "no-floors":
+      return [NO_FLOOR]
+    return [tuple(t) for t in (self.cfg.thresholds if kind == "decode"
+                               else self.cfg.prefill_thresholds)]
 
   def _ref_decode(self):
     c = [self._seq_cands(r, o)[1] for r, o in enumerate(self.ref)]
@@ -586,8 +735,8 @@ class Calibration:
   def decode_candidates(self):
     cands, states = self._ref_decode()
     out = []
-    for tau in self.cfg.thresholds:
-      out += self._decode_path(tuple(tau), cands, states)
+    for tau in self.thresholds("decode"):
+      out += self._decode_path(tau, cands, states)
     # The same candidates at the other recent windows (Config.windows), after these.
     out += [{**c, "window": w, "policy": self._decode_policy(c, w)}
             for w in self.windows()[1:] for c in list(out)]
@@ -602,8 +751,8 @@ class Calibration:
     path = greedy_path(f, self.rho_dec)
 
     def nominal(m) -> float:
-      pol = P.build(policy_entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
-                    window=self.cfg.window)
+      pol = self.build(self.entries(m, f, None, G), self.ident, n_groups=G, sink=self.cfg.sink,
+                       window=self.cfg.window)
       return self.nominal(pol, cands)
 
     if steps is None:
@@ -611,7 +760,7 @@ class Calibration:
       steps = pick_points(noms, self.cfg.path_points)
     else:
       noms = {j: nominal(path[j]) for j in steps}
-    fpol = P.build(policy_entries(f, f, None, G), self.ident, n_groups=G)
+    fpol = self.build(self.entries(f, f, None, G), self.ident, n_groups=G)
     fcost = []
     for c in cands:
       _, fl = resolve_rows(fpol, c)
@@ -640,12 +789,12 @@ class Calibration:
   def _decode_policy(self, c: dict, window: int) -> P.FrozenPolicy:
     G, cfg = self.cfg.n_groups, self.cfg
     name = f"decode tau={c['tau']} step {c['step']}/{c['path_len'] - 1}"
-    return P.build(policy_entries(c["map"], c["floors"], self.rho_dec, G), self.ident, n_groups=G,
-                   b_d=c["nominal_b"], b_p=1.0, reserve=c["gamma"], pooled=c["pooled"],
-                   sink=cfg.sink, window=window, tokenizer_hash=self.thash, adapter="fc",
-                   thresholds={"decode": list(c["tau"])}, reserve_k=cfg.reserve_k,
-                   reserve_beta=cfg.reserve_beta,
-                   extra={"name": name + ("" if window == cfg.window else f" W={window}")})
+    return self.build(self.entries(c["map"], c["floors"], self.rho_dec, G), self.ident, n_groups=G,
+                      b_d=c["nominal_b"], b_p=1.0, reserve=c["gamma"], pooled=c["pooled"],
+                      sink=cfg.sink, window=window, tokenizer_hash=self.thash, adapter="fc",
+                      thresholds={"decode": list(c["tau"])}, reserve_k=cfg.reserve_k,
+                      reserve_beta=cfg.reserve_beta,
+                      extra={"name": name + ("" if window == cfg.window else f" W={window}")})
 
   def _dev_eval(self, name, policies, windows=None):
     """Dev outcomes of ``policies`` (saved as stage ``name``); ``windows``: each policy's recent
@@ -685,14 +834,14 @@ class Calibration:
   def prefill_candidates(self):
     G = self.cfg.n_groups
     out = []
-    for tau in self.cfg.prefill_thresholds:
+    for tau in self.thresholds("prefill"):
       f = self.floors("prefill", tau)
       for b_p in self.cfg.b_p_grid:
-        pol = P.build(policy_entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0,
-                      b_p=b_p,
-                      sink=self.cfg.sink, window=self.cfg.window, tokenizer_hash=self.thash,
-                      adapter="prompt", thresholds={"prefill": list(tau)},
-                      extra={"name": f"prefill tau={tau} B_P={b_p}"})
+        pol = self.build(self.entries(f, f, self.rho_pre, G), self.ident, n_groups=G, b_d=1.0,
+                         b_p=b_p,
+                         sink=self.cfg.sink, window=self.cfg.window, tokenizer_hash=self.thash,
+                         adapter="prompt", thresholds={"prefill": list(tau)},
+                         extra={"name": f"prefill tau={tau} B_P={b_p}"})
         out.append({"tau": tuple(tau), "b_p": b_p, "policy": pol, "floors": f})
     self.pre_cands = out
     return out
@@ -757,7 +906,7 @@ class Calibration:
     if d is None:
       d_ent, b_d, gam, pooled, tau_d = {}, 1.0, {}, 0.0, None
     else:
-      d_ent = policy_entries(d["map"], d["floors"], self.rho_dec, G)
+      d_ent = self.entries(d["map"], d["floors"], self.rho_dec, G)
       pol = d["policy"]
       b_d, tau_d = float(pol.b_d), list(d["tau"])
       gam = {i: float(x) for i, x in enumerate(np.asarray(pol.reserve))}
@@ -765,14 +914,14 @@ class Calibration:
     if p is None:
       p_ent, b_p, tau_p = {}, 1.0, None
     else:
-      p_ent = policy_entries(p["floors"], p["floors"], self.rho_pre, G)
+      p_ent = self.entries(p["floors"], p["floors"], self.rho_pre, G)
       b_p, tau_p = p["b_p"], list(p["tau"])
-    return P.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
-                   pooled=pooled, sink=cfg.sink, window=window, tokenizer_hash=self.thash,
-                   adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
-                   reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
-                   extra={"state_vocab": self.cal.vocab.keys(), "alpha_d": cfg.alpha_d,
-                          "alpha_p": cfg.alpha_p, **extra})
+    return self.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
+                      pooled=pooled, sink=cfg.sink, window=window, tokenizer_hash=self.thash,
+                      adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
+                      reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,
+                      extra={"state_vocab": self.cal.vocab.keys(), "alpha_d": cfg.alpha_d,
+                             "alpha_p": cfg.alpha_p, **extra})
 
   # --- total-B variants (Config.targets) ---
   def dev_row(self, outcomes) -> dict:
@@ -815,7 +964,10 @@ class Calibration:
     some; last :data:`KEEP` (every floor L: uniform INT4 of the prompt, the budget above its
     cost spent on H by priority).  Then floors that may release: (q, q) at the quartiles of the
     prefill V̄(q, R), and :data:`NO_FLOOR`.  Each with its step ("configured", "lift" or
-    "release"); thresholds whose floors repeat earlier ones are left out."""
+    "release"); thresholds whose floors repeat earlier ones are left out.  no-floors: the one
+    threshold of :meth:`thresholds` (there are no floors to relax)."""
+    if self.ablation == "no-floors":
+      return [(NO_FLOOR, "configured")]
     vb = [self.vbar("prefill", i, g) for i, g in self.pre_buckets]
     vl, vr = sorted(v[0] for v in vb), sorted(v[1] for v in vb)
     lo = min((float(t[0]) for t in self.cfg.prefill_thresholds), default=0.0)
@@ -837,8 +989,8 @@ class Calibration:
     """Nominal dev prefill cost ratio with every prompt token at its floor (sinks H): the least
     any B_P reaches under these floors."""
     G = self.cfg.n_groups
-    pol = P.build(policy_entries(floors, floors, None, G), self.ident, n_groups=G,
-                  sink=self.cfg.sink, window=self.cfg.window)
+    pol = self.build(self.entries(floors, floors, None, G), self.ident, n_groups=G,
+                     sink=self.cfg.sink, window=self.cfg.window)
     parts = [np.asarray(r.tags, np.int32)[:len(r.ids)] for r in self.dev.requests
              if r.tags is not None]
     if not parts:
@@ -998,19 +1150,23 @@ class Calibration:
         P.save(v["policy"], os.path.join(root, f"B{v['target']:.2f}"))
 
   def record(self, dec, drows, di, pre, prows, pi, e_ref) -> dict:
-    name = lambda k: f"{k[0]}:{T.describe(k[1])}:g{k[2]}:{Act.NAMES[k[3]]}"
+    d, gn = self.describe, self.group_name
+    name = lambda k, g: f"{k[0]}:{d(k[1])}:{g}:{Act.NAMES[k[3]]}"
     return {
         "n_cal": len(self.cal.requests), "n_dev": len(self.dev.requests),
         "config": {k: (list(v) if isinstance(v, tuple) else v)
                    for k, v in dataclasses.asdict(self.cfg).items()},
+        "ablation": (None if self.ablation is None else
+                     {"name": self.ablation, "what": ABLATION[self.ablation],
+                      "stand_in": T.STAND_IN if self.ablation in T.MERGED else None,
+                      "position_bins": None if self.bins is None else list(self.bins)}),
         "reference_cal_accuracy": 1 - self.error(self.ref),
-        "nbar": {"decode": {T.describe(i): v for i, v in self.nbar_dec.items()},
-                 "prefill": {T.describe(i): v for i, v in self.nbar_pre.items()}},
-        "V": {name(k): v for k, v in sorted(self.V.items())},
-        "D": {name(k): v for k, v in sorted(self.D.items())},
-        "rho": {"decode": {f"{T.describe(i)}:g{g}": list(v) for (i, g), v in self.rho_dec.items()},
-                "prefill": {f"{T.describe(i)}:g{g}": list(v)
-                            for (i, g), v in self.rho_pre.items()}},
+        "nbar": {"decode": {d(i): v for i, v in self.nbar_dec.items()},
+                 "prefill": {d(i): v for i, v in self.nbar_pre.items()}},
+        "V": {name(k, gn(k[2])): v for k, v in sorted(self.V.items())},
+        "D": {name(k, f"g{k[2]}"): v for k, v in sorted(self.D.items())},
+        "rho": {"decode": {f"{d(i)}:{gn(g)}": list(v) for (i, g), v in self.rho_dec.items()},
+                "prefill": {f"{d(i)}:{gn(g)}": list(v) for (i, g), v in self.rho_pre.items()}},
         "decode_candidates": [{"tau": list(c["tau"]), "step": c["step"], "path_len": c["path_len"],
                                "nominal_b": c["nominal_b"], "window": c["window"], "dev": r}
                               for c, r in zip(dec, drows)],

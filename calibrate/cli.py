@@ -66,6 +66,11 @@ def add_parser(sub) -> None:
   c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
                  help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
                       "and select over all of them")
+  c.add_argument("--ablation", default=None, metavar="NAME",
+                 help="calibrate an ablation of the paper's Fig. 5 instead of the full method: "
+                      "no-floors, fixed-order (policy components), no-class, no-role, no-state, "
+                      "no-layer, no-transition (structural; see calibrate.alg1.ABLATION); "
+                      "recorded in the policy and calibration.json")
   c.add_argument("--speedup", type=int, default=0, metavar="K",
                  help="also time K Runtime-V interventions sequentially vs stacked")
 
@@ -101,6 +106,7 @@ def run(args) -> int:
     windows = alg1.check_windows(args.windows)
   except ValueError as e:
     raise SystemExit(f"error: --windows: {e}")
+  ablation = ablation_of(args)
   from pask_jax import platform
   if args.task == "jsonl":      # read and checked before the model loads
     try:
@@ -143,7 +149,7 @@ def run(args) -> int:
         f"{jax.devices()[0].platform} x{len(jax.devices())}", flush=True)
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
-                    window=args.window, targets=targets, windows=windows)
+                    window=args.window, targets=targets, windows=windows, ablation=ablation)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
   from calibrate.stages import StageMismatch
   try:
@@ -167,7 +173,8 @@ def run(args) -> int:
   with open(os.path.join(args.out, "calibration.json"), "w") as f:
     json.dump(rec, f, indent=1, sort_keys=True, default=float)
   comp_ = rec["composed"]
-  print(f"policy: {os.path.join(args.out, 'policy')}\n"
+  print((f"ablation {ablation}; " if ablation else "") +
+        f"policy: {os.path.join(args.out, 'policy')}\n"
         f"dev accuracy {comp_['dev_accuracy']:.3f} "
         f"(all-high {comp_['dev_reference_accuracy']:.3f}),"
         f" measured B total {comp_['measured_B_total']:.3f} (prefill "
@@ -202,6 +209,16 @@ def targets_of(args) -> tuple[float, ...]:
     return alg1.check_targets(given)
   except ValueError as e:
     raise SystemExit(f"error: {flag}: {e}")
+
+
+def ablation_of(args) -> str | None:
+  """The checked ``--ablation`` (None: the full method); an unknown name is a one-line
+  SystemExit, before anything loads."""
+  from pask_jax import tags
+  try:
+    return tags.check_ablation(getattr(args, "ablation", None))
+  except ValueError as e:
+    raise SystemExit(f"error: --ablation: {e}")
 
 
 def speedup(C, k: int) -> dict:

@@ -30,6 +30,7 @@ import numpy as np
 from pask_jax import controller
 from pask_jax import decode as dec
 from pask_jax import ledger
+from pask_jax.tracker import with_positions
 from pask_jax import policy as P
 from pask_jax import tags as T
 
@@ -351,6 +352,9 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
         trackers = [forest.row(i) for _ in pidx for i in ridx]
       else:
         trackers = [task.tracker(i) for _ in pidx for i in ridx]
+      # Rows of a no-transition policy (ablation) see position bins, not the parser's tags.
+      bins = [P.position_bins(policies[p]) for p in pidx]
+      trackers = [with_positions([t], bins[j // N])[0] for j, t in enumerate(trackers)]
       prompts = [reqs[i].ids for _ in pidx for i in ridx]
       ptags = [reqs[i].tags for _ in pidx for i in ridx]
       res = generate_overlapped(runner, task.tokenizer, prompts, trackers=trackers,

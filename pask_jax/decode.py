@@ -38,7 +38,7 @@ from pask_jax import tags as T
 from pask_jax import actions as Act
 from pask_jax.grammar.matcher import Grammar, new_bitmask
 from pask_jax.sample import apply_bitmask, sample
-from pask_jax.tracker import FREE_TAG, Tracker
+from pask_jax.tracker import FREE_TAG, Tracker, with_positions
 
 PREFILL_BUCKET = 64
 PREFILL_CHUNK = 512
@@ -398,6 +398,11 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     grammars = list(grammars) if grammars is not None else [None] * n
     trackers = [Tracker(g) for g in grammars]
   trackers = list(trackers) + [Tracker() for _ in range(B - n)]
+  # A no-transition policy (ablation) reads position bins, not the parser's tags.
+  pol = getattr(runner, "policy", None)
+  if pol is not None and hasattr(pol, "record_json"):
+    from pask_jax.policy import position_bins
+    trackers = with_positions(trackers, position_bins(pol))
   stops = set(tokenizer.stop_ids)
   temp = jnp.full((B,), sampling.temperature, jnp.float32)
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)

@@ -166,30 +166,76 @@ def _check_entry(tag_id: int, e: Entry, n_groups: int):
     raise ValueError(f"entry for malformed tag id {tag_id}")
 
 
+def _check_ablated(tag_id: int, e: Entry, ablation: str | None):
+  if ablation is None:
+    return
+  key = T.coarsen(tag_id, ablation)
+  if key != tag_id:
+    raise ValueError(f"ablation {ablation}: entry {T.describe(tag_id)} is not an ablated key "
+                     f"(its key is {T.describe(key, ablation)})")
+  if ablation == "no-layer" and (len(set(e.action)) > 1 or len(set(e.floor)) > 1):
+    raise ValueError(f"ablation no-layer: entry {T.describe(tag_id)} differs across the layer "
+                     f"groups: action {list(e.action)}, floor {list(e.floor)}")
+
+
+def ablation_of(pol: "FrozenPolicy") -> str | None:
+  """The ablation a policy was calibrated under (None: the full method)."""
+  return pol.record.get("ablation")
+
+
+def position_bins(pol: "FrozenPolicy | None") -> tuple[int, ...] | None:
+  """The no-transition policy's position bins (first positions), else None."""
+  if pol is None:
+    return None
+  b = pol.record.get("position_bins")
+  return None if b is None else tuple(int(x) for x in b)
+
+
 def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
           reserve: Mapping[int, float] | Sequence[float] = (), pooled: float = 0.0,
           b_d: float = 1.0, b_p: float = 1.0, sink: int = DEFAULT_SINK,
           window: int = DEFAULT_WINDOW, tokenizer_hash: str | None = None,
           adapter: str = "", thresholds: Any = None, reserve_k: int = 8,
-          reserve_beta: float = 0.8, extra: Mapping[str, Any] | None = None) -> FrozenPolicy:
+          reserve_beta: float = 0.8, extra: Mapping[str, Any] | None = None,
+          ablation: str | None = None, position_bins: Sequence[int] | None = None
+          ) -> FrozenPolicy:
   """Pack calibrated entries into a ``FrozenPolicy`` (Alg. 1 line 11, "Pack").
 
   ``entries``: tag id → :class:`Entry`.  ``reserve``: Γ per parser-state id in units of C_full
   (a dict, unlisted ids take ``pooled``; or a dense sequence).  ``model``: see
   :func:`identity_of`; ``None`` makes a model-independent template (see :func:`bind`).
+  ``ablation`` (one of :data:`pask_jax.tags.ABLATIONS`, recorded as ``record["ablation"]``):
+  entries are keyed by ablated keys (:func:`pask_jax.tags.coarsen`) and every tag id gets the
+  entry of its key, resolved along the key's parent chain, and Crit of its key (no-state: no id
+  is critical); no-layer entries must be equal across the groups.  no-transition needs
+  ``position_bins`` (the bins' first positions, recorded as ``record["position_bins"]``; the
+  decode entries are keyed by :func:`pask_jax.tags.position_id`).  The component ablations
+  (no-floors, fixed-order) change what calibration writes, not the table's layout.
   """
   G = n_groups
+  T.check_ablation(ablation)
+  if (ablation == "no-transition") != (position_bins is not None):
+    raise ValueError("position_bins go with the no-transition ablation, and it needs them")
+  if position_bins is not None:
+    e = [int(x) for x in position_bins]
+    if not 1 <= len(e) <= T.MAX_POSITION_BINS or e[0] != 0 or any(
+        b <= a for a, b in zip(e, e[1:])):
+      raise ValueError(f"position bins must be 1..{T.MAX_POSITION_BINS} increasing first "
+                       f"positions from 0, got {e}")
   action = np.full((T.N_IDS, G), Act.H, np.int8)
   floor = np.full((T.N_IDS, G), Act.H, np.int8)
   prio = np.full((T.N_IDS, G, 2), np.nan, np.float32)
   crit = np.zeros((T.N_IDS,), bool)
   for i, e in entries.items():
     _check_entry(int(i), e, G)
+    _check_ablated(int(i), e, ablation)
+  keys = T.key_table(ablation)
   for i in range(T.N_IDS):
     if not T.is_well_formed(i):
       continue
-    crit[i] = T.is_critical(i)
-    for p in T.parents(i):
+    key = keys[i]
+    crit[i] = T.is_critical(key)
+    for p in T.parents(key):
       if p in entries:
         e = entries[p]
         action[i], floor[i] = e.action, e.floor
@@ -215,13 +261,18 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
       "fallback": "parent chain (class,role,state,next)->(class,role,state)->(class,role)->class, "
                   "precomputed; nothing compatible -> H action and floor; no score -> no promotion",
       "tie_order": TIE_ORDER,
-      "entries": {T.describe(int(i)): {"id": int(i), "action": [Act.NAMES[a] for a in e.action],
+      "entries": {T.describe(int(i), ablation): {"id": int(i),
+                                                 "action": [Act.NAMES[a] for a in e.action],
                                        "floor": [Act.NAMES[a] for a in e.floor],
                                        "prio": (np.asarray(e.prio, float).reshape(G, 2).tolist()
                                                 if e.prio is not None else None)}
                   for i, e in sorted(entries.items())},
       "model": None, "extra": dict(extra or {}),
   }
+  if ablation is not None:      # only then: the records of unablated policies stay as they were
+    record["ablation"] = ablation
+  if position_bins is not None:
+    record["position_bins"] = [int(x) for x in position_bins]
   pol = FrozenPolicy(
       action=jnp.asarray(action), floor=jnp.asarray(floor), prio=jnp.asarray(prio),
       crit=jnp.asarray(crit), reserve=jnp.asarray(res), pooled=jnp.float32(pooled),
@@ -467,7 +518,8 @@ def from_record(rec: Mapping[str, Any]) -> FrozenPolicy:
                b_p=float(rec["budgets"]["b_p"]), sink=int(rec["sink"]), window=int(rec["window"]),
                adapter=rec.get("adapter", ""), thresholds=rec.get("thresholds"),
                reserve_k=int(res.get("k", 8)), reserve_beta=float(res.get("beta", 0.8)),
-               extra=rec.get("extra"))
+               extra=rec.get("extra"), ablation=rec.get("ablation"),
+               position_bins=rec.get("position_bins"))
 
 
 def state_vocab(pol: FrozenPolicy):

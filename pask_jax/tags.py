@@ -22,6 +22,7 @@ with ``PAD`` (-1).  ``STOP`` (-2) as any candidate marks a stop token: it charge
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -164,8 +165,18 @@ def parents(tag_id: int) -> list[int]:
   return chain
 
 
-def describe(tag_id: int) -> str:
-  """Human-readable tag, e.g. ``fc:schema_bearing/required/critical/no_lookahead``."""
+def describe(tag_id: int, ablation: str | None = None) -> str:
+  """Human-readable tag, e.g. ``fc:schema_bearing/required/critical/no_lookahead``; with a
+  key ablation (:data:`KEY_ABLATIONS`) the stand-in of a merged field is written ``*``
+  (``fc:*/required/critical/no_lookahead`` under no-class)."""
+  if ablation == "no-transition" and tag_id in _POSITION_IDS:
+    return f"pos:bin{_POSITION_IDS.index(int(tag_id))}"
+  if ablation in MERGED and tag_id >= 0 and unpack(int(tag_id))[0] in _DECODE_FAMILIES:
+    head, rest = describe(int(tag_id)).split(":", 1)
+    parts = rest.split("/")
+    if MERGED[ablation] < len(parts):
+      parts[MERGED[ablation]] = "*"
+    return f"{head}:" + "/".join(parts)
   if tag_id == PAD:
     return "pad"
   if tag_id == STOP:
@@ -213,6 +224,87 @@ def all_ids(family: Family | None = None) -> list[int]:
           and (family is None or unpack(i)[0] == int(family))]
 
 
+# ---- ablations (paper §4.3, C.5) -------------------------------------------------------------
+#
+# A policy may be calibrated under an ablation of the paper's Fig. 5.  Component ablations change
+# Alg. 1 (calibrate/alg1.py): "no-floors" (no Runtime-V protection floors: the greedy path starts
+# at all-R, distortion ranking alone) and "fixed-order" (floors kept; residual allocation in a
+# fixed, layer-group round-robin order instead of the D-ranking).  Structural ablations coarsen
+# the policy key: "no-class", "no-role", "no-state" (the parser state and the lookahead) map every
+# decode tag id to an ablated key (:func:`coarsen`) — a merged class or role is replaced by the
+# stand-in value 1 (a field may be present only if the fields above it are), state and next are
+# cleared — and "no-layer" ties the actions of the layer groups (one key for every group).
+# Prompt labels (the PROMPT family) are the prefill's keys, not parser transitions: no ablation
+# coarsens them.  The frozen table stays indexed by tag id (entries[id] = entry[coarsen(id)],
+# :func:`pask_jax.policy.build`), so the runtime is unchanged.
+#
+# "no-transition" replaces the decode tags by request-local position bins: bin k of a request's
+# completion is the tag id :func:`position_id` (k), the bins' first positions are recorded in the
+# policy (``record["position_bins"]``) and :class:`pask_jax.tracker.PositionTracker` emits them
+# in place of the adapter's tags (and the unseen parser state, so the pooled reserve).
+COMPONENT_ABLATIONS = ("no-floors", "fixed-order")
+KEY_ABLATIONS = ("no-class", "no-role", "no-state")
+ABLATIONS = COMPONENT_ABLATIONS + KEY_ABLATIONS + ("no-layer", "no-transition")
+MAX_POSITION_BINS = 12
+STAND_IN = 1                                  # the value a merged class / role field takes
+MERGED = {"no-class": 0, "no-role": 1}        # ablation -> index of the merged field
+_DECODE_FAMILIES = (int(Family.FC), int(Family.SQL))
+
+
+def check_ablation(name: str | None) -> str | None:
+  """``name`` if it is None or one of :data:`ABLATIONS`, else a one-line ValueError."""
+  if name is not None and name not in ABLATIONS:
+    raise ValueError(f"unknown ablation {name!r}; choose from {', '.join(ABLATIONS)}")
+  return name
+
+
+def coarsen(tag_id: int, ablation: str | None) -> int:
+  """The ablated policy key of ``tag_id`` (itself a well-formed tag id for a well-formed one).
+
+  no-class: class -> :data:`STAND_IN`; no-role: a present role -> :data:`STAND_IN`; no-state:
+  state and next cleared.  Other ablations, prompt labels, and malformed ids map to themselves.
+  """
+  check_ablation(ablation)
+  tag_id = int(tag_id)
+  if ablation not in KEY_ABLATIONS or not is_well_formed(tag_id):
+    return tag_id
+  fam, cls, role, state, nxt = unpack(tag_id)
+  if fam not in _DECODE_FAMILIES:
+    return tag_id
+  if ablation == "no-class":
+    cls = STAND_IN
+  elif ablation == "no-role":
+    role = STAND_IN if role else 0
+  else:
+    state = nxt = 0
+  return int(pack(fam, cls, role, state, nxt))
+
+
+@functools.lru_cache(maxsize=None)
+def key_table(ablation: str | None) -> tuple[int, ...]:
+  """``coarsen(i, ablation)`` for every i < :data:`N_IDS` (cached: policies are built often)."""
+  return tuple(coarsen(i, ablation) for i in range(N_IDS))
+
+
+def position_id(k: int) -> int:
+  """The tag id standing for position bin ``k`` (0-based) under no-transition: a well-formed FC
+  (class, role) id, one per bin, no state or next (so never critical)."""
+  if not 0 <= k < MAX_POSITION_BINS:
+    raise ValueError(f"position bin {k} outside 0..{MAX_POSITION_BINS - 1}")
+  return fc(1 + k // 4, 1 + k % 4)
+
+
+def position_bin(position: int, edges) -> int:
+  """The bin of a 0-based completion position, given the bins' first positions ``edges``
+  (increasing, starting at 0): the last bin absorbs the tail."""
+  return max(0, int(np.searchsorted(np.asarray(edges), position, side="right")) - 1)
+
+
+def ablated_keys(ablation: str | None) -> list[int]:
+  """Every ablated key (the image of :func:`coarsen` over :func:`all_ids`), increasing."""
+  return sorted({coarsen(i, ablation) for i in all_ids()})
+
+
 # ---- layer groups (A.2) ---------------------------------------------------------------------
 
 def layer_boundaries(n_layers: int, n_groups: int = 3) -> tuple[int, ...]:
@@ -256,3 +348,6 @@ def vocab_record() -> dict:
 def stack_candidates(rows: Sequence[Sequence[int]]) -> np.ndarray:
   """A list of candidate lists -> ``int32[len(rows), N_CAND]``."""
   return np.stack([candidates(*r) for r in rows]) if rows else np.zeros((0, N_CAND), np.int32)
+
+
+_POSITION_IDS = [position_id(k) for k in range(MAX_POSITION_BINS)]

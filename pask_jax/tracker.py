@@ -52,3 +52,48 @@ class Tracker:
   @property
   def terminated(self) -> bool:
     return self.matcher is not None and self.matcher.terminated
+
+
+class PositionTracker:
+  """The no-transition ablation (paper C.5) over any tracker: the grammar still constrains the
+  tokens, but each accepted token's tag is its request-local position bin
+  (:func:`pask_jax.tags.position_id` of :func:`pask_jax.tags.position_bin`) and its parser
+  state the unseen -1 (pooled reserve); a stop token keeps its ``STOP`` candidate.  Keeps
+  ``tags`` / ``states`` of what it returned, like calibration's recorders."""
+
+  def __init__(self, inner, edges):
+    self.inner, self.edges, self.n = inner, tuple(int(x) for x in edges), 0
+    self.tags: list[np.ndarray] = []
+    self.states: list[int] = []
+
+  def fill(self, bits: np.ndarray, row: int) -> None:
+    self.inner.fill(bits, row)
+
+  def fork(self) -> "PositionTracker":
+    new = object.__new__(type(self))
+    new.__dict__.update(self.__dict__)
+    new.inner = self.inner.fork()
+    new.tags, new.states = list(self.tags), list(self.states)
+    return new
+
+  def accept(self, token: int) -> tuple[np.ndarray, int]:
+    tags, _ = self.inner.accept(token)
+    if np.any(np.asarray(tags) == T.STOP):
+      out = np.asarray(tags, np.int32)
+    else:
+      out = T.candidates(T.position_id(T.position_bin(self.n, self.edges)))
+    self.n += 1
+    self.tags.append(out)
+    self.states.append(-1)
+    return out, -1
+
+  @property
+  def terminated(self) -> bool:
+    return self.inner.terminated
+
+
+def with_positions(trackers, edges):
+  """``trackers`` as :class:`PositionTracker` over ``edges`` (None: unchanged)."""
+  if edges is None:
+    return list(trackers)
+  return [t if isinstance(t, PositionTracker) else PositionTracker(t, edges) for t in trackers]

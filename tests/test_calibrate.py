@@ -1,8 +1,10 @@
 """Offline calibration (Alg. 1) on a tiny random model with a synthetic tool-call task whose oracle
 is exact: the pipeline end to end, Eq. 5/6 floors, nested greedy paths (Prop. 2), the reserve
 (Eq. 16, Prop. 4), Eq. 9 selection, resume, and stacked (vmapped) == sequential interventions."""
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from pask_jax.testing import fast_compile, smollm2, tiny_llama
 from models import random_model
 from pask_jax import policy as P
 from pask_jax import actions as Act
+from pask_jax import tags as T
 from pask_jax.decode import Runner, Sampling, generate
 
 from calibrate import alg1, stack as S, tasks
@@ -547,3 +550,184 @@ def test_targets_aim_with_a_decode_stage_that_releases_nothing(targeted):
            and c["source"]["decode"]["tau"] == list(alg1.KEEP)]
   assert aimed, "no target candidate was aimed with the kept decode stage"
   assert "dev_keep" in C.timings
+
+
+# ---- Alg. 1 under the paper's ablations (Fig. 5; tests/test_ablations.py has the rest) ---------
+
+ABL_CFG = dataclasses.replace(CFG, thresholds=((0.0, 0.0),), prefill_thresholds=((0.0, 0.0),),
+                              b_p_grid=(0.5,), path_points=2)
+
+
+@pytest.fixture(scope="module")
+def ablated(setup, tmp_path_factory):
+  """Alg. 1 under an ablation (one run each, on demand) from the setup's saved stages that the
+  ablation does not change (so not keyed by it): the reference; Runtime-V and Runtime-D under
+  the component ablations (the same buckets); Runtime-D under no-layer (it measures every
+  group of a key at once).  Returns (Calibration, record, out)."""
+  from calibrate import stages
+  C0, rec0, out0, model, tok = setup
+  runs: dict = {}
+
+  def run(ablation, run_all=True):
+    if (ablation, run_all) not in runs:
+      out = str(tmp_path_factory.mktemp(ablation))
+      work = os.path.join(out, "work")
+      os.makedirs(work)
+      shared = ["reference"] + (["runtime_v", "runtime_d"] if ablation in T.COMPONENT_ABLATIONS
+                                else ["runtime_d"] if ablation == "no-layer" else [])
+      for name in shared:
+        shutil.copy(stages.path(os.path.join(out0, "work"), name), stages.path(work, name))
+      C = alg1.Calibration(model, tok.hash(), C0.cal, C0.dev, out,
+                           dataclasses.replace(ABL_CFG, ablation=ablation), capacity=CAP)
+      rec = C.run() if run_all else None
+      assert "reference (cal)" not in C.timings
+      runs[ablation, run_all] = (C, rec, out)
+    return runs[ablation, run_all]
+
+  run.setup_V, run.setup_D = C0.V, C0.D
+  run.setup_floors = {**C0.floors("decode", (0.0, 0.0)), **C0.floors("prefill", (0.0, 0.0))}
+  return run
+
+
+def _saved(out):
+  pol = P.load(os.path.join(out, "policy"))
+  return pol, json.load(open(os.path.join(out, "calibration.json")))
+
+
+@pytest.mark.parametrize("ablation", T.KEY_ABLATIONS)
+def test_key_ablations_bucket_and_intervene_over_their_keys(setup, ablated, ablation):
+  """Stages 2-3 of a key ablation, without generating: its buckets are the full method's
+  merged by key (counts summed), and a single-bucket intervention acts on every tag id of
+  that key, in its group only."""
+  C0 = setup[0]
+  C, _, _ = ablated(ablation, run_all=False)
+  C.reference()
+  C.buckets()
+  merged: dict = {}
+  for i, n in C0.nbar_dec.items():
+    k = T.coarsen(i, ablation)
+    merged[k] = merged.get(k, 0.0) + n
+  assert C.nbar_dec == pytest.approx(merged) and C.nbar_pre == C0.nbar_pre
+  if ablation == "no-state":
+    assert len(merged) < len(C0.nbar_dec)      # the reference has ids this key merges
+  assert C.dec_buckets == [(k, g) for k in sorted(merged) for g in range(3)]
+  ids = T.all_ids()
+  for k in sorted(merged):
+    pol = C.intervention_policy("decode", k, 1, Act.R)
+    assert P.ablation_of(pol) == ablation
+    action = np.asarray(pol.action)
+    for i in ids:
+      ki = T.coarsen(i, ablation)
+      if ki == k:
+        assert action[i].tolist() == [Act.H, Act.R, Act.H], T.describe(i)
+      elif ki in merged:
+        assert action[i].tolist() == [Act.H] * 3, T.describe(i)
+
+
+def test_no_layer_calibrates_one_bucket_per_key_tied_over_the_groups(ablated, setup):
+  C, rec, out = ablated("no-layer")
+  pol, saved = _saved(out)
+  assert P.ablation_of(pol) == "no-layer" and saved["ablation"]["name"] == "no-layer"
+  assert saved["config"]["ablation"] == "no-layer"
+  assert {g for _, g in C.dec_buckets + C.pre_buckets} == {0}
+  assert len(C.V) == 2 * (len(C.dec_buckets) + len(C.pre_buckets)) > 0
+  assert all(k[2] == 0 for k in C.V) and all(name.split(":")[-2] == "gall" for name in saved["V"])
+  # Runtime-D is the full method's (resumed); the bucket's D sums its groups.
+  assert "Runtime-D" not in C.timings and C.D == setup[0].D
+  # A no-layer intervention acts on every group of its key.
+  i = sorted(C.nbar_dec)[0]
+  assert np.asarray(C.intervention_policy("decode", i, 0, Act.L).action)[i].tolist() == [Act.L] * 3
+  # Tied across the groups: actions, floors and stored priorities of every id, in the saved
+  # policy and in every decode candidate.
+  for p in [pol] + [c["policy"] for c in C.dec_cands + C.pre_cands]:
+    for x in (p.action, p.floor):
+      x = np.asarray(x)
+      assert (x == x[:, :1]).all()
+    pr = np.asarray(p.prio)
+    np.testing.assert_array_equal(pr, np.repeat(pr[:, :1], 3, axis=1))
+  ups = [c for c in C.dec_cands if c["step"] > 0]
+  assert ups, "no decode candidate upgraded anything"
+  # One greedy step upgrades a key in every group at once.
+  for c in ups:
+    full = C.expand(c["map"])
+    assert all(a == full[(i, 0)] for (i, g), a in full.items())
+
+
+def test_no_floors_has_no_floors_and_skips_runtime_v(ablated):
+  C, rec, out = ablated("no-floors")
+  pol, saved = _saved(out)
+  assert C.V == {} and "Runtime-V" not in C.timings and saved["V"] == {}
+  # Runtime-D resumed from the full method's stage (the same buckets): the D-ranking is kept.
+  assert "Runtime-D" not in C.timings and C.D == ablated.setup_D and saved["D"]
+  # The full method has floors above R on these V (at the strictest threshold, the one kept).
+  assert set(ablated.setup_floors.values()) != {Act.R}
+  assert all(c["floors"] == {b: Act.R for b in C.dec_buckets} for c in C.dec_cands)
+  ids = sorted(C.nbar_dec) + sorted(C.nbar_pre)
+  for p in [c["policy"] for c in C.dec_cands + C.pre_cands] + [pol]:
+    ent = [e["id"] for e in p.record["entries"].values()]
+    assert (np.asarray(p.floor)[ent] == Act.R).all()
+    assert p is pol or set(ids) & set(ent)
+  assert {tuple(c["tau"]) for c in saved["decode_candidates"]} == {alg1.NO_FLOOR}
+
+
+def test_fixed_order_ignores_the_distortion(ablated, monkeypatch):
+  from calibrate import distortion
+  boom = lambda *a, **k: pytest.fail("fixed-order computed a distortion")
+  monkeypatch.setattr(distortion, "capture", boom)
+  monkeypatch.setattr(distortion, "distortion", boom)
+  C, rec, out = ablated("fixed-order")
+  pol, saved = _saved(out)
+  assert C.D == {} and saved["D"] == {} and "Runtime-D" not in C.timings
+  assert C.rho_dec == alg1.fixed_order(C.dec_buckets)
+  assert C.rho_pre == alg1.fixed_order(C.pre_buckets)
+  # Floors still come from Runtime-V (the full method's stage, resumed); the stored priorities
+  # are the fixed order's.
+  assert C.V == ablated.setup_V and "Runtime-V" not in C.timings
+  for c in C.dec_cands:
+    prio = np.asarray(c["policy"].prio)
+    for (i, g), want in alg1.fixed_order(C.dec_buckets).items():
+      assert prio[i, g].tolist() == pytest.approx(list(want))
+  want = {**alg1.fixed_order(C.dec_buckets), **alg1.fixed_order(C.pre_buckets)}
+  for e in pol.record["entries"].values():     # the saved policy: fixed-order scores or none
+    if e["prio"] is not None:
+      np.testing.assert_allclose(e["prio"], [want[(e["id"], g)] for g in range(3)], rtol=1e-6)
+
+
+def test_an_ablation_keys_the_runtime_stages(ablated, tmp_path):
+  from calibrate.stages import StageMismatch
+  C, rec, out = ablated("no-layer")
+  model, tok, cal, dev = C.model, C.thash, C.cal, C.dev
+  with pytest.raises(StageMismatch, match="ablation"):
+    alg1.Calibration(model, tok, cal, dev, out, ABL_CFG, capacity=CAP)
+  with pytest.raises(ValueError, match="unknown ablation"):
+    alg1.Calibration(model, tok, cal, dev, str(tmp_path),
+                     dataclasses.replace(ABL_CFG, ablation="no-thing"), capacity=CAP)
+
+
+def test_no_transition_buckets_are_position_bins_and_its_rows_see_them(ablated):
+  """no-transition from the shared reference: ten bins each reached by 75% of the calibration
+  requests (one category here), the reference's decode tags remapped to them (stops kept), and
+  a stacked run of one of its interventions feeds its rows the bins and the unseen state."""
+  C, _, _ = ablated("no-transition", run_all=False)
+  ref = C.reference()
+  lengths = np.asarray([len(o.tokens) for o in ref])
+  assert len(C.bins) == alg1.N_POSITION_BINS and C.bins[0] == 0
+  assert all(np.mean(lengths > b) >= alg1.POSITION_REACH for b in C.bins)
+  pos = {T.position_id(k) for k in range(len(C.bins))}
+  for o in ref:
+    t = np.asarray(o.tags)[:len(o.tokens)]
+    stop = (t == T.STOP).any(1)
+    assert set(t[~stop, 0].tolist()) <= pos and (t[~stop, 1:] == T.PAD).all()
+    assert int(t[0, 0]) == T.position_id(0) and (np.asarray(o.states) == -1).all()
+  C.buckets()
+  assert set(C.nbar_dec) <= pos and len(C.nbar_dec) == len(C.bins)
+  i = T.position_id(len(C.bins) - 1)
+  pol = C.intervention_policy("decode", i, 2, Act.R)
+  assert P.position_bins(pol) == C.bins
+  out = S.run_stack(C.runner_for, C.cal, [pol], rows=CFG.rows, max_tokens=CFG.max_tokens)[0]
+  for o in out:
+    t = np.asarray(o.tags)
+    stop = (t == T.STOP).any(1)
+    want = [T.position_id(T.position_bin(j, C.bins)) for j in range(len(t))]
+    assert t[~stop, 0].tolist() == [w for w, s in zip(want, stop) if not s]
+    assert (np.asarray(o.states) == -1).all()

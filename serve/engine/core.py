@@ -56,6 +56,9 @@ class Engine(Loop):
     if preemption not in PREEMPTION:
       raise ValueError(f"preemption must be one of {PREEMPTION}, got {preemption!r}")
     self.preemption = preemption
+    if (policy.record.get("position_bins") if hasattr(policy, "record_json") else None):
+      raise ValueError("a no-transition (ablation) policy reads position bins, which the serving "
+                       "engine does not emit: evaluate it with pask-jax eval or campaign")
     self.model, self.cfg, self.tok, self.policy = model, model.cfg, tokenizer, policy
     self.slots, self.context, self.page = slots, context, page
     self.window, self.G = int(policy.window), int(policy.n_groups)

@@ -1,0 +1,75 @@
+# Device (H200): calibrate the paper's ablations (Fig. 5; `pask-jax calibrate --ablation`) of
+# Qwen2.5-Coder-1.5B with the flags of scripts/h200_campaign15.sh (every calibration and
+# development case, W 16, total-B target 0.20), one variant after another into /tmp/abl15/<v>,
+# then run examples/campaign_15b_ablations.toml (each variant at B 0.20 on the test split) into
+# /tmp/c15a.  Resumable across 10-minute calls on a warm machine: a variant whose
+# calibration.json exists (in /tmp/abl15/<v>/, or committed under $pol/<v>/ by an earlier
+# session) is done and skipped, an interrupted one resumes from its saved stages (work/, on the
+# warm machine only), the campaign runs only the cells still missing; call it again until it
+# prints "ablations: all calibrated" and the campaign has nothing left.
+#   bash scripts/h200_ablations15.sh    (carry .whl; the model uploaded to /tmp/m beforehand)
+#   LIMIT     seconds this call may take (default 560)
+#   VARIANTS  which, in order (default: fixed-order no-floors no-layer no-state no-class no-role
+#             no-transition)
+#   MAX_CASES cases per category for calibration and development (default: every case, as the
+#             committed full-method policy; keep it the same over the calls)
+#   FULL_WORK the work/ of a full-method calibration with the same flags (e.g. /tmp/cal15c/work
+#             of h200_campaign15.sh on the same machine): its shared stages are copied too
+# Stages a variant does not change are keyed without its ablation and copied in before it starts
+# (cp -n): the reference from any variant; Runtime-D of no-layer from no-floors (both measure the
+# full method's buckets); with FULL_WORK also Runtime-V of fixed-order and Runtime-D of no-floors.
+# Each finished variant comes back as $OUT/abl15_<v>.tgz (abl15/<v>/policy + calibration.json),
+# the cells as $OUT/c15a.tgz.  Commit the policies as
+# policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations/<v>/ (policy + B0.20/ + calibration.json):
+#   for f in abl15_*.tgz; do tar xzf $f -C /tmp; done
+#   for v in /tmp/abl15/*/; do d=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations/$(basename $v)
+#     mkdir -p $d && cp -r $v/policy/. $d/ && cp $v/calibration.json $d/; done
+set -x
+. scripts/h200_env.sh
+limit=${LIMIT:-560}
+root=/tmp/abl15
+pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations
+full=${FULL_WORK:-/nonexistent}
+mkdir -p $root
+share() {   # share VARIANT STAGE SOURCE_DIR...: copy STAGE.npz into VARIANT's work/ if missing
+  v=$1; s=$2; shift 2
+  for src in "$@"; do
+    if [ -f $src/$s.npz ]; then cp -n $src/$s.npz $root/$v/work/$s.npz; return; fi
+  done
+}
+all="fixed-order no-floors no-layer no-state no-class no-role no-transition"
+for v in ${VARIANTS:-$all}; do
+  [ -f $root/$v/calibration.json ] || [ -f $pol/$v/calibration.json ] && continue
+  left=$((limit - SECONDS - 30))
+  if [ $left -lt 120 ]; then echo "ablations: out of time before $v"; exit 0; fi
+  mkdir -p $root/$v/work
+  share $v reference $full $root/*/work
+  case $v in
+    fixed-order) share $v runtime_v $full ;;
+    no-floors|no-layer) share $v runtime_d $full $root/no-floors/work $root/no-layer/work ;;
+  esac
+  timeout $left python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
+    --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 \
+    --window 16 --targets 0.20 --ablation $v >> $OUT/abl15_$v.log 2>&1 \
+    || { tail -c 3000 $OUT/abl15_$v.log; exit 0; }
+  tail -c 1500 $OUT/abl15_$v.log
+  tar czf $OUT/abl15_$v.tgz -C /tmp abl15/$v/policy abl15/$v/calibration.json
+done
+echo "ablations: all calibrated"
+# The plan names all seven variants: with a VARIANTS subset, calibration only.
+[ -n "$VARIANTS" ] && exit 0
+# Every call sends the committed tree: the policies calibrated here go where the plan reads them
+# (committed ones stay as they are).
+for v in $all; do
+  [ -f $root/$v/calibration.json ] || continue
+  rm -rf $pol/$v && mkdir -p $pol/$v && cp -r $root/$v/policy/. $pol/$v/ \
+    && cp $root/$v/calibration.json $pol/$v/
+done
+mkdir -p /tmp/c15a
+# A campaign cell can run past --time-limit (its estimate is a guess): leave 60 s for the tar.
+t=$((limit - SECONDS - 60))
+[ $t -gt 60 ] && timeout $((t + 40)) python3 -m pask_jax.cli campaign \
+  examples/campaign_15b_ablations.toml --time-limit $t --results /tmp/c15a --no-progress \
+  >> $OUT/campaign_abl.log 2>&1
+grep -E "accuracy|campaign|failed|error" $OUT/campaign_abl.log | tail -40
+tar czf $OUT/c15a.tgz -C /tmp c15a
