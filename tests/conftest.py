@@ -111,12 +111,40 @@ def _drop_compiled_programs():
 # so both workers finish together (a file's own tests keep their order).  A file missing from
 # the table goes first (unknown: maybe long).  xdist's own reordering (files by number of tests)
 # is turned off so it keeps this one.
+#
+# Files of one GROUPS entry are one unit of that schedule (their summed time; one worker runs
+# them, one after the other, heaviest first): the tests/test_serve*.py files share one loopback
+# server (tests/serve_helpers.py: started once per process, model load and warmup compiles about
+# 37 s), which a worker then starts once instead of each worker starting it.  (`--dist
+# loadgroup` would say this with marks, but it does not group under pytest 9: xdist 3.8 renames
+# the node ids through an attribute pytest 9 no longer reads.)
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+GROUPS = {f: "serve" for f in ("test_serve.py", "test_serve_vllm.py", "test_serve_openai.py",
+                               "test_serve_hostile.py")}
+
+
+def _unit(nodeid: str) -> str:
+  """The schedule unit of a node id: its file, or its file's group."""
+  f = nodeid.split("::", 1)[0]
+  return GROUPS.get(os.path.basename(f), f)
 
 
 def pytest_configure(config):
   if hasattr(config.option, "loadscopereorder"):
     config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)   # before xdist's own (firstresult)
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling
+
+  class GroupedFiles(LoadFileScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return _unit(nodeid)
+
+  return GroupedFiles(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -127,9 +155,17 @@ def pytest_collection_modifyitems(config, items):
       secs = json.load(f)["seconds"]
   except (OSError, ValueError, KeyError):
     return
+  file_s = lambda f: secs.get(os.path.basename(f), float("inf"))
   first: dict[str, int] = {}
+  unit_s: dict[str, float] = {}
   for i, it in enumerate(items):
-    first.setdefault(it.nodeid.split("::", 1)[0], i)
-  key = lambda f: (-secs.get(os.path.basename(f), float("inf")), first[f])
+    f = it.nodeid.split("::", 1)[0]
+    if f not in first:
+      first[f] = i
+      unit_s[_unit(f)] = unit_s.get(_unit(f), 0.0) + file_s(f)
+  unit_first = {}
+  for f in sorted(first, key=first.get):
+    unit_first.setdefault(_unit(f), first[f])
+  key = lambda f: (-unit_s[_unit(f)], unit_first[_unit(f)], -file_s(f), first[f])
   rank = {f: r for r, f in enumerate(sorted(first, key=key))}
   items.sort(key=lambda it: rank[it.nodeid.split("::", 1)[0]])

@@ -190,14 +190,14 @@ def test_stacked_interventions_equal_sequential(setup):
 
 SHARDED = r"""
 import jax
-from pask_jax.testing import smollm2, tiny_llama as tiny
+from pask_jax.testing import smollm2_tokenizer, tiny_llama as tiny
 CAP = 256
 from pask_jax.grammar import GrammarCompiler
 from pask_jax import policy as P
 from calibrate import alg1, stack as S, tasks
 assert len(jax.devices()) == 4
-tok = smollm2().tokenizer
-model = tiny(smollm2().cfg.vocab_size)
+tok = smollm2_tokenizer()          # the GGUF's tokenizer without its weights
+model = tiny(tok.vocab_size)
 task = tasks.SyntheticTask(tok, GrammarCompiler(tok, model.cfg.vocab_size), 2, seed=3)
 task.expected = [[{"name": "set_mode", "arguments": {"mode": "eco", "level": "low"}}]] * 2
 cfg = alg1.Config(sink=2, window=4)
