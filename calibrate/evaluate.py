@@ -590,16 +590,18 @@ def tune(s: Session, methods: Sequence[str], budget: float | Sequence[float], *,
                       **({"allocation": r["settings"]["allocation"]}
                          if "allocation" in r["settings"] else {})})
         if d:
-          _write_tune(d, _tune_result(log, methods, b, split, grid, identity, False))
-    res = _tune_result(log, methods, b, split, grid, identity, True)
+          _write_tune(d, tune_result(log, methods, b, split, grid, identity, False))
+    res = tune_result(log, methods, b, split, grid, identity, True)
     if d:
       _write_tune(d, res)
     results.append(res)
   return results if many else results[0]
 
 
-def _tune_result(log, methods, budget, split, grid, identity, complete) -> dict:
-  """The frozen knobs from the measured grid points in ``log``: per method the best point."""
+def tune_result(log, methods, budget, split, grid, identity, complete) -> dict:
+  """The frozen knobs from the measured grid points in ``log`` (the Full-KV row first, then one
+  row per point as :func:`tune` logs them): per method the best point at ``budget``, as
+  :func:`tune` chooses it; -> the result :func:`tune` writes to knobs.json."""
   full = log[0]
   knobs = merged_knobs({"gen": full["gen"]})
   # Methods tuned into this folder by an earlier call keep their knobs.

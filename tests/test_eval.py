@@ -230,7 +230,7 @@ def test_tune_never_buys_accuracy_with_bytes_over_the_budget():
   pt = lambda r, acc, b: {"method": "h2o", "knobs": json.dumps({"recent": r, "sink": 2}),
                           "accuracy": acc, "headline": acc, "total_B": b, "gen": 20.0 + r}
   ident = {"cases": ["a/1", "a/2"]}
-  pick = lambda log: E._tune_result(log, ["h2o"], 0.33, "dev", grid, ident, True)["knobs"]["h2o"]
+  pick = lambda log: E.tune_result(log, ["h2o"], 0.33, "dev", grid, ident, True)["knobs"]["h2o"]
   # recent 64 is the most accurate only because its protected floor spends B 0.40
   assert pick([full, pt(4, 0.70, 0.33), pt(8, 0.75, 0.345), pt(64, 0.85, 0.40)])["recent"] == 8
   # none within the budget: the closest B, not the most accurate
