@@ -465,6 +465,13 @@ def _settings(method: str, knobs: dict | None, policy_fp: dict | None, max_token
   return out
 
 
+def _resolved(method: Method, model: Model, budget: float, max_tokens: int):
+  """A cell's knobs, policy and the settings of its key -> (knobs, policy, settings)."""
+  knobs = _knobs(method, model, budget)
+  policy, policy_fp = _policy(method, model, budget)
+  return knobs, policy, _settings(method.method, knobs, policy_fp, max_tokens)
+
+
 def cells(plan: Plan, task: Any = None) -> list[Cell]:
   """Every cell of the plan, in plan order (model, split, slice, method, budget)."""
   task = task or TASKS[plan.task]()
@@ -485,11 +492,9 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
         ids = sorted(f"{c.category}/{c.id}" for c in cs)
         for me in plan.methods:
           for b in me.budgets:
-            knobs = _knobs(me, mo, b)
-            policy, policy_fp = _policy(me, mo, b)
+            knobs, policy, settings = _resolved(me, mo, b, plan.max_tokens)
             material = {"task": task.name, "model": model_fp, "method": me.method, "budget": b,
-                        "settings": _settings(me.method, knobs, policy_fp, plan.max_tokens),
-                        "split": E.SPLIT_NAMES[sp.split], "cases": ids}
+                        "settings": settings, "split": E.SPLIT_NAMES[sp.split], "cases": ids}
             key = cell_key(material)
             out.append(Cell(key, material, mo, me, b, sp, i if sp.chunk else None, tuple(cs),
                             path, policy, knobs, os.path.join(plan.folder, key)))
@@ -750,14 +755,8 @@ def _current(plan: Plan) -> set[str]:
   """(method, budget, settings) of every cell the plan makes now (no model or data needed): a
   cell of the plan's folder outside it ran under settings since replaced (a recalibrated policy,
   retuned knobs)."""
-  out = set()
-  for mo in plan.models:
-    for me in plan.methods:
-      for b in me.budgets:
-        _, policy_fp = _policy(me, mo, b)
-        st = _settings(me.method, _knobs(me, mo, b), policy_fp, plan.max_tokens)
-        out.add(canonical([me.method, b, st]))
-  return out
+  return {canonical([me.method, b, _resolved(me, mo, b, plan.max_tokens)[2]])
+          for mo in plan.models for me in plan.methods for b in me.budgets}
 
 
 def collect(paths: Sequence[str], *, results: str | None = None,
