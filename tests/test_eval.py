@@ -162,6 +162,19 @@ def test_report_table_and_plot(runs, tmp_path):
     E.report([str(tmp_path / "nope")], str(tmp_path))
 
 
+def test_report_marks_runs_over_their_budget(runs, tmp_path):
+  root, out = runs
+  loaded = {r["method"]: r for r in E.load_runs([str(root / m) for m in ("full", "h2o")])}
+  spent = loaded["h2o"]["categories"]["overall"]["total_B"]
+  within = {**loaded["h2o"], "budget": round(spent - E.B_SLACK / 2, 4)}
+  over = {**loaded["h2o"], "method": "snapkv", "budget": round(spent - 2 * E.B_SLACK, 4)}
+  md = E.report(None, str(tmp_path), runs=[loaded["full"], within, over])
+  rows = {l.split(" | ")[0][2:]: l for l in md.splitlines() if l.startswith("| ")}
+  assert "**over**" in rows["snapkv"] and "**over**" not in rows["h2o"]
+  assert "**over**" not in rows["full"] and "more than 0.02" in md
+  assert not E.over_budget(loaded["full"]) and E.over_budget(over)
+
+
 def test_tune_on_dev_only(session, tmp_path):
   grid = {"h2o": {"sink": [2], "recent": [4, 8]}}
   res = E.tune(session, ["h2o"], 0.5, grid=grid, split="dev", max_cases=3, max_tokens=48,
