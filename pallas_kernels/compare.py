@@ -277,8 +277,10 @@ def quiet_libtpu() -> bool:
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="pask-jax compare-kernels",
                                description=__doc__.split("\n\n")[0])
-  ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="B:Hq:Hkv:D:CTX[,...]")
-  ap.add_argument("--out", default="compare_kernels_out", help="folder for the CSV and PNG")
+  ap.add_argument("--shapes", default=DEFAULT_SHAPES,
+                  help=f"B:Hq:Hkv:D:CTX[,...] (default: {DEFAULT_SHAPES})")
+  ap.add_argument("--out", default="compare_kernels_out",
+                  help="folder for the CSV and PNG (default: compare_kernels_out)")
   ap.add_argument("--tpu-gens", default=None,
                   help=f"comma list among {','.join(TPU_GENS)} (default all)")
   a = ap.parse_args(argv)
