@@ -443,7 +443,7 @@ def test_pask_runs_the_variant_and_labels_requested_and_measured_b(session, runs
               progress=False)
   assert own["budget"] is None and 0 < own["measured_B"] < 1
   md = E.report([str(tmp_path / "v"), str(tmp_path / "o")], str(tmp_path / "r"))
-  line = {l.split(" | ")[1]: l for l in md.splitlines()[2:]}
+  line = {l.split(" | ")[1]: l for l in md.splitlines()[2:] if l.startswith("| ")}
   assert "| pask | 0.30 | " in md and "| pask | policy's own | " in md
   assert f"/ {own['measured_B']:.3f} |" in line["policy's own"]
 
