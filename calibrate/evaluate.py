@@ -86,6 +86,53 @@ class BFCLSuite:
     return self.bfcl.score(case, text, complete=complete, fmt=self.fmt)
 
 
+class JsonlSuite:
+  """A user's JSONL task file (:func:`calibrate.tasks.read_jsonl`, the format ``pask-jax
+  calibrate --task jsonl`` reads) for ``eval`` and ``tune``: split ``test`` is every case of the
+  file (keep test cases in a file of their own: calibration saw the others), ``cal`` / ``dev``
+  the 1:1 split calibration makes of it with the same ``seed``.  Prompts, grammars and scores
+  are calibration's (:class:`calibrate.tasks.JsonlTask`, :func:`calibrate.tasks.check_answer`);
+  tool-call answers are tagged by the tool-call adapter, JSON-schema answers as free text (as
+  calibration and the server tag them)."""
+
+  def __init__(self, cases, tokenizer, arch: str, compiler, *, seed: int = 0,
+               name: str = "jsonl"):
+    self.all, self.tok, self.arch, self.compiler = list(cases), tokenizer, arch, compiler
+    self.seed, self.name = seed, name
+
+  def cases(self, split: str, categories: Sequence[str] | None = None,
+            max_cases: int | None = None, skip: int = 0) -> list:
+    from calibrate import tasks
+    split = {"calibration": "cal", "development": "dev"}.get(split, split)
+    if split == "test":
+      cs = list(self.all)
+    elif split in ("cal", "dev"):
+      cs = tasks.split_jsonl(self.all, self.seed)[split == "dev"]
+    else:
+      raise ValueError(f"unknown split {split!r}; choose cal, dev or test")
+    if categories:
+      known = sorted({c.category for c in self.all})
+      bad = [c for c in categories if c not in known]
+      if bad:
+        raise ValueError(f"categor{'y' if len(bad) == 1 else 'ies'} {', '.join(bad)} not in "
+                         f"the task file (it has {', '.join(known)})")
+      cs = [c for c in cs if c.category in categories]
+    return cap_per_category(cs, max_cases, skip)
+
+  def prepare(self, cases, prompt_labels: bool) -> list[Prompt]:
+    from calibrate import tasks
+    return tasks.JsonlTask(cases, self.tok, arch=self.arch, compiler=self.compiler).requests
+
+  def free_text(self, p: Prompt) -> bool:
+    """Whether the answer of ``p`` is tagged as free generation (a JSON-schema case)."""
+    return p.case.tools is None
+
+  def score(self, case, text: str, complete: bool) -> dict:
+    from calibrate import tasks
+    from pask_jax.prompt import style
+    return tasks.check_answer(case, text, complete, style(self.arch)[0])
+
+
 def cap_per_category(cases: list, max_cases: int | None, skip: int = 0) -> list:
   """Per category, in order, the cases after the first ``skip``, at most ``max_cases`` of them (a
   deterministic cut: runs over disjoint slices of one split can be pooled by :func:`merge`)."""
@@ -383,16 +430,20 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   s.ensure_capacity(preps, rc.max_tokens)
   batch = batch_size(len(preps), s.batch)
   runner, used = _setup(s, rc, preps, batch)
+  # A task may tag some answers as free generation (a JSON-schema case of a JSONL task).
+  free = getattr(s.task, "free_text", lambda p: False)
   if pask:
     from pask_jax import policy as P
     from pask_jax.grammar.fc_adapter import FCAdapter
     vocab = P.state_vocab(runner.policy)        # parser-state ids of the calibrated reserve Γ
-    tracker = lambda g: Tracker(g, FCAdapter(g, s.tok, vocab=vocab))
+    tracker = lambda p: (Tracker(p.grammar) if free(p) else
+                         Tracker(p.grammar, FCAdapter(p.grammar, s.tok, vocab=vocab)))
   elif tagged:
     from pask_jax.grammar.fc_adapter import FCAdapter
-    tracker = lambda g: Tracker(g, FCAdapter(g, s.tok))
+    tracker = lambda p: (Tracker(p.grammar) if free(p) else
+                         Tracker(p.grammar, FCAdapter(p.grammar, s.tok)))
   else:
-    tracker = lambda g: Tracker(g)
+    tracker = lambda p: Tracker(p.grammar)
   sampling = Sampling(max_tokens=rc.max_tokens)
   order = sorted(range(len(preps)), key=lambda i: len(preps[i].ids))
   rows: list[dict | None] = [None] * len(preps)
@@ -416,7 +467,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
       if bar is not None:
         bar.update(1)
 
-    trackers = [_Counted(tracker(p.grammar), stops, rc.max_tokens, done) for p in ps]
+    trackers = [_Counted(tracker(p), stops, rc.max_tokens, done) for p in ps]
     res = generate(runner, s.tok, [p.ids for p in ps], trackers=trackers,
                    prompt_tags=[p.tags for p in ps] if tagged else None, sampling=sampling)
     if bar is not None and told[0] < len(idx):   # a row generate() ended by another rule

@@ -431,21 +431,37 @@ class JsonlTask(_Base):
     return Recorder(self.requests[i].grammar, None)
 
   def score(self, i: int, text: str, complete: bool) -> tuple[bool, float]:
-    c = self.requests[i].case
-    if not complete:
-      return False, 0.0
-    if c.tools is not None:
-      return score_calls(c, text, self.fmt)
-    try:
-      got = json.loads(text)
-    except json.JSONDecodeError:
-      return False, 0.0
-    ok = (_invalid(got, c.schema) is None if c.scorer == "json_valid"
-          else canonical(got) == canonical(c.expected))
-    return ok, float(ok)
+    s = check_answer(self.requests[i].case, text, complete, self.fmt)
+    return s["passed"], s["per_call"]
 
   def category(self, i: int) -> str:
     return self.requests[i].case.category
+
+
+def check_answer(case: JsonlCase, text: str, complete: bool, fmt: str | None = None) -> dict:
+  """One answer to a JSONL case scored (module docstring): ``{"calls", "passed", "per_call",
+  "error"}`` as BFCL's scorer returns it (``calls``: the parsed calls, or the JSON value of a
+  schema case; None when unreadable).  An incomplete answer fails."""
+  if not complete:
+    return {"calls": None, "passed": False, "per_call": 0.0, "error": "incomplete output"}
+  if case.tools is not None:
+    from pask_jax.grammar.toolcall import parse_calls
+    try:
+      got = parse_calls(text, fmt)
+    except ValueError as e:
+      return {"calls": None, "passed": False, "per_call": 0.0,
+              "error": f"unparseable: {_one_line(e)}"}
+    ok, frac = score_calls(case, text, fmt)
+  else:
+    try:
+      got = json.loads(text)
+    except json.JSONDecodeError as e:
+      return {"calls": None, "passed": False, "per_call": 0.0, "error": f"unparseable: {e.msg}"}
+    ok = (_invalid(got, case.schema) is None if case.scorer == "json_valid"
+          else canonical(got) == canonical(case.expected))
+    frac = float(ok)
+  return {"calls": got, "passed": bool(ok), "per_call": float(frac),
+          "error": "" if ok else f"{'invalid' if case.scorer == 'json_valid' else 'differs'}"}
 
 
 def score_calls(case: JsonlCase, text: str, fmt: str | None = None) -> tuple[bool, float]:

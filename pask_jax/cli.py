@@ -103,9 +103,46 @@ def cmd_compare_kernels(args, rest) -> int:
   return compare.main(rest)
 
 
+def _task_cases(args, split: str, skip: int = 0):
+  """``--task`` / ``--data`` checked before the model loads (one-line errors): the cases of a
+  JSONL task file, already checked against ``--split``, ``--categories`` and ``--max-cases``,
+  or None for BFCL (installed: else the install command)."""
+  if args.task != "jsonl":
+    if args.data is not None:
+      raise SystemExit("error: --data applies to --task jsonl")
+    from calibrate import bfcl
+    bfcl.need()
+    return None
+  if args.data is None:
+    raise SystemExit("error: --task jsonl needs --data FILE (one JSON case per line)")
+  from calibrate import evaluate as E, tasks
+  try:
+    cases = tasks.read_jsonl(args.data)
+    if not E.JsonlSuite(cases, None, "", None, seed=args.seed).cases(
+        split, args.categories, args.max_cases, skip):
+      raise ValueError(f"{args.data}: no cases left for split {split!r} after --max-cases / "
+                       "--skip-cases")
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
+  return cases
+
+
+def _session(m, args, cases):
+  """The evaluation session of ``eval`` / ``tune``: BFCL, or the JSONL task's cases."""
+  from calibrate import evaluate as E
+  if cases is None:
+    return E.Session(m, batch=args.batch)
+  from pask_jax.grammar import GrammarCompiler
+  gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
+  task = E.JsonlSuite(cases, m.tokenizer, m.cfg.arch, gc, seed=args.seed,
+                      name=f"jsonl:{os.path.basename(args.data)}")
+  return E.Session(m, task, batch=args.batch, compiler=gc)
+
+
 def cmd_eval(args) -> int:
-  """``pask-jax eval``: one method at one budget on a BFCL split (see calibrate.evaluate)."""
-  from calibrate import bfcl, evaluate as E
+  """``pask-jax eval``: one method at one budget on a BFCL split or a JSONL task file (see
+  calibrate.evaluate)."""
+  from calibrate import evaluate as E
   budget = args.budget if args.budget is not None or args.method == "pask" else 1.0
   rc = E.RunConfig(args.method, budget, args.split,
                    tuple(args.categories) if args.categories else None, args.max_cases,
@@ -115,11 +152,11 @@ def cmd_eval(args) -> int:
     E.check_config(rc)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  bfcl.need()
+  cases = _task_cases(args, args.split, args.skip_cases)
   m = platform.load_model_or_exit(args.model, args.dtype,
                                    center_keys=args.key_center == "on")
   try:
-    s = E.Session(m, batch=args.batch)
+    s = _session(m, args, cases)
     meta = E.run(s, rc, args.out)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
@@ -138,7 +175,7 @@ def cmd_eval(args) -> int:
 
 def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
-  from calibrate import bfcl, evaluate as E
+  from calibrate import evaluate as E
   from pask_jax.baselines import budget as BU
   try:   # bad methods or budgets fail here, before the model loads and minutes are spent
     E.check_tunable(args.methods, args.grid)
@@ -146,11 +183,11 @@ def cmd_tune(args) -> int:
       BU.check_target(b)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  bfcl.need()
+  cases = _task_cases(args, args.split)
   m = platform.load_model_or_exit(args.model, args.dtype,
                                    center_keys=args.key_center == "on")
   try:
-    s = E.Session(m, batch=args.batch)
+    s = _session(m, args, cases)
     res = E.tune(s, args.methods, args.budget[0] if len(args.budget) == 1 else args.budget,
                  grid=args.grid, split=args.split, max_cases=args.max_cases,
                  max_tokens=args.max_tokens, categories=args.categories, out=args.out,
@@ -373,9 +410,17 @@ def main(argv: list[str] | None = None) -> int:
   sub.add_parser("compare-kernels", help="compare the GPU and TPU attention kernels",
                  add_help=False)
   from pask_jax.baselines import METHODS
-  e = sub.add_parser("eval", help="accuracy and measured KV budget of one method on BFCL")
+  e = sub.add_parser("eval", help="accuracy and measured KV budget of one method on BFCL or "
+                                  "a JSONL task file")
   e.add_argument("--model", default=None, help="as for generate (default: smollm2-135m-instruct)")
-  e.add_argument("--task", choices=["bfcl"], default="bfcl")
+  e.add_argument("--task", choices=["bfcl", "jsonl"], default="bfcl",
+                 help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
+                      "calibrate --task jsonl reads (split test: every case of the file; cal / "
+                      "dev: calibration's 1:1 split of it by --seed) (default: bfcl)")
+  e.add_argument("--data", default=None, metavar="FILE",
+                 help="--task jsonl: the task file (see calibrate/tasks.py)")
+  e.add_argument("--seed", type=int, default=0,
+                 help="--task jsonl: the seed of the cal/dev split (as calibrate's --seed)")
   e.add_argument("--split", choices=["cal", "dev", "test"], default="test")
   e.add_argument("--method", required=True, help="one of " + ", ".join(METHODS))
   e.add_argument("--budget", type=float, default=None,
@@ -391,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                  help="leave out the first N cases per category (run a later slice; pool the "
                       "slices with pask-jax merge)")
   e.add_argument("--categories", nargs="+", default=None,
-                 help="BFCL categories (default: the four non-live ones)")
+                 help="BFCL categories (default: the four non-live ones); --task jsonl: "
+                      "categories of the file (default: all)")
   e.add_argument("--max-tokens", type=int, default=128)
   e.add_argument("--batch", type=int, default=64,
                  help="most sequences per generation batch (fewer cases: fewer rows, no padding)")
@@ -401,7 +447,14 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument("--out", required=True, help="output directory")
   t = sub.add_parser("tune", help="tune baseline knobs on the development split (paper C.3)")
   t.add_argument("--model", default=None)
-  t.add_argument("--task", choices=["bfcl"], default="bfcl")
+  t.add_argument("--task", choices=["bfcl", "jsonl"], default="bfcl",
+                 help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
+                      "calibrate --task jsonl reads (split test: every case of the file; cal / "
+                      "dev: calibration's 1:1 split of it by --seed) (default: bfcl)")
+  t.add_argument("--data", default=None, metavar="FILE",
+                 help="--task jsonl: the task file (see calibrate/tasks.py)")
+  t.add_argument("--seed", type=int, default=0,
+                 help="--task jsonl: the seed of the cal/dev split (as calibrate's --seed)")
   t.add_argument("--methods", nargs="+", default=["h2o", "snapkv", "mikv"])
   t.add_argument("--budget", type=float, nargs="+", default=[0.33],
                  help="target B the knobs are tuned at; several: one Full-KV run for all, each "

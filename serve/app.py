@@ -97,7 +97,7 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
   if grammars is None:
     from serve.grammars import GrammarPool
     grammars = GrammarPool(tokenizer, cfg.vocab_size, timeout_s=grammar_timeout_s)
-  metrics = Metrics(engine, grammars)
+  metrics = Metrics(engine, grammars, model_name=names[0])
 
   @contextlib.asynccontextmanager
   async def lifespan(app):

@@ -20,13 +20,24 @@ One registry per app (not the process-global one: tests and benchmarks start sev
   overlapped loop only what the host work did not hide) and ``pask_step_host_seconds`` (the
   host's own work: masks, page bookkeeping, accepting tokens).
 
+* vLLM's names for the main ones, so that a dashboard or alert written for ``vllm serve`` reads
+  this server (labelled ``model_name``, the first served name, as vLLM labels them):
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (the
+  fuller of the two page pools, 0..1), ``vllm:prompt_tokens_total``,
+  ``vllm:generation_tokens_total``, ``vllm:request_success_total{finished_reason}`` (stop,
+  length; abort = cancelled), ``vllm:num_preemptions_total``, and the histograms
+  ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds`` (the same samples as
+  the ``pask_`` ones).  :data:`VLLM_ALIASES` is the mapping.
+
 Both exposition formats are served (``Accept: application/openmetrics-text`` picks OpenMetrics),
 and both of prometheus_client's parsers read them (tests/test_serve_openai.py).
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Metric,
+                                   SummaryMetricFamily)
 from prometheus_client.exposition import choose_encoder
 
 from pask_jax import actions as Act
@@ -117,8 +128,74 @@ class _EngineCollector:
                   samples=[([ln], float(p["queued_" + ln])) for ln in ("small", "large")])
 
 
+# vLLM's name -> what it reads here (README's serving table repeats it).
+VLLM_ALIASES = {
+    "vllm:num_requests_running": "pask_running",
+    "vllm:num_requests_waiting": "pask_queue_depth",
+    "vllm:kv_cache_usage_perc": "1 - pask_pages_free / pask_pages_total of the fuller pool",
+    "vllm:prompt_tokens_total": "pask_prompt_tokens_total",
+    "vllm:generation_tokens_total": "pask_generation_tokens_total",
+    "vllm:request_success_total": "pask_requests_total (outcome stop, length; cancelled as "
+                                  "finished_reason abort)",
+    "vllm:num_preemptions_total": "pask_preemptions_total",
+    "vllm:time_to_first_token_seconds": "pask_time_to_first_token_seconds",
+    "vllm:time_per_output_token_seconds": "pask_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds": "pask_e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds": "pask_request_queue_time_seconds",
+}
+
+
+class _VllmCollector:
+  """The :data:`VLLM_ALIASES` families, read at scrape time from the engine's snapshot and the
+  app's histograms (copied sample by sample under vLLM's name, with the ``model_name`` label)."""
+
+  def __init__(self, engine, histograms, model_name: str):
+    self.engine, self.histograms, self.model = engine, histograms, model_name
+
+  def describe(self):
+    return []
+
+  def collect(self):
+    s = self.engine.snapshot()
+    g = lambda k: float(s.get(k, 0))
+    lab = ["model_name"]
+    for name, doc, v in (("num_requests_running", "requests holding a decode slot", g("running")),
+                         ("num_requests_waiting", "requests waiting for a slot and pages",
+                          g("queue_depth"))):
+      yield _gauge(f"vllm:{name}", doc, self.model, v)
+    use = [1 - g(p + "_free") / g(p + "_total") for p in ("hi", "lo") if g(p + "_total") > 0]
+    yield _gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1 (the fuller page pool)",
+                 self.model, max(use, default=0.0))
+    for name, doc, key in (("prompt_tokens", "prompt tokens of finished requests",
+                            "prompt_tokens"),
+                           ("generation_tokens", "generated tokens of finished requests",
+                            "completion_tokens"),
+                           ("num_preemptions", "running requests preempted", "preemptions")):
+      c = CounterMetricFamily(f"vllm:{name}", doc, labels=lab)
+      c.add_metric([self.model], g(key))
+      yield c
+    c = CounterMetricFamily("vllm:request_success", "finished requests by finish reason",
+                            labels=lab + ["finished_reason"])
+    for reason, outcome in (("stop", "stop"), ("length", "length"), ("abort", "cancelled")):
+      c.add_metric([self.model, reason], g("requests_" + outcome))
+    yield c
+    for h in self.histograms:
+      for fam in h.collect():
+        out = Metric("vllm:" + fam.name[len("pask_"):], fam.documentation, fam.type)
+        for smp in fam.samples:
+          out.add_sample("vllm:" + smp.name[len("pask_"):],
+                         {"model_name": self.model, **smp.labels}, smp.value, smp.timestamp)
+        yield out
+
+
+def _gauge(name: str, doc: str, model: str, value: float) -> GaugeMetricFamily:
+  m = GaugeMetricFamily(name, doc, labels=["model_name"])
+  m.add_metric([model], value)
+  return m
+
+
 class Metrics:
-  def __init__(self, engine, grammars=None):
+  def __init__(self, engine, grammars=None, model_name: str = "pask-jax"):
     self.registry = CollectorRegistry(auto_describe=True)
     r = self.registry
     self.ttft = Histogram("pask_time_to_first_token_seconds", "request arrival to first token",
@@ -136,6 +213,7 @@ class Metrics:
     self.disconnects = Counter("pask_client_disconnects", "clients gone before their answer",
                                registry=r)
     r.register(_EngineCollector(engine, grammars))
+    r.register(_VllmCollector(engine, (self.ttft, self.tpot, self.e2e, self.queue), model_name))
 
   def render(self, accept: str) -> tuple[bytes, str]:
     encoder, ctype = choose_encoder(accept or "")

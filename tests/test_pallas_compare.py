@@ -107,3 +107,36 @@ def test_libtpu_is_quiet_on_a_host_without_a_tpu(monkeypatch):
   for k in ("TPU_HOST_BOUNDS", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID"):
     monkeypatch.delenv(k, raising=False)
   assert not compare.quiet_libtpu() and "TPU_HOST_BOUNDS" not in os.environ   # a TPU host
+
+
+def test_an_install_without_the_aot_compilers_checks_numerics_and_exits_0(tmp_path, capsys,
+                                                                          monkeypatch):
+  """The default CPU install (no `aot` extra: no ptxas, no libtpu): compile rows are "not
+  checked" (named, with the install command), not failures; numerics are still compared."""
+  import importlib.util
+
+  from pallas_kernels.gpu import aot as gpu_aot
+  from pallas_kernels.tpu import aot as tpu_aot
+
+  def no_ptxas():
+    raise FileNotFoundError("no ptxas")
+
+  real_spec = importlib.util.find_spec
+  monkeypatch.setattr(gpu_aot, "find_ptxas", no_ptxas)
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real_spec(name, *a))
+  missing = compare.missing_toolchains()
+  assert set(missing) == {"gpu", "tpu"} and "libtpu is not installed" in missing["tpu"]
+  assert all("bash scripts/setup.sh --aot" in v for v in missing.values())
+  monkeypatch.setattr(gpu_aot, "report", lambda *a, **k: pytest.fail("compiled without ptxas"))
+  monkeypatch.setattr(tpu_aot, "compile_for",
+                      lambda *a, **k: pytest.fail("compiled without libtpu"))
+  rc = compare.main(["--shapes", "1:4:2:64:160", "--out", str(tmp_path), "--tpu-gens", "v6e"])
+  out = capsys.readouterr().out
+  assert rc == 0 and "FAILED" not in out, out
+  assert "not checked: the gpu and tpu compile" in out and "compiled n/a" in out
+  rows = list(csv.DictReader(open(tmp_path / "compare_kernels.csv")))
+  assert [r["backend"] for r in rows] == ["gpu (pallas triton)", "tpu v6e (pallas mosaic)"]
+  for r in rows:
+    assert r["compiled"] == "" and r["resources"].startswith("compile not checked")
+    assert 0 < float(r["rel_err"]) < 1e-2
