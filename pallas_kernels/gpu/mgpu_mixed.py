@@ -424,12 +424,13 @@ def supported(page_lo: int, page_hi: int, d: int, g: int) -> bool:
 def plan(bh: int, n_lo: int, page_lo: int, n_hi: int, page_hi: int, d: int, tile_hi: int,
          splits_lo: int | None = None, splits_hi: int | None = None) -> tuple[int, int]:
   """Context splits per pool (static): about ``BLOCKS`` blocks in all, shared in proportion to
-  the bytes of each pool's table capacity (an INT4 row is ``D/2 + 4`` bytes, a BF16 one ``4D``),
-  so the blocks of both pipelines take about as long; never more splits than tiles, none for a
-  pool without pages. Given splits are kept."""
+  the time each pool's table capacity should take (an INT4 row is ``D/2 + 4`` bytes read at
+  ~2/3 of the BF16 rate: 2.1 against 3.2 TB/s on the H200, bench/RESULTS.md 2026-12-04; a BF16
+  row ``4D`` bytes), so the blocks of both pipelines take about as long; never more splits than
+  tiles, none for a pool without pages. Given splits are kept."""
   t_lo, t_hi = n_lo, n_hi * (page_hi // tile_hi if n_hi else 0)
   total = max(2, BLOCKS // max(bh, 1))
-  b_lo, b_hi = n_lo * page_lo * (d // 2 + 4), n_hi * page_hi * 4 * d
+  b_lo, b_hi = n_lo * page_lo * (d // 2 + 4) * 1.5, n_hi * page_hi * 4 * d
   if splits_lo is None:
     splits_lo = 0 if not t_lo else (total if not t_hi else
                                     round(total * b_lo / (b_lo + b_hi)))
