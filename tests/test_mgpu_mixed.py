@@ -95,6 +95,7 @@ def test_plan_shares_blocks_by_bytes():
   assert (lo, hi) == (5, 3)
   assert MX.plan(64, 205, 128, 0, 128, 128, 64) == (8, 0)
   assert MX.plan(64, 0, 128, 31, 128, 128, 64) == (0, 8)
+  assert MX.plan(64, 0, 128, 31, 128, 128, 64, splits_lo=4, splits_hi=2) == (0, 2)
   assert MX.plan(16, 2, 128, 1, 128, 64, 64, splits_hi=2)[1] == 2      # given splits kept
   assert MX.plan(16, 2, 128, 1, 128, 64, 64)[0] <= 2                    # never more than tiles
 

@@ -427,7 +427,8 @@ def plan(bh: int, n_lo: int, page_lo: int, n_hi: int, page_hi: int, d: int, tile
   the time each pool's table capacity should take (an INT4 row is ``D/2 + 4`` bytes read at
   ~2/3 of the BF16 rate: 2.1 against 3.2 TB/s on the H200, bench/RESULTS.md 2026-12-04; a BF16
   row ``4D`` bytes), so the blocks of both pipelines take about as long; never more splits than
-  tiles, none for a pool without pages. Given splits are kept."""
+  tiles, none for a pool without pages. Given splits are kept (but a pool without pages has
+  none)."""
   t_lo, t_hi = n_lo, n_hi * (page_hi // tile_hi if n_hi else 0)
   total = max(2, BLOCKS // max(bh, 1))
   b_lo, b_hi = n_lo * page_lo * (d // 2 + 4) * 1.5, n_hi * page_hi * 4 * d
@@ -437,7 +438,7 @@ def plan(bh: int, n_lo: int, page_lo: int, n_hi: int, page_hi: int, d: int, tile
     splits_lo = min(t_lo, max(1, splits_lo)) if t_lo else 0
   if splits_hi is None:
     splits_hi = 0 if not t_hi else max(1, min(t_hi, total - splits_lo))
-  return splits_lo, splits_hi
+  return (splits_lo if t_lo else 0), (splits_hi if t_hi else 0)
 
 
 def _table(pages, length, page, splits_tiles, per=1):
