@@ -20,7 +20,8 @@ cat $OUT/env.txt
 # by plan()), whole-page BF16 tiles, deeper INT4 pipeline, other split shares.
 VARIANTS='[{}, {"tile_hi": 128}, {"stages_lo": 3}, {"splits_lo": 4, "splits_hi": 4}, {"splits_lo": 10, "splits_hi": 6}]'
 timeout 170 python3 bench/check_fused.py --json $OUT/check.json \
-  --variants '[{}, {"tile_hi": 128}, {"stages_lo": 3, "stages_hi": 3}]' > $OUT/check.log 2>&1
+  --variants '[{}, {"tile_hi": 128}, {"stages_lo": 3, "stages_hi": 3}, {"auto_barriers": true}]' \
+  > $OUT/check.log 2>&1
 echo "check_fused rc=$? (0: every check passed)"
 grep '^{' $OUT/check.log | cut -c1-260
 tail -1 $OUT/check.log

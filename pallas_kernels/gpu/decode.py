@@ -322,7 +322,7 @@ _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "n
           "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse",
           "num_warps_lo", "num_stages_lo", "interpret", "int4_kernel", "splits_lo")
 # Knobs of int4_kernel="fused" alone (mgpu_mixed: one Mosaic GPU launch for both pools).
-_FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi")
+_FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers")
 _FUSED = ("fused", "fused_reference")
 
 
@@ -504,7 +504,8 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
   ``int4_kernel="fused"`` (opt-in; Hopper, an INT4 pool in the "int4" storage format, both
   pools' pages a multiple of 64 rows): ONE Mosaic GPU launch reads the INT4 and the BF16 pool
   (:func:`pallas_kernels.gpu.mgpu_mixed.partition_mixed`), the window's partial is jnp, one
-  merge; knobs ``splits_lo``, ``splits_hi``, ``tile_hi``, ``stages_lo``, ``stages_hi``, ``scale``.
+  merge; knobs ``splits_lo``, ``splits_hi``, ``tile_hi``, ``stages_lo``, ``stages_hi``,
+  ``auto_barriers``, ``scale``.
   ``"fused_reference"`` (or ``"fused"`` with ``interpret=True``): the kernel's jnp reference in
   its place (CPU tests of the glue)."""
   fused = {k: kw.pop(k) for k in _FUSED_KNOBS if k in kw}

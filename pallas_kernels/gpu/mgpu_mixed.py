@@ -455,17 +455,19 @@ def _table(pages, length, page, splits_tiles, per=1):
 
 
 @functools.partial(jax.jit, static_argnames=("c", "splits_lo", "splits_hi", "tile_hi",
-                                             "stages_lo", "stages_hi", "reference"))
+                                             "stages_lo", "stages_hi", "auto_barriers",
+                                             "reference"))
 def mixed_attention(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer, *,
                     c: float, splits_lo: int | None = None, splits_hi: int | None = None,
                     tile_hi: int | None = None, stages_lo: int = 2, stages_hi: int = 2,
-                    reference: bool = False) -> jax.Array:
+                    auto_barriers: bool = False, reference: bool = False) -> jax.Array:
   """``decode_attention``'s GPU backend with ``int4_kernel="fused"``: q ``[B, Hq, D]`` ->
   out ``[B, Hq, D]`` f32. Window, pools and scales carry the cache's leading layer axis and
   ``layer`` (an int32) picks one, or ``layer=None`` and they are one layer's; the INT4 pool must
   be in the "int4" storage format. One :func:`partition_mixed` launch reads both pools
   (``reference=True``: its jnp reference instead), the window's partial is jnp, one
-  :func:`merge`. ``c`` = softmax scale x log2 e."""
+  :func:`merge`. ``c`` = softmax scale x log2 e. ``auto_barriers=True`` keeps the barriers
+  Pallas puts around shared-memory loads and stores (default: dropped, as in ``mgpu_decode``)."""
   if lo.format != "int4":
     raise ValueError("int4_kernel='fused' reads the INT4 pool in the 'int4' storage format "
                      "(a cache made with lo_format='int4'), got 'bytes'")
@@ -525,5 +527,5 @@ def mixed_attention(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps
   else:
     cols = 8 if g <= 8 and C.HAS_CONCAT else C.N_PAD
     o, ml = partition_mixed(*args, **kw_, stages_lo=stages_lo, stages_hi=stages_hi, cols=cols,
-                            approx_math=True, no_auto_barriers=True)
+                            approx_math=True, no_auto_barriers=not auto_barriers)
   return merge(o, ml, win, g).reshape(b, hq, d)
