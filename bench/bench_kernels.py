@@ -42,17 +42,17 @@ PAGE = 16
 WIN = 64
 
 
-def build(key, b, hq, hkv, d, lo_len, hi_len, win_len, lo_page=PAGE):
+def build(key, b, hq, hkv, d, lo_len, hi_len, win_len, lo_page=PAGE, hi_page=PAGE):
   """Random inputs on device (no poisoning; scattered page tables), tight pool capacities."""
   ks = jax.random.split(key, 8)
-  n_lo, n_hi = -(-lo_len // lo_page), -(-hi_len // PAGE)
+  n_lo, n_hi = -(-lo_len // lo_page), -(-hi_len // hi_page)
   p_lo, p_hi = b * n_lo, b * n_hi
   bf = jnp.bfloat16
   def normal(k, shape):
     return jax.random.normal(k, shape, jnp.float32).astype(bf)
   kw, vw = normal(ks[0], (b, WIN, hkv, d)), normal(ks[1], (b, WIN, hkv, d))
-  hi = HighPool(normal(ks[2], (max(p_hi, 0), PAGE, hkv, d)),
-                normal(ks[3], (max(p_hi, 0), PAGE, hkv, d)))
+  hi = HighPool(normal(ks[2], (max(p_hi, 0), hi_page, hkv, d)),
+                normal(ks[3], (max(p_hi, 0), hi_page, hkv, d)))
   qz = jax.jit(int4.quantize_packed)
   kc, ksc = qz(jax.random.normal(ks[4], (p_lo, lo_page, hkv, d), jnp.float32))
   vc, vsc = qz(jax.random.normal(ks[5], (p_lo, lo_page, hkv, d), jnp.float32))
@@ -178,7 +178,14 @@ def main(argv=None):
                   help="comma list of INT4 storage formats (bytes, int4): each INT4 row in each; "
                        "int4 is read by the Mosaic GPU kernel only")
   ap.add_argument("--int4-kernels", default="",
-                  help="comma list of int4_kernel values: each row with INT4 entries runs each")
+                  help="comma list of int4_kernel values: each row with INT4 entries runs each; "
+                       "'fused' (one Mosaic GPU launch for both pools: int4 format, both pools' "
+                       "pages a multiple of 64, see --hi-page) runs on the rows without INT4 "
+                       "entries too")
+  ap.add_argument("--hi-page", type=int, default=PAGE, help="tokens per BF16-pool page")
+  ap.add_argument("--fused-variants", default="[{}]",
+                  help="JSON list of knob dicts (splits_lo, splits_hi, tile_hi, stages_lo, "
+                       "stages_hi): each 'fused' row runs each")
   ap.add_argument("--shapes", default="", help="comma list of shape indices (default: all)")
   ap.add_argument("--cupti", action="store_true",
                   help="also each variant's kernels one by one under CUPTI (device time per "
@@ -240,12 +247,16 @@ def main(argv=None):
       nbytes = kv_bytes(b, hkv, d, lo_len, hi_len, win_len)
       payload = (hi_len + win_len + lo_len * (4 * d + 16) / (16 * d)) / ctx
       arg_sets = [build(jax.random.fold_in(key, 10 + i), b, hq, hkv, d, lo_len, hi_len, win_len,
-                        args.lo_page) for i in range(n_copies(nbytes))]
+                        args.lo_page, args.hi_page) for i in range(n_copies(nbytes))]
       ref = synth.reference_f32(*arg_sets[0])
       assert len(arg_sets) > 1 or nbytes * 10 > 12e9
       variants = [knobs]
-      if args.int4_kernels and lo_len:
-        variants = [{**knobs, "int4_kernel": k} for k in args.int4_kernels.split(",")]
+      kernels = args.int4_kernels.split(",") if args.int4_kernels else []
+      if kernels and lo_len:
+        variants = [{**knobs, "int4_kernel": k} for k in kernels if k != "fused"]
+      if "fused" in kernels:     # one Mosaic GPU launch for both pools, each knob variant
+        variants = (variants if lo_len else [knobs]) + [
+            {**knobs, "int4_kernel": "fused", **v} for v in json.loads(args.fused_variants)]
       if args.sweep and name.startswith("4B-like b8") and mix == "a_bf16":
         variants += [dict(num_warps=8, num_stages=3), dict(num_warps=4, num_stages=2, block_hi=64),
                      dict(chunk_hi=1024)]
@@ -256,10 +267,16 @@ def main(argv=None):
                      dict(num_warps=4, num_stages=3, block_lo=128, block_hi=64),
                      dict(chunk_lo=2048), dict(int4_dequant="cvt"),
                      dict(int4_dequant="cvt", num_warps=8, num_stages=4, block_hi=64)]
-      runs = [("bytes", arg_sets, variants)]
+      is_fused = lambda v: v.get("int4_kernel") == "fused"
+      runs = [("bytes", arg_sets, [v for v in variants if not is_fused(v)])]
       for fmt in args.lo_formats.split(","):
-        if fmt != "bytes" and lo_len:     # the same codes in another format, its own kernel
-          runs.append((fmt, [to_format(a, fmt) for a in arg_sets], [knobs]))
+        if fmt != "bytes" and (lo_len or "fused" in kernels):
+          # the same codes in another format, read by the Mosaic GPU kernels (each variant but
+          # Triton's; without INT4 entries only the fused ones, the rest is the bytes row's)
+          kns = [v for v in variants if v.get("int4_kernel") != "triton"
+                 and (lo_len or is_fused(v))]
+          runs.append((fmt, [to_format(a, fmt) for a in arg_sets],
+                       kns if kernels else [knobs]))
       if "bytes" not in args.lo_formats.split(",") and lo_len:
         runs = runs[1:]
       for fmt, sets, kns in runs:

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.gpu import mgpu_decode
+from pallas_kernels.gpu import mgpu_decode, mgpu_mixed
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 _LO, _HI, _WIN = 0, 1, 2
@@ -321,6 +321,9 @@ def _plan(cap, bk, chunk):
 _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
           "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse",
           "num_warps_lo", "num_stages_lo", "interpret", "int4_kernel", "splits_lo")
+# Knobs of int4_kernel="fused" alone (mgpu_mixed: one Mosaic GPU launch for both pools).
+_FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers")
+_FUSED = ("fused", "fused_reference")
 
 
 def stack_inputs(window: Window, hi: HighPool, lo: LowPool, layer):
@@ -390,9 +393,12 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
     chunk_lo = min(8192, max(512, common.cdiv(max(cap_lo, 1), target)))
   n_lo, chunk_lo = _plan(cap_lo, block_lo, chunk_lo)
   n_hi, chunk_hi = _plan(cap_hi, block_hi, chunk_hi)
+  if int4_kernel in _FUSED:
+    raise ValueError(f"int4_kernel={int4_kernel!r} writes its partials in its own layout and "
+                     "merges them itself: call decode_attention_gpu")
   if int4_kernel not in ("auto", "triton", "mosaic", "mosaic_reference"):
-    raise ValueError(f"int4_kernel must be 'auto', 'triton', 'mosaic' or 'mosaic_reference', "
-                     f"got {int4_kernel!r}")
+    raise ValueError(f"int4_kernel must be 'auto', 'triton', 'mosaic', 'mosaic_reference', "
+                     f"'fused' or 'fused_reference', got {int4_kernel!r}")
   if lo.format == "int4":
     if int4_kernel == "triton":
       raise ValueError("the Triton kernel reads the INT4 pool as uint8 half-split bytes only: an "
@@ -490,13 +496,40 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts))
 
 
-@functools.partial(jax.jit, static_argnames=_KNOBS)
+@functools.partial(jax.jit, static_argnames=_KNOBS + _FUSED_KNOBS)
 def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None,
                          **kw):
-  """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc)."""
+  """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc).
+
+  ``int4_kernel="fused"`` (opt-in; Hopper, an INT4 pool in the "int4" storage format, both
+  pools' pages a multiple of 64 rows): ONE Mosaic GPU launch reads the INT4 and the BF16 pool
+  (:func:`pallas_kernels.gpu.mgpu_mixed.partition_mixed`), the window's partial is jnp, one
+  merge; knobs ``splits_lo``, ``splits_hi``, ``tile_hi``, ``stages_lo``, ``stages_hi``,
+  ``auto_barriers``, ``scale``.
+  ``"fused_reference"`` (or ``"fused"`` with ``interpret=True``): the kernel's jnp reference in
+  its place (CPU tests of the glue)."""
+  fused = {k: kw.pop(k) for k in _FUSED_KNOBS if k in kw}
+  if kw.get("int4_kernel") in _FUSED:
+    return _fused(q, window, hi, lo, maps, layer, **kw, **fused)
+  if fused:
+    raise ValueError(f"{sorted(fused)} are knobs of int4_kernel='fused' only")
   b, hq, d = q.shape
   g = hq // window.k.shape[-2]
   o, m, l = partials_gpu(q, window, hi, lo, maps, layer, **kw)
   o, m, l = o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]   # drop padded query rows
   out, _ = common.merge(o, m, l, axis=2)
   return out.reshape(b, hq, d).astype(jnp.bfloat16)
+
+
+def _fused(q, window, hi, lo, maps, layer, *, int4_kernel, scale=None, interpret=False,
+           splits_lo=None, **knobs):
+  """``decode_attention_gpu`` with ``int4_kernel`` "fused" / "fused_reference" (``mgpu_mixed``)."""
+  if any(k not in _FUSED_KNOBS for k in knobs):
+    raise ValueError(f"int4_kernel={int4_kernel!r} takes the knobs scale, interpret, splits_lo, "
+                     f"{', '.join(_FUSED_KNOBS)}; got {sorted(knobs)}")
+  window, hi, lo, layer = stack_inputs(window, hi, lo, layer)
+  c = common.default_scale(q.shape[-1], scale) * common.LOG2E
+  out = mgpu_mixed.mixed_attention(q, window, hi, lo, maps, layer, c=c, splits_lo=splits_lo,
+                                   reference=interpret or int4_kernel == "fused_reference",
+                                   **knobs)
+  return out.astype(jnp.bfloat16)

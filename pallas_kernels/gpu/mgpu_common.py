@@ -51,8 +51,13 @@ def softmax_tile(s, kscale, vscale, first, length, m, l, *, lazy_sum=True, col_m
   max ``m[C]`` and the row sums ``l`` (per element ``[T, C]`` with ``lazy_sum``, else ``[C]``).
   ``col_max`` does the cross-warp max (default ``x.max(axis=0)``).
   -> (P^T times the V scales ``[T, C]``, zero past ``length`` whatever the scales hold there
-  (rows the cache never wrote may hold any bits), alpha ``[C]``, new m, new l)."""
-  s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
+  (rows the cache never wrote may hold any bits), alpha ``[C]``, new m, new l).
+  ``kscale`` may be a Python float (one scale for every row: a BF16 tile) and ``vscale`` None
+  (P^T unscaled)."""
+  if isinstance(kscale, (int, float)):
+    s = s * kscale
+  else:
+    s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
   tok = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
   valid = tok + first < length
   s = jnp.where(valid, s, -jnp.inf)
@@ -63,7 +68,9 @@ def softmax_tile(s, kscale, vscale, first, length, m, l, *, lazy_sum=True, col_m
     l = l * lax.broadcast_in_dim(alpha, p.shape, [1]) + p
   else:
     l = l * alpha + p.sum(axis=0)
-  return jnp.where(valid, p * lax.broadcast_in_dim(vscale, p.shape, [0]), 0.0), alpha, m_new, l
+  if vscale is not None:
+    p = p * lax.broadcast_in_dim(vscale, p.shape, [0])
+  return jnp.where(valid, p, 0.0), alpha, m_new, l
 
 
 def store_partials(o_smem, outs, acc, m, l, pad: int = 0) -> None:
