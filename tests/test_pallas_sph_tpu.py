@@ -143,25 +143,30 @@ def test_tpu_interpreter_catches_no_oob_or_nan():
   assert err < TOL, err
 
 
-def test_decode_attention_tpu_backend_with_tiers_and_stacked_layers():
+def test_decode_attention_tpu_backend_with_tiers_and_stacked_layers(monkeypatch):
   """decode_attention(sph=, backend="tpu", layer=traced, return_lse=True) = softmax over the union
   of every stored key of that layer (float64 oracle; the reference backend meets the same oracle
-  in tests/test_pallas_spherical.py) and its LSE."""
+  in tests/test_pallas_spherical.py) and its LSE; backend="auto" on a TPU takes the same path."""
   case = next(c for c in synth.CASES if c.name == "g4_d64_page12_hkv3")
   s = case.shape
   args = synth.stack_layers(case.make(seed=45))
   tiers = [TierSpec("A42", "int4", s.d)]      # several tiers per call: the tests above
   lens = [np.random.default_rng(46).integers(0, 40, (s.b, s.hkv))]
   sph = sph_synth.make(tiers, lens, b=s.b, hkv=s.hkv, page=s.page, layers=3, seed=47)
-  f = jax.jit(lambda a, x, i: pk.decode_attention(*a, sph=x, layer=i, backend="tpu",
-                                                  return_lse=True, interpret=True, splits=2))
   layer = 2
+  f = lambda backend: pk.decode_attention(*args, sph=sph, layer=jnp.int32(layer), backend=backend,
+                                          return_lse=True, interpret=True, splits=2)
   one, sph1 = synth.layer_of(args, layer), sph_synth.layer_of(sph, layer)
-  out, lse = f(args, sph, jnp.int32(layer))
+  out, lse = f("tpu")
   want, want_lse = sph_synth.naive(*one, sph1)
   assert out.dtype == jnp.bfloat16 and out.shape == (s.b, s.hq, s.d)
   assert synth.rel_err(out, want) < 6e-3                            # BF16 output rounding only
   assert _rel(lse, want_lse) <= 1e-5
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert pk.resolve_backend("auto") == "tpu"
+  auto_out, auto_lse = f("auto")
+  np.testing.assert_array_equal(np.asarray(auto_out, np.float32), np.asarray(out, np.float32))
+  np.testing.assert_array_equal(np.asarray(auto_lse), np.asarray(lse))
 
 
 def test_errors_are_one_line():
@@ -175,6 +180,8 @@ def test_errors_are_one_line():
   big = _zeros_sph([TierSpec("A2", "bf16", 1024)], b=1, hkv=2, page=8, n=1)
   with pytest.raises(ValueError, match="^the TPU tier kernel takes head dims up to 512, got 1024"):
     sph_partials_tpu(jnp.ones((1, 2, 1024)), big, interpret=True)
+  with pytest.raises(ValueError, match=r"^a A2 tier pool at D=64 needs ang \[L, P, page, NB\]"):
+    sph_partials_tpu(jnp.ones((1, 4, d)), sph, 0, interpret=True)     # one layer's pools
   args = synth.make(synth.Shape(b=1, hq=3, hkv=3, d=d, page=16, w=8, lo_cap=16, hi_cap=16),
                     1, 1, 1)
   with pytest.raises(ValueError, match="^tier maps have 2 KV heads, the window has 3"):

@@ -337,8 +337,9 @@ def _tier(qr, beta, pool: SphPool, pages, length, ts: TierSpec, lay, *, c, split
   return _combine(o, m, l, axis=2)
 
 
-def check(q: jax.Array, sph: SphInputs) -> None:
-  """One-line ValueError for what the kernel does not take."""
+def check(q: jax.Array, sph: SphInputs, stacked: bool = False) -> None:
+  """One-line ValueError for what the kernel does not take (``stacked``: pools carry a leading
+  layer axis)."""
   d = q.shape[-1]
   for ts in sph.spec:
     if ts.d != d:
@@ -349,10 +350,13 @@ def check(q: jax.Array, sph: SphInputs) -> None:
     hkv = sph.maps.pages[0].shape[1]
     if q.shape[1] % hkv:
       raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
-    for pool in sph.pools:
-      if pool.ang.ndim not in (3, 4) or pool.side.shape != pool.ang.shape[:-1]:
-        raise ValueError(f"tier pool needs ang [L?, P, page, NB] and side [L?, P, page], got "
-                         f"{pool.ang.shape} and {pool.side.shape}")
+    want = ("[L, P, page, NB] and side [L, P, page]" if stacked
+            else "[P, page, NB] and side [P, page]")
+    for pool, ts in zip(sph.pools, sph.spec):
+      if (pool.ang.ndim != 3 + stacked or pool.ang.shape[-1] != ts.code_bytes
+          or pool.side.shape != pool.ang.shape[:-1]):
+        raise ValueError(f"a {ts.layout} tier pool at D={ts.d} needs ang {want} with NB = "
+                         f"{ts.code_bytes}, got ang {pool.ang.shape} and side {pool.side.shape}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits", "exact_pv", "interpret"))
@@ -363,7 +367,7 @@ def sph_partials_tpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   has l = 0).  ``layer``: None, or the (traced) index into the pools and constants stacked on a
   leading layer axis (a scalar prefetch: the index maps pick the layer's pages).  ``splits``:
   split-KV over a head's pages (megacore / long tiers), combined here."""
-  check(q, sph)
+  check(q, sph, stacked=layer is not None)
   b, hq, d = q.shape
   hkv = sph.maps.pages[0].shape[1] if sph.spec else 1
   g = hq // hkv
