@@ -208,7 +208,8 @@ def test_tier_kernel_compiles_for_generation(gen):
                                        hi_cap=64), (200,), (40,), (32,))
   args = synth.stack_layers(case.make(poison=False))
   tiers = [TierSpec(lay, val, d) for lay, val in zip(spherical.LAYOUTS, values)]
-  sph = _zeros_sph(tiers, b=b, hkv=hkv, page=16, n=8, layers=2)
+  n = 64                                        # pages per (sequence, head) of every tier
+  sph = _zeros_sph(tiers, b=b, hkv=hkv, page=16, n=n, layers=2)
   comp = tpu_aot.compile_for(gen, decode_attention_sph_tpu, *args, sph, jnp.int32(1), splits=2,
                              return_lse=True)
   txt = comp.as_text()
@@ -217,3 +218,5 @@ def test_tier_kernel_compiles_for_generation(gen):
   assert "pask_decode_attention_tpu" in txt
   rep = tpu_aot.memory_report(comp)
   assert rep["argument_bytes"] > 0 and rep["code_bytes"] > 0
+  # No dense key in HBM: the program's scratch is below one tier-layer's keys rebuilt in BF16.
+  assert rep["temp_bytes"] < b * hkv * n * 16 * d * 2, rep
