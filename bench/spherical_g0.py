@@ -1,4 +1,4 @@
-"""G0 (../shared/SPHERICAL_KV.md §4): the Spherical KV key format on real post-RoPE keys, CPU.
+"""G0 (docs/SPHERICAL_KV.md §4): the Spherical KV key format on real post-RoPE keys, CPU.
 
 For a few BFCL prompts the model runs once, teacher-forced (``calibrate.distortion.capture``:
 every layer's post-RoPE queries and K/V in BF16).  Calibration prompts give the centering mean μ

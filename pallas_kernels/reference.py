@@ -7,7 +7,7 @@ shared-normalization rule (Eq. 15).
 Invisible entries (beyond a length) are masked *before* any arithmetic touches them, since the
 contract lets them hold garbage, NaN included.  Memory is O(B * capacity), fine for tests and CPU.
 
-The Spherical KV tiers (``sph_partials``; ../shared/SPHERICAL_KV.md §2.2) are further partitions
+The Spherical KV tiers (``sph_partials``; docs/SPHERICAL_KV.md §2.2) are further partitions
 of the same kind: a tier's pages are gathered per (sequence, KV head), angles and radius decoded,
 logits formed by CosFromAngles on the rotated query plus the centering term q·μ, and the partials
 concatenated with the three above before the one Eq. 15 merge.
@@ -116,7 +116,7 @@ def decode_attention_reference(q, window: Window, hi: HighPool, lo: LowPool, map
   return out.reshape(b, hq, d).astype(jnp.bfloat16)
 
 
-# --- Spherical KV tier partitions (../shared/SPHERICAL_KV.md §2.2, §3 "Kernel contract") -------
+# --- Spherical KV tier partitions (docs/SPHERICAL_KV.md §2.2, §3 "Kernel contract") -------
 
 
 def _layer_of(x: jax.Array, layer) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Inputs of the Spherical KV tier partitions for ONE layer (../shared/SPHERICAL_KV.md §2.5, §3
+"""Inputs of the Spherical KV tier partitions for ONE layer (docs/SPHERICAL_KV.md §2.5, §3
 "Kernel contract").  Immutable pytrees; what must be static (the tier formats) is pytree metadata,
 so it reaches jit as part of the tree structure.
 

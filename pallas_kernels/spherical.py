@@ -1,4 +1,4 @@
-"""The Spherical KV key format (docs: ../shared/SPHERICAL_KV.md §2.1–2.3): centering, a fixed
+"""The Spherical KV key format (docs: docs/SPHERICAL_KV.md §2.1–2.3): centering, a fixed
 Hadamard rotation, the polar tree, per-level angle quantizers, the tier code layouts, CosFromAngles
 and the tier byte sizes.  Imports nothing of the method (no cache, controller or model code).
 

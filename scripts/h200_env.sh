@@ -1,5 +1,5 @@
 # Source at the start of a device call (`. scripts/h200_env.sh`): installs the wheels carried in
-# .whl/ (see ../shared/RESOURCES.md for the list) into /tmp/site, puts the repository on the path
+# .whl/ (see docs/DESIGN.md and scripts/setup.sh for the list) into /tmp/site, puts the repository on the path
 # and keeps the model cache in /tmp/m, which a warm machine keeps between calls.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || return 1

@@ -1,4 +1,4 @@
-"""The Spherical KV key format (pallas_kernels.spherical; ../shared/SPHERICAL_KV.md §2.1–2.3):
+"""The Spherical KV key format (pallas_kernels.spherical; docs/SPHERICAL_KV.md §2.1–2.3):
 the quantizer against a float64 atan2 oracle, code ranges, bit-exactness under jit and eagerly,
 packing of every byte value, the decode tables, CosFromAngles against the decoded dot product, and
 the tier byte sizes of the §2.3 table."""

@@ -1,7 +1,8 @@
 """Ahead-of-time compile of the TPU kernel for real TPU generations on a CPU host (libtpu).
 
 ``jax.experimental.topologies.get_topology_desc(name, "tpu")`` gives compile-only devices; tracing
-with ShapeDtypeStructs placed on one of them runs Mosaic's real passes (../shared/RESOURCES.md).
+with ShapeDtypeStructs placed on one of them runs Mosaic's real passes (docs/DESIGN.md,
+"Compiling and checking kernels").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pallas Mosaic (TPU) kernel of the Spherical KV tier partitions (../shared/SPHERICAL_KV.md §2.2,
+"""Pallas Mosaic (TPU) kernel of the Spherical KV tier partitions (docs/SPHERICAL_KV.md §2.2,
 §3 "TPU"): logits in the angle domain straight from the packed codes, no dense key anywhere.
 
 One ``pallas_call`` per tier, grid (B, Hkv, NS, T): a block is one page of one (sequence, KV

@@ -13,7 +13,7 @@ grammars, greedy decoding and payload cost model), one module per baseline:
   allocated under the budget from per-tag attention-output distortion on the calibration split,
   protected prefix and recent tail in BF16 (quantizers: :mod:`~pask_jax.baselines.quant`).
 
-* ``spherical`` — Spherical KV (../shared/SPHERICAL_KV.md): angle-coded key tiers chosen per
+* ``spherical`` — Spherical KV (docs/SPHERICAL_KV.md): angle-coded key tiers chosen per
   (token, layer group, KV head) by the RDR controller under the budget;
   :class:`pask_jax.spherical.runner.SphRunner` (reference attention over the tier pools).
 

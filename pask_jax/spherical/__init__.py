@@ -1,2 +1,2 @@
-"""Spherical KV (../shared/SPHERICAL_KV.md): the tier cache state (:mod:`.cache`) and the RDR
+"""Spherical KV (docs/SPHERICAL_KV.md): the tier cache state (:mod:`.cache`) and the RDR
 controller (:mod:`.rdr`)."""

@@ -1,4 +1,4 @@
-"""The Spherical KV tier state (../shared/SPHERICAL_KV.md §2.5, §3 "Cache"): tier-homogeneous
+"""The Spherical KV tier state (docs/SPHERICAL_KV.md §2.5, §3 "Cache"): tier-homogeneous
 page pools, per-(group, sequence, KV head) page tables, and the pending route of each window
 token.  Immutable pytree; every update is a pure, jittable function returning a new state.
 

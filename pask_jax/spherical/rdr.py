@@ -1,4 +1,4 @@
-"""The RDR controller (../shared/SPHERICAL_KV.md §2.4): for one sequence's items (token i, layer
+"""The RDR controller (docs/SPHERICAL_KV.md §2.4): for one sequence's items (token i, layer
 group g, KV head h), choose each item's route — drop or a tier of the ladder — under a byte budget,
 down-tiering before dropping.  Pure and jittable; :func:`solve_batch` vmaps it over the batch with
 traced budgets ``rho [B]`` and prompt lengths ``n [B]`` (padded token axis, so one compile serves

@@ -1,4 +1,4 @@
-"""Spherical KV end to end (../shared/SPHERICAL_KV.md §2.4, §3): prefill with observation-window
+"""Spherical KV end to end (docs/SPHERICAL_KV.md §2.4, §3): prefill with observation-window
 statistics, the RDR prefill plan under a traced budget, the tier pools, and a decode step whose
 attention is the reference partition over {window, BF16 pool, tiers}.  The session protocol of
 :func:`pask_jax.decode.generate` (``begin`` / ``advance`` / ``select`` / ``report``).
