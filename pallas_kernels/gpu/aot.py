@@ -2,8 +2,8 @@
 
 Recipe (docs/DESIGN.md, "Compiling and checking kernels"): lower for "cuda" on a CPU host
 (needs the jax CUDA plugin installed; run with JAX_PLATFORMS=cpu), pull the Triton IR out of
-the ``__gpu$xla.gpu.triton`` custom call, compile it with jaxlib's Triton bindings (PTX + shared memory bytes), then
-``ptxas -arch=sm_90a -v`` for registers, spills and stack.
+the ``__gpu$xla.gpu.triton`` custom call, compile it with jaxlib's Triton bindings (PTX + shared
+memory bytes), then ``ptxas -arch=sm_90a -v`` for registers, spills and stack.
 """
 from __future__ import annotations
 
