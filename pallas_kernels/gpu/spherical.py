@@ -325,7 +325,7 @@ def check(q: jax.Array, sph: SphInputs, stacked: bool = False) -> None:
 @functools.partial(jax.jit, static_argnames=_KNOBS)
 def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = None,
                      block: int = 32, splits: int | None = None, chunk: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, qk_passes: int = 3,
+                     num_warps: int = 8, num_stages: int = 2, qk_passes: int = 3,
                      exact_pv: bool = True, int4_dequant: str = "bits", interpret: bool = False):
   """The tier partials of ``reference.sph_partials`` by the kernel: q [B, Hq, D] ->
   o [B, Hkv, K, g, D], m, l [B, Hkv, K, g] (FP32, log2 units, ``sph.spec`` order; an empty tier
