@@ -5,6 +5,7 @@ One entry point, :func:`decode_attention`, picks a backend:
 * ``"reference"`` -- plain jnp, FP32 (``reference.py``); what CPU runs.
 * ``"gpu"`` -- Pallas Triton kernel (``gpu/decode.py``).
 * ``"tpu"`` -- Pallas Mosaic kernel (``tpu/decode.py``; Spherical KV tiers ``tpu/spherical.py``).
+  (GPU Spherical KV tiers: ``gpu/spherical.py``.)
 * ``"auto"`` -- by ``jax.default_backend()``: gpu/cuda/rocm -> "gpu", tpu -> "tpu", else reference.
 
 All backends compute the same function: softmax over the union of the visible entries of the three
@@ -56,8 +57,9 @@ def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, ma
   ``sph``: the Spherical KV tier partitions (:class:`SphInputs`, one partition per tier, merged
   with the others by Eq. 15; ``layer`` indexes their pools and constants too).  ``return_lse``:
   also return the natural-log LSE of the scaled logits, f32 [B, Hq] (the gated tier rule).  Both
-  run on the "reference" and "tpu" backends (the tiers by ``tpu/spherical.py``'s kernel, one launch
-  per tier, merged with the base partitions' partials); "gpu" refuses them for now.
+  run on every backend: "tpu" by ``tpu/spherical.py``'s kernel, "gpu" by ``gpu/spherical.py``'s
+  Triton kernel (one launch per tier, merged with the base partitions' partials; the tier kernel's
+  own knobs go in ``sph_knobs={...}``, ``int4_kernel="fused"`` is refused with tiers).
   """
   hq, hkv = q.shape[1], window.k.shape[-2]
   if hq % hkv:
@@ -67,9 +69,10 @@ def decode_attention(q: jax.Array, window: Window, hi: HighPool, lo: LowPool, ma
     from pallas_kernels.tpu import decode_attention_sph_tpu
     return decode_attention_sph_tpu(q, window, hi, lo, maps, sph, layer, scale=scale,
                                     return_lse=return_lse, **knobs)
-  if (sph is not None or return_lse) and which != "reference":
-    what = "the Spherical KV tier partition" if sph is not None else "return_lse"
-    raise NotImplementedError(f"{what} has no {which!r} kernel yet; use backend='reference'")
+  if (sph is not None or return_lse) and which == "gpu":
+    from pallas_kernels.gpu import decode_attention_sph_gpu
+    return decode_attention_sph_gpu(q, window, hi, lo, maps, sph, layer, scale=scale,
+                                    return_lse=return_lse, **knobs)
   if sph is not None or return_lse:
     return decode_attention_sph_reference(q, window, hi, lo, maps, sph, layer, scale=scale,
                                           return_lse=return_lse)

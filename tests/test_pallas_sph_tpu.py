@@ -186,11 +186,7 @@ def test_errors_are_one_line():
                     1, 1, 1)
   with pytest.raises(ValueError, match="^tier maps have 2 KV heads, the window has 3"):
     decode_attention_sph_tpu(*args, sph, interpret=True)
-  # The GPU backend still refuses the tiers, with the existing message.
-  args = synth.make(synth.Shape(b=1, hq=4, hkv=2, d=d, page=16, w=8, lo_cap=16, hi_cap=16),
-                    1, 1, 1)
-  with pytest.raises(NotImplementedError, match="tier partition has no 'gpu' kernel yet"):
-    pk.decode_attention(*args, sph=sph, backend="gpu")
+  # (The GPU backend's tier kernel and its errors: tests/test_pallas_sph_gpu.py.)
 
 
 # The model shapes, one per generation: 1.5B (12 q / 2 kv, d128) on v5e, 0.5B (14 q / 2 kv,

@@ -1,0 +1,417 @@
+"""Pallas Triton (GPU) kernel of the Spherical KV tier partitions (../shared/SPHERICAL_KV.md §2.2,
+§3 "GPU"): logits in the angle domain straight from the packed codes, no dense key anywhere.
+
+Why Triton (not Mosaic GPU): a tier page is 16 tokens of one (sequence, KV head), so a block of
+keys is a token-granular gather through a per-head page table -- what ``gpu/decode.py``'s Triton
+kernel already does for every page size -- while Mosaic GPU wants TMA tiles of >= 64 rows
+(``mgpu_decode`` needs INT4 pages of a multiple of 64).  Triton also runs in interpret mode on a
+CPU host and compiles to PTX there (``gpu/aot.py``), so both numerics and registers/spills are
+checked before a GPU is at hand.
+
+One ``pallas_call`` per tier (the format is static), grid (Hkv, NS, B) as ``gpu/decode.py`` (heads
+fastest): program (h, s, b) walks split s of (sequence b, KV head h)'s tier entries in blocks of
+``block`` keys, the GQA group's query heads (padded to 16 rows for the MMA) as M, and writes an
+unnormalized partial (FP32, log2 units).  Splits are combined in XLA into exactly the partial
+``reference.sph_partials`` returns, so the one Eq. 15 merge is shared with the base partitions.
+
+Per block (rows ``table[pos // page] * page + pos % page`` of the layer's flat pool):
+
+1. **Codes**: each tree level's codes are read as their own [block, width] gather of the packed
+   row (column ``byte(p)`` and per-column shift of tree position ``p``, mirroring
+   ``spherical.pack``'s layouts; the row's bytes come from DRAM once, the re-reads hit L1), so no
+   register tensor is ever sliced (Triton has no slices).
+2. **Trig**: the decoded angle is affine in the code (``θ = a_ℓ + c·Δ_ℓ``), its cos and sin come
+   from one quadrant reduction and Taylor polynomials on [-π/4, π/4] (error < 3e-8; no tables,
+   no gathers, no libdevice calls).
+3. **Top-down expansion by width-doubling joins**: ``u^{ℓ-1} = interleave(u^ℓ cos φ^ℓ,
+   u^ℓ sin φ^ℓ)`` (a two-way last-axis stack + reshape), from level n down to the level-1 factor
+   ``A = u¹`` [block, D/2].
+4. **Logit**: ``q'·ũ = q'_even·(A cos φ¹)ᵀ + q'_odd·(A sin φ¹)ᵀ`` -- two [M, D/2] x [D/2, block]
+   MMAs, each in three bf16 passes (hi·hi + hi·lo + lo·hi: FP32-grade, ~1e-5, on the tensor
+   cores; ``qk_passes=1`` is the single bf16 pass) with q' split in XLA; then ``s = (q·μ + r̃·q'·ũ)
+   ·scale·log2 e`` with r̃ the fp16 radius of the side word.
+5. **Values**: BF16 rows by ``p @ V`` (``exact_pv``: p as a bf16 hi + lo pair, as
+   ``gpu/decode.py``); INT4 rows (half-split nibbles, fp16 scale in the side word's high half)
+   dequantized as ``code + 136`` by bit ops (``gpu.decode.unpack_halves``), the scale folded into
+   p and the offset removed after the MMA, into two [M, D/2] accumulators.
+
+Invisible rows (past a head's length) are never loaded (masked loads, ``other=0``), their logits
+are -inf before the softmax and their probabilities 0 before ``p @ V``, so NaN there cannot leak.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+from pallas_kernels import spherical
+from pallas_kernels.gpu.decode import BITS_OFFSET, offsets_fit, partials_gpu, unpack_halves
+from pallas_kernels.reference import lse_of, sph_rotation
+from pallas_kernels.sph_types import SphInputs, SphPool, TierSpec
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
+
+HIGHEST = lax.Precision.HIGHEST
+MIN_D = 32   # q'_even · U_eᵀ contracts over D/2: Triton's MMA needs K >= 16
+_HALF_PI_HI = 1.5707963705062866    # f32(π/2)
+_HALF_PI_LO = -4.371139000186243e-08  # π/2 - f32(π/2)
+_KNOBS = ("scale", "block", "splits", "chunk", "num_warps", "num_stages", "qk_passes",
+          "exact_pv", "int4_dequant", "interpret")
+
+
+# --- static format helpers (Python ints / floats per tier and level) ---------------------------
+
+
+def _level_range(d: int, lvl: int) -> tuple[int, int]:
+  """(first tree position, width) of level ``lvl`` (1..n)."""
+  return d - d // 2 ** (lvl - 1), d // 2 ** lvl
+
+
+def _byte_shift(sp: spherical.Spec, p):
+  """Byte index and shift of tree positions ``p`` (an int array; every p of one call on the
+  same side of D/2) in ``spherical.pack``'s layouts.  Powers of two only: shifts and masks."""
+  d = sp.d
+  lg = lambda x: x.bit_length() - 1
+  if sp.b1 == sp.bh:                          # A4: pieces of D/2, A2: pieces of D/4
+    per = d * sp.b1 // 8
+    return p & (per - 1), (p >> lg(per)) * sp.b1
+  # A42: level-1 block of D/4 bytes (4-bit pieces of D/4), then D/8 bytes of 2-bit pieces.
+  lo = p < d // 2
+  o = p - d // 2
+  byte = jnp.where(lo, p & (d // 4 - 1), d // 4 + (o & (d // 8 - 1)))
+  shift = jnp.where(lo, (p >> lg(d // 4)) * 4, (o >> lg(d // 8)) * 2)
+  return byte, shift
+
+
+def _affine(sp: spherical.Spec, lvl: int) -> tuple[float, float, int]:
+  """(a, Δ, mask): decoded angle ``a + c·Δ`` of a level's code c (``spherical.centers``)."""
+  dl = float(spherical.steps(sp)[lvl - 1])
+  if lvl == 1:
+    return -math.pi + 0.5 * dl, dl, 2**sp.b1 - 1
+  return math.pi / 4 + (0.5 - 2 ** (sp.bh - 1)) * dl, dl, 2**sp.bh - 1
+
+
+def sincos(theta):
+  """(cos θ, sin θ) for f32 θ ∈ [-π, π]: quadrant reduction (two-part π/2) and Taylor
+  polynomials on [-π/4, π/4] (abs. error < 3e-8).  Elementwise ops only (Triton and XLA)."""
+  k = jnp.floor(theta * (2 / math.pi) + 0.5)
+  x = (theta - k * _HALF_PI_HI) - k * _HALF_PI_LO
+  x2 = x * x
+  c = 1.0 + x2 * (-0.5 + x2 * (1 / 24 + x2 * (-1 / 720 + x2 * (1 / 40320))))
+  s = x * (1.0 + x2 * (-1 / 6 + x2 * (1 / 120 + x2 * (-1 / 5040 + x2 * (1 / 362880)))))
+  q = k.astype(jnp.int32) & 3
+  odd = (q & 1) == 1
+  cos = jnp.where(odd, s, c)
+  sin = jnp.where(odd, c, s)
+  cos = jnp.where((q == 1) | (q == 2), -cos, cos)
+  sin = jnp.where(q >= 2, -sin, sin)
+  return cos, sin
+
+
+def _split_bf16(x):
+  hi = x.astype(jnp.bfloat16)
+  return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _pv(p, v, exact, with_sum=False):
+  """p [M, bk] f32 @ v [bk, N] bf16 -> [M, N] f32 (and the row sums of the p really fed)."""
+  if not exact:
+    pb = p.astype(jnp.bfloat16)
+    out, fed = plgpu.dot(pb, v), pb.astype(jnp.float32)
+  else:
+    hi, lo = _split_bf16(p)
+    out = plgpu.dot(hi, v) + plgpu.dot(lo, v)
+    fed = hi.astype(jnp.float32) + lo.astype(jnp.float32)
+  return (out, jnp.sum(fed, axis=1)) if with_sum else out
+
+
+def _gather(ref, rows, cols, valid, other):
+  """ref [R, C], rows [bk], cols [w] -> [bk, w] (masked rows read ``other``)."""
+  return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=other)
+
+
+# --- the kernel ----------------------------------------------------------------------------------
+
+
+def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref, m_ref, l_ref, *,
+            ts: TierSpec, g, page, n_pages, n_pool_pages, splits, bk, c, qk_passes, exact_pv,
+            int4_dequant):
+  # meta_ref [4] i32 (length, layer's first flat row, -, -); tbl_ref [n] i32 (this head's pages);
+  # q_ref [4, M, D/2] bf16 (q'_even hi, lo, q'_odd hi, lo); beta_ref [M] f32 (q·μ);
+  # ang_ref [L*P*page, NB] u8; side_ref [L*P*page] u32; v_ref [L*P*page, D] bf16 or [.., D/2] u8.
+  sp = ts.key
+  d, h2 = sp.d, sp.d // 2
+  int4_values = ts.values == "int4"
+  m_rows = q_ref.shape[1]
+  split = pl.program_id(1)
+  length = meta_ref[0]
+  base = meta_ref[1]
+  per = lax.div(length + (splits - 1), splits)
+  chunk = lax.div(per + (bk - 1), bk) * bk
+  start = split * chunk
+  end = jnp.minimum(start + chunk, length)
+  qeh, qel, qoh, qol = (q_ref[j] for j in range(4))
+  beta = beta_ref[...]
+  row_ok = jnp.arange(m_rows) < g
+
+  # Loop-invariant per-level columns and shifts (tree positions -> packed bytes).
+  levels = []
+  for lvl in range(1, sp.levels + 1):
+    off, w = _level_range(d, lvl)
+    byte, shift = _byte_shift(sp, off + jnp.arange(w))
+    levels.append((lvl, byte, shift) + _affine(sp, lvl))
+
+  def trig(lvl_info, rows, valid):
+    lvl, byte, shift, a, dl, mask = lvl_info
+    raw = _gather(ang_ref, rows, byte, valid, 0).astype(jnp.int32)        # [bk, w]
+    code = (raw >> shift[None, :]) & mask                           # codes >= 0
+    return sincos(a + code.astype(jnp.float32) * dl)
+
+  def dot3(qh, ql, u):
+    uh, ul = _split_bf16(u)
+    out = plgpu.dot(qh, uh, trans_b=True)
+    if qk_passes == 3:
+      out += plgpu.dot(qh, ul, trans_b=True) + plgpu.dot(ql, uh, trans_b=True)
+    return out
+
+  def body(i, carry):
+    o_parts, m_prev, l_prev = carry[:-2], carry[-2], carry[-1]
+    pos = start + i * bk + jnp.arange(bk)
+    valid = pos < end
+    pid = plgpu.load(tbl_ref.at[lax.div(pos, page)], mask=valid, other=0)
+    pid = jnp.clip(pid, 0, n_pool_pages - 1)
+    rows = jnp.where(valid, base + pid * page + lax.rem(pos, page), 0)
+    # Top-down expansion: u^n = 1, u^{l-1} = interleave(u^l cos φ^l, u^l sin φ^l).
+    u = jnp.ones((bk, 1), jnp.float32)
+    for info in reversed(levels[1:]):
+      cl, sl = trig(info, rows, valid)
+      u = jnp.stack([u * cl, u * sl], axis=-1).reshape(bk, 2 * u.shape[1])
+    c1, s1 = trig(levels[0], rows, valid)                                 # [bk, D/2]
+    dot = dot3(qeh, qel, u * c1) + dot3(qoh, qol, u * s1)                 # [M, bk]
+    word = plgpu.load(side_ref.at[rows], mask=valid, other=0)             # [bk] u32
+    f16 = lambda x: lax.bitcast_convert_type(x.astype(jnp.uint16), jnp.float16).astype(
+        jnp.float32)
+    r = f16(word & 0xFFFF)
+    s = (beta[:, None] + r[None, :] * dot) * c
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m_prev - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l_new = l_prev * alpha + jnp.sum(p, axis=1)
+    if int4_values:
+      vs = f16(lax.shift_right_logical(word, jnp.uint32(16)))
+      pv = jnp.where(valid[None, :], p * vs[None, :], 0.0)
+      vraw = _gather(v_ref, rows, jnp.arange(h2), valid, 0)                # [bk, D/2] u8
+      vl, vh = unpack_halves(vraw, int4_dequant)
+      off = 0.0 if int4_dequant == "cvt" else BITS_OFFSET
+      ol_b, psum = _pv(pv, vl, exact_pv, with_sum=True)
+      oh_b = _pv(pv, vh, exact_pv)
+      o_new = (o_parts[0] * alpha[:, None] + (ol_b - off * psum[:, None]),
+               o_parts[1] * alpha[:, None] + (oh_b - off * psum[:, None]))
+    else:
+      v = _gather(v_ref, rows, jnp.arange(d), valid, 0.0)                 # [bk, D] bf16
+      o_new = (o_parts[0] * alpha[:, None] + _pv(p, v, exact_pv),)
+    return (*o_new, m_new, l_new)
+
+  n = pl.cdiv(jnp.maximum(end - start, 0), bk)
+  width = h2 if int4_values else d
+  o0 = tuple(jnp.zeros((m_rows, width), jnp.float32) for _ in range(2 if int4_values else 1))
+  out = lax.fori_loop(0, n, body, (*o0, jnp.full((m_rows,), common.NEG, jnp.float32),
+                                   jnp.zeros((m_rows,), jnp.float32)))
+  o_parts, m, l = out[:-2], out[-2], out[-1]
+  if int4_values:
+    plgpu.store(o_ref.at[:, pl.ds(0, h2)], o_parts[0], mask=row_ok[:, None])
+    plgpu.store(o_ref.at[:, pl.ds(h2, h2)], o_parts[1], mask=row_ok[:, None])
+  else:
+    plgpu.store(o_ref, o_parts[0], mask=row_ok[:, None])
+  plgpu.store(m_ref, m, mask=row_ok)
+  plgpu.store(l_ref, l, mask=row_ok)
+
+
+def _combine(o, m, l, axis):
+  """Unnormalized partials along ``axis`` -> one (o, m, l) with ``axis`` removed; empty ones
+  (l = 0) contribute nothing, all empty gives (0, NEG, 0)."""
+  live = l > 0
+  mm = jnp.where(live, m, -jnp.inf)
+  v = jnp.max(mm, axis=axis, keepdims=True)
+  v = jnp.where(jnp.isfinite(v), v, common.NEG)
+  w = jnp.where(live, jnp.exp2(mm - v), 0.0)
+  o = jnp.sum(jnp.where(live[..., None], o, 0.0) * w[..., None], axis=axis)
+  return o, jnp.squeeze(v, axis), jnp.sum(jnp.where(live, l, 0.0) * w, axis=axis)
+
+
+def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, block, splits,
+          chunk, num_warps, num_stages, qk_passes, exact_pv, int4_dequant, interpret):
+  """One tier: qs [B, Hkv, 4, M, D/2] bf16, beta [B, Hkv, M] -> o [B, Hkv, M, D], m, l
+  [B, Hkv, M] (unnormalized, log2 units; rows >= g are zero)."""
+  b, hkv, _, m_rows, h2 = qs.shape
+  d = 2 * h2
+  n_l, n_pool, page = pool.ang.shape[:3]
+  n = pages.shape[2]
+  if n_pool == 0 or n == 0:
+    return (jnp.zeros((b, hkv, m_rows, d), jnp.float32),
+            jnp.full((b, hkv, m_rows), common.NEG, jnp.float32),
+            jnp.zeros((b, hkv, m_rows), jnp.float32))
+  cap = n * page
+  if splits is None:   # enough programs to fill 132 SMs a few times, chunks of >= 512 keys
+    want = common.cdiv(cap, chunk) if chunk else common.cdiv(4 * 132, b * hkv)
+    splits = max(1, min(want, common.cdiv(cap, 512)))
+  splits = max(1, min(splits, common.cdiv(cap, block)))
+  rows = n_l * n_pool * page
+  meta = jnp.stack([length.astype(jnp.int32),
+                    jnp.broadcast_to(layer * (n_pool * page), (b, hkv)).astype(jnp.int32)]
+                   + [jnp.zeros((b, hkv), jnp.int32)] * 2, -1)            # [B, Hkv, 4]
+  ang = pool.ang.reshape(rows, ts.code_bytes)
+  side = pool.side.reshape(rows)
+  val = pool.v.reshape(rows, ts.value_width)
+  for x in (ang, val):
+    if not offsets_fit(x):
+      raise ValueError(f"a tier stream of {x.size} elements of {x.dtype} overflows Pallas "
+                       "Triton's 32-bit signed offsets: use fewer layers per call")
+  kernel = functools.partial(
+      _kernel, ts=ts, g=g, page=page, n_pages=n, n_pool_pages=n_pool, splits=splits, bk=block,
+      c=c, qk_passes=qk_passes, exact_pv=exact_pv, int4_dequant=int4_dequant)
+  whole = lambda *shape: pl.BlockSpec(shape, lambda h, s, i: (0,) * len(shape))
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=(hkv, splits, b),
+      in_specs=[pl.BlockSpec((None, None, 4), lambda h, s, i: (i, h, 0)),
+                pl.BlockSpec((None, None, n), lambda h, s, i: (i, h, 0)),
+                pl.BlockSpec((None, None, 4, m_rows, h2), lambda h, s, i: (i, h, 0, 0, 0)),
+                pl.BlockSpec((None, None, m_rows), lambda h, s, i: (i, h, 0)),
+                whole(rows, ts.code_bytes), whole(rows), whole(rows, ts.value_width)],
+      out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda h, s, i: (i, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0)),
+                 pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, m_rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, hkv, splits, m_rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, hkv, splits, m_rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"sph_tier_{ts.layout}_{ts.values}_gpu",
+  )(meta, pages.astype(jnp.int32), qs, beta, ang, side, val)
+  if splits == 1:
+    return o[:, :, 0], m[:, :, 0], l[:, :, 0]
+  return _combine(o, m, l, axis=2)
+
+
+def check(q: jax.Array, sph: SphInputs, stacked: bool = False) -> None:
+  """One-line ValueError for what the kernel does not take (``stacked``: pools carry a leading
+  layer axis)."""
+  d = q.shape[-1]
+  for ts in sph.spec:
+    if ts.d != d:
+      raise ValueError(f"tier spec has head dim {ts.d}, queries have {d}")
+  if sph.spec and d < MIN_D:
+    raise ValueError(f"the GPU tier kernel needs head dim >= {MIN_D} (MMA over D/2), got {d}")
+  if sph.spec:
+    hkv = sph.maps.pages[0].shape[1]
+    if q.shape[1] % hkv:
+      raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {hkv}")
+    want = ("[L, P, page, NB] and side [L, P, page]" if stacked
+            else "[P, page, NB] and side [P, page]")
+    for pool, ts in zip(sph.pools, sph.spec):
+      if (pool.ang.ndim != 3 + stacked or pool.ang.shape[-1] != ts.code_bytes
+          or pool.side.shape != pool.ang.shape[:-1]):
+        raise ValueError(f"a {ts.layout} tier pool at D={ts.d} needs ang {want} with NB = "
+                         f"{ts.code_bytes}, got ang {pool.ang.shape} and side {pool.side.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=_KNOBS)
+def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = None,
+                     block: int = 32, splits: int | None = None, chunk: int | None = None,
+                     num_warps: int = 8, num_stages: int = 2, qk_passes: int = 3,
+                     exact_pv: bool = True, int4_dequant: str = "bits", interpret: bool = False):
+  """The tier partials of ``reference.sph_partials`` by the kernel: q [B, Hq, D] ->
+  o [B, Hkv, K, g, D], m, l [B, Hkv, K, g] (FP32, log2 units, ``sph.spec`` order; an empty tier
+  has l = 0).  ``layer``: None, or the (traced) index into pools and constants stacked on a
+  leading layer axis (the kernel adds the layer's row offset; nothing is copied per layer).
+  Knobs: ``block`` keys per loop step (a power of two >= 16), ``splits`` split-KV programs per
+  (sequence, head) (default: from ``chunk`` keys per split, else enough to fill the GPU),
+  ``num_warps``/``num_stages``, ``qk_passes`` (3: FP32-grade logits by bf16 hi/lo MMAs, 1: one
+  bf16 pass), ``exact_pv``, ``int4_dequant`` ("bits", "cvt", "asm": ``gpu.decode``'s modes;
+  "asm" falls back to "bits" in interpret mode), ``interpret``."""
+  check(q, sph, stacked=layer is not None)
+  if qk_passes not in (1, 3):
+    raise ValueError(f"qk_passes must be 1 or 3, got {qk_passes}")
+  if block < 16 or block & (block - 1):
+    raise ValueError(f"block must be a power of two >= 16, got {block}")
+  b, hq, d = q.shape
+  hkv = sph.maps.pages[0].shape[1] if sph.spec else 1
+  g = hq // hkv
+  if not sph.spec:
+    z = jnp.zeros((b, hkv, 0, g), jnp.float32)
+    return jnp.zeros((b, hkv, 0, g, d), jnp.float32), z, z
+  pools = sph.pools
+  if layer is None:
+    pools = tuple(SphPool(*(x[None] for x in p)) for p in pools)
+    signs, mu, layer = sph.consts.signs, sph.consts.mu, 0
+  else:
+    signs, mu = sph.consts.signs[layer], sph.consts.mu[layer]
+  layer = jnp.asarray(layer, jnp.int32)
+  m_rows = max(16, common.next_pow2(g))
+  qf = q.astype(jnp.float32).reshape(b, hkv, g, d)
+  qf = jnp.pad(qf, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
+  qr = jnp.einsum("bhgd,ed->bhge", qf, sph_rotation(signs), precision=HIGHEST)
+  beta = jnp.einsum("bhgd,hd->bhg", qf, mu.astype(jnp.float32), precision=HIGHEST)
+  qe_h, qe_l = _split_bf16(qr[..., 0::2])
+  qo_h, qo_l = _split_bf16(qr[..., 1::2])
+  qs = jnp.stack([qe_h, qe_l, qo_h, qo_l], 2)                         # [B, Hkv, 4, M, D/2]
+  c = common.default_scale(d, scale) * common.LOG2E
+  if interpret and int4_dequant == "asm":
+    int4_dequant = "bits"
+  parts = [_tier(qs, beta, pool, pages, length, ts, layer, g=g, c=c, block=block, splits=splits,
+                 chunk=chunk, num_warps=num_warps, num_stages=num_stages, qk_passes=qk_passes,
+                 exact_pv=exact_pv, int4_dequant=int4_dequant, interpret=interpret)
+           for pool, pages, length, ts in zip(pools, sph.maps.pages, sph.maps.length, sph.spec)]
+  o, m, l = (jnp.stack(x, axis=2) for x in zip(*parts))             # [B, Hkv, K, M, ...]
+  return o[:, :, :, :g], m[..., :g], l[..., :g]
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse",))
+def _merge(o, m, l, so, sm, sl, *, return_lse):
+  b, hkv, _, g, d = o.shape
+  o, m, l = (jnp.concatenate(x, axis=2) for x in ((o, so), (m, sm), (l, sl)))
+  out, _ = common.merge(o, m, l, axis=2)
+  out = out.reshape(b, hkv * g, d).astype(jnp.bfloat16)
+  if not return_lse:
+    return out
+  return out, lse_of(m, l, axis=2).reshape(b, hkv * g)
+
+
+def decode_attention_sph_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps,
+                             sph: SphInputs | None, layer=None, *, scale: float | None = None,
+                             return_lse: bool = False, interpret: bool = False,
+                             sph_knobs: dict | None = None, **knobs):
+  """``gpu.decode_attention_gpu`` plus the tier partitions: q [B, Hq, D] -> out [B, Hq, D] bf16
+  (and, with ``return_lse``, the natural-log LSE of the scaled logits over every visible key,
+  f32 [B, Hq]).  The base partitions (``partials_gpu`` with ``knobs``) and each tier
+  (:func:`sph_partials_gpu` with ``sph_knobs``) are separate launches whose partials meet in one
+  Eq. 15 merge.  Jittable (the knobs are Python values)."""
+  b, hq, d = q.shape
+  hkv = window.k.shape[-2]
+  if knobs.get("int4_kernel") in ("fused", "fused_reference"):
+    raise ValueError("int4_kernel='fused' merges its own partials: it does not take sph= or "
+                     "return_lse")
+  if sph is not None and sph.spec and sph.maps.pages[0].shape[1] != hkv:
+    raise ValueError(f"tier maps have {sph.maps.pages[0].shape[1]} KV heads, the window has "
+                     f"{hkv}")
+  g = hq // hkv
+  o, m, l = partials_gpu(q, window, hi, lo, maps, layer, scale=scale, interpret=interpret,
+                         **knobs)
+  o, m, l = o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]            # drop padded query rows
+  if sph is not None and sph.spec:
+    so, sm, sl = sph_partials_gpu(q, sph, layer, scale=scale, interpret=interpret,
+                                  **(sph_knobs or {}))
+  else:
+    so = jnp.zeros((b, hkv, 0, g, d), jnp.float32)
+    sm = sl = jnp.zeros((b, hkv, 0, g), jnp.float32)
+  return _merge(o, m, l, so, sm, sl, return_lse=return_lse)
+
+
+__all__ = ["MIN_D", "check", "decode_attention_sph_gpu", "sincos", "sph_partials_gpu"]

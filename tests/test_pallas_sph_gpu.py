@@ -1,0 +1,197 @@
+"""The GPU (Pallas Triton) kernel of the Spherical KV tier partitions (pallas_kernels.gpu.spherical)
+in interpret mode against the jnp reference (reference.sph_partials) and the float64 oracle
+(sph_synth.naive), on fresh random inputs with every invisible slot poisoned (NaN radii, scales
+and values, random angle bytes, garbage page-table entries): ragged lengths, a (sequence, head)
+with no rows, an all-empty tier, every layout and both value formats, GQA 1/4/7, shuffled page
+tables, split-KV, stacked layers with a traced layer index.  Tolerances are relative error norms.
+
+Plus an ahead-of-time compile of every tier format to PTX for sm_90a at the issue's two model
+shapes, with ptxas's registers / spills / shared memory checked against Hopper's limits; as in
+tests/test_pallas_aot.py nothing skips: a missing CUDA plugin or ptxas is a failure.
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import common
+from pallas_kernels import reference
+from pallas_kernels.gpu import aot as gpu_aot
+from pallas_kernels.gpu import decode_attention_sph_gpu, sph_partials_gpu
+from pallas_kernels.gpu import spherical as gpu_sph
+from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool, TierSpec
+from pallas_kernels.testing import sph_synth
+from pallas_kernels.testing import synth
+
+pytestmark = pytest.mark.fast_compile
+
+TOL = 3e-5   # the GPU kernel's interpret-mode tolerance (tests/test_pallas_gpu.py)
+
+
+def _zeros_sph(tiers, *, b, hkv, page, n, layers):
+  """Zero-filled stacked SphInputs of the right shapes (AOT compiles need no data)."""
+  lead = (layers,)
+  pools = tuple(SphPool(jnp.zeros(lead + (b * hkv * n, page, ts.code_bytes), jnp.uint8),
+                        jnp.zeros(lead + (b * hkv * n, page), jnp.uint32),
+                        jnp.zeros(lead + (b * hkv * n, page, ts.value_width),
+                                  jnp.bfloat16 if ts.values == "bf16" else jnp.uint8))
+                for ts in tiers)
+  maps = SphMaps(tuple(jnp.zeros((b, hkv, n), jnp.int32) for _ in tiers),
+                 tuple(jnp.full((b, hkv), n * page - 3, jnp.int32) for _ in tiers))
+  d = tiers[0].d
+  consts = SphConsts(jnp.ones(lead + (d,), jnp.float32), jnp.zeros(lead + (hkv, d), jnp.float32))
+  return SphInputs(pools, maps, consts, tuple(tiers))
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.isfinite(a).all()
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _per_tier(o, m, l, k):
+  """Tier k's partial, normalized: [B, Hkv, g, D] (0 where the tier is empty)."""
+  return common.merge(o[:, :, k:k + 1], m[:, :, k:k + 1], l[:, :, k:k + 1], axis=2)[0]
+
+
+def _compare(q, sph, layer=None, **kw):
+  """Kernel partials against sph_partials, tier by tier -> the largest relative error."""
+  got = sph_partials_gpu(q, sph, layer, interpret=True, **kw)
+  want = reference.sph_partials(q, sph, layer, scale=kw.get("scale"))
+  assert [x.shape for x in got] == [x.shape for x in want]
+  errs = []
+  for k in range(len(sph.spec)):
+    live = np.asarray(want[2][:, :, k]) > 0
+    np.testing.assert_array_equal(np.asarray(got[2][:, :, k]) > 0, live)
+    if not live.any():
+      assert not np.asarray(got[0][:, :, k]).any()
+      continue
+    errs.append(_rel(_per_tier(*got, k), _per_tier(*want, k)))
+    tier = lambda x: np.asarray(x[:, :, k])[live]
+    # Max logits (log2 units): the three-pass bf16 MMAs carry ~2^-16 of |q'|·r̃·scale per term.
+    np.testing.assert_allclose(tier(got[1]), tier(want[1]), rtol=1e-5, atol=1e-4)
+    errs.append(_rel(tier(got[2]), tier(want[2])))
+  return max(errs)
+
+
+def test_sincos_polynomial():
+  th = jnp.linspace(-np.pi, np.pi, 20001, dtype=jnp.float32)
+  c, s = gpu_sph.sincos(th)
+  t = np.asarray(th, np.float64)
+  assert np.abs(np.asarray(c) - np.cos(t)).max() < 2e-7
+  assert np.abs(np.asarray(s) - np.sin(t)).max() < 2e-7
+
+
+def test_every_format_ragged_empty_and_shuffled():
+  """All three layouts in one call (one launch per tier; A4 int4 and A42 bf16 are in
+  test_gqa_ratios_and_shapes), GQA 4, D 64: ragged lengths, a (sequence, head) with no rows,
+  exactly one full page, an all-empty tier, shuffled page tables with garbage past each head's
+  pages, split-KV with partial blocks."""
+  d, b, hkv, g, page = 64, 2, 2, 4, 16
+  tiers = [TierSpec("A4", "bf16", d), TierSpec("A42", "int4", d), TierSpec("A2", "int4", d),
+           TierSpec("A2", "bf16", d)]
+  rng = np.random.default_rng(51)
+  lens = [rng.integers(1, 60, (b, hkv)) for _ in tiers]
+  lens[0][1, 0] = 0                                   # a head with no rows in tier 0
+  lens[1][0, 1] = page                                # exactly one full page
+  lens[3][:] = 0                                      # an all-empty tier
+  sph = sph_synth.layer_of(sph_synth.make(tiers, lens, b=b, hkv=hkv, page=page, seed=52), 0)
+  q = jax.random.normal(jax.random.PRNGKey(53), (b, hkv * g, d), jnp.float32)
+  err = _compare(q, sph, splits=2, block=16)
+  assert err < TOL, err
+
+
+@pytest.mark.parametrize("g,d,tier,page", [(1, 128, ("A42", "bf16"), 16),
+                                           (7, 32, ("A4", "int4"), 8)],
+                         ids=["g1_d128_A42", "g7_d32_A4_int4_page8"])
+def test_gqa_ratios_and_shapes(g, d, tier, page):
+  b, hkv = 2, 2
+  rng = np.random.default_rng(g * d)
+  lens = rng.integers(0, 45, (b, hkv))
+  lens[0, 0] = 1
+  sph = sph_synth.layer_of(sph_synth.make([TierSpec(*tier, d)], [lens], b=b, hkv=hkv, page=page,
+                                          seed=g), 0)
+  q = jax.random.normal(jax.random.PRNGKey(g), (b, hkv * g, d), jnp.float32).astype(jnp.bfloat16)
+  err = _compare(q, sph, scale=0.07)
+  assert err < TOL, err
+
+
+def test_decode_attention_gpu_backend_with_tiers_and_stacked_layers(monkeypatch):
+  """decode_attention(sph=, backend="gpu", layer=traced, return_lse=True) = softmax over the union
+  of every stored key of that layer (float64 oracle) and its LSE; the single-bf16-pass logits
+  (qk_passes=1) are really rounded; backend="auto" on a GPU resolves to this path."""
+  case = next(c for c in synth.CASES if c.name == "g4_d64_page12_hkv3")
+  s = case.shape
+  args = synth.stack_layers(case.make(seed=55))
+  tiers = [TierSpec("A42", "int4", s.d)]      # several tiers per call: the tests above
+  rng = np.random.default_rng(56)
+  lens = [rng.integers(0, 40, (s.b, s.hkv)) for _ in tiers]
+  sph = sph_synth.make(tiers, lens, b=s.b, hkv=s.hkv, page=s.page, layers=3, seed=57)
+  layer = 2
+  f = jax.jit(lambda lyr: pk.decode_attention(*args, sph=sph, layer=lyr, backend="gpu",
+                                              return_lse=True, interpret=True,
+                                              sph_knobs=dict(block=16)))
+  one, sph1 = synth.layer_of(args, layer), sph_synth.layer_of(sph, layer)
+  out, lse = f(jnp.int32(layer))
+  want, want_lse = sph_synth.naive(*one, sph1)
+  assert out.dtype == jnp.bfloat16 and out.shape == (s.b, s.hq, s.d)
+  assert synth.rel_err(out, want) < 6e-3                            # BF16 output rounding only
+  assert _rel(lse, want_lse) <= 1e-5
+  # The f32 outputs before the BF16 cast, against the reference partials merged the same way.
+  o, m, l = sph_partials_gpu(args[0], sph, jnp.int32(layer), interpret=True, qk_passes=1)
+  ro, rm, rl = reference.sph_partials(args[0], sph, layer)
+  err1 = _rel(common.merge(o, m, l, 2)[0], common.merge(ro, rm, rl, 2)[0])
+  assert 1e-5 < err1 < 2e-2, err1          # one bf16 pass is rounded; three passes are exact
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert pk.resolve_backend("auto") == "gpu"
+
+
+def test_errors_are_one_line():
+  d = 64
+  sph = sph_synth.layer_of(sph_synth.make([TierSpec("A2", "bf16", d)], [[[3, 4]]], b=1, hkv=2,
+                                          page=16), 0)
+  with pytest.raises(ValueError, match="^tier spec has head dim 64, queries have 128"):
+    sph_partials_gpu(jnp.ones((1, 4, 128)), sph, interpret=True)
+  with pytest.raises(ValueError, match="^query heads 5 not a multiple of KV heads 2"):
+    sph_partials_gpu(jnp.ones((1, 5, d)), sph, interpret=True)
+  small = _zeros_sph([TierSpec("A2", "bf16", 16)], b=1, hkv=2, page=8, n=1, layers=1)
+  with pytest.raises(ValueError, match="^the GPU tier kernel needs head dim >= 32"):
+    sph_partials_gpu(jnp.ones((1, 2, 16)), small, 0, interpret=True)
+  with pytest.raises(ValueError, match=r"^a A2 tier pool at D=64 needs ang \[L, P, page, NB\]"):
+    sph_partials_gpu(jnp.ones((1, 4, d)), sph, 0, interpret=True)     # one layer's pools
+  with pytest.raises(ValueError, match="^block must be a power of two >= 16, got 24"):
+    sph_partials_gpu(jnp.ones((1, 4, d)), sph, block=24, interpret=True)
+  args = synth.make(synth.Shape(b=1, hq=3, hkv=3, d=d, page=16, w=8, lo_cap=16, hi_cap=16),
+                    1, 1, 1)
+  with pytest.raises(ValueError, match="^tier maps have 2 KV heads, the window has 3"):
+    decode_attention_sph_gpu(*args, sph, interpret=True)
+  args = synth.make(synth.Shape(b=1, hq=4, hkv=2, d=d, page=16, w=8, lo_cap=16, hi_cap=16),
+                    1, 1, 1)
+  with pytest.raises(ValueError, match="^int4_kernel='fused' merges its own partials"):
+    pk.decode_attention(*args, sph=sph, backend="gpu", interpret=True, int4_kernel="fused")
+
+
+# The issue's model shapes: 1.5B (12 q / 2 kv, d128) and 0.5B (14 q / 2 kv, d64); pools stacked
+# over layers with a traced layer index; every layout at each shape, the value formats
+# alternating (all six formats across both shapes).
+AOT_SHAPES = {"12q2kv_d128": (12, 128, ("bf16", "int4", "bf16")),
+              "14q2kv_d64": (14, 64, ("int4", "bf16", "int4"))}
+
+
+@pytest.mark.fast_compile(False)
+@pytest.mark.parametrize("shape", sorted(AOT_SHAPES))
+def test_tier_kernel_compiles_to_sm90a_within_limits(shape):
+  hq, d, values = AOT_SHAPES[shape]
+  tiers = [TierSpec(lay, val, d) for lay, val in zip(("A4", "A42", "A2"), values)]
+  sph = _zeros_sph(tiers, b=2, hkv=2, page=16, n=64, layers=2)
+  reps = gpu_aot.report(sph_partials_gpu, jnp.zeros((2, hq, d), jnp.bfloat16), sph, jnp.int32(1))
+  assert [r.name for r in reps] == [f"sph_tier_{t.layout}_{t.values}_gpu" for t in tiers]
+  for r in reps:
+    print(shape, r.name, r.summary())
+    assert ".target sm_90a" in r.ptx
+    assert r.ok(), (r.name, r.summary())
