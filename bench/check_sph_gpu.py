@@ -4,7 +4,7 @@
    shapes: every tier format against ``reference.sph_partials`` (relative error of each tier's
    normalized partial; poisoned invisible slots), and ``decode_attention(sph=, backend="gpu")``
    against ``decode_attention_sph_reference``.
-2. G2 of ../shared/SPHERICAL_KV.md §4 (B = 8, 32K keys per (sequence, KV head), one layer): the
+2. G2 of docs/SPHERICAL_KV.md §4 (B = 8, 32K keys per (sequence, KV head), one layer): the
    tier partition's time and GB/s of stored bytes; the reconstruct-then-attend path on the same
    storage (XLA decodes the tier into a dense BF16 K in HBM, then the BF16 partition reads it);
    the INT4 partition (Triton, page 16; and "auto" at page 128: Mosaic GPU on Hopper) on the

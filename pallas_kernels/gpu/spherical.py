@@ -1,4 +1,4 @@
-"""Pallas Triton (GPU) kernel of the Spherical KV tier partitions (../shared/SPHERICAL_KV.md §2.2,
+"""Pallas Triton (GPU) kernel of the Spherical KV tier partitions (docs/SPHERICAL_KV.md §2.2,
 §3 "GPU"): logits in the angle domain straight from the packed codes, no dense key anywhere.
 
 Why Triton (not Mosaic GPU): a tier page is 16 tokens of one (sequence, KV head), so a block of
