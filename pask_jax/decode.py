@@ -33,6 +33,7 @@ from pallas_kernels import int4
 from models import decoder
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
+from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax import actions as Act
@@ -80,26 +81,54 @@ class Runner:
   """Jitted prefill and decode step for one model over a dense Full-KV cache."""
 
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int, cache_dtype=None,
-               attn_out_dtype=None):
+               attn_out_dtype=None, mesh: jax.sharding.Mesh | None = None,
+               shard_vocab: bool = True):
     """``attn_out_dtype``: round decode-step attention outputs to this dtype (bfloat16, as the
     PASK decode kernels do; prefill stays at full precision in both) — for numerics-matched
-    comparisons of the two caches."""
+    comparisons of the two caches.
+
+    ``mesh``: tensor parallelism over a 1-D ``model`` mesh of more than one device
+    (:mod:`pask_jax.mesh`: weights by head / column / row, the cache by KV head, embeddings and
+    lm_head by vocabulary unless ``shard_vocab=False``); the model takes the stacked layout."""
     self.cfg = model.cfg
-    decoder.prepare(model)     # the layer layout for this backend (in place; see models.decoder)
+    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
     self.attend = kv_dense.attend if attn_out_dtype is None else (
         lambda *a: _round_out(kv_dense.attend(*a), attn_out_dtype))
-    self.graphdef, self.params = nnx.split(model)
+    if self.mesh is None:
+      decoder.prepare(model)   # the layer layout for this backend (in place; see models.decoder)
+      self.graphdef, self.params = nnx.split(model)
+    else:
+      self.graphdef, self.params = tp.prepare_model(model, self.mesh, shard_vocab=shard_vocab)
     self.batch, self.capacity = batch, capacity
     self.cache_dtype = cache_dtype or jax.tree.leaves(self.params)[0].dtype
     self.traces = Traces()   # trace (= compile) counts
-    self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-    self.step = jax.jit(self._step, donate_argnums=(1,))
-    self.select = jax.jit(self._select)
+    if self.mesh is None:
+      self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+      self.step = jax.jit(self._step, donate_argnums=(1,))
+      self.select = jax.jit(self._select)
+      return
+    m = self.mesh
+    ps, cs, rep = jax.tree.map(lambda x: x.sharding, self.params), self.cache_sharding(), \
+        tp.replicated(m)
+    lg = tp.logits_sharding(m, shard_vocab=shard_vocab)
+    self.prefill = jax.jit(self._prefill, donate_argnums=(1,), in_shardings=(ps, cs, rep, rep, rep),
+                           out_shardings=(lg, cs))
+    self.step = jax.jit(self._step, donate_argnums=(1,), in_shardings=(ps, cs) + (rep,) * 5,
+                        out_shardings=(rep, lg, cs))
+    self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep)
+
+  def cache_sharding(self) -> kv_dense.DenseCache:
+    """The dense cache's shardings (mesh runs): K/V by KV head, lengths replicated."""
+    kv = tp.by_kv_head(self.mesh, 5, 3)
+    return kv_dense.DenseCache(kv, kv, tp.replicated(self.mesh))
 
   def new_cache(self) -> kv_dense.DenseCache:
     c = self.cfg
-    return kv_dense.init(c.n_layers, self.batch, self.capacity, c.n_kv_heads, c.head_dim,
-                         self.cache_dtype)
+    make = lambda: kv_dense.init(c.n_layers, self.batch, self.capacity, c.n_kv_heads, c.head_dim,
+                                 self.cache_dtype)
+    if self.mesh is None:
+      return make()
+    return jax.jit(make, out_shardings=self.cache_sharding())()   # each device its own heads
 
   def _prefill(self, params, cache, tokens, start, lengths):
     """One prompt chunk: tokens [B, Tc] at positions start + [0, Tc) (right-padded prompts of
@@ -158,11 +187,14 @@ class Runner:
     logits, cache = model(tokens[:, None], pos, cache, self.attend)
     logits = logits[:, 0]
     with jax.named_scope("sample"):
-      nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+      nxt = self._select(logits, bits, key, temperature, top_p)
     return nxt, logits, cache
 
   def _select(self, logits, bits, key, temperature, top_p):
-    return sample(apply_bitmask(logits, bits), key, temperature, top_p)
+    masked = apply_bitmask(logits, bits)
+    if self.mesh is not None:   # the mask on each vocabulary shard, then one gather to sample
+      masked = jax.lax.with_sharding_constraint(masked, tp.replicated(self.mesh))
+    return sample(masked, key, temperature, top_p)
 
   # --- the session protocol used by generate() ----------------------------------------------
 
