@@ -91,23 +91,23 @@ class Runner:
     (:mod:`pask_jax.mesh`: weights by head / column / row, the cache by KV head, embeddings and
     lm_head by vocabulary unless ``shard_vocab=False``); the model takes the stacked layout."""
     self.cfg = model.cfg
-    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    self.tp_mesh = mesh if mesh is not None and mesh.size > 1 else None
     self.attend = kv_dense.attend if attn_out_dtype is None else (
         lambda *a: _round_out(kv_dense.attend(*a), attn_out_dtype))
-    if self.mesh is None:
+    if self.tp_mesh is None:
       decoder.prepare(model)   # the layer layout for this backend (in place; see models.decoder)
       self.graphdef, self.params = nnx.split(model)
     else:
-      self.graphdef, self.params = tp.prepare_model(model, self.mesh, shard_vocab=shard_vocab)
+      self.graphdef, self.params = tp.prepare_model(model, self.tp_mesh, shard_vocab=shard_vocab)
     self.batch, self.capacity = batch, capacity
     self.cache_dtype = cache_dtype or jax.tree.leaves(self.params)[0].dtype
     self.traces = Traces()   # trace (= compile) counts
-    if self.mesh is None:
+    if self.tp_mesh is None:
       self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
       self.step = jax.jit(self._step, donate_argnums=(1,))
       self.select = jax.jit(self._select)
       return
-    m = self.mesh
+    m = self.tp_mesh
     ps, cs, rep = jax.tree.map(lambda x: x.sharding, self.params), self.cache_sharding(), \
         tp.replicated(m)
     lg = tp.logits_sharding(m, shard_vocab=shard_vocab)
@@ -119,15 +119,15 @@ class Runner:
 
   def cache_sharding(self) -> kv_dense.DenseCache:
     """The dense cache's shardings (mesh runs): K/V by KV head, lengths replicated."""
-    kv = tp.by_kv_head(self.mesh, 5, 3)
-    return kv_dense.DenseCache(kv, kv, tp.replicated(self.mesh))
+    kv = tp.by_kv_head(self.tp_mesh, 5, 3)
+    return kv_dense.DenseCache(kv, kv, tp.replicated(self.tp_mesh))
 
   def new_cache(self, *, batch: int | None = None,
                 capacity: int | None = None) -> kv_dense.DenseCache:
     c = self.cfg
     make = lambda: kv_dense.init(c.n_layers, batch or self.batch, capacity or self.capacity,
                                  c.n_kv_heads, c.head_dim, self.cache_dtype)
-    if self.mesh is None:
+    if self.tp_mesh is None:
       return make()
     return jax.jit(make, out_shardings=self.cache_sharding())()   # each device its own heads
 
@@ -193,8 +193,8 @@ class Runner:
 
   def _select(self, logits, bits, key, temperature, top_p):
     masked = apply_bitmask(logits, bits)
-    if self.mesh is not None:   # the mask on each vocabulary shard, then one gather to sample
-      masked = jax.lax.with_sharding_constraint(masked, tp.replicated(self.mesh))
+    if self.tp_mesh is not None:   # the mask on each vocabulary shard, then one gather to sample
+      masked = jax.lax.with_sharding_constraint(masked, tp.replicated(self.tp_mesh))
     return sample(masked, key, temperature, top_p)
 
   # --- the session protocol used by generate() ----------------------------------------------
@@ -231,20 +231,20 @@ class PaskRunner:
     replicated); the reference attention only for now."""
     self.cfg = model.cfg
     self.policy = policy
-    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
-    if self.mesh is not None and pallas_kernels.resolve_backend(backend) != "reference":
-      raise ValueError(f"tensor parallelism over {self.mesh.size} devices runs the reference "
+    self.tp_mesh = mesh if mesh is not None and mesh.size > 1 else None
+    if self.tp_mesh is not None and pallas_kernels.resolve_backend(backend) != "reference":
+      raise ValueError(f"tensor parallelism over {self.tp_mesh.size} devices runs the reference "
                        f"attention (backend='reference'), not {backend!r}: the Pallas kernels per "
                        "shard (shard_map) are a later stage")
-    if self.mesh is None:
+    if self.tp_mesh is None:
       decoder.prepare(model)
     self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
     self.lo_page = lo_page      # INT4 pages (None: ``page``); 64 or 128 for the Mosaic GPU kernel
     self.lo_format = int4.check_format(lo_format)   # the INT4 pool's storage (pask_jax.cache)
     self.traces = Traces()
     self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16,
-                         mesh=self.mesh, shard_vocab=shard_vocab)
-    if self.mesh is None:
+                         mesh=self.tp_mesh, shard_vocab=shard_vocab)
+    if self.tp_mesh is None:
       self.graphdef, self.params = nnx.split(model)
       self._dense.params = self.params
       self.commit = jax.jit(self._commit)
@@ -253,8 +253,8 @@ class PaskRunner:
     else:
       self.graphdef, self.params = self._dense.graphdef, self._dense.params
       ps, cs = jax.tree.map(lambda x: x.sharding, self.params), self.cache_sharding()
-      rep, dense = tp.replicated(self.mesh), self._dense.cache_sharding()
-      lg = tp.logits_sharding(self.mesh, shard_vocab=shard_vocab)
+      rep, dense = tp.replicated(self.tp_mesh), self._dense.cache_sharding()
+      lg = tp.logits_sharding(self.tp_mesh, shard_vocab=shard_vocab)
       self.commit = jax.jit(self._commit, in_shardings=(rep, cs, dense.k, dense.v, rep, rep),
                             out_shardings=(cs, rep, rep))
       self.decode_step = jax.jit(self.decode_fn, donate_argnums=(2,),
@@ -270,11 +270,11 @@ class PaskRunner:
     tables, lengths and positions replicated."""
     axis = 3 if self.lo_format == "bytes" else 2   # the INT4 pool's layouts (pask_jax.cache)
     shapes = jax.eval_shape(self._new_cache)
-    per = lambda name, x: tp.by_kv_head(self.mesh, x.ndim, 3 if name in (
+    per = lambda name, x: tp.by_kv_head(self.tp_mesh, x.ndim, 3 if name in (
         "win_k", "win_v", "hi_k", "hi_v") else axis)
     layers = type(shapes.layers)(**{f: per(f, getattr(shapes.layers, f))
                                     for f in shapes.layers.__dataclass_fields__})
-    rep = tp.replicated(self.mesh)
+    rep = tp.replicated(self.tp_mesh)
     return jax.tree.map(lambda _: rep, shapes).replace(layers=layers)
 
   def _new_cache(self) -> pcache.Cache:
@@ -282,7 +282,7 @@ class PaskRunner:
                            page=self.page, lo_page=self.lo_page, lo_format=self.lo_format)
 
   def new_cache(self) -> pcache.Cache:
-    if self.mesh is None:
+    if self.tp_mesh is None:
       return self._new_cache()
     return jax.jit(self._new_cache, out_shardings=self.cache_sharding())()
 
