@@ -33,6 +33,7 @@ from pallas_kernels import int4
 from models import decoder
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
+from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax import actions as Act
@@ -80,26 +81,55 @@ class Runner:
   """Jitted prefill and decode step for one model over a dense Full-KV cache."""
 
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int, cache_dtype=None,
-               attn_out_dtype=None):
+               attn_out_dtype=None, mesh: jax.sharding.Mesh | None = None,
+               shard_vocab: bool = True):
     """``attn_out_dtype``: round decode-step attention outputs to this dtype (bfloat16, as the
     PASK decode kernels do; prefill stays at full precision in both) — for numerics-matched
-    comparisons of the two caches."""
+    comparisons of the two caches.
+
+    ``mesh``: tensor parallelism over a 1-D ``model`` mesh of more than one device
+    (:mod:`pask_jax.mesh`: weights by head / column / row, the cache by KV head, embeddings and
+    lm_head by vocabulary unless ``shard_vocab=False``); the model takes the stacked layout."""
     self.cfg = model.cfg
-    decoder.prepare(model)     # the layer layout for this backend (in place; see models.decoder)
+    self.tp_mesh = mesh if mesh is not None and mesh.size > 1 else None
     self.attend = kv_dense.attend if attn_out_dtype is None else (
         lambda *a: _round_out(kv_dense.attend(*a), attn_out_dtype))
-    self.graphdef, self.params = nnx.split(model)
+    if self.tp_mesh is None:
+      decoder.prepare(model)   # the layer layout for this backend (in place; see models.decoder)
+      self.graphdef, self.params = nnx.split(model)
+    else:
+      self.graphdef, self.params = tp.prepare_model(model, self.tp_mesh, shard_vocab=shard_vocab)
     self.batch, self.capacity = batch, capacity
     self.cache_dtype = cache_dtype or jax.tree.leaves(self.params)[0].dtype
     self.traces = Traces()   # trace (= compile) counts
-    self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-    self.step = jax.jit(self._step, donate_argnums=(1,))
-    self.select = jax.jit(self._select)
+    if self.tp_mesh is None:
+      self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+      self.step = jax.jit(self._step, donate_argnums=(1,))
+      self.select = jax.jit(self._select)
+      return
+    m = self.tp_mesh
+    ps, cs, rep = jax.tree.map(lambda x: x.sharding, self.params), self.cache_sharding(), \
+        tp.replicated(m)
+    lg = tp.logits_sharding(m, shard_vocab=shard_vocab)
+    self.prefill = jax.jit(self._prefill, donate_argnums=(1,), in_shardings=(ps, cs, rep, rep, rep),
+                           out_shardings=(lg, cs))
+    self.step = jax.jit(self._step, donate_argnums=(1,), in_shardings=(ps, cs) + (rep,) * 5,
+                        out_shardings=(rep, lg, cs))
+    self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep)
 
-  def new_cache(self) -> kv_dense.DenseCache:
+  def cache_sharding(self) -> kv_dense.DenseCache:
+    """The dense cache's shardings (mesh runs): K/V by KV head, lengths replicated."""
+    kv = tp.by_kv_head(self.tp_mesh, 5, 3)
+    return kv_dense.DenseCache(kv, kv, tp.replicated(self.tp_mesh))
+
+  def new_cache(self, *, batch: int | None = None,
+                capacity: int | None = None) -> kv_dense.DenseCache:
     c = self.cfg
-    return kv_dense.init(c.n_layers, self.batch, self.capacity, c.n_kv_heads, c.head_dim,
-                         self.cache_dtype)
+    make = lambda: kv_dense.init(c.n_layers, batch or self.batch, capacity or self.capacity,
+                                 c.n_kv_heads, c.head_dim, self.cache_dtype)
+    if self.tp_mesh is None:
+      return make()
+    return jax.jit(make, out_shardings=self.cache_sharding())()   # each device its own heads
 
   def _prefill(self, params, cache, tokens, start, lengths):
     """One prompt chunk: tokens [B, Tc] at positions start + [0, Tc) (right-padded prompts of
@@ -158,11 +188,14 @@ class Runner:
     logits, cache = model(tokens[:, None], pos, cache, self.attend)
     logits = logits[:, 0]
     with jax.named_scope("sample"):
-      nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+      nxt = self._select(logits, bits, key, temperature, top_p)
     return nxt, logits, cache
 
   def _select(self, logits, bits, key, temperature, top_p):
-    return sample(apply_bitmask(logits, bits), key, temperature, top_p)
+    masked = apply_bitmask(logits, bits)
+    if self.tp_mesh is not None:   # the mask on each vocabulary shard, then one gather to sample
+      masked = jax.lax.with_sharding_constraint(masked, tp.replicated(self.tp_mesh))
+    return sample(masked, key, temperature, top_p)
 
   # --- the session protocol used by generate() ----------------------------------------------
 
@@ -191,25 +224,67 @@ class PaskRunner:
   """
 
   def __init__(self, model: nnx.Module, policy, *, batch: int, capacity: int, page: int = 16,
-               backend: str = "auto", lo_page: int | None = None, lo_format: str = "bytes"):
+               backend: str = "auto", lo_page: int | None = None, lo_format: str = "bytes",
+               mesh: jax.sharding.Mesh | None = None, shard_vocab: bool = True):
+    """``mesh``: tensor parallelism over a 1-D ``model`` mesh of more than one device (as
+    :class:`Runner`; the pools and the window by KV head, page tables, controller and ledger
+    replicated); the reference attention only for now."""
     self.cfg = model.cfg
     self.policy = policy
-    decoder.prepare(model)
-    self.graphdef, self.params = nnx.split(model)
+    self.tp_mesh = mesh if mesh is not None and mesh.size > 1 else None
+    if self.tp_mesh is not None and pallas_kernels.resolve_backend(backend) != "reference":
+      raise ValueError(f"tensor parallelism over {self.tp_mesh.size} devices runs the reference "
+                       f"attention (backend='reference'), not {backend!r}: the Pallas kernels per "
+                       "shard (shard_map) are a later stage")
+    if self.tp_mesh is None:
+      decoder.prepare(model)
     self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
     self.lo_page = lo_page      # INT4 pages (None: ``page``); 64 or 128 for the Mosaic GPU kernel
     self.lo_format = int4.check_format(lo_format)   # the INT4 pool's storage (pask_jax.cache)
     self.traces = Traces()
-    self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16)
-    self._dense.params = self.params
-    self.commit = jax.jit(self._commit)
-    self.decode_step = jax.jit(self.decode_fn, donate_argnums=(2,))
-    self.step = jax.jit(self._step, donate_argnums=(2,))
+    self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16,
+                         mesh=self.tp_mesh, shard_vocab=shard_vocab)
+    if self.tp_mesh is None:
+      self.graphdef, self.params = nnx.split(model)
+      self._dense.params = self.params
+      self.commit = jax.jit(self._commit)
+      self.decode_step = jax.jit(self.decode_fn, donate_argnums=(2,))
+      self.step = jax.jit(self._step, donate_argnums=(2,))
+    else:
+      self.graphdef, self.params = self._dense.graphdef, self._dense.params
+      ps, cs = jax.tree.map(lambda x: x.sharding, self.params), self.cache_sharding()
+      rep, dense = tp.replicated(self.tp_mesh), self._dense.cache_sharding()
+      lg = tp.logits_sharding(self.tp_mesh, shard_vocab=shard_vocab)
+      self.commit = jax.jit(self._commit, in_shardings=(rep, cs, dense.k, dense.v, rep, rep),
+                            out_shardings=(cs, rep, rep))
+      self.decode_step = jax.jit(self.decode_fn, donate_argnums=(2,),
+                                 in_shardings=(ps, rep, cs) + (rep,) * 6,
+                                 out_shardings=(lg, cs, rep, rep, rep))
+      self.step = jax.jit(self._step, donate_argnums=(2,),
+                          in_shardings=(ps, rep, (cs, rep, rep)) + (rep,) * 8,
+                          out_shardings=(rep, lg, (cs, rep, rep)))
     self.select = self._dense.select
 
-  def new_cache(self) -> pcache.Cache:
+  def cache_sharding(self) -> pcache.Cache:
+    """The cache's shardings (mesh runs): every K/V pool and the window by KV head, the page
+    tables, lengths and positions replicated."""
+    axis = 3 if self.lo_format == "bytes" else 2   # the INT4 pool's layouts (pask_jax.cache)
+    shapes = jax.eval_shape(self._new_cache)
+    per = lambda name, x: tp.by_kv_head(self.tp_mesh, x.ndim, 3 if name in (
+        "win_k", "win_v", "hi_k", "hi_v") else axis)
+    layers = type(shapes.layers)(**{f: per(f, getattr(shapes.layers, f))
+                                    for f in shapes.layers.__dataclass_fields__})
+    rep = tp.replicated(self.tp_mesh)
+    return jax.tree.map(lambda _: rep, shapes).replace(layers=layers)
+
+  def _new_cache(self) -> pcache.Cache:
     return pcache.init_for(self.cfg, self.batch, self.policy, capacity=self.capacity,
                            page=self.page, lo_page=self.lo_page, lo_format=self.lo_format)
+
+  def new_cache(self) -> pcache.Cache:
+    if self.tp_mesh is None:
+      return self._new_cache()
+    return jax.jit(self._new_cache, out_shardings=self.cache_sharding())()
 
   def _commit(self, policy, cache, k, v, cands, lengths):
     """Dense prefill K/V [L, B, T, Hkv, D] -> plan, materialized cache, ledger, R_1."""
@@ -303,15 +378,14 @@ class PaskRunner:
     logits, cache, budget, led, _ = self.decode_fn(params, policy, cache, budget, led, tokens,
                                                    tag_ids, state_ids, active)
     with jax.named_scope("sample"):
-      nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+      nxt = self._dense._select(logits, bits, key, temperature, top_p)
     return nxt, logits, (cache, budget, led)
 
   # --- the session protocol used by generate() ----------------------------------------------
 
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     B, Tn = tokens.shape
-    dense = kv_dense.init(self.cfg.n_layers, B, Tn, self.cfg.n_kv_heads, self.cfg.head_dim,
-                          jnp.bfloat16)
+    dense = self._dense.new_cache(batch=B, capacity=Tn)
     logits, dense = self._dense.prefill_all(dense, tokens, lengths)
     cands = prompt_candidates(prompt_tags, lengths, Tn)
     state = self.commit(self.policy, self.new_cache(), dense.k, dense.v, jnp.asarray(cands),

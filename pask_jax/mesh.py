@@ -1,0 +1,145 @@
+"""Tensor parallelism on a 1-D ``model`` mesh (issue 28, stage 1): where each weight and cache is.
+
+Megatron-style, written as shardings only: the runner jits its step with these in/out shardings
+and XLA's SPMD partitioner inserts the collectives.  Per layer (N = devices on the axis):
+
+===============================  ============================  ================================
+weight / array                   PartitionSpec                 why
+===============================  ============================  ================================
+``wq`` ``wk`` ``wv`` [L, d, H·D]  ``(None, None, "model")``     column parallel, by head: device
+``bq`` ``bk`` ``bv`` [L, H·D]     ``(None, "model")``           i holds KV heads [i·Hkv/N, …) and
+                                                               the query heads of those GQA
+                                                               groups (query head h belongs to
+                                                               KV head h // group, so a
+                                                               contiguous split keeps groups
+                                                               whole)
+``wo`` [L, Hq·D, d]              ``(None, "model", None)``     row parallel: partial sums, one
+                                                               all-reduce after the o-projection
+``w_gate`` ``w_up`` [L, d, f]    ``(None, None, "model")``     column parallel
+``w_down`` [L, f, d]             ``(None, "model", None)``     row parallel: one all-reduce
+``k_center`` [L, Hkv, D]         ``(None, "model", None)``     by KV head, like the keys
+``embed`` [V, d]                 ``("model", None)``           by vocabulary (see below)
+``lm_head`` [d, V]               ``(None, "model")``           by vocabulary
+norms, ``inv_freq``              replicated                    small; every device needs them
+dense KV cache [L, B, S, Hkv, D] ``(…, "model", None)``        by KV head: attention is local
+===============================  ============================  ================================
+
+Embeddings and lm_head are sharded over the vocabulary (``shard_vocab=True``, the default), not
+replicated: for the models this project serves they are a large share of the weights (Qwen3-14B:
+two 1.5 GB tables of 28 GB; Qwen2.5-0.5B: 0.27 of 0.99 GB tied) and the lm_head matmul reads its
+whole table every step, so sharding it divides both bytes and time by N.  Costs: the embedding
+lookup becomes a masked local gather plus one all-reduce of ``[B, T, d]``, and the logits come
+out vocabulary-sharded; the runner applies the grammar bitmask to its shard and then gathers the
+masked logits ``[B, V]`` (one all-gather; sampling then runs replicated, the same draw on every
+device).  ``shard_vocab=False`` replicates both tables (a vocabulary that N does not divide).
+
+The layer layout is the stacked one (``models.decoder``: a scan over layers): the unrolled
+layout fuses ``wq|wk|wv`` and ``w_gate|w_up`` into one matmul each, whose columns a contiguous
+split would not keep by head.  The Pallas kernels per shard (``shard_map``) are a later stage.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models import decoder
+from models.config import ModelConfig
+
+AXIS = "model"
+
+_HEADS_OUT = P(None, None, AXIS)    # [L, d, H·D] / [L, d, f]: output columns
+_ROWS = P(None, AXIS, None)         # [L, in, d]: input rows (partial sums)
+SPECS: dict[str, P] = {
+    "wq": _HEADS_OUT, "wk": _HEADS_OUT, "wv": _HEADS_OUT,
+    "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS),
+    "wo": _ROWS,
+    "w_gate": _HEADS_OUT, "w_up": _HEADS_OUT, "w_down": _ROWS,
+    "k_center": P(None, AXIS, None),
+}
+VOCAB_SPECS: dict[str, P] = {"embed": P(AXIS, None), "lm_head": P(None, AXIS)}
+REPLICATED = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "norm", "inv_freq", "embed",
+              "lm_head")
+# The attention and MLP weights: each device holds 1/N of them.
+SHARDED_WEIGHTS = tuple(SPECS)
+
+
+def model_mesh(n: int | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+  """A 1-D mesh named ``model`` over ``devices`` (default: the first ``n`` of ``jax.devices()``,
+  all of them when ``n`` is None)."""
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices) if n is None else n
+  if not 0 < n <= len(devices):
+    raise ValueError(f"a model mesh of {n} devices asked, {len(devices)} available")
+  return Mesh(np.asarray(devices[:n]), (AXIS,))
+
+
+def check(cfg: ModelConfig, n: int, *, shard_vocab: bool = True) -> None:
+  """Refuse (ValueError, one line) a model whose groups do not split over ``n`` devices."""
+  if cfg.n_kv_heads % n:
+    raise ValueError(
+        f"tensor parallelism over {n} devices: {cfg.n_kv_heads} KV heads (GQA groups of "
+        f"{cfg.group} query heads) do not split into whole groups per device; the KV heads must "
+        f"be a multiple of {n}")
+  if cfg.intermediate % n:
+    raise ValueError(f"tensor parallelism over {n} devices: the MLP's intermediate size "
+                     f"{cfg.intermediate} is not a multiple of {n}")
+  if shard_vocab and cfg.vocab_size % n:
+    raise ValueError(f"tensor parallelism over {n} devices: the vocabulary of {cfg.vocab_size} "
+                     f"tokens is not a multiple of {n} (shard_vocab=False replicates the "
+                     "embeddings and lm_head)")
+
+
+def spec(name: str, *, shard_vocab: bool = True) -> P:
+  """The PartitionSpec of the model weight ``name`` (stacked layout)."""
+  if shard_vocab and name in VOCAB_SPECS:
+    return VOCAB_SPECS[name]
+  if name in SPECS:
+    return SPECS[name]
+  if name in REPLICATED:
+    return P()
+  raise ValueError(f"no tensor-parallel sharding rule for the model weight {name!r}")
+
+
+def param_shardings(params, mesh: Mesh, *, shard_vocab: bool = True):
+  """The NamedSharding of every leaf of an ``nnx.split`` state (stacked layout), same tree."""
+  def one(path, _):
+    name = path[0].key if hasattr(path[0], "key") else str(path[0])
+    return NamedSharding(mesh, spec(name, shard_vocab=shard_vocab))
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True):
+  """Check ``model`` against the mesh, put it in the stacked layout (in place) and return
+  ``(graphdef, params)`` with every parameter placed by :func:`param_shardings`."""
+  from flax import nnx
+  check(model.cfg, mesh.size, shard_vocab=shard_vocab)
+  decoder.set_layout(model, "stacked")
+  graphdef, params = nnx.split(model)
+  return graphdef, jax.device_put(params, param_shardings(params, mesh, shard_vocab=shard_vocab))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def by_kv_head(mesh: Mesh, ndim: int, axis: int) -> NamedSharding:
+  """An ``ndim``-D array sharded on ``axis`` (its KV-head axis) and replicated elsewhere."""
+  return NamedSharding(mesh, P(*[AXIS if i == axis % ndim else None for i in range(ndim)]))
+
+
+def logits_sharding(mesh: Mesh, *, shard_vocab: bool = True) -> NamedSharding:
+  """``[B, V]`` logits as the lm_head makes them."""
+  return NamedSharding(mesh, P(None, AXIS) if shard_vocab else P())
+
+
+def shard_fraction(arrays) -> float:
+  """Bytes on the first device / bytes in all, over a pytree of placed arrays (1/N when every
+  leaf is split evenly over N devices; 1 when replicated)."""
+  leaves = jax.tree.leaves(arrays)
+  dev = leaves[0].sharding.device_set
+  first = min(dev, key=lambda d: d.id)
+  mine = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
+  return mine / sum(x.nbytes for x in leaves)

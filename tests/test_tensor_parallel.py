@@ -1,0 +1,137 @@
+"""Tensor-parallel decode on a 1-D ``model`` mesh (pask_jax.mesh; issue 28, stage 1), on 4 CPU
+devices in a subprocess (the device-count flag must be set before JAX starts): greedy tokens (and
+PASK ledgers) of TP = 2 and 4 equal TP = 1 with and without a grammar, for the dense runner and
+the PASK runner (reference attention); the compiled step's collectives are the planned ones; each
+device holds 1/N of the attention and MLP weights and of the KV cache / pools."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models import ModelConfig
+from pask_jax import mesh as tp
+
+TP = r"""
+import collections, dataclasses, json, re, time
+import jax, jax.numpy as jnp
+from models import ModelConfig, random_model
+from pask_jax import ledger, mesh as tp, policy as P
+from pask_jax.decode import PaskRunner, Runner, Sampling, generate
+from pask_jax.testing import grammar_compiler, smollm2_tokenizer
+assert len(jax.devices()) == 4
+t0 = time.perf_counter()
+tok = smollm2_tokenizer()
+V = tok.vocab_size
+grammar = grammar_compiler(tok, V).json_schema(
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+     "required": ["a", "b"], "additionalProperties": False})
+prompts = [tok.encode("Answer in JSON: the quick brown fox jumps over the lazy dog"),
+           tok.encode("one two three four five six")]
+COLL = r"(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\("
+
+def collectives(hlo):
+  # {computation: Counter(op)}, and the name of the while loop's body (the scan over layers)
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    m = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+    if m:
+      name = m.group(1)
+    for op in re.findall(r"= [^=]*? " + COLL, line):
+      comps.setdefault(name, collections.Counter())[op] += 1
+  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+  return comps, bodies
+
+def check_step(name, r, n, args, kv):
+  # the step's collectives, as planned, and 1/N of the sharded bytes on each device
+  comp = r.step.lower(*args).compile()
+  hlo = comp.as_text()
+  comps, bodies = collectives(hlo)
+  body = sum((comps.get(b, collections.Counter()) for b in bodies), collections.Counter())
+  rest = sum((v for k, v in comps.items() if k not in bodies), collections.Counter())
+  # per layer (the scan's body): after the o-projection and after the MLP's down projection;
+  # outside: the vocabulary-sharded embedding lookup (all-reduce) and the masked logits gathered
+  # for sampling (all-gather of [B, V], nothing else gathered: no KV)
+  assert dict(body) == {"all-reduce": 2}, (name, n, comps, bodies)
+  assert dict(rest) == {"all-reduce": 1, "all-gather": 1}, (name, n, comps, bodies)
+  gathers = [l for l in hlo.splitlines() if re.search(r"= [^=]*? all-gather(?:-start)?\(", l)]
+  assert all(f"f32[{r.batch},{V}]" in l for l in gathers), gathers
+  w = {k: r.params[k] for k in tp.SHARDED_WEIGHTS if k in r.params}
+  fw, fc = tp.shard_fraction(w), tp.shard_fraction(kv)
+  assert abs(fw * n - 1) < 0.05 and abs(fc * n - 1) < 0.05, (fw, fc)
+  report[f"{name} TP={n}"] = {"layer_loop": dict(body), "outside": dict(rest), "weights": fw,
+                              "kv": fc, "arg_bytes": comp.memory_analysis().argument_size_in_bytes}
+
+report = {}
+B = 2
+bits0 = jnp.zeros((B, -(-V // 32)), jnp.int32)
+samp = (jax.random.key(0), jnp.zeros(B), jnp.ones(B))
+# dense: qwen2 (q/k/v biases, an lm_head of its own); PASK below: llama (the embedding table is
+# the lm_head)
+cfg = ModelConfig(arch="qwen2", vocab_size=V, hidden=64, intermediate=128, n_layers=2, n_heads=8,
+                  n_kv_heads=4, head_dim=16, rope_theta=1e6)
+ref = None
+for n in (1, 2, 4):
+  r = Runner(random_model(cfg, seed=5), batch=B, capacity=64, mesh=tp.model_mesh(n))
+  out = [(x.tokens, x.finish) for x in generate(r, tok, prompts, grammars=[grammar, None],
+                                                sampling=Sampling(max_tokens=6))]
+  ref = ref or out
+  assert out == ref, (n, out, ref)
+  if n > 1:
+    c = r.new_cache()
+    check_step("dense", r, n, (r.params, c, jnp.zeros(B, jnp.int32), bits0) + samp, (c.k, c.v))
+
+# PASK (reference attention): pools and window by KV head, controller and ledger replicated
+cfg = ModelConfig(arch="llama", vocab_size=V, hidden=64, intermediate=128, n_layers=2, n_heads=8,
+                  n_kv_heads=4, head_dim=16, rope_theta=1e6, tie_embeddings=True)
+pol = dataclasses.replace(P.demo(cfg), window=4)
+ref = None
+for n in (1, 4):
+  r = PaskRunner(random_model(cfg, seed=5), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
+                 backend="reference")
+  out = [(x.tokens, x.finish, x.ledger) for x in generate(
+      r, tok, prompts, grammars=[grammar, None], sampling=Sampling(max_tokens=6))]
+  ref = ref or out
+  assert out == ref, (n, out, ref)
+  if n > 1:
+    c = r.new_cache()
+    state = (c, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
+    args = (r.params, pol, state, jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32),
+            jnp.zeros(B, jnp.int32), jnp.ones(B, bool), bits0) + samp
+    check_step("pask", r, n, args, c.layers)
+assert ref[0][2]["measured_B"] < 1   # the demo policy compressed something
+try:
+  PaskRunner(random_model(cfg), pol, batch=B, capacity=64, mesh=tp.model_mesh(2), backend="gpu")
+  raise AssertionError("a Pallas backend on a mesh was not refused")
+except ValueError as e:
+  assert "shard_map" in str(e) and "2 devices" in str(e), e
+print("TP-OK", json.dumps(report), round(time.perf_counter() - t0, 1))
+"""
+
+
+@pytest.mark.fast_compile   # tiny random models (tests/conftest.py); the subprocess inherits it
+def test_tensor_parallel_decode_on_four_cpu_devices():
+  import jax
+  fast = jax.config.values["jax_disable_most_optimizations"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
+  r = subprocess.run([sys.executable, "-c", TP], capture_output=True, text=True, env=env,
+                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "TP-OK" in r.stdout, r.stdout[-3000:]
+  print(r.stdout)
+
+
+@pytest.mark.parametrize("kw, n, msg", [
+    (dict(n_kv_heads=2, n_heads=8), 4, "2 KV heads .GQA groups of 4 query heads.* multiple of 4"),
+    (dict(intermediate=130), 4, "intermediate size 130 is not a multiple of 4"),
+    (dict(vocab_size=98), 4, "vocabulary of 98 tokens is not a multiple of 4"),
+])
+def test_groups_that_do_not_split_are_refused(kw, n, msg):
+  base = dict(arch="llama", vocab_size=96, hidden=64, intermediate=128, n_layers=1, n_heads=8,
+              n_kv_heads=4, head_dim=16)
+  cfg = ModelConfig(**{**base, **kw})
+  with pytest.raises(ValueError, match=msg):
+    tp.check(cfg, n)
+  if "vocab_size" in kw:
+    tp.check(cfg, n, shard_vocab=False)   # replicated tables: any vocabulary
