@@ -399,7 +399,7 @@ def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: in
                  kv_memory: float | None = None, gpu_memory_utilization: float | None = None,
                  kv_mix: tuple[float, float] | None = None, preemption: str = "replay",
                  prefill_chunk: int = 512, prefill_share: float = 1 / 3,
-                 warmup: bool = True):
+                 warmup: bool | int = True):
   """A started :class:`serve.engine.Engine`: continuous batching of ``slots`` sequences over one
   paged PASK cache (``context``: most tokens per request).  Send it requests with
   :func:`submit`; stop it with ``engine.stop()``.  ``pask-jax serve`` puts the OpenAI API on it.
@@ -409,10 +409,15 @@ def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: in
   ``gpu_memory_utilization`` (a fraction of the device's free memory; give at most one; neither:
   every slot gets its full context), ``kv_mix`` (expected H and L fractions for sizing),
   ``hi_pages`` / ``lo_pages`` (pool sizes overriding the budget's), ``preemption`` ("replay" or
-  "recompute"), ``prefill_chunk`` and ``prefill_share``.  Bad values: one-line ``ValueError``."""
+  "recompute"), ``prefill_chunk`` and ``prefill_share``.  ``warmup``: compile before serving
+  the decode step and every prompt bucket (True), only the buckets of prompts up to that many
+  tokens (an int: a faster start where prompts are short; longer ones compile on first use), or
+  nothing (False).  Bad values: one-line ``ValueError``."""
   from serve.engine import Engine
   _check_sizing(slots, context, page, hi_pages, lo_pages, kv_memory, gpu_memory_utilization,
                 kv_mix, preemption, prefill_chunk, prefill_share)
+  if not isinstance(warmup, bool) and not (isinstance(warmup, int) and warmup > 0):
+    raise ValueError(f"warmup must be True, False or a positive int (tokens), got {warmup!r}")
   pol = load_policy(policy, model)
   engine = Engine(model.model, model.tokenizer, pol, slots=slots, context=context, page=page,
                   hi_pages=hi_pages, lo_pages=lo_pages,
@@ -422,7 +427,7 @@ def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: in
                   prefill_chunk=prefill_chunk, prefill_share=prefill_share)
   engine.loaded = model
   if warmup:
-    engine.warmup()
+    engine.warmup(None if warmup is True else warmup)
   return engine.start()
 
 

@@ -30,6 +30,7 @@ including the sparse calibrated entries).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -191,6 +192,16 @@ def position_bins(pol: "FrozenPolicy | None") -> tuple[int, ...] | None:
   return None if b is None else tuple(int(x) for x in b)
 
 
+@functools.lru_cache(maxsize=None)
+def _fallbacks(ablation: str | None) -> tuple[tuple[int, bool, tuple[int, ...]], ...]:
+  """(id, Crit of its key, its key's fallback chain) of every well-formed id under ``ablation``:
+  what :func:`build` resolves entries along (cached: calibration builds hundreds of policies,
+  and this walk over every id was most of a build's time)."""
+  keys = T.key_table(ablation)
+  return tuple((i, T.is_critical(keys[i]), tuple(T.parents(keys[i])))
+               for i in range(T.N_IDS) if T.is_well_formed(i))
+
+
 def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
           reserve: Mapping[int, float] | Sequence[float] = (), pooled: float = 0.0,
           b_d: float = 1.0, b_p: float = 1.0, sink: int = DEFAULT_SINK,
@@ -229,13 +240,9 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
   for i, e in entries.items():
     _check_entry(int(i), e, G)
     _check_ablated(int(i), e, ablation)
-  keys = T.key_table(ablation)
-  for i in range(T.N_IDS):
-    if not T.is_well_formed(i):
-      continue
-    key = keys[i]
-    crit[i] = T.is_critical(key)
-    for p in T.parents(key):
+  for i, critical, chain in _fallbacks(ablation):
+    crit[i] = critical
+    for p in chain:
       if p in entries:
         e = entries[p]
         action[i], floor[i] = e.action, e.floor

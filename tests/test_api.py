@@ -44,9 +44,12 @@ def test_readme_example_runs(monkeypatch):
   for o in outs:
     assert o.finish in ("stop", "length") and "\n\n" not in o.text and o.tokens
   # one code path: the CLI's generate gives the API's answer (same model object: its cached
-  # runner, no second compile)
-  from pask_jax import api, cli
-  monkeypatch.setattr(api, "load_model", lambda name, dtype="auto": ns["model"])
+  # runner, no second compile).  The CLI loads through pask_jax.platform.load_model (patching
+  # api.load_model, as this did before, left the CLI reading the GGUF and compiling again).
+  from pask_jax import cli, platform
+  monkeypatch.setattr(platform, "load_model",
+                      lambda name_or_path=None, **kw: ns["model"] if name_or_path is None
+                      else pytest.fail(f"the CLI loaded {name_or_path!r}"))
   cap = io.StringIO()
   with contextlib.redirect_stdout(cap):
     assert cli.main(["generate", "--prompt", "What's the weather in Tokyo?", "--tools",
@@ -181,6 +184,9 @@ def test_start_engine_takes_the_serve_sizing_options(smol):
                   (dict(hi_pages=0), "hi_pages must be None or a positive int")):
     with pytest.raises(ValueError, match=msg):
       pj.start_engine(smol, "demo", warmup=False, **kw)
+  for bad in (0, -5, 2.5, "128"):
+    with pytest.raises(ValueError, match="warmup must be True, False or a positive int"):
+      pj.start_engine(smol, "demo", warmup=bad)
   big = pj.start_engine(smol, "demo", slots=2, context=256, warmup=False)
   big.stop()
   e = pj.start_engine(smol, "demo", slots=2, context=256, kv_memory=0.004, kv_mix=(0.5, 0.5),

@@ -309,7 +309,8 @@ def targeted(setup, tmp_path_factory):
   out2 = str(tmp_path_factory.mktemp("targets"))
   shutil.copytree(os.path.join(out, "work"), os.path.join(out2, "work"))
   cfg = dataclasses.replace(CFG, targets=TARGETS)
-  C2 = alg1.Calibration(model, tok.hash(), C.cal, C.dev, out2, cfg, capacity=CAP)
+  C2 = alg1.Calibration(model, tok.hash(), C.cal, C.dev, out2, cfg, capacity=CAP,
+                        runner_for=C.runner_for)   # the setup's compiled stack runners
   return C2, C2.run(), out2, cfg
 
 
@@ -454,7 +455,8 @@ def windowed(setup, tmp_path_factory):
   shutil.copytree(os.path.join(out, "work"), os.path.join(out2, "work"),
                   ignore=shutil.ignore_patterns("dev_composed.npz"))
   cfg = dataclasses.replace(CFG, windows=(2, 8), targets=(0.5,))
-  C2 = alg1.Calibration(model, tok.hash(), C.cal, C.dev, out2, cfg, capacity=CAP)
+  C2 = alg1.Calibration(model, tok.hash(), C.cal, C.dev, out2, cfg, capacity=CAP,
+                        runner_for=C.runner_for)   # the setup's compiled stack runners (W = 4)
   return C2, C2.run(), out2, rec
 
 
@@ -578,7 +580,8 @@ def ablated(setup, tmp_path_factory):
       for name in shared:
         shutil.copy(stages.path(os.path.join(out0, "work"), name), stages.path(work, name))
       C = alg1.Calibration(model, tok.hash(), C0.cal, C0.dev, out,
-                           dataclasses.replace(ABL_CFG, ablation=ablation), capacity=CAP)
+                           dataclasses.replace(ABL_CFG, ablation=ablation), capacity=CAP,
+                           runner_for=C0.runner_for)   # the setup's compiled stack runners
       rec = C.run() if run_all else None
       assert "reference (cal)" not in C.timings
       runs[ablation, run_all] = (C, rec, out)

@@ -622,6 +622,11 @@ def test_warmup_compiles_every_prefill_bucket_up_to_the_context(monkeypatch):
   sent = []
   real = e.submit
   monkeypatch.setattr(e, "submit", lambda r: sent.append(len(r.ids)) or real(r))
+  e.warmup(max_prompt=60)   # only the buckets of prompts up to 60 tokens
+  assert sorted({bucket(n) for n in sent}) == [32, 48, 64], sent
+  with pytest.raises(ValueError, match="max_prompt must be None or a positive int"):
+    e.warmup(max_prompt=0)
+  sent.clear()
   e.warmup()
   assert sorted({bucket(n) for n in sent}) == [32, 48, 64, 96, 128, 192], sent
   assert all(n + 2 <= CTX for n in sent)

@@ -178,15 +178,21 @@ class Engine(Loop):
       if max_iterations is not None and n >= max_iterations:
         raise RuntimeError(f"engine not idle after {n} iterations")
 
-  def warmup(self) -> None:
+  def warmup(self, max_prompt: int | None = None) -> None:
     """Compile the decode step and every prefill bucket up to ``PREFILL_CHUNK`` tokens (and the
     context) before serving (call before :meth:`start`): one dummy request per bucket, of two
     new tokens.  Otherwise the first prompt of each bucket would compile its prefill pieces,
     plan and insert on the engine thread while every running stream waits.  Longer buckets
-    (chunk multiples) compile on first use."""
+    (chunk multiples) compile on first use.  ``max_prompt``: only the buckets that prompts of
+    at most that many tokens use (where prompts are known to be short: a faster start; longer
+    prompts compile theirs on first use)."""
+    if max_prompt is not None and (isinstance(max_prompt, bool) or not isinstance(max_prompt, int)
+                                   or max_prompt < 1):
+      raise ValueError(f"max_prompt must be None or a positive int, got {max_prompt!r}")
     tok = self.tok.stop_ids[0] if self.tok.stop_ids else 0
+    top = PREFILL_CHUNK if max_prompt is None else min(max_prompt, PREFILL_CHUNK)
     n, sizes = 1, []
-    while n + 2 <= self.context and n <= PREFILL_CHUNK:
+    while n + 2 <= self.context and n <= top:   # n: the first length of a bucket
       sizes.append(n)
       n = bucket(n, self.sched.prefill_chunk) + 1   # the first length of the next bucket
     for n in sizes:
