@@ -121,6 +121,11 @@ def _drop_compiled_programs():
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
 GROUPS = {f: "serve" for f in ("test_serve.py", "test_serve_vllm.py", "test_serve_openai.py",
                                "test_serve_hostile.py")}
+# libtpu (the ahead-of-time TPU compiles) holds a lock file per machine: two worker processes
+# that both load it fail with "Internal error when accessing libtpu multi-process lockfile", so
+# the files that compile for TPU run in one worker.
+GROUPS.update({f: "libtpu" for f in ("test_pallas_aot.py", "test_pallas_sph_tpu.py",
+                                     "test_pallas_compare.py")})
 
 
 def _unit(nodeid: str) -> str:
