@@ -73,3 +73,15 @@ def scale_bits(scale: jax.Array) -> jax.Array:
   u = jax.lax.bitcast_convert_type(scale, jnp.uint16)            # [..., 2]
   u = u.astype(jnp.uint32)
   return jax.lax.bitcast_convert_type(u[..., 0] | (u[..., 1] << 16), jnp.int32)
+
+
+def combine_partials(o, m, l, axis):
+  """Unnormalized partials (log2 units) along ``axis`` -> one unnormalized partial (o, m, l),
+  ``axis`` removed; empty partials (l = 0) contribute nothing, all empty gives (0, NEG, 0)."""
+  live = l > 0
+  mm = jnp.where(live, m, -jnp.inf)
+  v = jnp.max(mm, axis=axis, keepdims=True)
+  v = jnp.where(jnp.isfinite(v), v, NEG)
+  w = jnp.where(live, jnp.exp2(mm - v), 0.0)
+  o = jnp.sum(jnp.where(live[..., None], o, 0.0) * w[..., None], axis=axis)
+  return o, jnp.squeeze(v, axis), jnp.sum(jnp.where(live, l, 0.0) * w, axis=axis)

@@ -287,6 +287,18 @@ _fraction = _arg(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 _share = _arg(float, lambda v: 0 < v < 1, "a fraction in (0, 1)")
 
 
+def _task_args(p) -> None:
+  """--task / --data / --seed, as eval and tune take them."""
+  p.add_argument("--task", choices=["bfcl", "jsonl"], default="bfcl",
+                 help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
+                      "calibrate --task jsonl reads (split test: every case of the file; cal / "
+                      "dev: calibration's 1:1 split of it by --seed) (default: bfcl)")
+  p.add_argument("--data", default=None, metavar="FILE",
+                 help="--task jsonl: the task file (see calibrate/tasks.py)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="--task jsonl: the seed of the cal/dev split (as calibrate's --seed)")
+
+
 def main(argv: list[str] | None = None) -> int:
   platform.pick()
   ap = argparse.ArgumentParser(prog="pask-jax", description="PASK structured-generation KV tools")
@@ -413,14 +425,7 @@ def main(argv: list[str] | None = None) -> int:
   e = sub.add_parser("eval", help="accuracy and measured KV budget of one method on BFCL or "
                                   "a JSONL task file")
   e.add_argument("--model", default=None, help="as for generate (default: smollm2-135m-instruct)")
-  e.add_argument("--task", choices=["bfcl", "jsonl"], default="bfcl",
-                 help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
-                      "calibrate --task jsonl reads (split test: every case of the file; cal / "
-                      "dev: calibration's 1:1 split of it by --seed) (default: bfcl)")
-  e.add_argument("--data", default=None, metavar="FILE",
-                 help="--task jsonl: the task file (see calibrate/tasks.py)")
-  e.add_argument("--seed", type=int, default=0,
-                 help="--task jsonl: the seed of the cal/dev split (as calibrate's --seed)")
+  _task_args(e)
   e.add_argument("--split", choices=["cal", "dev", "test"], default="test")
   e.add_argument("--method", required=True, help="one of " + ", ".join(METHODS))
   e.add_argument("--budget", type=float, default=None,
@@ -447,14 +452,7 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument("--out", required=True, help="output directory")
   t = sub.add_parser("tune", help="tune baseline knobs on the development split (paper C.3)")
   t.add_argument("--model", default=None)
-  t.add_argument("--task", choices=["bfcl", "jsonl"], default="bfcl",
-                 help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
-                      "calibrate --task jsonl reads (split test: every case of the file; cal / "
-                      "dev: calibration's 1:1 split of it by --seed) (default: bfcl)")
-  t.add_argument("--data", default=None, metavar="FILE",
-                 help="--task jsonl: the task file (see calibrate/tasks.py)")
-  t.add_argument("--seed", type=int, default=0,
-                 help="--task jsonl: the seed of the cal/dev split (as calibrate's --seed)")
+  _task_args(t)
   t.add_argument("--methods", nargs="+", default=["h2o", "snapkv", "mikv"])
   t.add_argument("--budget", type=float, nargs="+", default=[0.33],
                  help="target B the knobs are tuned at; several: one Full-KV run for all, each "

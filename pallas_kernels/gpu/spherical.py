@@ -233,18 +233,6 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref,
   plgpu.store(l_ref, l, mask=row_ok)
 
 
-def _combine(o, m, l, axis):
-  """Unnormalized partials along ``axis`` -> one (o, m, l) with ``axis`` removed; empty ones
-  (l = 0) contribute nothing, all empty gives (0, NEG, 0)."""
-  live = l > 0
-  mm = jnp.where(live, m, -jnp.inf)
-  v = jnp.max(mm, axis=axis, keepdims=True)
-  v = jnp.where(jnp.isfinite(v), v, common.NEG)
-  w = jnp.where(live, jnp.exp2(mm - v), 0.0)
-  o = jnp.sum(jnp.where(live[..., None], o, 0.0) * w[..., None], axis=axis)
-  return o, jnp.squeeze(v, axis), jnp.sum(jnp.where(live, l, 0.0) * w, axis=axis)
-
-
 def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, block, splits,
           chunk, num_warps, num_stages, qk_passes, exact_pv, int4_dequant, interpret):
   """One tier: qs [B, Hkv, 4, M, D/2] bf16, beta [B, Hkv, M] -> o [B, Hkv, M, D], m, l
@@ -297,7 +285,7 @@ def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, 
   )(meta, pages.astype(jnp.int32), qs, beta, ang, side, val)
   if splits == 1:
     return o[:, :, 0], m[:, :, 0], l[:, :, 0]
-  return _combine(o, m, l, axis=2)
+  return common.combine_partials(o, m, l, axis=2)
 
 
 def check(q: jax.Array, sph: SphInputs, stacked: bool = False) -> None:

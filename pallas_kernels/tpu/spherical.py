@@ -253,18 +253,6 @@ def _kernel(lens_ref, tbl_ref, lay_ref, q_ref, beta_ref, tab_ref, mat_ref, ang_r
       oh_ref[...] = acch[...]
 
 
-def _combine(o, m, l, axis):
-  """Unnormalized partials along ``axis`` -> one unnormalized partial (o, m, l), ``axis``
-  removed; empty partials (l = 0) contribute nothing, all empty gives (0, NEG, 0)."""
-  live = l > 0
-  mm = jnp.where(live, m, -jnp.inf)
-  v = jnp.max(mm, axis=axis, keepdims=True)
-  v = jnp.where(jnp.isfinite(v), v, common.NEG)
-  w = jnp.where(live, jnp.exp2(mm - v), 0.0)
-  o = jnp.sum(jnp.where(live[..., None], o, 0.0) * w[..., None], axis=axis)
-  return o, jnp.squeeze(v, axis), jnp.sum(jnp.where(live, l, 0.0) * w, axis=axis)
-
-
 def _tier(qr, beta, pool: SphPool, pages, length, ts: TierSpec, lay, *, c, splits, exact_pv,
           interpret):
   """One tier: qr [B, Hkv, G, D] f32 (rotated query, G padded to 8), beta [B, Hkv, G] ->
@@ -334,7 +322,7 @@ def _tier(qr, beta, pool: SphPool, pages, length, ts: TierSpec, lay, *, c, split
   m, l = outs[-2][..., 0], outs[-1][..., 0]
   if ns == 1:
     return o[:, :, 0], m[:, :, 0], l[:, :, 0]
-  return _combine(o, m, l, axis=2)
+  return common.combine_partials(o, m, l, axis=2)
 
 
 def check(q: jax.Array, sph: SphInputs, stacked: bool = False) -> None:
