@@ -24,7 +24,7 @@ from pallas_kernels import reference
 from pallas_kernels.gpu import aot as gpu_aot
 from pallas_kernels.gpu import decode_attention_sph_gpu, sph_partials_gpu
 from pallas_kernels.gpu import spherical as gpu_sph
-from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool, TierSpec
+from pallas_kernels.sph_types import TierSpec
 from pallas_kernels.testing import sph_synth
 from pallas_kernels.testing import synth
 
@@ -33,50 +33,12 @@ pytestmark = pytest.mark.fast_compile
 TOL = 3e-5   # the GPU kernel's interpret-mode tolerance (tests/test_pallas_gpu.py)
 
 
-def _zeros_sph(tiers, *, b, hkv, page, n, layers):
-  """Zero-filled stacked SphInputs of the right shapes (AOT compiles need no data)."""
-  lead = (layers,)
-  pools = tuple(SphPool(jnp.zeros(lead + (b * hkv * n, page, ts.code_bytes), jnp.uint8),
-                        jnp.zeros(lead + (b * hkv * n, page), jnp.uint32),
-                        jnp.zeros(lead + (b * hkv * n, page, ts.value_width),
-                                  jnp.bfloat16 if ts.values == "bf16" else jnp.uint8))
-                for ts in tiers)
-  maps = SphMaps(tuple(jnp.zeros((b, hkv, n), jnp.int32) for _ in tiers),
-                 tuple(jnp.full((b, hkv), n * page - 3, jnp.int32) for _ in tiers))
-  d = tiers[0].d
-  consts = SphConsts(jnp.ones(lead + (d,), jnp.float32), jnp.zeros(lead + (hkv, d), jnp.float32))
-  return SphInputs(pools, maps, consts, tuple(tiers))
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert np.isfinite(a).all()
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def _per_tier(o, m, l, k):
-  """Tier k's partial, normalized: [B, Hkv, g, D] (0 where the tier is empty)."""
-  return common.merge(o[:, :, k:k + 1], m[:, :, k:k + 1], l[:, :, k:k + 1], axis=2)[0]
-
-
 def _compare(q, sph, layer=None, **kw):
   """Kernel partials against sph_partials, tier by tier -> the largest relative error."""
   got = sph_partials_gpu(q, sph, layer, interpret=True, **kw)
   want = reference.sph_partials(q, sph, layer, scale=kw.get("scale"))
-  assert [x.shape for x in got] == [x.shape for x in want]
-  errs = []
-  for k in range(len(sph.spec)):
-    live = np.asarray(want[2][:, :, k]) > 0
-    np.testing.assert_array_equal(np.asarray(got[2][:, :, k]) > 0, live)
-    if not live.any():
-      assert not np.asarray(got[0][:, :, k]).any()
-      continue
-    errs.append(_rel(_per_tier(*got, k), _per_tier(*want, k)))
-    tier = lambda x: np.asarray(x[:, :, k])[live]
-    # Max logits (log2 units): the three-pass bf16 MMAs carry ~2^-16 of |q'|·r̃·scale per term.
-    np.testing.assert_allclose(tier(got[1]), tier(want[1]), rtol=1e-5, atol=1e-4)
-    errs.append(_rel(tier(got[2]), tier(want[2])))
-  return max(errs)
+  # Max logits (log2 units): the three-pass bf16 MMAs carry ~2^-16 of |q'|·r̃·scale per term.
+  return sph_synth.compare_tiers(got, want, logit_atol=1e-4)
 
 
 def test_sincos_polynomial():
@@ -141,11 +103,11 @@ def test_decode_attention_gpu_backend_with_tiers_and_stacked_layers(monkeypatch)
   want, want_lse = sph_synth.naive(*one, sph1)
   assert out.dtype == jnp.bfloat16 and out.shape == (s.b, s.hq, s.d)
   assert synth.rel_err(out, want) < 6e-3                            # BF16 output rounding only
-  assert _rel(lse, want_lse) <= 1e-5
+  assert synth.rel_err(lse, want_lse) <= 1e-5
   # The f32 outputs before the BF16 cast, against the reference partials merged the same way.
   o, m, l = sph_partials_gpu(args[0], sph, jnp.int32(layer), interpret=True, qk_passes=1)
   ro, rm, rl = reference.sph_partials(args[0], sph, layer)
-  err1 = _rel(common.merge(o, m, l, 2)[0], common.merge(ro, rm, rl, 2)[0])
+  err1 = synth.rel_err(common.merge(o, m, l, 2)[0], common.merge(ro, rm, rl, 2)[0])
   assert 1e-5 < err1 < 2e-2, err1          # one bf16 pass is rounded; three passes are exact
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert pk.resolve_backend("auto") == "gpu"
@@ -159,7 +121,7 @@ def test_errors_are_one_line():
     sph_partials_gpu(jnp.ones((1, 4, 128)), sph, interpret=True)
   with pytest.raises(ValueError, match="^query heads 5 not a multiple of KV heads 2"):
     sph_partials_gpu(jnp.ones((1, 5, d)), sph, interpret=True)
-  small = _zeros_sph([TierSpec("A2", "bf16", 16)], b=1, hkv=2, page=8, n=1, layers=1)
+  small = sph_synth.zeros([TierSpec("A2", "bf16", 16)], b=1, hkv=2, page=8, n=1, layers=1)
   with pytest.raises(ValueError, match="^the GPU tier kernel needs head dim >= 32"):
     sph_partials_gpu(jnp.ones((1, 2, 16)), small, 0, interpret=True)
   with pytest.raises(ValueError, match=r"^a A2 tier pool at D=64 needs ang \[L, P, page, NB\]"):
@@ -188,7 +150,7 @@ AOT_SHAPES = {"12q2kv_d128": (12, 128, ("bf16", "int4", "bf16")),
 def test_tier_kernel_compiles_to_sm90a_within_limits(shape):
   hq, d, values = AOT_SHAPES[shape]
   tiers = [TierSpec(lay, val, d) for lay, val in zip(("A4", "A42", "A2"), values)]
-  sph = _zeros_sph(tiers, b=2, hkv=2, page=16, n=64, layers=2)
+  sph = sph_synth.zeros(tiers, b=2, hkv=2, page=16, n=64, layers=2)
   reps = gpu_aot.report(sph_partials_gpu, jnp.zeros((2, hq, d), jnp.bfloat16), sph, jnp.int32(1))
   assert [r.name for r in reps] == [f"sph_tier_{t.layout}_{t.values}_gpu" for t in tiers]
   for r in reps:

@@ -18,10 +18,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels as pk
-from pallas_kernels import common
 from pallas_kernels import reference
 from pallas_kernels import spherical
-from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool, TierSpec
+from pallas_kernels.sph_types import TierSpec
 from pallas_kernels.testing import sph_synth
 from pallas_kernels.testing import synth
 from pallas_kernels.tpu import aot as tpu_aot
@@ -33,51 +32,11 @@ pytestmark = pytest.mark.fast_compile
 TOL = 3e-5   # the INT4 partition's interpret-mode tolerance (tests/test_pallas_tpu.py)
 
 
-def _zeros_sph(tiers, *, b, hkv, page, n, layers=None):
-  """Zero-filled SphInputs of the right shapes (AOT compiles and errors need no data, and no
-  CPU compile to make it)."""
-  lead = () if layers is None else (layers,)
-  pools = tuple(SphPool(jnp.zeros(lead + (b * hkv * n, page, ts.code_bytes), jnp.uint8),
-                        jnp.zeros(lead + (b * hkv * n, page), jnp.uint32),
-                        jnp.zeros(lead + (b * hkv * n, page, ts.value_width),
-                                  jnp.bfloat16 if ts.values == "bf16" else jnp.uint8))
-                for ts in tiers)
-  maps = SphMaps(tuple(jnp.zeros((b, hkv, n), jnp.int32) for _ in tiers),
-                 tuple(jnp.full((b, hkv), n * page - 3, jnp.int32) for _ in tiers))
-  d = tiers[0].d
-  consts = SphConsts(jnp.ones(lead + (d,), jnp.float32), jnp.zeros(lead + (hkv, d), jnp.float32))
-  return SphInputs(pools, maps, consts, tuple(tiers))
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert np.isfinite(a).all()
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
-def _per_tier(o, m, l, k):
-  """Tier k's partial, normalized: [B, Hkv, g, D] (0 where the tier is empty)."""
-  return common.merge(o[:, :, k:k + 1], m[:, :, k:k + 1], l[:, :, k:k + 1], axis=2)[0]
-
-
 def _compare(q, sph, layer=None, **kw):
   """Kernel partials against sph_partials, tier by tier -> the largest relative error."""
   got = sph_partials_tpu(q, sph, layer, interpret=kw.pop("interpret", True), **kw)
   want = reference.sph_partials(q, sph, layer, scale=kw.get("scale"))
-  assert [x.shape for x in got] == [x.shape for x in want]
-  errs = []
-  for k in range(len(sph.spec)):
-    live = np.asarray(want[2][:, :, k]) > 0
-    # Empty exactly where the reference is empty; the stats of live rows agree.
-    np.testing.assert_array_equal(np.asarray(got[2][:, :, k]) > 0, live)
-    if not live.any():
-      assert not np.asarray(got[0][:, :, k]).any()
-      continue
-    errs.append(_rel(_per_tier(*got, k), _per_tier(*want, k)))
-    tier = lambda x: np.asarray(x[:, :, k])[live]
-    np.testing.assert_allclose(tier(got[1]), tier(want[1]), rtol=1e-5, atol=1e-5)
-    errs.append(_rel(tier(got[2]), tier(want[2])))
-  return max(errs)
+  return sph_synth.compare_tiers(got, want, logit_atol=1e-5)
 
 
 def test_plan_places_every_code_once():
@@ -161,7 +120,7 @@ def test_decode_attention_tpu_backend_with_tiers_and_stacked_layers(monkeypatch)
   want, want_lse = sph_synth.naive(*one, sph1)
   assert out.dtype == jnp.bfloat16 and out.shape == (s.b, s.hq, s.d)
   assert synth.rel_err(out, want) < 6e-3                            # BF16 output rounding only
-  assert _rel(lse, want_lse) <= 1e-5
+  assert synth.rel_err(lse, want_lse) <= 1e-5
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   assert pk.resolve_backend("auto") == "tpu"
   auto_out, auto_lse = f("auto")
@@ -177,7 +136,7 @@ def test_errors_are_one_line():
     sph_partials_tpu(jnp.ones((1, 4, 128)), sph, interpret=True)
   with pytest.raises(ValueError, match="^query heads 5 not a multiple of KV heads 2"):
     sph_partials_tpu(jnp.ones((1, 5, d)), sph, interpret=True)
-  big = _zeros_sph([TierSpec("A2", "bf16", 1024)], b=1, hkv=2, page=8, n=1)
+  big = sph_synth.zeros([TierSpec("A2", "bf16", 1024)], b=1, hkv=2, page=8, n=1)
   with pytest.raises(ValueError, match="^the TPU tier kernel takes head dims up to 512, got 1024"):
     sph_partials_tpu(jnp.ones((1, 2, 1024)), big, interpret=True)
   with pytest.raises(ValueError, match=r"^a A2 tier pool at D=64 needs ang \[L, P, page, NB\]"):
@@ -205,7 +164,7 @@ def test_tier_kernel_compiles_for_generation(gen):
   args = synth.stack_layers(case.make(poison=False))
   tiers = [TierSpec(lay, val, d) for lay, val in zip(spherical.LAYOUTS, values)]
   n = 64                                        # pages per (sequence, head) of every tier
-  sph = _zeros_sph(tiers, b=b, hkv=hkv, page=16, n=n, layers=2)
+  sph = sph_synth.zeros(tiers, b=b, hkv=hkv, page=16, n=n, layers=2)
   comp = tpu_aot.compile_for(gen, decode_attention_sph_tpu, *args, sph, jnp.int32(1), splits=2,
                              return_lse=True)
   txt = comp.as_text()

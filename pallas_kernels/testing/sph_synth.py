@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import common
 from pallas_kernels import int4
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool
@@ -186,3 +187,45 @@ def naive(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, sph: Sph
 
 
 __all__ = ["NAN_F16_BITS", "decoded_rows", "layer_of", "make", "naive", "unpack_numpy"]
+
+
+def zeros(tiers, *, b: int, hkv: int, page: int, n: int, layers: int | None = None) -> SphInputs:
+  """Zero-filled SphInputs of the right shapes, stacked over ``layers`` when given: for
+  ahead-of-time compiles and argument errors, which need shapes and no data."""
+  lead = () if layers is None else (layers,)
+  pools = tuple(SphPool(jnp.zeros(lead + (b * hkv * n, page, ts.code_bytes), jnp.uint8),
+                        jnp.zeros(lead + (b * hkv * n, page), jnp.uint32),
+                        jnp.zeros(lead + (b * hkv * n, page, ts.value_width),
+                                  jnp.bfloat16 if ts.values == "bf16" else jnp.uint8))
+                for ts in tiers)
+  maps = SphMaps(tuple(jnp.zeros((b, hkv, n), jnp.int32) for _ in tiers),
+                 tuple(jnp.full((b, hkv), n * page - 3, jnp.int32) for _ in tiers))
+  d = tiers[0].d
+  consts = SphConsts(jnp.ones(lead + (d,), jnp.float32), jnp.zeros(lead + (hkv, d), jnp.float32))
+  return SphInputs(pools, maps, consts, tuple(tiers))
+
+
+def tier_partial(o, m, l, k: int):
+  """Tier k's partial of ``(o, m, l)`` with tiers on axis 2, normalized: [B, Hkv, g, D] (0
+  where the tier is empty)."""
+  return common.merge(o[:, :, k:k + 1], m[:, :, k:k + 1], l[:, :, k:k + 1], axis=2)[0]
+
+
+def compare_tiers(got, want, *, logit_atol: float) -> float:
+  """A tier kernel's partials against :func:`pallas_kernels.reference.sph_partials`, tier by
+  tier -> the largest relative error norm.  Asserts what must hold exactly: the shapes, a tier
+  empty exactly where the reference's is (and then its output all zero), finite outputs; and the
+  max logits of live rows within ``logit_atol`` (log2 units)."""
+  assert [x.shape for x in got] == [x.shape for x in want]
+  errs = []
+  for k in range(got[0].shape[2]):
+    live = np.asarray(want[2][:, :, k]) > 0
+    np.testing.assert_array_equal(np.asarray(got[2][:, :, k]) > 0, live)
+    if not live.any():
+      assert not np.asarray(got[0][:, :, k]).any()
+      continue
+    errs.append(synth.rel_err(tier_partial(*got, k), tier_partial(*want, k)))
+    tier = lambda x: np.asarray(x[:, :, k])[live]  # noqa: E731
+    np.testing.assert_allclose(tier(got[1]), tier(want[1]), rtol=1e-5, atol=logit_atol)
+    errs.append(synth.rel_err(tier(got[2]), tier(want[2])))
+  return max(errs)
