@@ -56,20 +56,20 @@ def _online(carry, s, valid):
   return p, alpha, m_new, l_new
 
 
-def _split_bf16(x):
+def split_bf16(x):
   """f32 -> (hi, lo) bf16 with hi + lo == x to ~2^-17: two MMAs give a near-FP32 p @ V."""
   hi = x.astype(jnp.bfloat16)
   return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _pv(p, v, exact, with_sum=False):
+def p_at_v(p, v, exact, with_sum=False):
   """p [M, bk] f32 @ v [bk, N] bf16 -> [M, N] f32 (and the row sums of the p really used)."""
   if not exact:
     pb = p.astype(v.dtype)
     out = plgpu.dot(pb, v)
     fed = pb.astype(jnp.float32)
   else:
-    hi, lo = _split_bf16(p)
+    hi, lo = split_bf16(p)
     out = plgpu.dot(hi, v) + plgpu.dot(lo, v)
     fed = hi.astype(jnp.float32) + lo.astype(jnp.float32)
   return (out, jnp.sum(fed, axis=1)) if with_sum else out
@@ -123,7 +123,7 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
       s = plgpu.dot(q, k, trans_b=True) * c                                    # [M, bk] f32
       p, alpha, m, l = _online((m, l), s, valid)
       v = _gather(v_ref, rows, valid, 0.0)
-      o = o * alpha[:, None] + _pv(p, v, exact_pv)
+      o = o * alpha[:, None] + p_at_v(p, v, exact_pv)
       return o, m, l
 
     n = pl.cdiv(jnp.maximum(end - start, 0), bk)
@@ -170,8 +170,8 @@ def _kernel(lens_ref, q_ref, *refs, g, exact_pv, exact_pv_lo, int4_dequant, int4
       pv = p * vs[None, :]
       vl, vh = unpack_halves(vraw, int4_dequant)
       # Same offset on the V side: p . (code + OFF) - OFF * sum(p), with the p actually fed.
-      ol_b, psum = _pv(pv, vl, exact_pv_lo, with_sum=True)
-      oh_b = _pv(pv, vh, exact_pv_lo)
+      ol_b, psum = p_at_v(pv, vl, exact_pv_lo, with_sum=True)
+      oh_b = p_at_v(pv, vh, exact_pv_lo)
       ol = ol * alpha[:, None] + (ol_b - off * psum[:, None])
       oh = oh * alpha[:, None] + (oh_b - off * psum[:, None])
       return ol, oh, m, l

@@ -51,7 +51,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels import spherical
-from pallas_kernels.gpu.decode import BITS_OFFSET, offsets_fit, partials_gpu, unpack_halves
+from pallas_kernels.gpu.decode import (BITS_OFFSET, offsets_fit, p_at_v, partials_gpu,
+                                       split_bf16, unpack_halves)
 from pallas_kernels.reference import lse_of, sph_rotation
 from pallas_kernels.sph_types import SphInputs, SphPool, TierSpec
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
@@ -113,23 +114,6 @@ def sincos(theta):
   return cos, sin
 
 
-def _split_bf16(x):
-  hi = x.astype(jnp.bfloat16)
-  return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-
-
-def _pv(p, v, exact, with_sum=False):
-  """p [M, bk] f32 @ v [bk, N] bf16 -> [M, N] f32 (and the row sums of the p really fed)."""
-  if not exact:
-    pb = p.astype(jnp.bfloat16)
-    out, fed = plgpu.dot(pb, v), pb.astype(jnp.float32)
-  else:
-    hi, lo = _split_bf16(p)
-    out = plgpu.dot(hi, v) + plgpu.dot(lo, v)
-    fed = hi.astype(jnp.float32) + lo.astype(jnp.float32)
-  return (out, jnp.sum(fed, axis=1)) if with_sum else out
-
-
 def _gather(ref, rows, cols, valid, other):
   """ref [R, C], rows [bk], cols [w] -> [bk, w] (masked rows read ``other``)."""
   return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=other)
@@ -173,7 +157,7 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref,
     return sincos(a + code.astype(jnp.float32) * dl)
 
   def dot3(qh, ql, u):
-    uh, ul = _split_bf16(u)
+    uh, ul = split_bf16(u)
     out = plgpu.dot(qh, uh, trans_b=True)
     if qk_passes == 3:
       out += plgpu.dot(qh, ul, trans_b=True) + plgpu.dot(ql, uh, trans_b=True)
@@ -209,13 +193,13 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref,
       vraw = _gather(v_ref, rows, jnp.arange(h2), valid, 0)                # [bk, D/2] u8
       vl, vh = unpack_halves(vraw, int4_dequant)
       off = 0.0 if int4_dequant == "cvt" else BITS_OFFSET
-      ol_b, psum = _pv(pv, vl, exact_pv, with_sum=True)
-      oh_b = _pv(pv, vh, exact_pv)
+      ol_b, psum = p_at_v(pv, vl, exact_pv, with_sum=True)
+      oh_b = p_at_v(pv, vh, exact_pv)
       o_new = (o_parts[0] * alpha[:, None] + (ol_b - off * psum[:, None]),
                o_parts[1] * alpha[:, None] + (oh_b - off * psum[:, None]))
     else:
       v = _gather(v_ref, rows, jnp.arange(d), valid, 0.0)                 # [bk, D] bf16
-      o_new = (o_parts[0] * alpha[:, None] + _pv(p, v, exact_pv),)
+      o_new = (o_parts[0] * alpha[:, None] + p_at_v(p, v, exact_pv),)
     return (*o_new, m_new, l_new)
 
   n = pl.cdiv(jnp.maximum(end - start, 0), bk)
@@ -347,8 +331,8 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   qf = jnp.pad(qf, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
   qr = jnp.einsum("bhgd,ed->bhge", qf, sph_rotation(signs), precision=HIGHEST)
   beta = jnp.einsum("bhgd,hd->bhg", qf, mu.astype(jnp.float32), precision=HIGHEST)
-  qe_h, qe_l = _split_bf16(qr[..., 0::2])
-  qo_h, qo_l = _split_bf16(qr[..., 1::2])
+  qe_h, qe_l = split_bf16(qr[..., 0::2])
+  qo_h, qo_l = split_bf16(qr[..., 1::2])
   qs = jnp.stack([qe_h, qe_l, qo_h, qo_l], 2)                         # [B, Hkv, 4, M, D/2]
   c = common.default_scale(d, scale) * common.LOG2E
   if interpret and int4_dequant == "asm":

@@ -35,7 +35,7 @@ from pallas_kernels import common
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 
-def _pv(p, v, exact):
+def p_at_v(p, v, exact):
   """p [H, R] f32 @ v [R, N] bf16 -> f32; ``exact`` splits p into a bf16 hi + lo pair."""
   f = lambda a: jnp.dot(a, v, preferred_element_type=jnp.float32)
   if not exact:
@@ -111,7 +111,7 @@ def _kernel(lens_ref, tlo_ref, thi_ref, lay_ref, *refs, exact_pv, hkv, g, page_l
     ok = visible(k.shape[0], base, length)
     p = softmax_step(nt(q_ref[0], k) * c, ok)
     v = jnp.where(row_ok(k.shape[0], base, length), v_ref[0], 0)
-    acc[...] += _pv(p, v, exact_pv)
+    acc[...] += p_at_v(p, v, exact_pv)
 
   def nibbles(x):  # int8 [R, D/2] -> bf16 low half, high half (codes exact in bf16)
     x = x.astype(jnp.int32)
@@ -134,8 +134,8 @@ def _kernel(lens_ref, tlo_ref, thi_ref, lay_ref, *refs, exact_pv, hkv, g, page_l
       # Garbage (NaN) scales of invisible rows must not reach p @ v.
       pv = jnp.where(ok, p * vs, 0.0)
       vl, vh = nibbles(vlo_ref[0])
-      acc4l[...] += _pv(pv, vl, exact_pv)
-      acc4h[...] += _pv(pv, vh, exact_pv)
+      acc4l[...] += p_at_v(pv, vl, exact_pv)
+      acc4h[...] += p_at_v(pv, vh, exact_pv)
 
   if has_hi:
     hi_len = lens_ref[3 * b + 1]

@@ -52,7 +52,7 @@ from pallas_kernels import common
 from pallas_kernels import spherical
 from pallas_kernels.reference import lse_of, sph_rotation
 from pallas_kernels.sph_types import SphInputs, SphPool, TierSpec
-from pallas_kernels.tpu.decode import partials_tpu
+from pallas_kernels.tpu.decode import p_at_v, partials_tpu
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 HIGHEST = lax.Precision.HIGHEST
@@ -146,15 +146,6 @@ def plan(ts: TierSpec) -> _Plan:
                np.stack([sel[m] for m in mats]).astype(np.float32), qidx, qmask)
 
 
-def _pv(p, v, exact):
-  """p [G, R] f32 @ v [R, N] bf16 -> f32; ``exact`` feeds p as a bf16 hi + lo pair."""
-  f = lambda a: jnp.dot(a, v, preferred_element_type=jnp.float32)
-  if not exact:
-    return f(p.astype(jnp.bfloat16))
-  hi = p.astype(jnp.bfloat16)
-  return f(hi) + f((p - hi.astype(jnp.float32)).astype(jnp.bfloat16))
-
-
 def _lane_const(row: np.ndarray, shape) -> jax.Array | int:
   """A per-lane int32 constant ``row [NB]`` as a python int (uniform) or an iota select."""
   vals = sorted(set(int(x) for x in row))
@@ -237,12 +228,12 @@ def _kernel(lens_ref, tbl_ref, lay_ref, q_ref, beta_ref, tab_ref, mat_ref, ang_r
       xv = v_ref[...].astype(jnp.int32)                             # [page, D/2]
       nib = lambda k: lax.shift_right_arithmetic(lax.shift_left(xv, k), 28).astype(
           jnp.float32).astype(jnp.bfloat16)
-      acc[...] = alpha * acc[...] + _pv(pv, nib(28), exact_pv)
-      acch[...] = alpha * acch[...] + _pv(pv, nib(24), exact_pv)
+      acc[...] = alpha * acc[...] + p_at_v(pv, nib(28), exact_pv)
+      acch[...] = alpha * acch[...] + p_at_v(pv, nib(24), exact_pv)
     else:
       row = t * page + lax.broadcasted_iota(jnp.int32, (page, 1), 0)
       v = jnp.where(row < length, v_ref[...], 0)                    # NaN rows stay out
-      acc[...] = alpha * acc[...] + _pv(p, v, exact_pv)
+      acc[...] = alpha * acc[...] + p_at_v(p, v, exact_pv)
 
   @pl.when(i == steps - 1)
   def _():
