@@ -181,19 +181,24 @@ def test_whole_fused_call_lowers_for_cuda(b, hq, hkv, d, kw):
   assert "mosaic_gpu" in text and "triton" not in text      # one kernel, no Triton launch
 
 
-@pytest.mark.parametrize("case", ["tiny_lo", "tiny_hi", "tiny_mix"])
+@pytest.mark.parametrize("case", ["tiny_lo", "tiny_hi", "tiny_mix", "tiny_mix8"])
 def test_device_smoke_cases_lower_for_cuda(case):
   """The device script's first launches (bench/check_fused.py: the INT4 pipeline alone, the
-  BF16 pipeline alone, both; an empty INT4 partition and a one-key BF16 one) lower for CUDA
-  from the inputs that script builds, and its reference takes them."""
+  BF16 pipeline alone, both, both over 8 softmax columns; an empty INT4 partition and a one-key
+  BF16 one) lower for CUDA from the inputs that script builds (8 columns: where this jax has
+  the register concatenate), and its reference takes them."""
   from bench import check_fused as CF
-  s_lo, s_hi = CF.TINY[case]
+  s_lo, s_hi, cols = CF.TINY[case]
   args = CF.tiny_case().make(seed=5, lo_format="int4")
   kargs = CF.kernel_args(args, 7, s_lo, s_hi)
   kk = dict(splits_lo=s_lo, splits_hi=s_hi, qk_scale=0.1)
-  text = MX.partition_mixed.trace(*kargs, no_auto_barriers=True, **kk).lower(
+  lower = lambda: MX.partition_mixed.trace(*kargs, no_auto_barriers=True, cols=cols, **kk).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
+  if cols < mgpu_common.N_PAD and not mgpu_common.HAS_CONCAT:
+    with pytest.raises(ValueError, match="^cols=8 needs Pallas Mosaic GPU's concatenate"):
+      lower()
+  else:
+    assert "mosaic_gpu" in lower()
   o, ml = MX.partition_mixed_reference(*kargs, **kk)
   assert o.shape[1] == s_lo + s_hi and bool(jnp.isfinite(o).all())
   assert bool((ml[2:, :s_lo, MX.ML_ROWS // 2] == 0).all())    # sequence 1 (rows 2, 3): no INT4 key
@@ -205,7 +210,7 @@ def test_device_check_runs_smallest_cases_first():
   before the bench-size variants."""
   from bench import check_fused as CF
   ids = [c for c, _ in CF.case_list()]
-  assert ids[:3] == ["tiny_lo", "tiny_hi", "tiny_mix"]
+  assert ids[:4] == ["tiny_lo", "tiny_hi", "tiny_mix", "tiny_mix8"]
   assert max(i for i, c in enumerate(ids) if c.startswith("synth_")) < min(
       i for i, c in enumerate(ids) if c.startswith("big_"))
   assert ids.index("big_0.5B") < ids.index("big_4B")
