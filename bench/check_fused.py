@@ -25,8 +25,8 @@ Cases (``CASES``), in order:
 * ``synth_0.5B``, ``synth_4B`` (4B-like: 32 q / 8 KV heads, d128): the poisoned synth cases
   (NaN in invisible BF16 rows and scales, garbage table entries, shuffled pages; ragged lengths,
   an empty BF16 and an empty INT4 partition), the kernel's partials against its reference and
-  ``decode_attention_gpu(int4_kernel="fused")`` against the float32 reference, beside today's
-  path (``int4_kernel="mosaic"`` + Triton); a traced layer of a 3-layer stack.
+  ``decode_attention_gpu(int4_kernel="fused")`` against the float32 reference (the ragged case
+  beside today's path, ``int4_kernel="mosaic"`` + Triton); a traced layer of a 3-layer stack.
 * ``big_0.5B``, ``big_4B`` once per knob variant (``--variants``): the bench's size (B = 8, 32K
   keys, the B ~ 0.33 mix) against the float32 reference.
 
@@ -35,7 +35,8 @@ shared-memory loads and stores), ``tile_hi``, ``stages_lo``, ``stages_hi``, ``sp
 ``splits_hi``, ``cols`` (tiny cases: 8 or 16 softmax columns).
 
 Rehearsal without a GPU: ``--dry`` (the kernels' references in their place) and
-``CHECK_FUSED_FAKE_HANG=ID`` (case ID sleeps unless run with auto_barriers; ``ID:ab``: always),
+``CHECK_FUSED_FAKE_HANG=ID`` (case ID sleeps unless run with auto_barriers; ``ID:ab``: always;
+``ID:compile``: its last step logged a compile),
 through the device script: ``CHECK_ARGS=--dry CHECK_FUSED_FAKE_HANG=tiny_hi STAGE=smoke bash
 scripts/h200_fused.sh`` with ``python3`` and ``nvidia-smi`` on the path.
 """
@@ -214,6 +215,8 @@ def run_case(case: str, knobs: dict, log, dry: bool = False) -> list[dict]:
   fake = os.environ.get("CHECK_FUSED_FAKE_HANG", "")     # rehearsal of the device script's
   if fake.split(":")[0] == case and (":ab" in fake or not knobs.get("auto_barriers")):
     log("CHECK_FUSED_FAKE_HANG: sleeping as a hung kernel would")   # HANG path (CPU, --dry)
+    if ":compile" in fake:
+      log("fake: compiling")            # the device script's TIMEOUT_COMPILING path
     time.sleep(1e6)
 
   def check(name, fn):
@@ -252,7 +255,7 @@ def run_case(case: str, knobs: dict, log, dry: bool = False) -> list[dict]:
       check(f"{case} {c.name}: kernel partials vs partition_mixed_reference",
             lambda: check_partials(log, args, g, s_lo, s_hi, knobs, dry))
       check(f"{case} {c.name}: decode_attention fused vs float32 reference",
-            lambda: check_whole(log, args, knobs, dry))
+            lambda: check_whole(log, args, knobs, dry, mosaic_too=c.name == "ragged"))
 
     def stacked():
       args = synth.stack_layers(synth_cases(**kw)[0].make(seed=9, lo_format="int4"))
@@ -329,4 +332,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  rc = main()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # Results are written and flushed: skip the interpreter's and the GPU client's teardown, which
+  # a sick GPU can stall (the device script would then kill a finished case as hung).
+  os._exit(rc)

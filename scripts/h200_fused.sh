@@ -9,13 +9,14 @@
 # back. Now:
 # * every check case (bench/check_fused.py --list: the kernel alone with the INT4 pipeline only,
 #   the BF16 pipeline only, both; the synth cases per shape; the bench's size per knob variant)
-#   runs in its own process under `timeout -s KILL` (CASE_S, default 40 s; twice that for the
-#   synth cases, which compile ~10 kernels), smallest and least novel first;
+#   runs in its own process under `timeout -s KILL` (CASE_S, default 40 s; three times that for
+#   the synth cases, which compile ~10 kernels), smallest and least novel first;
 # * every step of a case (inputs built, compiling, compiled, running, ran, each check's result)
 #   is appended and flushed to $OUT/progress.log as it happens, and a Python stack dump of every
 #   thread 5 s before the kill, so a killed case shows how far it got and where it waited;
-# * a case killed at its timeout is a HANG (line in progress.log and results.jsonl, with its
-#   knobs), then: the GPU's health is probed (nvidia-smi and a one-op jax process, both under
+# * a case killed at its timeout while compiling is TIMEOUT_COMPILING (the GPU's health is
+#   probed, the next case runs); killed at any other step it is a HANG (a line in progress.log
+#   and results.jsonl, with its knobs and last step), then: the GPU's health is probed (nvidia-smi and a one-op jax process, both under
 #   KILL timeouts), the case is run again with auto_barriers=true (Pallas's barriers around
 #   shared-memory loads and stores kept), and if that passes too the later cases run with
 #   auto_barriers; if not (or the GPU is unwell), every later, riskier case is skipped (SKIP);
@@ -28,7 +29,7 @@
 #   timeout of the time left.
 # The whole run stays within LIMIT seconds (default 540, under the device's 600 s a command).
 # Back under $OUT (at most 7 files): progress.log (everything, in order), results.jsonl (one
-# JSON line a case: PASS / FAIL / HANG / SKIP / UNKILLABLE), cases.log (the cases' stderr:
+# JSON line a case: PASS / FAIL / HANG / TIMEOUT_COMPILING / SKIP / UNKILLABLE), cases.log (the cases' stderr:
 # tracebacks), mosaic_dump.tgz, kern.log, kern/kernels.{json,csv}.
 . scripts/h200_env.sh 2>/dev/null || export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -64,7 +65,7 @@ health() {                      # is the GPU still usable after a hang?
 }
 
 # run ID KNOBS TIMEOUT [dump]: one case in its own process -> 0 PASS, 1 FAIL, 2 HANG, 3 SKIP,
-# 4 UNKILLABLE. The process runs in the background under `timeout -s KILL`; we wait for it
+# 4 UNKILLABLE, 5 TIMEOUT_COMPILING (killed while its last step was a compile). The process runs in the background under `timeout -s KILL`; we wait for it
 # ourselves, at most 15 s past its timeout, so a process the KILL cannot end does not hold us.
 run() {
   local id=$1 knobs=$2 t=$3 dump=$4 left pid waited rc last out=/dev/null
@@ -96,13 +97,19 @@ run() {
   wait $pid; rc=$?
   case $rc in
     0) log "PASS $id $knobs"; return 0 ;;
-    124|137)
+    124|137)                    # killed: a hang, unless it was still compiling or done
       last=$(grep -F "  [$id" $P | tail -1 | cut -c1-240)
-      log "HANG $id $knobs: killed after ${t}s; its last step: ${last# }"
+      case $last in
+        *"] PASS in "*) log "PASS $id $knobs (killed at its exit, after its result)"; return 0 ;;
+        *"] FAIL in "*) log "FAIL $id $knobs (killed at its exit, after its result)"; return 1 ;;
+      esac
+      local st=HANG; [ "${last%: compiling}" != "$last" ] && st=TIMEOUT_COMPILING
+      log "$st $id $knobs: killed after ${t}s; its last step: ${last# }"
       jline "$(python3 -c 'import json, sys; print(json.dumps(dict(case=sys.argv[1], knobs=json.loads(
-        sys.argv[2]), status="HANG", timeout_s=int(sys.argv[3]), last=sys.argv[4].strip())))' \
-        "$id" "$knobs" $t "$last")"
-      return 2 ;;
+        sys.argv[2]), status=sys.argv[5], timeout_s=int(sys.argv[3]), last=sys.argv[4].strip())))' \
+        "$id" "$knobs" $t "$last" $st)"
+      [ $st = HANG ] && return 2
+      return 5 ;;
     *) log "FAIL $id $knobs (rc $rc; tracebacks in cases.log)"; return 1 ;;
   esac
 }
@@ -117,12 +124,14 @@ checks() {
     id=${line%%$'\t'*}; knobs=${line#*$'\t'}
     n=$((n + 1))
     [ "$STAGE" = smoke ] && [ "${id#tiny_}" = "$id" ] && continue
-    t=$CASE_S; [ "${id#synth_}" != "$id" ] && t=$((2 * CASE_S))
+    t=$CASE_S; [ "${id#synth_}" != "$id" ] && t=$((3 * CASE_S))
     [ -n "$AB" ] && knobs=$(with_ab "$knobs")
     dump=""; [ "${id#tiny_}" != "$id" ] && dump=1
     run "$id" "$knobs" $t $dump; rc=$?
     case $rc in
       1|4) FAILED=$((FAILED + 1)) ;;
+      5) FAILED=$((FAILED + 1))     # slow compile: no rerun, but is the GPU still there?
+         health || STOP="the GPU is unwell after $id timed out compiling" ;;
       2) if ! health; then
            FAILED=$((FAILED + 1)); STOP="the GPU is unwell after the hang of $id"
          elif [ -n "$AB" ]; then
@@ -148,7 +157,7 @@ import json, sys
 for l in sys.stdin:
   r = json.loads(l)
   errs = {k: v for c in r.get('checks', []) for k, v in c.items() if 'err' in k}
-  print(f\"  {r['status']:10s} {r['case']:11s} {json.dumps(r.get('knobs', {}))[:60]:60s} \"
+  print(f\"  {r['status']:17s} {r['case']:11s} {json.dumps(r.get('knobs', {}))[:60]:60s} \"
         f\"{json.dumps(errs)[:150]}\")" | tee -a $P
 }
 
