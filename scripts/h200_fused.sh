@@ -32,7 +32,7 @@
 # JSON line a case: PASS / FAIL / HANG / TIMEOUT_COMPILING / SKIP / UNKILLABLE), cases.log (the cases' stderr:
 # tracebacks), mosaic_dump.tgz, kern.log, kern/kernels.{json,csv}.
 . scripts/h200_env.sh 2>/dev/null || export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fused_out}
 mkdir -p $OUT
 LIMIT=${LIMIT:-540}
@@ -59,7 +59,8 @@ timeout -s KILL 30 python3 -c "import jax; print('jax', jax.__version__, jax.dev
 health() {                      # is the GPU still usable after a hang?
   timeout -s KILL 20 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader \
     < /dev/null 2>&1 | sed 's/^/  nvidia-smi: /' | tee -a $P
-  timeout -s KILL 40 python3 -c "import jax.numpy as j; print('  gpu ok', float(j.ones(9).sum()))" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL 40 python3 -c \
+    "import jax.numpy as j; print('  gpu ok', float(j.ones(9).sum()))" < /dev/null \
     2>&1 | tail -1 | tee -a $P
   return ${PIPESTATUS[0]}
 }
@@ -76,9 +77,9 @@ run() {
     return 3
   fi
   log "CASE $id $knobs (KILL after ${t}s)"
-  local env=()
+  local env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)   # a left-over process holds less
   if [ -n "$dump" ]; then
-    env=(MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1)
+    env+=(MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1)
     out=$DUMP/$id.txt
   fi
   env "${env[@]}" timeout -s KILL $t python3 bench/check_fused.py --case $id --knobs "$knobs" \
