@@ -121,6 +121,7 @@ with_ab() { python3 -c "import json,sys; print(json.dumps({**json.loads(sys.argv
 checks() {
   local n=0 id knobs t rc dump line list
   mapfile -t list < <(python3 bench/check_fused.py --list < /dev/null)
+  if [ ${#list[@]} = 0 ]; then log "FAIL: bench/check_fused.py --list gave no case"; FAILED=1; fi
   for line in "${list[@]}"; do
     id=${line%%$'\t'*}; knobs=${line#*$'\t'}
     n=$((n + 1))
