@@ -28,9 +28,9 @@
 #   pages of 128, 4B-like and 0.5B at B=8 32K) runs only if every check passed, under a KILL
 #   timeout of the time left.
 # The whole run stays within LIMIT seconds (default 540, under the device's 600 s a command).
-# Back under $OUT (at most 7 files): progress.log (everything, in order), results.jsonl (one
+# Back under $OUT (at most 8 files): progress.log (everything, in order), results.jsonl (one
 # JSON line a case: PASS / FAIL / HANG / TIMEOUT_COMPILING / SKIP / UNKILLABLE), cases.log (the cases' stderr:
-# tracebacks), mosaic_dump.tgz, kern.log, kern/kernels.{json,csv}.
+# tracebacks), mosaic_dump.tgz, kern.log, kern/kernels.{json,csv}; SANITIZE=...: sanitizer.log.
 . scripts/h200_env.sh 2>/dev/null || export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fused_out}
@@ -66,8 +66,9 @@ health() {                      # is the GPU still usable after a hang?
 }
 
 # run ID KNOBS TIMEOUT [dump]: one case in its own process -> 0 PASS, 1 FAIL, 2 HANG, 3 SKIP,
-# 4 UNKILLABLE, 5 TIMEOUT_COMPILING (killed while its last step was a compile). The process runs in the background under `timeout -s KILL`; we wait for it
-# ourselves, at most 15 s past its timeout, so a process the KILL cannot end does not hold us.
+# 4 UNKILLABLE, 5 TIMEOUT_COMPILING (killed while its last step was a compile). The process
+# runs in the background under `timeout -s KILL`; we wait for it ourselves, at most 15 s past
+# its timeout, so a process the KILL cannot end does not hold us.
 run() {
   local id=$1 knobs=$2 t=$3 dump=$4 left pid waited rc last out=/dev/null
   left=$((LIMIT - SECONDS - RESERVE))
@@ -163,6 +164,24 @@ for l in sys.stdin:
         f\"{json.dumps(errs)[:150]}\")" | tee -a $P
 }
 
+# SANITIZE=memcheck|synccheck|racecheck (opt-in; Firecracker machines only: gVisor's refuses the
+# device): one case (SANITIZE_CASE, default tiny_mix) under compute-sanitizer, KILL after 150 s,
+# its report in $OUT/sanitizer.log (out-of-bounds or misaligned accesses, barrier misuse).
+sanitize() {
+  local cs id=${SANITIZE_CASE:-tiny_mix} left=$((LIMIT - SECONDS - RESERVE))
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -z "$cs" ] || [ $left -lt 60 ] || [ "$STOP" = "a process outlived its KILL" ]; then
+    log "sanitize skipped (${cs:-no compute-sanitizer}, ${left}s left)"; return
+  fi
+  [ $left -gt 150 ] && left=150
+  log "SANITIZE $SANITIZE on $id (KILL after ${left}s)"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s KILL $left $cs --tool $SANITIZE \
+    --print-limit 50 python3 bench/check_fused.py --case $id --log $P --results $R \
+    --deadline $((left - 5)) $CHECK_ARGS < /dev/null > $OUT/sanitizer.log 2>&1
+  log "compute-sanitizer rc=$?; $(grep -c '^========= ' $OUT/sanitizer.log) report lines"
+  grep -m 12 '^========= ' $OUT/sanitizer.log | cut -c1-200 | tee -a $P
+}
+
 bench() {
   local left=$((LIMIT - SECONDS - RESERVE)) variants
   if [ $left -lt 90 ]; then log "bench skipped: ${left}s left"; return; fi
@@ -192,7 +211,7 @@ EOF
 }
 
 case $STAGE in
-  smoke|checks) checks ;;
+  smoke|checks) checks; [ -n "${SANITIZE:-}" ] && sanitize ;;
   bench) bench ;;
   all) checks
        if [ $FAILED = 0 ] && [ -z "$STOP" ]; then bench
