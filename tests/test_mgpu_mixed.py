@@ -57,9 +57,11 @@ def test_fused_glue_matches_float32_reference(case):
     assert synth.rel_err(got[b], want[b]) < 6e-3, b
 
 
-@pytest.mark.parametrize("splits_lo,splits_hi,tile_hi", [(1, 1, 128), (3, 2, 64)])
+@pytest.mark.parametrize("splits_lo,splits_hi,tile_hi", [(1, 1, 128), (3, 2, 64), (5, 6, 64)])
 def test_any_splits_and_tiles_give_the_same_attention(splits_lo, splits_hi, tile_hi):
-  """Splits that do not divide the tables (padded with page 0, masked) and half-page tiles."""
+  """Splits that do not divide the tables (padded with page 0, masked) and half-page tiles;
+  more splits than pages / tiles: whole splits without a visible key (zero-length splits,
+  l = 0, which the merge drops)."""
   case = CASES[0]              # 3 INT4 pages and 2 BF16 pages of 128 per sequence
   args = case.make(seed=11, lo_format="int4")
   got = _fused_f32(args, splits_lo=splits_lo, splits_hi=splits_hi, tile_hi=tile_hi)
@@ -177,6 +179,41 @@ def _lower_call(b, hq, hkv, d, page, n_lo, n_hi, w=64, **kw):
 def test_whole_fused_call_lowers_for_cuda(b, hq, hkv, d, kw):
   text = _lower_call(b, hq, hkv, d, 128, n_lo=6, n_hi=3, **kw)
   assert "mosaic_gpu" in text and "triton" not in text      # one kernel, no Triton launch
+
+
+@pytest.mark.parametrize("case", ["tiny_lo", "tiny_hi", "tiny_mix", "tiny_mix8"])
+def test_device_smoke_cases_lower_for_cuda(case):
+  """The device script's first launches (bench/check_fused.py: the INT4 pipeline alone, the
+  BF16 pipeline alone, both, both over 8 softmax columns; an empty INT4 partition and a one-key
+  BF16 one) lower for CUDA from the inputs that script builds (8 columns: where this jax has
+  the register concatenate), and its reference takes them."""
+  from bench import check_fused as CF
+  s_lo, s_hi, cols = CF.TINY[case]
+  args = CF.tiny_case().make(seed=5, lo_format="int4")
+  kargs = CF.kernel_args(args, 7, s_lo, s_hi)
+  kk = dict(splits_lo=s_lo, splits_hi=s_hi, qk_scale=0.1)
+  lower = lambda: MX.partition_mixed.trace(*kargs, no_auto_barriers=True, cols=cols, **kk).lower(
+      lowering_platforms=("cuda",)).as_text()
+  if cols < mgpu_common.N_PAD and not mgpu_common.HAS_CONCAT:
+    with pytest.raises(ValueError, match="^cols=8 needs Pallas Mosaic GPU's concatenate"):
+      lower()
+  else:
+    assert "mosaic_gpu" in lower()
+  o, ml = MX.partition_mixed_reference(*kargs, **kk)
+  assert o.shape[1] == s_lo + s_hi and bool(jnp.isfinite(o).all())
+  assert bool((ml[2:, :s_lo, MX.ML_ROWS // 2] == 0).all())    # sequence 1 (rows 2, 3): no INT4 key
+
+
+def test_device_check_runs_smallest_cases_first():
+  """The device script runs bench/check_fused.py's cases in --list order, one process each:
+  the kernel alone (INT4 pipeline, BF16 pipeline, both) before the synth cases and those
+  before the bench-size variants."""
+  from bench import check_fused as CF
+  ids = [c for c, _ in CF.case_list()]
+  assert ids[:4] == ["tiny_lo", "tiny_hi", "tiny_mix", "tiny_mix8"]
+  assert max(i for i, c in enumerate(ids) if c.startswith("synth_")) < min(
+      i for i, c in enumerate(ids) if c.startswith("big_"))
+  assert ids.index("big_0.5B") < ids.index("big_4B")
 
 
 def test_narrow_columns_lower_or_name_what_they_need():
