@@ -572,7 +572,6 @@ def test_sph_variants_run_in_the_harness_and_report_measured_b(session, sph_runs
         assert set(it) == {"drop", "A4", "bf16"} and it["drop"] > 0 and it["A4"] > 0
       elif m == "pask+ada":   # H in the BF16 pool, L at the tier, R dropped
         assert set(it) == {"drop", "A4", "bf16"} and it["A4"] > 0 and it["bf16"] > sink * G * H
-        print("pask+ada", r["total_B"], r["deficit_bytes"], it)
       elif m == "sphkv-rd":   # the paper ladder under RDR: the budget binds: down-tier, drop
         assert set(it) == {"drop", "A2", "A42", "A4", "bf16"} and it["drop"] > 0
         assert it["A2"] + it["A42"] > 0
@@ -580,6 +579,16 @@ def test_sph_variants_run_in_the_harness_and_report_measured_b(session, sph_runs
         assert set(it) == {"drop", "A2", "A42", "A4", "bf16"}
   assert _sph_runner(session, "sphkv-rd").read == "reconstruct"
   assert _sph_runner(session, "sphkv-angle").plan == "fixed"
+  from pask_jax.spherical import variants as SV
+  pol = P.resolve(str(sph_runs[2]), session.cfg, tokenizer_hash=session.tok.hash())
+  bad = [(lambda: _sph_runner(session, "rdr+tags").configure(0.5), "need a PASK policy"),
+         (lambda: _sph_runner(session, "sphkv-angle").configure(0.5, pol), "only configures"),
+         (lambda: SV.Variant("x", layouts=("A2", "A4"), plan="fixed"), "one tier"),
+         (lambda: SV.variant("sphkv"), "unknown Spherical KV method")]
+  for f, msg in bad:
+    with pytest.raises(ValueError, match=msg) as e:
+      f()
+    assert "\n" not in str(e.value)
   with pytest.raises(ValueError, match="needs --policy") as e:
     E.check_config(E.RunConfig("rdr+tags", 0.5, "test"))
   assert "\n" not in str(e.value)

@@ -28,6 +28,10 @@ default (no calibration yet).
 ``rho · Hkv · dense_g`` per generated token; the new token takes the highest tier whose item cost
 (all heads) fits the balance, else it is dropped (down-tier before drop), and the balance pays it.
 
+**Variants** (:mod:`pask_jax.spherical.variants`; docs/SPHERICAL_KV.md §4): the ablations and
+the hybrids with PASK are settings of this runner — ``plan`` ("rdr", "fixed", "pask"), ``read``
+("angles", "reconstruct"), ``tags`` — built by :meth:`SphRunner.for_method`.
+
 **Measured B** (:meth:`SphRunner.report`, PASK's ledger convention): every (token, group, head)
 charged by where it is scheduled to live — a tier at its item cost C(t) of the format module
 (:func:`pallas_kernels.spherical.item_bytes`: codes, side word, values, and the metadata: a 4-byte
