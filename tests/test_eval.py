@@ -578,7 +578,17 @@ def test_sph_variants_run_in_the_harness_and_report_measured_b(session, sph_runs
       else:
         assert set(it) == {"drop", "A2", "A42", "A4", "bf16"}
   assert _sph_runner(session, "sphkv-rd").read == "reconstruct"
-  assert _sph_runner(session, "sphkv-angle").plan == "fixed"
+  # below their rate the fixed-rate ablations still drop nothing (no RD allocation: RDR would
+  # drop to fit) and report what the rate spends beyond the budget
+  for m in ("sphkv-angle", "sphkv-quant"):
+    r_ = _sph_runner(session, m)
+    (_, _, _, plan, _), lengths = _sph_state(session, r_, 0.3)
+    route, deficit = np.asarray(plan.route), np.asarray(plan.deficit)
+    for b, n in enumerate(lengths[:3]):
+      assert np.all(route[b, :sink] == 2) and np.all(route[b, sink:n] == 1)
+      want = np.asarray(plan.bytes[b]) - 0.3 * n * H * r_.dense
+      np.testing.assert_allclose(deficit[b], want, rtol=1e-5)
+      assert np.all(deficit[b] > 0)
   from pask_jax.spherical import variants as SV
   pol = P.resolve(str(sph_runs[2]), session.cfg, tokenizer_hash=session.tok.hash())
   bad = [(lambda: _sph_runner(session, "rdr+tags").configure(0.5), "need a PASK policy"),
