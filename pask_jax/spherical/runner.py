@@ -96,9 +96,9 @@ class SphRunner:
   pool, L to the one tier of ``tiers``, R dropped; the balance is PASK's R_t in bits, held in
   every column of the tier state's ``balance``); ``read`` "angles" (logits from the codes) or
   "reconstruct" (each step the tiers' visible keys decoded to a transient dense BF16 K, then a
-  BF16 partition: A1); ``tags``
-  (RDR+tags: a (token, group) whose PASK floor is H joins P on every head, at prefill from the
-  prompt's labels and at decode from the tracker's tags, charged like any protected item).
+  BF16 partition: A1); ``tags`` (RDR+tags: a (token, group) whose PASK floor is H joins P on
+  every head, at prefill from the prompt's labels and at decode from the tracker's tags, charged
+  like any protected item).
   ``stats``: the full-precision prefill with observation statistics, a
   :class:`~pask_jax.baselines.masked.MaskedRunner` of this batch and capacity that several
   runners of one model may share (one compile); configured here as SnapKV with ``obs``."""
@@ -236,10 +236,13 @@ class SphRunner:
       route = hybrid.routes(act, H)
       valid = (jnp.arange(Tn)[None, :] < n[:, None])[..., None, None]
       route = jnp.where(valid, route, 0).astype(jnp.int8)
-      budget = tpol.b_p * n.astype(jnp.float32)[:, None] * H * jnp.asarray(self.dense)
+      dense = jnp.asarray(self.dense)
+      budget = tpol.b_p * n.astype(jnp.float32)[:, None] * H * dense
+      per = jnp.stack([jnp.zeros_like(dense), jnp.asarray(self.cost)[:, 1], dense], -1)  # [G, 3]
+      spent = jnp.sum(per[jnp.arange(G)[None, None, :], route[..., 0]], axis=1) * H   # [B, G]
       zeros = jnp.zeros((B, G), jnp.float32)
       deficit = zeros.at[:, 0].set(excess / 8.0)           # PASK's floor excess, bits -> bytes
-      plan = rdr.Plan(route, jnp.zeros(route.shape, bool), zeros, zeros, budget, deficit)
+      plan = rdr.Plan(route, jnp.zeros(route.shape, bool), zeros, spent, budget, deficit)
     else:
       eps_t, eps_r, att, radius = self._features(k, score, n)
       seg = jnp.where(jnp.arange(Tn)[None, :] >= n[:, None] - RECENT, 2, 0)       # [B, T]
