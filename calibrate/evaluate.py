@@ -33,10 +33,13 @@ import numpy as np
 from pask_jax import baselines as BL
 from pask_jax.baselines import budget as BU
 from pask_jax.prompt import Prompt
+from pask_jax.spherical import variants as SV
 
 SPLIT_NAMES = {"cal": "calibration", "dev": "development", "test": "test",
                "calibration": "calibration", "development": "development"}
 HEADLINE = ("simple_python", "multiple")
+# Methods that run a PASK policy's own budget (its B<x> variant): PASK and PASK+ADA.
+PASK_POLICY = ("pask", "pask+ada")
 # Knob grids (paper Table 8).  "paper" is the full grid; "small" the one the H200 driver uses.
 GRIDS = {
     "paper": {"streaming": {"sink": [4]},
@@ -54,7 +57,7 @@ DEFAULT_KNOBS = {"gen": 48.0, "streaming": {"sink": 4}, "int4": {"sink": 4, "win
                  "h2o": {"sink": 4, "recent": 32}, "mikv": {"sink": 4, "recent": 32},
                  "snapkv": {"obs": 32, "pool": "max", "kernel": 7},
                  "triaxial": {"prefix": 4, "bits": [2, 4], "window": 32},
-                 "spherical": {"sink": 4, "window": 32}}
+                 **{m: {"sink": 4, "window": 32} for m in SV.METHODS}}
 
 
 # --- tasks ---------------------------------------------------------------------------------------
@@ -226,9 +229,12 @@ def check_config(rc: RunConfig) -> None:
     raise ValueError(f"unknown method {rc.method!r}; choose from {', '.join(BL.METHODS)}")
   if rc.method == "pask" and not rc.policy:
     raise ValueError("--method pask needs --policy DIR (a FrozenPolicy saved by pask_jax.policy)")
+  if rc.method in SV.TAGGED and not rc.policy:
+    raise ValueError(f"--method {rc.method} needs --policy DIR (the PASK policy whose floor-H "
+                     f"tags RDR protects, or whose controller PASK+ADA runs)")
   if rc.budget is not None or rc.method != "pask":
     BU.check_target(rc.budget)
-  if rc.method == "pask":
+  if rc.method in PASK_POLICY:
     pick_policy(rc.policy, rc.budget)
   if rc.method == "triaxial":
     BL.triaxial.Knobs.parse(merged_knobs(rc.knobs)["triaxial"])
@@ -274,7 +280,8 @@ class Session:
 
   def runner(self, kind: str, batch: int | None = None):
     """'full' | 'pask' (PaskRunner, policy swapped per run) | 'masked' | 'triaxial' |
-    ('spherical', sink, window), of ``batch`` rows
+    ('spherical', method, sink, window) (a Spherical KV method of
+    :mod:`pask_jax.spherical.variants`), of ``batch`` rows
     (default: the session's); one per (kind, batch), shared by the runs that use it."""
     batch = batch or self.batch
     r = self.runners.get((kind, batch))
@@ -288,9 +295,13 @@ class Session:
         r = PaskRunner(self.m.model, P.all_high(self.cfg), **kw)
       elif kind == "triaxial":
         r = BL.triaxial.TriaxialRunner(self.m.model, **kw)
-      elif isinstance(kind, tuple) and kind[0] == "spherical":   # ("spherical", sink, window)
+      elif isinstance(kind, tuple) and kind[0] == "spherical":
         from pask_jax.spherical.runner import SphRunner
-        r = SphRunner(self.m.model, sink=kind[1], window=kind[2], **kw)
+        _, method, sink, window = kind
+        r = SphRunner.for_method(self.m.model, method, sink=sink, window=window,
+                                 stats=self.runner("sph-stats", batch), **kw)
+      elif kind == "sph-stats":   # the Spherical KV methods' shared statistics prefill
+        r = BL.MaskedRunner(self.m.model, **kw)
       else:
         r = BL.MaskedRunner(self.m.model, **kw)
       self.runners[(kind, batch)] = r
@@ -384,10 +395,17 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prompt],
                            max_cases=kn[m].get("cal_cases"))
     used.update(tk.asdict(), allocation=alloc)
     return s.runner("triaxial", batch).configure(tk, alloc), used
-  if m == "spherical":
+  if m in SV.METHODS:   # Spherical KV and its ablations / hybrids: one SphRunner each
     sink, window = int(kn[m]["sink"]), int(kn[m]["window"])
     used.update(sink=sink, window=window)
-    return s.runner(("spherical", sink, window), batch).configure(rc.budget), used
+    pol = None
+    if m in SV.TAGGED:
+      where = pick_policy(rc.policy, rc.budget)[0] if policy_variants(rc.policy) else rc.policy
+      pol = s.load_policy(where)
+      used.update(policy=where)
+      if m in PASK_POLICY:
+        used.update(b_d=float(pol.b_d), b_p=float(pol.b_p))
+    return s.runner(("spherical", m, sink, window), batch).configure(rc.budget, pol), used
   k = {a: v for a, v in kn[m].items() if a != "gen"}
   q = BU.low_ratio(s.cfg.head_dim)
   ratio = BL.plan(m, rc.budget, lengths, sink=int(k.get("sink", 4)),
@@ -402,8 +420,11 @@ def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | 
     return BL.full.measured(n_prompt, n_gen)
   if rc.method == "streaming":
     return BL.streaming.measured(led["n_prompt"], led["n_gen"], used["sink"], used["window"])
-  return {"prefill_B": led["prefill_B"], "decode_B": led["decode_B"],
-          "total_B": led["measured_B"]}
+  out = {"prefill_B": led["prefill_B"], "decode_B": led["decode_B"],
+         "total_B": led["measured_B"]}
+  if rc.method in SV.METHODS:   # where the items went (per route) and any floor deficit
+    out.update(items=led["items"], deficit_bytes=led["deficit_bytes"])
+  return out
 
 
 def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = True,
@@ -417,15 +438,15 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   from pask_jax.decode import Sampling, generate
   from pask_jax.tracker import Tracker
   check_config(rc)
-  if rc.method == "pask":   # the variant for the budget; the label is the policy's own target
+  if rc.method in PASK_POLICY:   # the variant for the budget; the label is its own target
     pol, target = pick_policy(rc.policy, rc.budget)
     rc = dataclasses.replace(rc, policy=pol, budget=target)
   if cases is None:
     cases = s.task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
   if not cases:
     raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
-  pask = rc.method == "pask"
-  tagged = rc.method in ("pask", "triaxial")   # methods that read the parser's tags
+  pask = rc.method in PASK_POLICY
+  tagged = rc.method in ("pask", "triaxial") + SV.TAGGED   # methods that read the parser's tags
   preps = s.task.prepare(cases, prompt_labels=tagged)
   s.ensure_capacity(preps, rc.max_tokens)
   batch = batch_size(len(preps), s.batch)
@@ -435,7 +456,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   if pask:
     from pask_jax import policy as P
     from pask_jax.grammar.fc_adapter import FCAdapter
-    vocab = P.state_vocab(runner.policy)        # parser-state ids of the calibrated reserve Γ
+    # parser-state ids of the calibrated reserve Γ
+    vocab = P.state_vocab(runner.policy if rc.method == "pask" else s.load_policy(rc.policy))
     tracker = lambda p: (Tracker(p.grammar) if free(p) else
                          Tracker(p.grammar, FCAdapter(p.grammar, s.tok, vocab=vocab)))
   elif tagged:

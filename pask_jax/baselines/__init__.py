@@ -16,6 +16,8 @@ grammars, greedy decoding and payload cost model), one module per baseline:
 * ``spherical`` — Spherical KV (docs/SPHERICAL_KV.md): angle-coded key tiers chosen per
   (token, layer group, KV head) by the RDR controller under the budget;
   :class:`pask_jax.spherical.runner.SphRunner` (reference attention over the tier pools).
+  Its ablations and hybrids (``sphkv-rd``, ``sphkv-angle``, ``sphkv-retain``, ``sphkv-quant``,
+  ``rdr+tags``) are configurations of the same runner: :mod:`pask_jax.spherical.variants`.
 
 H2O, SnapKV and MiKV need attention statistics and run on :class:`MaskedRunner` (dense cache with
 per-layer, per-head keep/INT4 masks, statistics from the reference attention path).
@@ -23,8 +25,10 @@ per-layer, per-head keep/INT4 masks, statistics from the reference attention pat
 """
 from pask_jax.baselines import budget, full, h2o, int4, mikv, quant, snapkv, streaming, triaxial
 from pask_jax.baselines.masked import Config, MaskedRunner, plan
+from pask_jax.spherical import variants as _sph
 
-METHODS = ("full", "pask", "streaming", "h2o", "snapkv", "mikv", "int4", "triaxial", "spherical")
+METHODS = ("full", "pask", "streaming", "h2o", "snapkv", "mikv", "int4", "triaxial") + \
+    _sph.METHODS
 MASKED = ("h2o", "snapkv", "mikv")
 
 __all__ = ["METHODS", "MASKED", "Config", "MaskedRunner", "plan", "budget", "full", "h2o", "int4",

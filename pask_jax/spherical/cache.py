@@ -380,6 +380,33 @@ def sph_inputs(state: SphState, g) -> SphInputs:
   return SphInputs(state.pools, maps, state.consts, state.spec)
 
 
+def rebuild_tier(state: SphState, t: int, g, layer):
+  """The format-only read of tier ``t`` (ablation A1, §3): layer ``layer``'s visible entries of
+  group ``g`` (both may be traced) decoded to dense BF16 keys ``k̃ = μ + r̃·Πᵀũ`` and values ->
+  (k, v bf16 [B, Hkv, S, D], length int32 [B, Hkv]), S = the table's entries; entries at or past
+  ``length`` are zeros.  A transient buffer of the reconstruct-then-dot path: the method's own
+  read (:func:`sph_inputs`) never forms it."""
+  ts, pool = state.spec[t], state.pools[t]
+  pages, length = state.pages[t][g], state.length[t][g]                 # [B, H, n], [B, H]
+  B, H, n = pages.shape
+  ids = jnp.clip(pages, 0, pool.ang.shape[1] - 1)
+  rows = lambda x: x[layer, ids].reshape((B, H, n * state.page) + x.shape[3:])
+  ang, side, val = rows(pool.ang), rows(pool.side), rows(pool.v)
+  vis = jnp.arange(n * state.page)[None, None] < length[..., None]      # [B, H, S]
+  side = jnp.where(vis, side, jnp.uint32(0))
+  h = jnp.asarray(spherical.hadamard(ts.d) / math.sqrt(ts.d), jnp.float32)
+  rot = h * state.consts.signs[layer][None, :]
+  mu = state.consts.mu[layer][None, :, None, :]                         # [1, H, 1, D]
+  k = spherical.decode_key(ang, side, mu, rot, ts.key)
+  if ts.values == "bf16":
+    v = val.astype(jnp.float32)
+  else:
+    v = int4.dequantize(val, spherical.side_value_scale(side))
+  k = jnp.where(vis[..., None], k, 0.0).astype(jnp.bfloat16)
+  v = jnp.where(vis[..., None], v, 0.0).astype(jnp.bfloat16)
+  return k, v, length
+
+
 def resident_bytes(state: SphState) -> jax.Array:
   """Bytes the tiers hold per sequence, f32 [B]: every referenced page in full (partial-page
   slack included) in every layer of its group, plus per item a position (4 B) and a flag bit,
@@ -397,5 +424,5 @@ def resident_bytes(state: SphState) -> jax.Array:
 
 
 __all__ = ["SphRows", "SphState", "assign_pages", "base_actions", "dense_route", "evict_step",
-           "init", "normalize_route", "prefill_rows", "resident_bytes", "sph_inputs",
-           "write_prefill"]
+           "init", "normalize_route", "prefill_rows", "rebuild_tier", "resident_bytes",
+           "sph_inputs", "write_prefill"]

@@ -270,4 +270,35 @@ def solve_batch(dist, cost, dense, n, rho, protect=None, *, window: int, sink: i
   return jax.vmap(lambda d, m, r, p: f(d, cost, dense, m, r, p))(dist, n, rho, protect)
 
 
-__all__ = ["Plan", "costs", "distortion", "protect_mask", "solve", "solve_batch"]
+def fixed(cost, dense, n, rho, n_tokens: int, n_kv_heads: int, *, tier: int,
+          sink: int = 0) -> Plan:
+  """The plan without RDR (ablations A2 angle-only and quant-only, §4): every valid token at
+  ladder tier ``tier`` (1..K) on every head, sinks in the BF16 pool, nothing dropped, nothing
+  protected, for a batch: ``n`` and ``rho`` ``[B]`` (traced), ``n_tokens`` (T) and the head count
+  static.  ``bytes`` charges each token where it will live (window tokens at the tier they go
+  to); ``deficit`` is what the fixed rate spends beyond ``rho``'s budget (reported, never
+  hidden); ``lam`` is 0."""
+  cost = jnp.asarray(cost, jnp.float32)
+  dense = jnp.asarray(dense, jnp.float32)
+  G, K1 = cost.shape
+  if not 1 <= tier < K1:
+    raise ValueError(f"tier must be a ladder tier in 1..{K1 - 1}, got {tier}")
+  if sink < 0:
+    raise ValueError(f"sink must be >= 0, got {sink}")
+  n = jnp.asarray(n, jnp.int32)
+  B, H, Tn = n.shape[0], int(n_kv_heads), int(n_tokens)
+  i = jnp.arange(Tn)[None, :]
+  valid = i < n[:, None]
+  is_sink = valid & (i < sink)
+  route = jnp.where(is_sink, K1, jnp.where(valid, tier, 0)).astype(jnp.int8)     # [B, T]
+  route = jnp.broadcast_to(route[:, :, None, None], (B, Tn, G, H))
+  n_sink = jnp.sum(is_sink, axis=1).astype(jnp.float32)[:, None]                # [B, 1]
+  n_rest = n.astype(jnp.float32)[:, None] - n_sink
+  total = H * (n_sink * dense + n_rest * cost[:, tier])                          # [B, G]
+  budget = jnp.asarray(rho, jnp.float32)[:, None] * n.astype(jnp.float32)[:, None] * H * dense
+  zeros = jnp.zeros((B, G), jnp.float32)
+  return Plan(route, jnp.zeros(route.shape, bool), zeros, total, budget,
+              jnp.maximum(total - budget, 0.0))
+
+
+__all__ = ["Plan", "costs", "distortion", "fixed", "protect_mask", "solve", "solve_batch"]

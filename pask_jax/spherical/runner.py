@@ -28,6 +28,10 @@ default (no calibration yet).
 ``rho · Hkv · dense_g`` per generated token; the new token takes the highest tier whose item cost
 (all heads) fits the balance, else it is dropped (down-tier before drop), and the balance pays it.
 
+**Variants** (:mod:`pask_jax.spherical.variants`; docs/SPHERICAL_KV.md §4): the ablations and
+the hybrids with PASK are settings of this runner — ``plan`` ("rdr", "fixed", "pask"), ``read``
+("angles", "reconstruct"), ``tags`` — built by :meth:`SphRunner.for_method`.
+
 **Measured B** (:meth:`SphRunner.report`, PASK's ledger convention): every (token, group, head)
 charged by where it is scheduled to live — a tier at its item cost C(t) of the format module
 (:func:`pallas_kernels.spherical.item_bytes`: codes, side word, values, and the metadata: a 4-byte
@@ -49,16 +53,19 @@ import pallas_kernels
 from models import decoder
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import TierSpec
+from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pask_jax import cache as pcache
+from pask_jax import controller
 from pask_jax import policy as P
 from pask_jax import tags as T
 from pask_jax.baselines import budget as BU
 from pask_jax.baselines import snapkv
 from pask_jax.baselines.masked import Config, MaskedRunner
-from pask_jax.decode import Runner
+from pask_jax.decode import Runner, prompt_candidates
 from pask_jax.sample import apply_bitmask, sample
 from pask_jax.spherical import cache as scache
-from pask_jax.spherical import rdr
+from pask_jax.spherical import hybrid, rdr
+from pask_jax.spherical import variants as V
 from pask_jax.traces import Traces
 
 PAPER_LADDER = ("A2", "A42", "A4")   # §2.3's paper ladder, BF16 values, ascending cost
@@ -74,16 +81,37 @@ def _fp16(x):
   return jnp.minimum(x, spherical.FP16_MAX).astype(jnp.float16).astype(jnp.float32)
 
 
+_select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+
+
 class SphRunner:
   """Spherical KV over the tiny-to-small models on any backend (reference attention).
 
-  ``configure(budget)`` sets the requested B (a host float, checked; it reaches the device as a
-  traced ``[B]`` array).  ``window``/``sink``/``page``/``n_groups``/tiers are static."""
+  ``configure(budget, policy=None)`` sets the requested B (a host float, checked; it reaches the
+  device as a traced ``[B]`` array) and, with ``tags``, the PASK policy whose floors protect.
+  ``window``/``sink``/``page``/``n_groups``/tiers are static, and so are the ablation settings
+  (:mod:`pask_jax.spherical.variants`; :meth:`for_method` builds a harness method's runner):
+  ``plan`` "rdr" (RDR under the budget), "fixed" (every item at the one tier of ``tiers``, no
+  drop) or "pask" (PASK+ADA: the PASK policy's controller at prefill and decode, H to the BF16
+  pool, L to the one tier of ``tiers``, R dropped; the balance is PASK's R_t in bits, held in
+  every column of the tier state's ``balance``); ``read`` "angles" (logits from the codes) or
+  "reconstruct" (each step the tiers' visible keys decoded to a transient dense BF16 K, then a
+  BF16 partition: A1); ``tags`` (RDR+tags: a (token, group) whose PASK floor is H joins P on
+  every head, at prefill from the prompt's labels and at decode from the tracker's tags, charged
+  like any protected item).
+  ``stats``: the full-precision prefill with observation statistics, a
+  :class:`~pask_jax.baselines.masked.MaskedRunner` of this batch and capacity that several
+  runners of one model may share (one compile); configured here as SnapKV with ``obs``."""
 
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
                window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
-               protect_top: float = 0.02):
+               protect_top: float = 0.02, plan: str = "rdr", read: str = "angles",
+               tags: bool = False, stats: MaskedRunner | None = None):
+    if plan not in V.PLANS or read not in V.READS:
+      raise ValueError(f"plan must be one of {V.PLANS} and read one of {V.READS}, got "
+                       f"{plan!r}, {read!r}")
+    self.plan, self.read, self.tags = plan, read, bool(tags)
     self.cfg = c = model.cfg
     decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
@@ -91,6 +119,11 @@ class SphRunner:
     self.window, self.sink, self.page = int(window), int(sink), int(page)
     self.n_groups = min(int(n_groups), c.n_layers)
     self.tiers = ladder(c.head_dim) if tiers is None else tuple(tiers)
+    if plan in ("fixed", "pask") and len(self.tiers) != 1:
+      raise ValueError(f"plan {plan!r} needs a ladder of one tier, got "
+                       f"{[t.layout for t in self.tiers]}")
+    if self.tags and plan != "rdr":
+      raise ValueError("tags join RDR's protected set: they need plan 'rdr'")
     self.mu = mu
     self.obs, self.kappa_drop, self.protect_top = int(obs), float(kappa_drop), float(protect_top)
     self.group_of = T.group_of_layer(c.n_layers, self.n_groups)
@@ -98,16 +131,54 @@ class SphRunner:
     cost, dense = rdr.costs(self.tiers, self.layers_per_group, self.page)
     self.cost, self.dense = cost, dense          # [G, K+1] (drop 0), [G]
     self.rho: float | None = None
+    self.tag_policy = None
     self.traces = Traces()
-    self._stats = MaskedRunner(model, batch=batch, capacity=capacity).configure(
-        Config("snapkv", obs=self.obs))
+    if stats is None:
+      stats = MaskedRunner(model, batch=batch, capacity=capacity)
+    elif stats.batch != batch or stats.capacity != capacity:
+      raise ValueError(f"the statistics runner has batch {stats.batch} and capacity "
+                       f"{stats.capacity}, this runner {batch} and {capacity}")
+    self._stats = stats.configure(Config("snapkv", obs=self.obs))
     self._stats.params = self.params
     self.commit = jax.jit(self._commit)
-    self.step = jax.jit(self._step, donate_argnums=(1,))
-    self.select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+    self.step = jax.jit(self._step, donate_argnums=(2,))
+    self.select = _select
 
-  def configure(self, budget: float) -> "SphRunner":
-    self.rho = BU.check_target(budget)
+  @classmethod
+  def for_method(cls, model: nnx.Module, method: str, **kw) -> "SphRunner":
+    """The runner of harness method ``method`` (:data:`pask_jax.spherical.variants.VARIANTS`),
+    ``kw`` as for the constructor (batch, capacity, sink, window, ...)."""
+    v = V.variant(method)
+    return cls(model, tiers=ladder(model.cfg.head_dim, v.layouts, v.values), plan=v.plan,
+               read=v.read, tags=v.tags, **kw)
+
+  @property
+  def needs_policy(self) -> bool:
+    """Whether :meth:`configure` takes a PASK policy (RDR+tags, PASK+ADA)."""
+    return self.tags or self.plan == "pask"
+
+  def configure(self, budget: float, policy=None) -> "SphRunner":
+    """The requested B; with ``tags`` or plan "pask", the PASK policy (a
+    :class:`pask_jax.policy.FrozenPolicy` of this runner's layer groups) whose floor-H tags join
+    P, or whose controller decides (its own budgets B_D, B_P: ``budget`` is then the label)."""
+    rho = BU.check_target(budget)
+    if self.needs_policy:
+      if policy is None or not hasattr(policy, "floor"):
+        raise ValueError("RDR+tags and PASK+ADA need a PASK policy (its floors / controller)")
+      if policy.n_groups != self.n_groups:
+        raise ValueError(f"the policy has {policy.n_groups} layer groups, the runner "
+                         f"{self.n_groups}")
+      if P.position_bins(policy) is not None:
+        raise ValueError("a no-transition policy (position bins, not tags) cannot drive "
+                         "Spherical KV")
+      pol = hybrid.lean(policy)
+      if self.plan == "pask":
+        pol = hybrid.with_tier_cost(pol, self.tiers[0], self.layers_per_group,
+                                    self.cfg.n_kv_heads)
+      self.tag_policy = pol
+    elif policy is not None:
+      raise ValueError("a policy only configures RDR+tags and PASK+ADA")
+    self.rho = rho
     return self
 
   # --- prefill ---------------------------------------------------------------------------------
@@ -151,20 +222,40 @@ class SphRunner:
     radius = jnp.einsum("lbth,lg->btgh", r, onehot) / per_g[:, None]
     return eps_t, eps_r, att, radius
 
-  def _commit(self, k, v, score, lengths, rho):
-    """Dense prefill K/V [L, B, T, H, D] + statistics -> (RDR plan, base cache, tier state)."""
+  def _commit(self, k, v, score, lengths, rho, tpol=None, cands=None):
+    """Dense prefill K/V [L, B, T, H, D] + statistics (+ with ``tags`` the PASK policy and the
+    prompt's tag candidates [B, T, N_CAND]) -> (plan, base cache, tier state)."""
     self.traces["commit"] += 1
     W, G = self.window, self.n_groups
     L, B, Tn, H, D = k.shape
     n = lengths.astype(jnp.int32)
-    eps_t, eps_r, att, radius = self._features(k, score, n)
-    seg = jnp.where(jnp.arange(Tn)[None, :] >= n[:, None] - RECENT, 2, 0)         # [B, T]
-    one = jnp.ones((G, H), jnp.float32)
-    dist = jax.vmap(lambda et, er, sg: rdr.distortion(
-        et, er, one, 0.0 * one, sg, omega=OMEGA, kappa_drop=self.kappa_drop))(eps_t, eps_r, seg)
-    prot = jax.vmap(lambda a, r, m: rdr.protect_mask(
-        a, r, m, sink=self.sink, window=W, top=self.protect_top))(att, radius, n)
-    plan = rdr.solve_batch(dist, self.cost, self.dense, n, rho, prot, window=W, sink=self.sink)
+    if self.plan == "fixed":
+      plan = rdr.fixed(self.cost, self.dense, n, rho, Tn, H, tier=1, sink=self.sink)
+    elif self.plan == "pask":   # PASK+ADA: PASK's prefill plan, L at the tier
+      act, excess = controller.plan_prefill(tpol, cands, n)                      # [B, T, G]
+      route = hybrid.routes(act, H)
+      valid = (jnp.arange(Tn)[None, :] < n[:, None])[..., None, None]
+      route = jnp.where(valid, route, 0).astype(jnp.int8)
+      dense = jnp.asarray(self.dense)
+      budget = tpol.b_p * n.astype(jnp.float32)[:, None] * H * dense
+      per = jnp.stack([jnp.zeros_like(dense), jnp.asarray(self.cost)[:, 1], dense], -1)  # [G, 3]
+      spent = jnp.sum(per[jnp.arange(G)[None, None, :], route[..., 0]], axis=1) * H   # [B, G]
+      zeros = jnp.zeros((B, G), jnp.float32)
+      deficit = zeros.at[:, 0].set(excess / 8.0)           # PASK's floor excess, bits -> bytes
+      plan = rdr.Plan(route, jnp.zeros(route.shape, bool), zeros, spent, budget, deficit)
+    else:
+      eps_t, eps_r, att, radius = self._features(k, score, n)
+      seg = jnp.where(jnp.arange(Tn)[None, :] >= n[:, None] - RECENT, 2, 0)       # [B, T]
+      one = jnp.ones((G, H), jnp.float32)
+      dist = jax.vmap(lambda et, er, sg: rdr.distortion(
+          et, er, one, 0.0 * one, sg, omega=OMEGA, kappa_drop=self.kappa_drop))(eps_t, eps_r,
+                                                                                  seg)
+      prot = jax.vmap(lambda a, r, m: rdr.protect_mask(
+          a, r, m, sink=self.sink, window=W, top=self.protect_top))(att, radius, n)
+      if self.tags:   # RDR+tags: floor-H (token, group)s join P on every head
+        prot = prot | hybrid.floor_h(tpol, cands)[..., None]
+      plan = rdr.solve_batch(dist, self.cost, self.dense, n, rho, prot, window=W,
+                             sink=self.sink)
     sph = scache.init(L, B, H, D, tiers=self.tiers, capacity=self.capacity, window=W,
                       n_groups=G, page=self.page, sink=self.sink, mu=self.mu)
     sph, rows = scache.prefill_rows(sph, plan.route, Tn, n, plan.prot)
@@ -175,42 +266,72 @@ class SphRunner:
                         n_groups=G, page=self.page, lo_capacity=self.page)
     cache = pcache.materialize_prefill(cache, k, v, actions, n)
     sph = sph.replace(lam=plan.lam)
+    if self.plan == "pask":   # R_1 = b = B_D·C_full (bits), in every group's column
+      sph = sph.replace(balance=jnp.broadcast_to(controller.initial_balance(tpol),
+                                                 (B, G)).astype(jnp.float32))
     return cache, sph, plan
 
-  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+  def prefill(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+    """Prefill and commit -> (logits, base cache, tier state, plan, rho [B]).  ``prompt_tags``:
+    per prompt ``int32 [n, N_CAND]`` label candidates or None (read with ``tags`` only)."""
     if self.rho is None:
       raise RuntimeError("SphRunner.configure(budget) first")
+    self._stats.configure(Config("snapkv", obs=self.obs))   # a shared runner: ours again
     st = self._stats.new_state(lengths)
     logits, st = Runner.prefill_all(self._stats, st, tokens, lengths)
     Tn = tokens.shape[1]
     rho = jnp.full((self.batch,), self.rho, jnp.float32)
+    tpol = cands = None
+    if self.needs_policy:
+      cands = jnp.asarray(prompt_candidates(prompt_tags, lengths, Tn))
+      tpol = self.tag_policy
     cache, sph, plan = self.commit(st.k[:, :, :Tn], st.v[:, :, :Tn], st.score[..., :Tn],
-                                   jnp.asarray(lengths), rho)
+                                   jnp.asarray(lengths), rho, tpol, cands)
+    return logits, cache, sph, plan, rho
+
+  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+    logits, cache, sph, plan, rho = self.prefill(tokens, lengths, prompt_tags)
     n_prompt = jnp.asarray(lengths, jnp.int32)
     return logits, (cache, sph, rho, n_prompt, plan.deficit)
 
   # --- decode ----------------------------------------------------------------------------------
 
-  def _route_new(self, sph, rho, active):
-    """The new token's route [B, G, H] by the balance rule; the balance updated."""
-    H = self.cfg.n_kv_heads
+  def _route_new(self, sph, rho, active, protect=None):
+    """The new token's route [B, G, H] by the balance rule (``protect [B, G]``: tier K, charged
+    as debt; plan "fixed": the one tier, no balance); the balance updated."""
+    H, G = self.cfg.n_kv_heads, self.n_groups
+    if self.plan == "fixed":
+      tier = jnp.broadcast_to(jnp.where(active, 1, 0)[:, None], (self.batch, G))
+      return jnp.broadcast_to(tier[..., None], tier.shape + (H,)).astype(jnp.int8), sph
     cost = jnp.asarray(self.cost) * H                                   # [G, K+1] all heads
     bal = sph.balance + jnp.where(active, rho, 0.0)[:, None] * (H * jnp.asarray(self.dense))
     fits = cost[None, :, 1:] <= bal[..., None]                          # [B, G, K]
     K = len(self.tiers)
     tier = jnp.max(jnp.where(fits, jnp.arange(1, K + 1), 0), axis=-1)   # 0: drop
+    if protect is not None:
+      tier = jnp.where(protect, K, tier)
     tier = jnp.where(active[:, None], tier, 0)
     paid = jnp.take_along_axis(jnp.broadcast_to(cost, bal.shape + (K + 1,)), tier[..., None],
                                -1)[..., 0]
     route = jnp.broadcast_to(tier[..., None], tier.shape + (H,)).astype(jnp.int8)
     return route, sph.replace(balance=bal - paid)
 
-  def _step(self, params, state, tokens, active, bits, key, temperature, top_p):
+  def _step(self, params, tpol, state, tokens, tag_ids, state_ids, active, bits, key,
+            temperature, top_p):
     self.traces["step"] += 1
     cache, sph, rho, n_prompt, deficit = state
     model = nnx.merge(self.graphdef, params)
-    B, W = self.batch, self.window
-    route, sph = self._route_new(sph, rho, active)
+    B, W, H = self.batch, self.window, self.cfg.n_kv_heads
+    protect = new_prot = None
+    if self.tags:   # the new token's floor-H groups (a stop or padding row is inactive)
+      protect = hybrid.floor_h(tpol, tag_ids) & active[:, None]             # [B, G]
+      new_prot = jnp.broadcast_to(protect[..., None], protect.shape + (H,))
+    if self.plan == "pask":   # PASK's controller (Alg. 2) on PASK's balance
+      act, bal = controller.control_batch(tpol, tag_ids, state_ids, sph.balance[:, 0], ~active)
+      route = jnp.where(active[:, None, None], hybrid.routes(act, H), 0).astype(jnp.int8)
+      sph = sph.replace(balance=jnp.broadcast_to(bal[:, None], sph.balance.shape))
+    else:
+      route, sph = self._route_new(sph, rho, active, protect)
     p = cache.count
     bi = jnp.arange(B)
     slot = p % W
@@ -218,7 +339,8 @@ class SphRunner:
     lay = cache.layers
     old_k, old_v = lay.win_k[:, bi, slot], lay.win_v[:, bi, slot]        # [L, B, H, D]
     sph = scache.evict_step(sph, jnp.where(active, slot, W),
-                            jnp.where(active & (p >= W), old_pos, -1), old_k, old_v, route)
+                            jnp.where(active & (p >= W), old_pos, -1), old_k, old_v, route,
+                            new_prot)
     actions = scache.base_actions(sph, scache.normalize_route(sph, route, p))
     cache, plan = pcache.begin_step(cache, actions, active)
     cache = pcache.evict_step(cache, plan)
@@ -228,8 +350,11 @@ class SphRunner:
       cache = pcache.write_step(carry, plan, layer, k[:, 0], v[:, 0], evict=False)
       g = gl[layer]
       window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
-      out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
-                                            sph=scache.sph_inputs(sph, g), backend="reference")
+      if self.read == "angles":
+        out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
+                                              sph=scache.sph_inputs(sph, g), backend="reference")
+      else:
+        out = self.attend_reconstructed(q[:, 0], window, hi, lo, maps, layer, sph, g)
       return out[:, None].astype(q.dtype), cache
 
     logits, cache = model(tokens[:, None], p[:, None], cache, attend)
@@ -237,8 +362,47 @@ class SphRunner:
     nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
     return nxt, logits, (cache, sph, rho, n_prompt, deficit)
 
+  def attend_reconstructed(self, q, window, hi, lo, maps, layer, sph, g):
+    """Reconstruct-then-dot (A1): the base partitions (window, BF16 pool) and, per tier, a BF16
+    partition over the tier's keys rebuilt densely (:func:`scache.rebuild_tier`; each (sequence,
+    KV head) as a sequence of one KV head), merged by their LSEs.  The partitions' outputs meet
+    as BF16 (as separate launches would), one rounding the fused path does not have."""
+    B, Hq, D = q.shape
+    H = self.cfg.n_kv_heads
+    gq = Hq // H
+    out, lse = pallas_kernels.decode_attention(q, window, hi, lo, maps, layer=layer,
+                                               return_lse=True, backend="reference")
+    outs, lses = [out.astype(jnp.float32)], [lse]
+    empty_k = jnp.zeros((B * H, 1, 1, D), jnp.bfloat16)
+    win = Window(empty_k, empty_k, jnp.zeros((B * H,), jnp.int32))
+    codes = jnp.zeros((0, self.page, 1, D // 2), jnp.uint8)
+    no_lo = LowPool(codes, codes, jnp.zeros((0, self.page, 1, 2), jnp.float16))
+    qf = q.reshape(B * H, gq, D)
+    for t in range(len(self.tiers)):
+      k, v, length = scache.rebuild_tier(sph, t, g, layer)                  # [B, H, S, D]
+      S = k.shape[2]
+      n = S // self.page
+      pool = HighPool(k.reshape(B * H * n, self.page, 1, D), v.reshape(B * H * n, self.page, 1, D))
+      m = PageMaps(jnp.arange(B * H * n, dtype=jnp.int32).reshape(B * H, n), length.reshape(-1),
+                   jnp.zeros((B * H, 0), jnp.int32), jnp.zeros((B * H,), jnp.int32))
+      o, ls = pallas_kernels.decode_attention(qf, win, pool, no_lo, m, return_lse=True,
+                                              backend="reference")
+      outs.append(o.reshape(B, Hq, D).astype(jnp.float32))
+      lses.append(ls.reshape(B, Hq))
+    lse = jnp.stack(lses)                                                    # [K+1, B, Hq]
+    top = jnp.max(lse, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - top), 0.0)
+    num = jnp.sum(w[..., None] * jnp.stack(outs), axis=0)
+    den = jnp.sum(w, axis=0)
+    return (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(jnp.bfloat16)
+
   def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
-    nxt, _, state = self.step(self.params, state, tokens, active, bits, key, temperature, top_p)
+    tpol = self.tag_policy if self.needs_policy else None
+    tags = tag_ids if self.needs_policy else None
+    sids = state_ids if self.plan == "pask" else None
+    nxt, _, state = self.step(self.params, tpol, state, tokens, tags, sids, active, bits, key,
+                              temperature, top_p)
     return nxt, state
 
   # --- accounting ------------------------------------------------------------------------------
@@ -299,6 +463,7 @@ class SphRunner:
                   "decode_B": ratio(dec, n - n0), "measured_B": ratio(pre + dec, n),
                   "resident_B": ratio(held, n), "budget": float(np.asarray(rho)[b]),
                   "deficit_bytes": float(np.sum(deficit[b])), "overflow": bool(overflow[b]),
+                  "plan": self.plan, "read": self.read, "tags": self.tags,
                   "items": {"drop": int(counts[0]),
                             **{self.tiers[t].layout: int(counts[t + 1]) for t in range(K)},
                             "bf16": int(counts[K + 1])}})

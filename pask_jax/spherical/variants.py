@@ -1,0 +1,103 @@
+"""The Spherical KV methods of the evaluation harness (docs/SPHERICAL_KV.md §4 "Ablations", §3
+"Coexistence"): each a configuration of the one :class:`pask_jax.spherical.runner.SphRunner`
+(ladder, plan, read path, tag protection), never a copy of it.  Imports nothing heavy, so the
+method registry (``pask_jax.baselines.METHODS``) can list the names.
+
+==============  =====  ==========================================================================
+name            label  configuration (what it isolates)
+==============  =====  ==========================================================================
+spherical       A0     full method (the design's ``sphkv``): paper ladder A2/A42/A4, RDR plan,
+                       logits from the codes (ADA)
+sphkv-rd        A1     RD-only: A0's storage and controller, read by reconstruct-then-dot (each
+                       step the tiers' visible keys are decoded into a transient dense BF16 K,
+                       then a BF16 partition attends) — isolates in-kernel angle-domain attention
+sphkv-angle     A2     angle-only: every non-sink token at t2 (A42), no drop, no RDR — isolates
+                       the format at a fixed rate, without rate–distortion allocation
+sphkv-retain    A3     retention-only: tiers {drop, t3 (A4)}, RDR plan — isolates retention
+                       (drop vs keep) without down-tiering
+sphkv-quant     A3'    quantization-only: every non-sink token at t1 (A2), no drop, no RDR —
+                       isolates the cheapest tier without retention
+rdr+tags        ext.   A0 with PASK's floor-H tags in RDR's protected set P (a PASK policy's
+                       floors, the grammar tracker's tags) — isolates what parser tags add to RDR
+pask+ada        ext.   PASK's policy and controller (R/L/H from tags, PASK's budget) with its L
+                       items stored at tier A4 keys + INT4 values (the compact ladder's t2, the
+                       bytes of PASK's INT4 L) instead of INT4 K+V — isolates the key format
+                       under PASK's policy
+==============  =====  ==========================================================================
+
+Fixed-rate variants (``plan="fixed"``) ignore the budget when placing items (their rate is the
+tier's); a requested B below that rate is reported as a deficit, never hidden.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+PLANS = ("rdr", "fixed", "pask")
+READS = ("angles", "reconstruct")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One harness method as SphRunner settings: ``layouts`` the ladder (ascending cost) with
+  ``values`` its value format; ``plan`` "rdr" (the RDR controller under the budget), "fixed"
+  (every item at the ladder's only tier, no drop) or "pask" (PASK's controller and policy: H to
+  the BF16 pool, L to the ladder's only tier, R dropped); ``read`` "angles" (logits from the
+  codes) or "reconstruct" (dense BF16 K rebuilt per step, then attention); ``tags``: PASK
+  floor-H tags join P.  ``needs_policy``: the run takes a PASK policy and the parser's tags."""
+
+  label: str
+  layouts: tuple[str, ...] = ("A2", "A42", "A4")
+  values: str = "bf16"
+  plan: str = "rdr"
+  read: str = "angles"
+  tags: bool = False
+  isolates: str = ""
+
+  def __post_init__(self):
+    if self.plan not in PLANS:
+      raise ValueError(f"plan must be one of {PLANS}, got {self.plan!r}")
+    if self.read not in READS:
+      raise ValueError(f"read must be one of {READS}, got {self.read!r}")
+    if not self.layouts:
+      raise ValueError("a variant needs at least one tier layout")
+    if self.plan in ("fixed", "pask") and len(self.layouts) != 1:
+      raise ValueError(f"plan {self.plan!r} places items at one tier; got the ladder "
+                       f"{self.layouts}")
+    if self.tags and self.plan != "rdr":
+      raise ValueError("tags join RDR's protected set: they need plan 'rdr'")
+
+  @property
+  def needs_policy(self) -> bool:
+    return self.tags or self.plan == "pask"
+
+
+VARIANTS: dict[str, Variant] = {
+    "spherical": Variant("A0", isolates="full method: ADA + RDR, paper ladder"),
+    "sphkv-rd": Variant("A1", read="reconstruct",
+                        isolates="angle-domain attention: same storage and RDR, "
+                                 "reconstruct-then-dot"),
+    "sphkv-angle": Variant("A2", layouts=("A42",), plan="fixed",
+                           isolates="rate-distortion allocation: every item at t2, no drop"),
+    "sphkv-retain": Variant("A3", layouts=("A4",),
+                            isolates="down-tiering: RDR over {drop, t3} only"),
+    "sphkv-quant": Variant("A3'", layouts=("A2",), plan="fixed",
+                           isolates="retention: every item at t1, no drop"),
+    "rdr+tags": Variant("ext", tags=True,
+                        isolates="parser tags: PASK's floor-H tags join RDR's protected set"),
+    "pask+ada": Variant("ext", layouts=("A4",), values="int4", plan="pask",
+                        isolates="key format under PASK: L items angle-coded, not INT4"),
+}
+METHODS = tuple(VARIANTS)
+TAGGED = tuple(n for n, v in VARIANTS.items() if v.needs_policy)   # take a policy and tags
+
+
+def variant(name: str) -> Variant:
+  """The configuration of harness method ``name`` (one-line error for an unknown name)."""
+  try:
+    return VARIANTS[name]
+  except KeyError:
+    raise ValueError(f"unknown Spherical KV method {name!r}; choose from "
+                     f"{', '.join(VARIANTS)}") from None
+
+
+__all__ = ["METHODS", "PLANS", "READS", "TAGGED", "VARIANTS", "Variant", "variant"]
