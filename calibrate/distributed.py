@@ -66,9 +66,9 @@ def parse(coordinator: str | None, num_processes: int | None, process_id: int | 
 
 
 def _reachable(coordinator: str, timeout: float) -> bool:
+  import time
   host, _, port = coordinator.rpartition(":")
   host = host.strip("[]")
-  import time
   end = time.monotonic() + timeout
   while True:
     try:
@@ -87,10 +87,10 @@ def initialize(launch: Launch, *, timeout: int = 120) -> None:
   import jax
   if launch.num_processes == 1 and launch.process_id == 0:
     return                           # nothing to join: one process, as without the flags
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if launch.process_id != 0 and not _reachable(launch.coordinator, timeout):
     raise DistributedError(f"coordinator {launch.coordinator} unreachable within {timeout} s "
                            "(is process 0 running, and is the port open from this host?)")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
     jax.distributed.initialize(launch.coordinator, launch.num_processes, launch.process_id,
                                initialization_timeout=timeout)
