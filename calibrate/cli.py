@@ -44,10 +44,12 @@ with I = 0 on the host whose HOST:PORT is given (it starts the coordinator there
               --coordinator 10.0.0.1:7777 --num-processes 2 --process-id 0
   other$    pask-jax calibrate --task jsonl --data cases.jsonl --out runs/cal
               --coordinator 10.0.0.1:7777 --num-processes 2 --process-id 1
-(each one command line).  The stacked step's policy rows are sharded over the devices of
-all processes (each process drives as many devices); every process needs the same model,
-data and arguments (checked).  Process 0 alone reads and writes --out (saved stages, the
-policy, calibration.json).  On CPUs the processes' collectives use gloo.
+(each one command line).  One process per GPU of a host: give each its GPU with
+JAX_LOCAL_DEVICE_IDS=I (or CUDA_VISIBLE_DEVICES=I).  The stacked step's policy rows are
+sharded over the devices of all processes (each process drives as many devices); every
+process needs the same model, data and arguments (checked).  Process 0 alone reads and
+writes --out (saved stages, the policy, calibration.json).  On CPUs the processes'
+collectives use gloo.
 """
 
 
