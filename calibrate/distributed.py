@@ -20,6 +20,8 @@ import dataclasses
 import hashlib
 import os
 import socket
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -80,25 +82,46 @@ def _reachable(coordinator: str, timeout: float) -> bool:
       time.sleep(0.2)
 
 
-def initialize(launch: Launch, *, timeout: int = 120) -> None:
+def initialize(launch: Launch, *, timeout: int = 120, exit_on_timeout: bool = True) -> None:
   """``jax.distributed.initialize`` for ``launch`` (before any device use), with gloo for CPU
   collectives.  A coordinator that does not answer within ``timeout`` seconds is a one-line
-  :class:`DistributedError` (process 0 starts the coordinator itself; the others wait for it)."""
+  :class:`DistributedError` (process 0 starts the coordinator itself; the others wait for it).
+  Should the coordinator answer but not every process join within ``timeout``, the process
+  exits with status 1 and one line on stderr (``exit_on_timeout``; XLA would abort it)."""
+  import time
+
   import jax
   if launch.num_processes == 1 and launch.process_id == 0:
     return                           # nothing to join: one process, as without the flags
+  t0 = time.monotonic()
   if launch.process_id != 0 and not _reachable(launch.coordinator, timeout):
     raise DistributedError(f"coordinator {launch.coordinator} unreachable within {timeout} s "
                            "(is process 0 running, and is the port open from this host?)")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  try:
+  left = max(1.0, timeout - (time.monotonic() - t0))
+  # When not every process joins in time, XLA's coordination client aborts the process from a
+  # thread of its own (a fatal log and a stack dump); the watchdog ends it first, in one line.
+  joined = threading.Event()
+
+  def watchdog():
+    if not joined.wait(left):
+      sys.stderr.write(f"error: not all {launch.num_processes} processes joined "
+                       f"{launch.coordinator} within {timeout} s (this is process "
+                       f"{launch.process_id}; is every process started with the same "
+                       "--coordinator and --num-processes?)\n")
+      sys.stderr.flush()
+      os._exit(1)
+  if exit_on_timeout:
+    threading.Thread(target=watchdog, daemon=True).start()
+  try:              # XLA's own deadline later than the watchdog's
     jax.distributed.initialize(launch.coordinator, launch.num_processes, launch.process_id,
-                               initialization_timeout=timeout)
+                               initialization_timeout=int(left) + 30)
   except Exception as e:  # noqa: BLE001 — XLA's errors span many lines: keep the first
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise DistributedError(f"joining {launch.num_processes} processes at {launch.coordinator} "
-                           f"as process {launch.process_id} failed within {timeout} s: "
-                           f"{first}") from None
+                           f"as process {launch.process_id} failed: {first}") from None
+  finally:
+    joined.set()
   counts = _allgather_ints([jax.local_device_count()])
   if len(set(counts[:, 0].tolist())) > 1:
     raise DistributedError(f"processes have different numbers of devices "

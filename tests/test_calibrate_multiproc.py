@@ -244,3 +244,25 @@ def test_unreachable_coordinator_is_a_one_line_error_within_the_timeout(tmp_path
   msg = str(e.value.code)
   assert msg.startswith(f"error: coordinator 127.0.0.1:{port} unreachable within 2 s") and \
       "\n" not in msg, msg
+
+
+def test_a_process_left_alone_exits_in_one_line_at_the_join_timeout(tmp_path):
+  """Process 0 of two, the other never started: one line and status 1 at --join-timeout (XLA
+  would abort the process with a stack dump)."""
+  data = tmp_path / "t.jsonl"
+  data.write_text("".join(json.dumps(c) + "\n" for c in CASES))
+  port = free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("JAX_COORDINATOR_ADDRESS", None)
+  t0 = time.monotonic()
+  r = subprocess.run([sys.executable, "-m", "pask_jax.cli", "calibrate", "--task", "jsonl",
+                      "--data", str(data), "--out", str(tmp_path / "o"), "--coordinator",
+                      f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
+                      "--join-timeout", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 1, tail(r.stderr)
+  line = (f"error: not all 2 processes joined 127.0.0.1:{port} within 3 s (this is process 0; "
+          "is every process started with the same --coordinator and --num-processes?)")
+  assert r.stderr.rstrip().endswith(line), tail(r.stderr)
+  assert "Check failure" not in r.stderr and not (tmp_path / "o").exists()
+  assert time.monotonic() - t0 < 90
