@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,6 @@ def parse(coordinator: str | None, num_processes: int | None, process_id: int | 
 
 
 def _reachable(coordinator: str, timeout: float) -> bool:
-  import time
   host, _, port = coordinator.rpartition(":")
   host = host.strip("[]")
   end = time.monotonic() + timeout
@@ -88,8 +88,6 @@ def initialize(launch: Launch, *, timeout: int = 120, exit_on_timeout: bool = Tr
   :class:`DistributedError` (process 0 starts the coordinator itself; the others wait for it).
   Should the coordinator answer but not every process join within ``timeout``, the process
   exits with status 1 and one line on stderr (``exit_on_timeout``; XLA would abort it)."""
-  import time
-
   import jax
   if launch.num_processes == 1 and launch.process_id == 0:
     return                           # nothing to join: one process, as without the flags
