@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from calibrate import distortion as dist
+from calibrate import distributed as mp
 from calibrate import stack as S
 from calibrate import stages
 from pask_jax import controller
@@ -395,7 +396,11 @@ class Calibration:
     self.thash = tokenizer_hash
     self.out = out
     self.work = os.path.join(out, "work")
-    os.makedirs(self.work, exist_ok=True)
+    # Across processes (calibrate.distributed) only process 0 reads and writes OUT; the stages
+    # it loads are handed to the others, so every process resumes from the same state.
+    self.main = mp.is_main()
+    if self.main:
+      os.makedirs(self.work, exist_ok=True)
     self.ref_policy = P.all_high(model.cfg, n_groups=cfg.n_groups, sink=cfg.sink,
                                  window=cfg.window, tokenizer_hash=tokenizer_hash)
     self.cost = np.asarray(self.ref_policy.cost, np.float64)
@@ -410,7 +415,11 @@ class Calibration:
     self.timings: dict[str, float] = {}
     self.host: dict[str, float] = {}   # generate loops' host seconds (stack.generate_overlapped)
     self.keys = self._fingerprints()
-    self._check_work()
+    # Same model, tokenizer, cases and arguments on every process, before any shared step.
+    mp.check_same("the calibration's inputs (model, tokenizer, cases, arguments)",
+                  np.frombuffer(json.dumps(self.keys, sort_keys=True, default=str).encode(),
+                                np.uint8))
+    mp.from_main(self._check_work)
 
   # --- the ablation's policies (Config.ablation) ---
   def build(self, entries, *args, **kw) -> P.FrozenPolicy:
@@ -492,10 +501,12 @@ class Calibration:
     return os.path.join(self.work, name)
 
   def _load(self, name):
-    return stages.load(self.work, name, self.keys[name])
+    blob = mp.from_main(lambda: stages.read(self.work, name, self.keys[name]))
+    return None if blob is None else stages.decode(blob)
 
   def _save(self, name, obj):
-    stages.save(self.work, name, self.keys[name], obj)
+    if self.main:
+      stages.save(self.work, name, self.keys[name], obj)
 
   def runner_of(self, window: int | None):
     """The ``runner_for`` of policies with recent window ``window`` (None: Config.window)."""
@@ -891,10 +902,15 @@ class Calibration:
     self.timings["total"] = time.perf_counter() - t_all
     record["timings_s"] = dict(self.timings)
     record["generate_host_s"] = dict(self.host)   # launch / wait / host seconds, steps
-    P.save(final, os.path.join(self.out, "policy"))
-    self._write_variants(variants)
-    with open(os.path.join(self.out, "calibration.json"), "w") as f:
-      json.dump(record, f, indent=1, sort_keys=True, default=float)
+    mp.check_same("the selected policy", [final] + [v["policy"] for v in variants
+                                                    if "policy" in v])
+    if mp.count() > 1:
+      record["processes"] = mp.count()
+    if self.main:
+      P.save(final, os.path.join(self.out, "policy"))
+      self._write_variants(variants)
+      with open(os.path.join(self.out, "calibration.json"), "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True, default=float)
     self.final, self.record_ = final, record
     return record
 

@@ -17,6 +17,15 @@ With ``--target-b t`` (one target; the same as ``--targets t``) or ``--targets``
 ``OUT/policy/B<t>/`` per target t (see
 :meth:`calibrate.alg1.Calibration.variants`), found by ``pask-jax eval --budget t``; with
 ``--windows``, the decode candidates compete at each of those recent windows too.
+
+Across processes (several hosts, or one process per accelerator): every process runs the same
+command with ``--coordinator HOST:PORT --num-processes N --process-id I`` (I = 0 .. N-1; HOST:PORT
+is process 0's address, where it starts the coordinator; ``$JAX_COORDINATOR_ADDRESS`` may stand in
+for ``--coordinator``).  The stacked step's policy axis is sharded over the devices of all
+processes; process 0 alone reads and writes ``--out`` (see :mod:`calibrate.distributed`)::
+
+    10.0.0.1$ pask-jax calibrate ... --coordinator 10.0.0.1:7777 --num-processes 2 --process-id 0
+    other$    pask-jax calibrate ... --coordinator 10.0.0.1:7777 --num-processes 2 --process-id 1
 """
 from __future__ import annotations
 
@@ -25,8 +34,29 @@ import os
 import time
 
 
+EPILOG = """\
+across processes (several hosts, or one process per GPU): run the same command in every
+process, adding
+  --coordinator HOST:PORT --num-processes N --process-id I
+with I = 0 on the host whose HOST:PORT is given (it starts the coordinator there) and
+1 .. N-1 on the others.  E.g. two hosts, the first at 10.0.0.1:
+  10.0.0.1$ pask-jax calibrate --task jsonl --data cases.jsonl --out runs/cal
+              --coordinator 10.0.0.1:7777 --num-processes 2 --process-id 0
+  other$    pask-jax calibrate --task jsonl --data cases.jsonl --out runs/cal
+              --coordinator 10.0.0.1:7777 --num-processes 2 --process-id 1
+(each one command line).  One process per GPU of a host: give each its GPU with
+JAX_LOCAL_DEVICE_IDS=I (or CUDA_VISIBLE_DEVICES=I).  The stacked step's policy rows are
+sharded over the devices of all processes (each process drives as many devices); every
+process needs the same model, data and arguments (checked).  Process 0 alone reads and
+writes --out (saved stages, the policy, calibration.json).  On CPUs the processes'
+collectives use gloo.
+"""
+
+
 def add_parser(sub) -> None:
-  c = sub.add_parser("calibrate", help="offline calibration (Alg. 1) of a frozen PASK policy")
+  import argparse
+  c = sub.add_parser("calibrate", help="offline calibration (Alg. 1) of a frozen PASK policy",
+                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
   c.add_argument("--model", default=None, help="registered name, GGUF file or HF directory")
   c.add_argument("--task", default="bfcl", choices=["bfcl", "jsonl"],
                  help="bfcl: BFCL's calibration and development splits; jsonl: the cases of "
@@ -73,6 +103,17 @@ def add_parser(sub) -> None:
                       "recorded in the policy and calibration.json")
   c.add_argument("--speedup", type=int, default=0, metavar="K",
                  help="also time K Runtime-V interventions sequentially vs stacked")
+  g = c.add_argument_group("across processes (see below)")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="process 0's address (default: $JAX_COORDINATOR_ADDRESS when "
+                      "--num-processes is given)")
+  g.add_argument("--num-processes", type=int, default=None, metavar="N",
+                 help="processes in the calibration (each runs this same command)")
+  g.add_argument("--process-id", type=int, default=None, metavar="I",
+                 help="this process's index, 0 .. N-1 (0 writes --out)")
+  g.add_argument("--join-timeout", type=int, default=120, metavar="S",
+                 help="seconds to wait for the coordinator and the other processes "
+                      "(default: 120)")
 
 
 def run(args) -> int:
@@ -107,6 +148,7 @@ def run(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: --windows: {e}")
   ablation = ablation_of(args)
+  launch = launch_of(args)
   from pask_jax import platform
   if args.task == "jsonl":      # read and checked before the model loads
     try:
@@ -116,6 +158,12 @@ def run(args) -> int:
       raise SystemExit(f"error: {e}")
   else:
     bfcl.need()
+  from calibrate import distributed
+  if launch is not None:         # before anything touches a device
+    try:
+      distributed.initialize(launch, timeout=args.join_timeout)
+    except distributed.DistributedError as e:
+      raise SystemExit(f"error: {e}")
   m = platform.load_model_or_exit(args.model, args.dtype, center_keys=args.key_center == "on")
   tok = m.tokenizer
   t0 = time.perf_counter()
@@ -146,17 +194,23 @@ def run(args) -> int:
   cap = capacity_for(longest, args.max_tokens)
   print(f"calibration {len(cal.requests)} cases, development {len(dev.requests)} "
         f"({what}); longest prompt {longest}, capacity {cap}; "
-        f"{jax.devices()[0].platform} x{len(jax.devices())}", flush=True)
+        f"{jax.devices()[0].platform} x{len(jax.devices())}" +
+        (f" over {jax.process_count()} processes (this is process {jax.process_index()})"
+         if jax.process_count() > 1 else ""), flush=True)
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
                     window=args.window, targets=targets, windows=windows, ablation=ablation)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
   from calibrate.stages import StageMismatch
+  main = distributed.is_main()
   try:
+    # Across processes the policy rows are sharded over every process's devices.
     C = alg1.Calibration(m.model, tok.hash(), cal, dev, args.out, cfg, capacity=cap,
                          backend=args.backend, progress=bar,
-                         log=lambda s: print(s, flush=True))
-  except StageMismatch as e:   # resuming another model's / task's / arguments' stages
+                         log=lambda s: print(s, flush=True),
+                         devices=jax.devices() if distributed.count() > 1 else None)
+  except (StageMismatch, distributed.DistributedError) as e:
+    # resuming another model's / task's / arguments' stages; processes that disagree
     raise SystemExit(f"error: {e}")
   sp = None
   if args.speedup:       # measured first (needs only the reference and the buckets)
@@ -164,17 +218,24 @@ def run(args) -> int:
     C.buckets()
     sp = speedup(C, args.speedup)
     print(f"speedup: {json.dumps(sp)}", flush=True)
-    with open(os.path.join(args.out, "speedup.json"), "w") as f:
-      json.dump(sp, f, indent=1)
-  rec = C.run()
+    if main:
+      with open(os.path.join(args.out, "speedup.json"), "w") as f:
+        json.dump(sp, f, indent=1)
+  try:
+    rec = C.run()
+  except (StageMismatch, distributed.DistributedError) as e:
+    raise SystemExit(f"error: {e}")
   if sp is not None:
     rec["speedup"] = sp
   rec["wall_s"] = time.perf_counter() - t0
-  with open(os.path.join(args.out, "calibration.json"), "w") as f:
-    json.dump(rec, f, indent=1, sort_keys=True, default=float)
+  if main:
+    with open(os.path.join(args.out, "calibration.json"), "w") as f:
+      json.dump(rec, f, indent=1, sort_keys=True, default=float)
   comp_ = rec["composed"]
   print((f"ablation {ablation}; " if ablation else "") +
-        f"policy: {os.path.join(args.out, 'policy')}\n"
+        ("policy: " + (os.path.join(args.out, "policy") if main else
+                       f"written by process 0 (this process {jax.process_index()} selected the "
+                       "same, checked)") + "\n") +
         f"dev accuracy {comp_['dev_accuracy']:.3f} "
         f"(all-high {comp_['dev_reference_accuracy']:.3f}),"
         f" measured B total {comp_['measured_B_total']:.3f} (prefill "
@@ -195,6 +256,18 @@ def run(args) -> int:
           f"{s['stacked_s']:.1f} s vs {s['sequential_s']:.1f} s = {s['ratio']:.2f}x; "
           f"same outcomes: {s['same_outcomes']}")
   return 0
+
+
+def launch_of(args):
+  """The checked ``--coordinator/--num-processes/--process-id`` (None: one process); a partial or
+  bad set is a one-line SystemExit, before anything loads."""
+  from calibrate import distributed
+  if args.join_timeout < 1:
+    raise SystemExit("error: --join-timeout must be at least 1 second")
+  try:
+    return distributed.parse(args.coordinator, args.num_processes, args.process_id)
+  except distributed.DistributedError as e:
+    raise SystemExit(f"error: {e}")
 
 
 def targets_of(args) -> tuple[float, ...]:

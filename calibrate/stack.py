@@ -72,6 +72,11 @@ class StackRunner(dec.PaskRunner):
     # a step's ledger can still be read after the next step ran (generate_overlapped).
     self.forward = jax.jit(self._forward, donate_argnums=(2,))
     self.local = None
+    # Several processes (calibrate.distributed): the mesh holds other processes' devices, so
+    # every input of the sharded calls becomes a global array (each process places its own
+    # shards) and the sampled tokens come back replicated.
+    self.multi = mesh is not None and any(d.process_index != jax.process_index()
+                                          for d in mesh.devices.flat)
     if mesh is not None and mesh.size > 1:
       self._shard_over(mesh, model, capacity, page, backend)
 
@@ -92,6 +97,39 @@ class StackRunner(dec.PaskRunner):
     self.forward = jax.jit(jax.shard_map(self.local._forward, mesh=mesh,
                                          in_specs=(rep,) + (rows,) * 6, out_specs=rows,
                                          check_vma=False), donate_argnums=(2,))
+    self._new_sharded = jax.jit(jax.shard_map(self.local.new_cache, mesh=mesh, in_specs=(),
+                                              out_specs=rows, check_vma=False))
+    if self.multi:
+      self._across_processes(mesh)
+
+  def _across_processes(self, mesh):
+    """The sharded calls with global inputs: the parameters replicated once, the policy stack
+    per :meth:`use`, host inputs (every process holds them in full, the same) placed shard by
+    shard (:func:`calibrate.distributed.to_global`).  The sampler gathers its tokens to every
+    process (every process tracks every row's grammar)."""
+    from calibrate import distributed as dist
+    named = lambda spec: jax.sharding.NamedSharding(mesh, spec)
+    rows, rep = named(jax.sharding.PartitionSpec("rows")), named(jax.sharding.PartitionSpec())
+    put = lambda tree, s: jax.tree.map(lambda x: dist.to_global(x, s), tree)
+    self.params = put(self.params, rep)
+    commit, forward = self.commit, self.forward
+    self.commit = lambda policy, cache, k, v, cands, lengths: commit(
+        policy, cache, *(put(x, rep) for x in (k, v, cands, lengths)))
+    self.forward = lambda params, policy, cache, budget, led, tokens, host: forward(
+        params, policy, cache, budget, led, put(tokens, rows), put(host, rows))
+    # Greedy or sampled, the pick of every row on every process; the key travels as its data.
+    select = self.select
+    pick = jax.jit(lambda logits, bits, kd, t, p: select(
+        logits, bits, jax.random.wrap_key_data(kd), t, p), out_shardings=rep)
+    self.select = lambda logits, bits, key, t, p: pick(
+        put(logits, rows), put(bits, rows), put(jax.random.key_data(key), rep), put(t, rows),
+        put(p, rows))
+
+    def local_only(*a, **k):
+      raise NotImplementedError("across processes a StackRunner runs generate_overlapped "
+                                "(run_stack) only")
+    self.step = self.decode_step = local_only
+    self.use(self.policy)
 
   def _forward(self, params, policy, cache, budget, led, tokens, host):
     """:meth:`~pask_jax.decode.PaskRunner.deferred_fn` with its per-row host inputs in one
@@ -104,13 +142,24 @@ class StackRunner(dec.PaskRunner):
   def use(self, policy_stack: P.FrozenPolicy) -> None:
     if policy_stack.action.shape[0] != self.V:
       raise ValueError(f"stack of {policy_stack.action.shape[0]} policies for a runner of {self.V}")
+    if self.multi:     # each process places its devices' policies (the stack is the same on all)
+      from calibrate import distributed as dist
+      s = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("rows"))
+      policy_stack = jax.tree.map(lambda x: dist.to_global(x, s), policy_stack)
     self.policy = policy_stack
+
+  def fetch(self, x) -> np.ndarray:
+    """A step output's whole value on this host (gathered from every process's devices when
+    the mesh spans several processes)."""
+    if self.multi:
+      from calibrate import distributed as dist
+      return dist.fetch(x)
+    return np.asarray(x)
 
   def new_cache(self):
     from pask_jax import cache as pcache
-    if self.local is not None:
-      c = self.local.new_cache()
-      return jax.tree.map(lambda x: jnp.concatenate([x] * self.mesh.size, 0), c)
+    if self.local is not None:       # each device builds its own (device-major concatenation)
+      return self._new_sharded()
     return pcache.init_for(self.cfg, self.batch, self.template, capacity=self.capacity,
                            page=self.page)
 
@@ -300,12 +349,12 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
     tm["host_s"] += td - tc
   t2 = clock()
   t1 = t1 or t2
-  led = jax.tree.map(np.asarray, led)
+  led = jax.tree.map(runner.fetch, led)
   if live_from:
     live, peak = led.live_bits.copy(), led.peak_live_bits.copy()
     fetched: dict[int, tuple] = {}
     for b, src in live_from.items():
-      lv, pk = fetched.setdefault(id(src), tuple(np.asarray(x) for x in src))
+      lv, pk = fetched.setdefault(id(src), tuple(runner.fetch(x) for x in src))
       live[b], peak[b] = lv[b], pk[b]
     led = led.replace(live_bits=live, peak_live_bits=peak)
   reports = runner.report((cache, budget, led))

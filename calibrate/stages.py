@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 from typing import Any
@@ -168,7 +169,24 @@ def load(work: str, stage: str, fingerprint: dict) -> Any:
   if not os.path.exists(file):
     return None
   check(file, stage, fingerprint)
-  with np.load(file, allow_pickle=False) as z:
+  with open(file, "rb") as f:
+    return decode(f.read())
+
+
+def read(work: str, stage: str, fingerprint: dict) -> bytes | None:
+  """The saved stage's bytes after the fingerprint check (:func:`decode` gives its payload), or
+  None when it was not saved yet: what process 0 hands the others (calibrate.distributed)."""
+  file = path(work, stage)
+  if not os.path.exists(file):
+    return None
+  check(file, stage, fingerprint)
+  with open(file, "rb") as f:
+    return f.read()
+
+
+def decode(blob: bytes) -> Any:
+  """A stage's payload from its file's bytes."""
+  with np.load(io.BytesIO(blob), allow_pickle=False) as z:
     meta = json.loads(bytes(z["__meta__"]).decode("utf-8"))
     arrays = {k: z[k] for k in z.files if k != "__meta__"}
   return _dec(meta["payload"], arrays)

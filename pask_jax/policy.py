@@ -337,6 +337,13 @@ def save(pol: FrozenPolicy, directory: str | os.PathLike) -> None:
   tree["gamma"] = np.concatenate([np.asarray(pol.reserve, np.float32).reshape(-1),
                                   np.asarray(pol.pooled, np.float32).reshape(1)])
   ckptr = ocp.PyTreeCheckpointer()
+  if jax.process_count() > 1:
+    # One process of several (calibration across processes: process 0 writes alone); orbax's
+    # default would wait for every process at its barriers.
+    me = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                            active_processes={jax.process_index()})
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=me),
+                             multiprocessing_options=me)
   ckptr.save(os.path.join(d, "arrays"), tree, force=True)
   with open(os.path.join(d, "policy.json"), "w") as f:
     json.dump(pol.record, f, indent=1, sort_keys=True)
