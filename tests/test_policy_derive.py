@@ -74,7 +74,10 @@ def test_derived_variant_is_the_calibrated_one_but_for_the_aimed_prefill_budget(
   v = rec["extra"]["variant"]
   assert rec["budgets"]["b_p"] == v["b_p"] == v["predicted_B_prefill"]
   assert abs(float(mine.b_p) - v["b_p"]) < 1e-7
-  assert v["source_policy"] == os.path.abspath(p15) and v["base"] == "B0.20"
+  # Paths relative to the variant's directory (true in any clone of a committed variant).
+  assert v["source_policy"] == ".."
+  assert os.path.normpath(os.path.join(p15, "B0.25", v["source_policy"])) == p15
+  assert v["base"] == "B0.20"
   assert v["requested_B"] == v["target"] == 0.25 and v["rule"] == variant.RULE
   assert v["measured"] is False and v["measured_B_total"] is None and v["dev_accuracy"] is None
   base = json.load(open(os.path.join(p15, "B0.20", "policy.json")))["extra"]["variant"]
@@ -96,8 +99,8 @@ def test_derived_from_the_calibration_record_of_the_top_level_policy(cal05):
   v = P.read_record(os.path.join(cal05, "B0.30"))["extra"]["variant"]
   comp = json.load(open(CAL05))["composed"]
   assert v["base"] == "top-level"
-  assert v["calibration_record"] == os.path.abspath(os.path.join(os.path.dirname(cal05),
-                                                                 "calibration.json"))
+  assert v["calibration_record"] == os.path.join("..", "..", "calibration.json")
+  assert v["source_policy"] == ".."
   # Decode measured 0: B_P = B / s, s = total / prefill.
   share = comp["measured_B_total"] / comp["measured_B_prefill"]
   assert abs(v["b_p"] - 0.3 / share) < 1e-9 and abs(v["prompt_share"] - share) < 1e-9
