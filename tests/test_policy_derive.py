@@ -37,7 +37,7 @@ def p15(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cal05(tmp_path_factory):
   """The 0.5B policy as ``pask-jax calibrate`` lays it out: OUT/policy beside OUT/calibration.json
-  (its variants were rescaled by hand: their records hold no measurement)."""
+  (its variants were derived, not calibrated: their records hold no measurement)."""
   out = tmp_path_factory.mktemp("cal05")
   shutil.copytree(P05, out / "policy")
   shutil.copy(CAL05, out / "calibration.json")
@@ -111,6 +111,29 @@ def test_derived_from_the_calibration_record_of_the_top_level_policy(cal05):
   assert "not reachable offline" in msg and "lowest predicted total B is 0.221" in msg
 
 
+def test_committed_05b_variants_are_what_derive_writes(tmp_path):
+  """policies/qwen2.5-coder-0.5b-instruct-bfcl/B0.33 … B0.60 are ``pask-jax policy derive
+  POLICY --target-b B --calibration bench/results/2026-12-01_calibrate/calibration.json``:
+  deriving them again gives the same tables, budgets and record (paths relative to each)."""
+  d = str(tmp_path / "policies" / "p05")
+  shutil.copytree(P05, d, ignore=lambda where, names: [n for n in names if n.startswith("B0.")]
+                  if where == P05 else [])
+  cal = tmp_path / "bench" / "results" / "2026-12-01_calibrate" / "calibration.json"
+  os.makedirs(cal.parent)
+  shutil.copy(CAL05, cal)    # the same relative place as in the repository
+  for b in ("0.33", "0.40", "0.50", "0.60"):
+    derive(d, "--target-b", b, "--calibration", str(cal))
+    mine, theirs = P.load(os.path.join(d, f"B{b}")), P.load(os.path.join(P05, f"B{b}"))
+    for k in ("action", "floor", "prio", "crit", "reserve", "pooled", "b_d", "b_p"):
+      np.testing.assert_array_equal(np.asarray(getattr(mine, k)), np.asarray(getattr(theirs, k)))
+    assert mine.record == theirs.record
+    v = theirs.record["extra"]["variant"]
+    assert v["rule"] == variant.RULE and v["base"] == "top-level" and v["measured"] is False
+    assert v["source_policy"] == ".." and os.path.isfile(
+        os.path.join(P05, f"B{b}", v["calibration_record"]))
+    assert abs(v["predicted_B_total"] - float(b)) < 1e-12
+
+
 @pytest.mark.parametrize("b", ["0", "1.5", "-0.2", "nan"])
 def test_budget_outside_0_1_is_refused(p15, b):
   assert "target total B must be in (0, 1]" in refused(p15, "--target-b", b)
@@ -121,7 +144,7 @@ def test_bad_input_is_one_line(p15, cal05, tmp_path):
   shutil.copytree(os.path.join(ROOT, "policies", "demo"), demo)
   assert "has no calibration record" in refused(demo, "--target-b", "0.3")
   no_cal = str(tmp_path / "p05")
-  shutil.copytree(P05, no_cal)       # hand-made variants: no measured B anywhere
+  shutil.copytree(P05, no_cal)       # derived variants: no measured B anywhere
   assert "has no calibration record" in refused(no_cal, "--target-b", "0.3")
   assert "not reachable offline" in refused(p15, "--target-b", "0.02")
   assert "already has the variant B0.20" in refused(p15, "--target-b", "0.2")
