@@ -331,8 +331,7 @@ def check_identity(policy_ident: Mapping, model_ident: Mapping, where: str = "po
 # ---- save / load ------------------------------------------------------------------------------
 
 _TABLES = ("action", "floor", "prio", "crit", "gamma")   # DIR/arrays: the only copy of each
-_BUDGETS = ("b_d", "b_p")
-_LEGACY_ARRAYS = ("b_d", "b_p")   # pask-policy/1 kept the budgets in arrays/ too
+_BUDGETS = ("b_d", "b_p")   # in the record's budgets (pask-policy/1 kept them in arrays/ too)
 
 
 def metadata(rec: Mapping[str, Any]) -> dict:
@@ -405,7 +404,7 @@ def load(directory: str | os.PathLike, model: Any = None,
   except Exception as e:  # noqa: BLE001 — orbax raises many kinds; one line names the problem
     raise ValueError(f"{d}/arrays cannot be read: {type(e).__name__}: "
                      f"{' '.join(str(e).split())[:200]}") from None
-  need = _TABLES + (_LEGACY_ARRAYS if legacy else ())
+  need = _TABLES + (_BUDGETS if legacy else ())
   if not isinstance(arr, dict) or any(k not in arr for k in need):
     raise ValueError(f"{d}/arrays lacks the policy arrays {list(need)}")
   G = int(rec["n_groups"])
