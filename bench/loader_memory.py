@@ -2,8 +2,9 @@
 
 Each measurement runs in a fresh process: JAX, flax and the loaders are imported and warmed up
 first (a tiny random decoder built), then the model is loaded once.  Printed as one JSON line:
-load seconds (wall, and CPU seconds of the process: steadier on a busy host), peak RSS added by the load (``ru_maxrss`` after minus before, MiB), RSS after the
-load, and the parameters' size in their dtype (MiB).
+load seconds (wall, and CPU seconds of the process: steadier on a busy host), peak RSS added by
+the load (``ru_maxrss`` after minus before, MiB), RSS after the load, and the parameters' size
+in their dtype (MiB).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def main() -> None:
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(m.model))) / 2**20
   print(json.dumps({"model": args.model or "default", "dtype": args.dtype,
-                    "load_s": round(sec, 2), "cpu_s": round(cpu, 2), "rss_before_mib": round(before),
+                    "load_s": round(sec, 2), "cpu_s": round(cpu, 2),
+                    "rss_before_mib": round(before),
                     "peak_added_mib": round(peak - before_peak),
                     "rss_added_after_mib": round(_rss_mib() - before),
                     "params_mib": round(size)}))
