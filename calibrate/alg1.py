@@ -914,25 +914,32 @@ class Calibration:
     self.final, self.record_ = final, record
     return record
 
+  def composed_entries(self, d: dict | None, p: dict | None) -> dict[int, P.Entry]:
+    """The entries :meth:`compose` packs: decode candidate ``d``'s then prefill candidate
+    ``p``'s (None: none of that stage)."""
+    G = self.cfg.n_groups
+    d_ent = {} if d is None else self.entries(d["map"], d["floors"], self.rho_dec, G)
+    p_ent = {} if p is None else self.entries(p["floors"], p["floors"], self.rho_pre, G)
+    return {**d_ent, **p_ent}
+
   def compose(self, d: dict | None, p: dict | None, extra: dict) -> P.FrozenPolicy:
     """One policy from decode candidate ``d`` (None: all-high decode) and prefill candidate ``p``
     (``floors``, ``b_p``, ``tau``; None: all-high prefill), packed as the selection is."""
     cfg, G = self.cfg, self.cfg.n_groups
     window = cfg.window if d is None else d["window"]
     if d is None:
-      d_ent, b_d, gam, pooled, tau_d = {}, 1.0, {}, 0.0, None
+      b_d, gam, pooled, tau_d = 1.0, {}, 0.0, None
     else:
-      d_ent = self.entries(d["map"], d["floors"], self.rho_dec, G)
       pol = d["policy"]
       b_d, tau_d = float(pol.b_d), list(d["tau"])
       gam = {i: float(x) for i, x in enumerate(np.asarray(pol.reserve))}
       pooled = float(pol.pooled)
     if p is None:
-      p_ent, b_p, tau_p = {}, 1.0, None
+      b_p, tau_p = 1.0, None
     else:
-      p_ent = self.entries(p["floors"], p["floors"], self.rho_pre, G)
       b_p, tau_p = p["b_p"], list(p["tau"])
-    return self.build({**d_ent, **p_ent}, self.ident, n_groups=G, b_d=b_d, b_p=b_p, reserve=gam,
+    return self.build(self.composed_entries(d, p), self.ident, n_groups=G, b_d=b_d, b_p=b_p,
+                      reserve=gam,
                       pooled=pooled, sink=cfg.sink, window=window, tokenizer_hash=self.thash,
                       adapter="fc+prompt", thresholds={"decode": tau_d, "prefill": tau_p},
                       reserve_k=cfg.reserve_k, reserve_beta=cfg.reserve_beta,

@@ -20,7 +20,8 @@ promotes while it fits, so the prefill cost stays at or just under B_P (the comm
 variants, aimed this way and then measured, landed 0.0001-0.0003 under B_P), and s and B_D^m move
 a little with the generated lengths under the new B_P (B_D^m 0.1806-0.1814 over those variants).
 Its dev accuracy is unknown: ``pask-jax eval --budget X`` measures it.  The record
-(``extra.variant``) says all of this: source policy, base, requested and predicted B, the rule.
+(``extra.variant``) says all of this: source policy and calibration record (paths relative to the
+variant's directory), base, requested and predicted B, the rule.
 """
 from __future__ import annotations
 
@@ -197,8 +198,9 @@ def derive(policy_dir: str, target: float, *, out: str | None = None,
   info = {
       "target": target, "requested_B": target, "reached": True, "measured": False,
       "policy": name if out == os.path.join(root, name) else os.path.abspath(out),
-      "source_policy": os.path.abspath(root), "base": base["name"],
-      "calibration_record": None if cal_path is None else os.path.abspath(cal_path),
+      # Paths relative to the variant's directory: the record stays true in any clone.
+      "source_policy": os.path.relpath(root, out), "base": base["name"],
+      "calibration_record": None if cal_path is None else os.path.relpath(cal_path, out),
       "rule": RULE, "rule_text": RULE_TEXT, "exactness": EXACTNESS,
       "prompt_share": a["share"], "floor_bound_B_prefill": a["floor"],
       "base_measured": {"B_total": r["total"], "B_prefill": r["prefill"], "B_decode": r["decode"],

@@ -3,9 +3,13 @@
 Each loader returns a :class:`Loaded` bundle ``(cfg, model, tokenizer)``; ``tokenizer`` is None
 for random models.  Weights are converted to the ``[in, out]`` layout of :mod:`models.decoder`
 and stacked over layers.  The host copies are in the model's dtype when that is bfloat16 (a BF16
-checkpoint is never widened, a quantized GGUF tensor is dequantized one tensor at a time and
-rounded to bfloat16 at once), float32 otherwise: host memory while loading is about the size of
-the model, not twice it.
+checkpoint is never widened — safetensors' ``safe_open`` gives numpy bfloat16, a GGUF BF16 tensor
+is a view of the memory-mapped file — and a quantized GGUF tensor is dequantized in row chunks,
+each rounded to bfloat16 at once), float32 otherwise.  Each parameter is one 64-byte aligned host
+array, filled in place (a GGUF tensor is dequantized straight into its layer's slice) and handed
+to ``jax.device_put``, which on a CPU host uses it as it is; the GGUF reader's parsed metadata is
+freed before any weight is read.  Host memory while loading is the model plus one tensor's
+scratch and the file's mapped pages, not twice the model.
 
 Everything that can be wrong with a checkpoint is reported, by name, before any weight is read:
 a missing directory or ``config.json``, an unknown architecture or unsupported setting, no
@@ -22,6 +26,7 @@ import json
 import os
 from typing import Any, Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -75,36 +80,50 @@ def host_dtype(dtype) -> np.dtype:
       np.float32)
 
 
-def _assemble(cfg: ModelConfig, get: Callable[[str, np.dtype], np.ndarray], which: int, dtype,
+def _put(arr: np.ndarray, dtype) -> jax.Array:
+  """A filled host array as a parameter: in the model's dtype already, handed over as it is (on
+  the CPU backend JAX then uses the aligned buffer in place: no second copy); else converted."""
+  if arr.dtype == np.dtype(dtype):
+    return jax.device_put(arr)
+  return jnp.asarray(arr, dtype)
+
+
+def _assemble(cfg: ModelConfig, get: Callable[..., np.ndarray], which: int, dtype,
               desc: str) -> Decoder:
-  """Build a Decoder from a tensor getter ``get(name, host dtype)`` (which=0: HF names, 1: GGUF
-  names)."""
+  """Build a Decoder from a tensor getter ``get(name, host dtype, out)`` (which=0: HF names, 1:
+  GGUF names).  ``out`` is where the tensor goes (its checkpoint layout: a transposed view of the
+  parameter where ours is transposed); the getter may write it and return it, or return another
+  array, which is then copied in.  Each parameter is one 64-byte aligned host array filled in
+  place (the layers of a stacked one one by one), then handed to JAX."""
   host = host_dtype(dtype)
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype))
   gdef, state = nnx.split(abstract)
   pure = nnx.to_pure_dict(state)
   names = [n for n in pure if n != "inv_freq"]
   prefix = ("model.layers.{}.", "blk.{}.")[which]
+
+  def fill(tensor: str, dst: np.ndarray, transpose: bool, want: tuple):
+    into = dst.T if transpose else dst
+    a = get(tensor, host, into)
+    if a is into:
+      return
+    ours = a.T if transpose else a
+    if tuple(ours.shape) != want:
+      raise ValueError(f"tensor {tensor}: checkpoint shape {tuple(ours.shape)} != "
+                       f"expected {want}")
+    dst[...] = ours
+
   for name in tqdm(names, desc=desc, unit="tensor", leave=False):
+    want = tuple(pure[name].shape)
+    arr = gguf_io.empty(want, host)
     if name in _TOP:
-      arr = get(_TOP[name][which], host)
-      # A copy of its own: never hand JAX a view of a memory-mapped file.
-      arr = np.array(arr.T if _TOP[name][2] else arr)
+      fill(_TOP[name][which], arr, _TOP[name][2], want)
     else:
       suffix, transpose = _LAYER[name][which], _LAYER[name][2]
-      want = tuple(pure[name].shape)
-      arr = np.empty(want, host)   # filled layer by layer: no list of per-layer copies
-      for i in range(cfg.n_layers):
-        a = get(prefix.format(i) + suffix, host)
-        a = a.T if transpose else a
-        if a.shape != want[1:]:
-          raise ValueError(f"tensor {prefix.format(i) + suffix}: checkpoint shape {a.shape} != "
-                           f"expected {want[1:]}")
-        arr[i] = a
-    want = tuple(pure[name].shape)
-    if tuple(arr.shape) != want:
-      raise ValueError(f"tensor {name}: checkpoint shape {arr.shape} != expected {want}")
-    pure[name] = jnp.asarray(arr, dtype)
+      for i in range(cfg.n_layers):      # layer by layer: no list of per-layer copies
+        fill(prefix.format(i) + suffix, arr[i], transpose, want[1:])
+    pure[name] = _put(arr, dtype)
+    del arr
   pure["inv_freq"] = jnp.asarray(pure_inv_freq(cfg, get, which))
   nnx.replace_by_pure_dict(state, pure)
   return nnx.merge(gdef, state)
@@ -114,7 +133,7 @@ def pure_inv_freq(cfg: ModelConfig, get, which: int) -> np.ndarray:
   factors = None
   if which == 1:
     try:
-      factors = get("rope_freqs.weight", np.dtype(np.float32))
+      factors = get("rope_freqs.weight", np.dtype(np.float32), None)
     except KeyError:
       pass
   return rope_inv_freq(cfg, factors)
@@ -131,23 +150,30 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
   reader = gguf_io.open_gguf(path)
   meta = gguf_io.metadata(reader)
+  # The tensors (views of the memory-mapped file) are all that is kept of the reader: its parsed
+  # key/value fields (a numpy view per vocabulary string, ~150 MB for a 49k vocabulary) are
+  # freed before any weight is read.
   tensors = {t.name: t for t in reader.tensors}
+  del reader
   cfg = ModelConfig.from_gguf_fields(meta, set(tensors))
   tok = Tokenizer.from_gguf_metadata(meta)   # before the weights: a bad tokenizer fails fast
+  del meta
 
-  def get(name: str, host: np.dtype) -> np.ndarray:
+  def get(name: str, host: np.dtype, out: np.ndarray | None) -> np.ndarray:
     if name not in tensors:
       raise KeyError(name)
-    a = gguf_io.tensor(tensors[name], host)
-    if cfg.arch == "llama" and name.endswith("attn_q.weight"):
-      a = _unpermute(a, cfg.n_heads)
-    elif cfg.arch == "llama" and name.endswith("attn_k.weight"):
-      a = _unpermute(a, cfg.n_kv_heads)
+    t = tensors[name]
+    permuted = cfg.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight"))
+    fits = (out is not None and not permuted and out.dtype == host
+            and out.shape == tuple(reversed([int(x) for x in t.shape])))
+    a = gguf_io.tensor(t, host, out if fits else None)
+    if permuted:
+      a = _unpermute(a, cfg.n_heads if name.endswith("attn_q.weight") else cfg.n_kv_heads)
     return a
 
-  def get_checked(name: str, host: np.dtype) -> np.ndarray:
+  def get_checked(name: str, host: np.dtype, out: np.ndarray | None) -> np.ndarray:
     try:
-      return get(name, host)
+      return get(name, host, out)
     except KeyError:
       if name == "rope_freqs.weight":
         raise
@@ -210,7 +236,7 @@ def load_hf(path: str | os.PathLike, *, dtype=jnp.float32, need_tokenizer: bool 
         raise ValueError(f"{f} is not a readable safetensors file: {e}") from None
     used: set[str] = set()
 
-    def get(name: str, host: np.dtype) -> np.ndarray:
+    def get(name: str, host: np.dtype, out: np.ndarray | None) -> np.ndarray:
       if name not in where:
         if name == "lm_head.weight" and cfg.tie_embeddings:
           raise KeyError(name)

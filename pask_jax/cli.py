@@ -250,7 +250,16 @@ def cmd_merge(args) -> int:
 
 def cmd_policy(args) -> int:
   """``pask-jax policy derive``: a total-B variant from what calibration measured, no model
-  loaded (:func:`calibrate.variant.derive`)."""
+  loaded (:func:`calibrate.variant.derive`); ``pask-jax policy convert``: an old policy directory
+  rewritten with its tables in ``arrays/`` only (:func:`pask_jax.policy.convert`)."""
+  if args.policy_cmd == "convert":
+    from pask_jax import policy as P
+    for d in args.policy_dirs:
+      try:
+        print(P.convert(d))
+      except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    return 0
   from calibrate import variant
   try:
     v = variant.derive(args.policy_dir, args.target_b, out=args.out,
@@ -258,8 +267,9 @@ def cmd_policy(args) -> int:
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   m = v["base_measured"]
-  run = (f"--policy {v['source_policy']} --budget {v['requested_B']:g}"
-         if os.path.dirname(os.path.abspath(v["out"])) == v["source_policy"] else
+  source = os.path.normpath(os.path.join(v["out"], v["source_policy"]))
+  run = (f"--policy {source} --budget {v['requested_B']:g}"
+         if os.path.dirname(os.path.abspath(v["out"])) == os.path.abspath(source) else
          f"--policy {v['out']}")
   print(f"variant {v['out']}: B_P {v['b_p']:.4f}, B_D {v['b_d']:.4f}; predicted total B "
         f"{v['predicted_B_total']:.3f} for {v['requested_B']:g} (rule {v['rule']}, base "
@@ -473,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
   from calibrate import cli as calibrate_cli
   calibrate_cli.add_parser(sub)
   po = sub.add_parser("policy", help="work on a calibrated policy directory")
-  pos = po.add_subparsers(dest="policy_cmd", required=True, metavar="{derive}")
+  pos = po.add_subparsers(dest="policy_cmd", required=True, metavar="{derive,convert}")
   pd = pos.add_parser("derive", help="write the variant at another total B from the dev "
                                      "measurements calibration saved (no model loaded)",
                        description="Writes the variant at total B (--target-b) of a calibrated "
@@ -489,6 +499,15 @@ def main(argv: list[str] | None = None) -> int:
   pd.add_argument("--calibration", default=None, metavar="FILE",
                   help="the calibration.json of POLICY_DIR (default: beside it, as calibrate "
                        "writes it; the B<t> variants' own records are read too)")
+  pc = pos.add_parser("convert", help="rewrite an old (pask-policy/1) policy directory: the "
+                                      "tables in arrays/ only, policy.json without them",
+                      description="Rewrites each POLICY_DIR in place as pask-policy/2: the tables "
+                                  "(action, floor, prio, crit, Γ) in arrays/ (orbax) only, "
+                                  "policy.json with everything that is not an array. The tables "
+                                  "are read from arrays/, or rebuilt from the old policy.json's "
+                                  "entries where arrays/ is gone. A pask-policy/2 directory is "
+                                  "left as it is.")
+  pc.add_argument("policy_dirs", nargs="+", metavar="POLICY_DIR")
   mg = sub.add_parser("merge", help="pool eval runs of one configuration over disjoint slices")
   mg.add_argument("runs", nargs="+", help="eval output directories (same method, budget, split)")
   mg.add_argument("--out", required=True)

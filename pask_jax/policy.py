@@ -25,8 +25,14 @@ model, its cost is zero until :func:`bind` (or :func:`load` with a model) fills 
 bound to a model carries the model identity (n_layers, n_kv_heads, head_dim, tokenizer hash, …)
 and :func:`load` refuses it for any other model.
 
-On disk (``save``/``load``): ``DIR/arrays`` (orbax) + ``DIR/policy.json`` (the readable A.4 record,
-including the sparse calibrated entries).
+On disk (``save``/``load``), one store per kind of datum: ``DIR/arrays`` (orbax) holds every table
+(``action``, ``floor``, ``prio``, ``crit``, and ``gamma`` = Γ per parser state then the pooled Γ)
+and nothing else does; ``DIR/policy.json`` holds the record (format ``pask-policy/2``): what is not
+an array (provenance, budgets B_D / B_P, thresholds, the ablation, the model identity, the cost
+model's definition, the parser-state vocabulary, a variant's derivation).  A ``pask-policy/1``
+directory (whose record also repeated the tables as sparse entries and Γ values) still loads: the
+arrays are read from ``arrays/`` and the repeated tables dropped; one whose ``arrays/`` is gone is
+rebuilt once by :func:`convert` (``pask-jax policy convert DIR``).
 """
 from __future__ import annotations
 
@@ -43,7 +49,14 @@ import numpy as np
 from pask_jax import tags as T
 from pask_jax import actions as Act
 
-FORMAT = "pask-policy/1"
+FORMAT = "pask-policy/2"
+LEGACY_FORMAT = "pask-policy/1"   # the record also held the tables (entries, Γ values)
+# What the record says of the arrays it does not hold (DIR/arrays, orbax).
+ARRAYS = {"store": "arrays/ (orbax)",
+          "tables": {"action": "int8 [N_IDS, G]", "floor": "int8 [N_IDS, G]",
+                     "prio": "float32 [N_IDS, G, 2] (NaN: no score)", "crit": "bool [N_IDS]",
+                     "gamma": "float32 [S + 1]: reserve per parser-state id, then pooled "
+                              "(units of C_full)"}}
 DEFAULT_SINK = 4
 DEFAULT_WINDOW = 32
 # Tie order of the online controller (documented in controller.py; recorded here per A.4).
@@ -262,18 +275,11 @@ def build(entries: Mapping[int, Entry], model: Any = None, *, n_groups: int = 3,
       "layer_boundaries": None, "quantizer": QUANTIZER, "payload_cost": dict(PAYLOAD),
       "sink": int(sink), "window": int(window), "thresholds": thresholds,
       "budgets": {"b_d": float(b_d), "b_p": float(b_p)},
-      "reserve": {"k": int(reserve_k), "beta": float(reserve_beta), "unit": "c_full",
-                  "pooled": float(pooled),
-                  "per_state": {str(i): float(v) for i, v in enumerate(res)}},
+      "reserve": {"k": int(reserve_k), "beta": float(reserve_beta), "unit": "c_full"},
+      "arrays": ARRAYS,
       "fallback": "parent chain (class,role,state,next)->(class,role,state)->(class,role)->class, "
                   "precomputed; nothing compatible -> H action and floor; no score -> no promotion",
       "tie_order": TIE_ORDER,
-      "entries": {T.describe(int(i), ablation): {"id": int(i),
-                                                 "action": [Act.NAMES[a] for a in e.action],
-                                       "floor": [Act.NAMES[a] for a in e.floor],
-                                       "prio": (np.asarray(e.prio, float).reshape(G, 2).tolist()
-                                                if e.prio is not None else None)}
-                  for i, e in sorted(entries.items())},
       "model": None, "extra": dict(extra or {}),
   }
   if ablation is not None:      # only then: the records of unablated policies stay as they were
@@ -324,18 +330,45 @@ def check_identity(policy_ident: Mapping, model_ident: Mapping, where: str = "po
 
 # ---- save / load ------------------------------------------------------------------------------
 
-_ARRAYS = ("action", "floor", "prio", "crit", "b_d", "b_p")
+_TABLES = ("action", "floor", "prio", "crit", "gamma")   # DIR/arrays: the only copy of each
+_BUDGETS = ("b_d", "b_p")   # in the record's budgets (pask-policy/1 kept them in arrays/ too)
+
+
+def metadata(rec: Mapping[str, Any]) -> dict:
+  """The record as ``policy.json`` holds it (format ``pask-policy/2``): a ``pask-policy/1``
+  record's copies of the tables (``entries``, ``reserve.per_state``, ``reserve.pooled``) dropped,
+  the arrays' description added.  Pure: returns a new dict."""
+  out = {k: v for k, v in rec.items() if k != "entries"}
+  if isinstance(out.get("reserve"), Mapping):
+    out["reserve"] = {k: v for k, v in out["reserve"].items() if k not in ("per_state", "pooled")}
+  out["format"] = FORMAT
+  out["arrays"] = ARRAYS
+  return out
+
+
+def _budgets_of(pol: FrozenPolicy, rec: Mapping[str, Any]) -> dict:
+  """``rec["budgets"]`` with B_D / B_P the policy's own: a recorded value that is the array's
+  (as float32) is kept as written, another is replaced by the array's."""
+  b = dict(rec.get("budgets") or {})
+  for k in _BUDGETS:
+    v = np.float32(getattr(pol, k))
+    if k not in b or np.float32(b[k]) != v:
+      b[k] = float(v)
+  return b
 
 
 def save(pol: FrozenPolicy, directory: str | os.PathLike) -> None:
-  """Write ``directory/arrays`` (orbax) and ``directory/policy.json``; overwrites both."""
+  """Write ``directory/arrays`` (orbax: the tables) and ``directory/policy.json`` (the record:
+  everything that is not an array; B_D and B_P under ``budgets``); overwrites both."""
   import orbax.checkpoint as ocp
   d = os.path.abspath(os.fspath(directory))
   os.makedirs(d, exist_ok=True)
-  tree = {k: np.asarray(getattr(pol, k)) for k in _ARRAYS}
+  tree = {k: np.asarray(getattr(pol, k)) for k in _TABLES if k != "gamma"}
   # orbax refuses zero-size arrays: Γ is stored as [reserve..., pooled] (never empty).
   tree["gamma"] = np.concatenate([np.asarray(pol.reserve, np.float32).reshape(-1),
                                   np.asarray(pol.pooled, np.float32).reshape(1)])
+  rec = metadata(pol.record)
+  rec["budgets"] = _budgets_of(pol, rec)
   ckptr = ocp.PyTreeCheckpointer()
   if jax.process_count() > 1:
     # One process of several (calibration across processes: process 0 writes alone); orbax's
@@ -346,8 +379,12 @@ def save(pol: FrozenPolicy, directory: str | os.PathLike) -> None:
                              multiprocessing_options=me)
   ckptr.save(os.path.join(d, "arrays"), tree, force=True)
   with open(os.path.join(d, "policy.json"), "w") as f:
-    json.dump(pol.record, f, indent=1, sort_keys=True)
+    json.dump(rec, f, indent=1, sort_keys=True)
     f.write("\n")
+
+
+def _convert_hint(d: str) -> str:
+  return f"convert it once with: pask-jax policy convert {d}"
 
 
 def load(directory: str | os.PathLike, model: Any = None,
@@ -355,30 +392,40 @@ def load(directory: str | os.PathLike, model: Any = None,
   """Read a policy; with ``model`` given, refuse a mismatch (ValueError) and bind the cost model.
 
   A policy saved bound to a model needs no ``model`` argument (its own identity gives the cost).
+  The tables come from ``arrays/`` alone, B_D / B_P from the record's ``budgets`` (a
+  ``pask-policy/1`` directory: from ``arrays/``, where it kept them too).
   """
   import orbax.checkpoint as ocp
   d = os.path.abspath(os.fspath(directory))
   rec = read_record(d)
+  legacy = rec["format"] == LEGACY_FORMAT
   if model is not None and rec.get("model") is not None:
     check_identity(rec["model"], identity_of(model, tokenizer_hash), where=f"policy {d}")
   if not os.path.isdir(os.path.join(d, "arrays")):
+    if legacy and isinstance(rec.get("entries"), dict):
+      raise FileNotFoundError(f"{d} has no arrays/ directory: an old ({LEGACY_FORMAT}) policy "
+                              f"whose tables are only in policy.json; {_convert_hint(d)}")
     raise FileNotFoundError(f"{d} has no arrays/ directory (a policy is policy.json + arrays/)")
   try:
     arr = ocp.PyTreeCheckpointer().restore(os.path.join(d, "arrays"))
   except Exception as e:  # noqa: BLE001 — orbax raises many kinds; one line names the problem
     raise ValueError(f"{d}/arrays cannot be read: {type(e).__name__}: "
                      f"{' '.join(str(e).split())[:200]}") from None
-  if not isinstance(arr, dict) or any(k not in arr for k in _ARRAYS + ("gamma",)):
-    raise ValueError(f"{d}/arrays lacks the policy arrays {list(_ARRAYS) + ['gamma']}")
+  need = _TABLES + (_BUDGETS if legacy else ())
+  if not isinstance(arr, dict) or any(k not in arr for k in need):
+    raise ValueError(f"{d}/arrays lacks the policy arrays {list(need)}")
   G = int(rec["n_groups"])
   if np.asarray(arr["action"]).shape != (T.N_IDS, G):
     raise ValueError(f"{d}: table shape {np.asarray(arr['action']).shape} != {(T.N_IDS, G)}")
+  budgets = arr if legacy else rec["budgets"]
+  rec = metadata(rec)
+  gamma = np.asarray(arr["gamma"], np.float32)
   pol = FrozenPolicy(
       action=jnp.asarray(arr["action"], jnp.int8), floor=jnp.asarray(arr["floor"], jnp.int8),
       prio=jnp.asarray(arr["prio"], jnp.float32), crit=jnp.asarray(arr["crit"], bool),
-      reserve=jnp.asarray(np.asarray(arr["gamma"])[:-1], jnp.float32),
-      pooled=jnp.float32(np.asarray(arr["gamma"])[-1]), b_d=jnp.float32(arr["b_d"]),
-      b_p=jnp.float32(arr["b_p"]), cost=jnp.zeros((3, G), jnp.float32), c_full=jnp.float32(0),
+      reserve=jnp.asarray(gamma[:-1], jnp.float32), pooled=jnp.float32(gamma[-1]),
+      b_d=jnp.float32(budgets["b_d"]), b_p=jnp.float32(budgets["b_p"]),
+      cost=jnp.zeros((3, G), jnp.float32), c_full=jnp.float32(0),
       sink=int(rec["sink"]), window=int(rec["window"]),
       record_json=json.dumps(rec, sort_keys=True))
   if rec.get("model") is not None:
@@ -386,6 +433,31 @@ def load(directory: str | os.PathLike, model: Any = None,
   if model is not None:
     pol = bind(pol, model, tokenizer_hash)
   return pol
+
+
+def convert(directory: str | os.PathLike) -> str:
+  """Rewrite a ``pask-policy/1`` directory as ``pask-policy/2`` in place (the tables in
+  ``arrays/`` only, the record without them) and say what was done; a ``pask-policy/2``
+  directory is left as it is.  The tables are read from ``arrays/``, or, where it is gone,
+  rebuilt from the old record's entries (:func:`from_record`)."""
+  d = os.fspath(directory)
+  rec = read_record(d)
+  if rec["format"] == FORMAT:
+    return f"{d}: already {FORMAT}, nothing to do"
+  if os.path.isdir(os.path.join(d, "arrays")):
+    pol, how = load(d), "tables read from arrays/"
+  else:
+    if not isinstance(rec.get("entries"), dict):
+      raise ValueError(f"{d} has neither arrays/ nor the entries of an old policy.json: "
+                       "nothing to convert from")
+    try:
+      pol = from_record(rec)
+    except (KeyError, TypeError, IndexError) as e:
+      raise ValueError(f"{d}/policy.json: an old record whose entries cannot be read "
+                       f"({type(e).__name__}: {e})") from None
+    how = "tables rebuilt from the old policy.json's entries"
+  save(pol, d)
+  return f"{d}: converted to {FORMAT} ({how}; policy.json keeps no arrays)"
 
 
 def read_record(directory: str | os.PathLike) -> dict:
@@ -421,7 +493,7 @@ def check_record(rec: Any, where: str = "policy record") -> None:
   """Raise ValueError naming the first problem of a policy record (see :func:`read_record`)."""
   if not isinstance(rec, dict):
     raise ValueError(f"{where}: a policy record is a JSON object, not a {type(rec).__name__}")
-  if rec.get("format") != FORMAT:
+  if rec.get("format") not in (FORMAT, LEGACY_FORMAT):
     raise ValueError(f"{where}: not a {FORMAT} policy (format={rec.get('format')!r})")
   for key, lo in (("n_groups", 1), ("sink", 0), ("window", 1)):
     if key not in rec:
@@ -432,6 +504,13 @@ def check_record(rec: Any, where: str = "policy record") -> None:
   for key in ("entries", "reserve", "budgets"):
     if key in rec and not isinstance(rec[key], dict):
       raise ValueError(f"{where}: {key!r} must be an object, got {type(rec[key]).__name__}")
+  if rec["format"] == FORMAT:     # the budgets live in the record alone
+    b = rec.get("budgets")
+    for key in _BUDGETS:
+      v = None if b is None else b.get(key)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise ValueError(f"{where}: 'budgets' must give {key!r} as a finite number >= 0, "
+                         f"got {v!r}")
 
 
 # ---- shipped policies -------------------------------------------------------------------------
@@ -517,9 +596,14 @@ def describe(pol: FrozenPolicy, tag_id: int) -> str:
 
 
 def from_record(rec: Mapping[str, Any]) -> FrozenPolicy:
-  """Rebuild a policy from its readable ``policy.json`` record alone (entries, reserve, budgets,
-  sink/window, model identity): :func:`build` is deterministic, so this equals the saved arrays."""
+  """Rebuild a policy from an old (``pask-policy/1``) record alone, which repeated the tables
+  (entries, reserve, budgets, sink/window, model identity): :func:`build` is deterministic, so
+  this equals the arrays saved beside it.  :func:`convert` uses it where ``arrays/`` is gone; a
+  ``pask-policy/2`` record holds no tables (one-line ValueError)."""
   check_record(rec)
+  if rec["format"] != LEGACY_FORMAT or not isinstance(rec.get("entries"), dict):
+    raise ValueError(f"only a {LEGACY_FORMAT} record holds the tables; a {FORMAT} policy's are "
+                     "in its arrays/ (policy.load)")
   code = {n: i for i, n in enumerate(Act.NAMES)}
   ents = {int(e["id"]): Entry([code[a] for a in e["action"]], [code[a] for a in e["floor"]],
                               e["prio"]) for e in rec["entries"].values()}

@@ -89,7 +89,7 @@ def built():
 
 
 @pytest.mark.parametrize("ablation", T.KEY_ABLATIONS + ("no-layer",))
-def test_an_ablated_table_gives_each_id_the_entry_of_its_key(built, ablation):
+def test_an_ablated_table_gives_each_id_the_entry_of_its_key(built, ablation, tmp_path):
   ent, pol = built[ablation]
   action, floor, prio = (np.asarray(x) for x in (pol.action, pol.floor, pol.prio))
   crit = np.asarray(pol.crit)
@@ -111,10 +111,12 @@ def test_an_ablated_table_gives_each_id_the_entry_of_its_key(built, ablation):
   assert merged > 0 or ablation == "no-layer"
   if ablation == "no-layer":
     assert (action == action[:, :1]).all() and (floor == floor[:, :1]).all()
-  # The ablation is recorded and survives the record round trip.
+  # The ablation is recorded and survives the save / load round trip.
   assert P.ablation_of(pol) == ablation
-  back = P.from_record(pol.record)
-  for k in ("action", "floor", "crit"):
+  P.save(pol, tmp_path / "pol")
+  back = P.load(tmp_path / "pol")
+  assert P.ablation_of(back) == ablation and back.record == pol.record
+  for k in ("action", "floor", "crit", "prio"):
     np.testing.assert_array_equal(np.asarray(getattr(back, k)), np.asarray(getattr(pol, k)))
 
 
@@ -219,10 +221,11 @@ def _no_transition_policy(bins=(0, 2, 4)):
   return P.build(ent, n_groups=3, ablation="no-transition", position_bins=bins)
 
 
-def test_a_no_transition_policy_records_its_bins():
+def test_a_no_transition_policy_records_its_bins(tmp_path):
   pol = _no_transition_policy()
   assert P.position_bins(pol) == (0, 2, 4) and P.ablation_of(pol) == "no-transition"
-  assert P.position_bins(P.from_record(pol.record)) == (0, 2, 4)
+  P.save(pol, tmp_path / "pol")
+  assert P.position_bins(P.load(tmp_path / "pol")) == (0, 2, 4)
   assert P.position_bins(P.demo()) is None
   with pytest.raises(ValueError, match="position_bins go with"):
     P.build({}, ablation="no-transition")

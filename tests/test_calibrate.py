@@ -65,11 +65,11 @@ def test_pipeline_end_to_end(setup):
   assert 0.0 < rec["composed"]["measured_B_total"] <= 1.0
   assert len(C.V) == 2 * (len(C.dec_buckets) + len(C.pre_buckets)) > 0
   assert set(C.D) == set(C.V)
-  # The packed record rebuilds to the same arrays.
-  back = P.from_record(pol.record)
-  for k in ("action", "floor", "crit", "reserve"):
-    np.testing.assert_array_equal(np.asarray(getattr(back, k)), np.asarray(getattr(pol, k)))
-  np.testing.assert_array_equal(np.isnan(back.prio), np.isnan(pol.prio))
+  # The saved policy is the calibrated one (its tables stored once, in arrays/).
+  assert "entries" not in json.load(open(os.path.join(out, "policy", "policy.json")))
+  for k in ("action", "floor", "crit", "prio", "reserve", "pooled", "b_d", "b_p"):
+    np.testing.assert_array_equal(np.asarray(getattr(pol, k)), np.asarray(getattr(C.final, k)))
+  assert pol.record == C.final.record
   with pytest.raises(ValueError, match="another model"):
     P.load(os.path.join(out, "policy"), dict(model.cfg.identity(), n_layers=7))
 
@@ -592,6 +592,14 @@ def ablated(setup, tmp_path_factory):
   return run
 
 
+def _final_entries(C, selected) -> dict:
+  """The entries the saved policy was packed from: the selected decode and prefill candidates'
+  (``calibration.json`` ``selected``)."""
+  d, p = selected["decode"], selected["prefill"]
+  return C.composed_entries(None if d is None else C.dec_cands[d],
+                            None if p is None else C.pre_cands[p])
+
+
 def _saved(out):
   pol = P.load(os.path.join(out, "policy"))
   return pol, json.load(open(os.path.join(out, "calibration.json")))
@@ -666,8 +674,11 @@ def test_no_floors_has_no_floors_and_skips_runtime_v(ablated):
   assert set(ablated.setup_floors.values()) != {Act.R}
   assert all(c["floors"] == {b: Act.R for b in C.dec_buckets} for c in C.dec_cands)
   ids = sorted(C.nbar_dec) + sorted(C.nbar_pre)
-  for p in [c["policy"] for c in C.dec_cands + C.pre_cands] + [pol]:
-    ent = [e["id"] for e in p.record["entries"].values()]
+  sel = saved["selected"]
+  for p, ent in ([(c["policy"], C.composed_entries(c, None)) for c in C.dec_cands]
+                 + [(c["policy"], C.composed_entries(None, c)) for c in C.pre_cands]
+                 + [(pol, _final_entries(C, sel))]):
+    ent = sorted(ent)
     assert (np.asarray(p.floor)[ent] == Act.R).all()
     assert p is pol or set(ids) & set(ent)
   assert {tuple(c["tau"]) for c in saved["decode_candidates"]} == {alg1.NO_FLOOR}
@@ -691,9 +702,10 @@ def test_fixed_order_ignores_the_distortion(ablated, monkeypatch):
     for (i, g), want in alg1.fixed_order(C.dec_buckets).items():
       assert prio[i, g].tolist() == pytest.approx(list(want))
   want = {**alg1.fixed_order(C.dec_buckets), **alg1.fixed_order(C.pre_buckets)}
-  for e in pol.record["entries"].values():     # the saved policy: fixed-order scores or none
-    if e["prio"] is not None:
-      np.testing.assert_allclose(e["prio"], [want[(e["id"], g)] for g in range(3)], rtol=1e-6)
+  prio = np.asarray(pol.prio)
+  for i, e in _final_entries(C, saved["selected"]).items():   # the saved policy: fixed-order
+    if e.prio is not None:                                      # scores or none
+      np.testing.assert_allclose(prio[i], [want[(i, g)] for g in range(3)], rtol=1e-6)
 
 
 def test_an_ablation_keys_the_runtime_stages(ablated, tmp_path):

@@ -57,6 +57,39 @@ def test_gguf_tensors_read_as_bfloat16_equal_float32_rounded(monkeypatch):
     gguf_io.tensor(q, np.float16)
 
 
+def test_gguf_quantized_tensors_dequantize_in_chunks_into_their_destination(monkeypatch):
+  import gguf
+  reader = gguf_io.open_gguf(registry.smollm2_path())
+  q = next(t for t in reader.tensors if t.tensor_type.name == "Q4_1")
+  shape = tuple(reversed([int(x) for x in q.shape]))
+  whole = np.asarray(gguf.quants.dequantize(q.data, q.tensor_type), np.float32).reshape(shape)
+  for dtype in (np.dtype(np.float32), BF16):
+    want = whole.astype(dtype)
+    got = gguf_io.tensor(q, dtype)
+    assert got.dtype == dtype and got.ctypes.data % 64 == 0 and got.flags.c_contiguous
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    # Over many row chunks, into a transposed view (a layer slice of a stacked [in, out] array).
+    monkeypatch.setattr(gguf_io, "_CHUNK_ELEMS", 3 * shape[-1] + 1)
+    dst = np.zeros(shape[::-1], dtype)
+    assert gguf_io.tensor(q, dtype, out=dst.T) is not None
+    assert np.array_equal(dst.T.astype(np.float32), want.astype(np.float32))
+    monkeypatch.undo()
+  with pytest.raises(ValueError, match=r"out is float32\[.*\], the tensor bfloat16"):
+    gguf_io.tensor(q, BF16, out=np.zeros(shape, np.float32))
+
+
+def test_aligned_host_arrays_are_used_in_place_by_jax_on_the_cpu():
+  """What the loaders rely on for no second copy of a weight on a CPU host."""
+  import jax
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend's zero-copy placement")
+  for dtype in (np.float32, BF16):
+    a = gguf_io.empty((3, 1000), dtype)
+    assert a.ctypes.data % 64 == 0 and a.shape == (3, 1000) and a.dtype == dtype
+    a[...] = 1
+    assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
+
+
 def test_gguf_bf16_tensor_read_as_bfloat16_is_a_view_of_the_file(tmp_path):
   import gguf
   x = (np.arange(24, dtype=np.float32).reshape(4, 6) / 7).astype(BF16)

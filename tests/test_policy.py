@@ -101,15 +101,37 @@ def test_save_load_roundtrip_and_refusal(tmp_path):
   for key in ("adapter", "vocab", "layer_boundaries", "quantizer", "payload_cost", "sink",
               "window", "thresholds", "budgets", "reserve", "fallback", "tie_order", "model"):
     assert key in rec, key
+  assert rec["format"] == P.FORMAT == "pask-policy/2"
   assert rec["layer_boundaries"] == [0, 10, 20, 30]
   assert rec["model"]["tokenizer_hash"] == "abc123" and rec["reserve"]["k"] == 8
-  assert rec["entries"]["fc:pure_scaffold"]["action"] == ["R", "L", "L"]
+  assert rec["budgets"] == {"b_d": 0.4, "b_p": 0.7}
+  # One storage: the record holds no table (no entries, no Γ values), arrays/ holds exactly the
+  # tables, and the record alone does not make a policy.
+  assert "entries" not in rec and set(rec["reserve"]) == {"k", "beta", "unit"}
+  assert rec["arrays"] == P.ARRAYS and set(rec["arrays"]["tables"]) == {
+      "action", "floor", "prio", "crit", "gamma"}
+  text = (d / "policy.json").read_text()
+  assert "fc:pure_scaffold" not in text and "per_state" not in text and "1.5" not in text
+  import orbax.checkpoint as ocp
+  stored = ocp.PyTreeCheckpointer().restore(str(d / "arrays"))
+  assert set(stored) == {"action", "floor", "prio", "crit", "gamma"}
+  np.testing.assert_array_equal(stored["gamma"], np.float32([0.5, 0.5, 0.25, 0.5, 0.5, 1.5, 0.5]))
+  with pytest.raises(ValueError, match="only a pask-policy/1 record holds the tables"):
+    P.from_record(rec)
 
+  # The round trip is exact: every leaf bit for bit (NaN scores included), the static fields,
+  # the record.
   same = P.load(d, FakeConfig(), tokenizer_hash="abc123")
-  for f in ("action", "floor", "crit", "reserve", "pooled", "b_d", "b_p", "cost", "c_full"):
-    np.testing.assert_array_equal(np.asarray(getattr(same, f)), np.asarray(getattr(pol, f)))
-  np.testing.assert_array_equal(np.isnan(np.asarray(same.prio)), np.isnan(np.asarray(pol.prio)))
+  assert jax.tree.structure(same) == jax.tree.structure(pol)
+  for f in ("action", "floor", "prio", "crit", "reserve", "pooled", "b_d", "b_p", "cost",
+            "c_full"):
+    a, b = np.asarray(getattr(same, f)), np.asarray(getattr(pol, f))
+    assert a.dtype == b.dtype and a.shape == b.shape, f
+    np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8),
+                                  err_msg=f)
+  assert np.asarray(same.action)[T.fc(T.Cls.PURE_SCAFFOLD)].tolist() == [R, L, L]
   assert same.sink == 2 and same.window == 16 and same.record == pol.record
+  assert same.record_json == pol.record_json
   assert float(same.gamma(5)) == 1.5 * float(same.c_full)
   assert float(same.gamma(3)) == 0.5 * float(same.c_full)       # unlisted state: pooled
   assert float(same.gamma(-1)) == 0.5 * float(same.c_full)
@@ -123,6 +145,72 @@ def test_save_load_roundtrip_and_refusal(tmp_path):
   assert "n_layers" not in str(e.value)
   with pytest.raises(ValueError, match="tokenizer_hash"):
     P.load(d, FakeConfig(), tokenizer_hash="zzz")
+
+
+LEGACY = os.path.join(os.path.dirname(__file__), "data", "policy_v1_demo")   # pask-policy/1
+
+
+def _same_tables(a, b):
+  for f in ("action", "floor", "prio", "crit", "reserve", "pooled", "b_d", "b_p", "cost",
+            "c_full"):
+    np.testing.assert_array_equal(np.asarray(getattr(a, f)).reshape(-1).view(np.uint8),
+                                  np.asarray(getattr(b, f)).reshape(-1).view(np.uint8), err_msg=f)
+
+
+def test_old_policy_directories_load_and_convert(tmp_path, capsys):
+  from pask_jax.cli import main
+  old = json.load(open(os.path.join(LEGACY, "policy.json")))
+  assert old["format"] == "pask-policy/1" and "entries" in old    # the tables, twice
+  demo = P.demo(FakeConfig())
+  # Both copies on disk: the tables are read from arrays/, the record's copies dropped.
+  pol = P.load(LEGACY, FakeConfig())
+  _same_tables(pol, demo)
+  assert pol.record == demo.record and "entries" not in pol.record
+  # Converted in place (the CLI), it is the demo policy saved today; again: nothing to do.
+  d = tmp_path / "old"
+  import shutil
+  shutil.copytree(LEGACY, d)
+  assert main(["policy", "convert", str(d)]) == 0
+  assert "converted to pask-policy/2 (tables read from arrays/" in capsys.readouterr().out
+  assert json.loads((d / "policy.json").read_text()) == json.loads(json.dumps(
+      P.metadata(P.demo().record)))
+  _same_tables(P.load(d, FakeConfig()), demo)
+  assert P.convert(d).endswith("already pask-policy/2, nothing to do")
+  # Only the old record's tables left: loading names the command; converting rebuilds them.
+  e = tmp_path / "json-only"
+  shutil.copytree(LEGACY, e)
+  shutil.rmtree(e / "arrays")
+  with pytest.raises(FileNotFoundError) as err:
+    P.load(e)
+  assert str(err.value) == (f"{e} has no arrays/ directory: an old (pask-policy/1) policy whose "
+                            f"tables are only in policy.json; convert it once with: pask-jax "
+                            f"policy convert {e}")
+  assert "tables rebuilt from the old policy.json's entries" in P.convert(e)
+  _same_tables(P.load(e, FakeConfig()), demo)
+  # Nothing to convert from: one line.
+  f = tmp_path / "bare"
+  shutil.copytree(e, f)
+  shutil.rmtree(f / "arrays")
+  (f / "policy.json").write_text(json.dumps({k: v for k, v in old.items() if k != "entries"}))
+  with pytest.raises(SystemExit) as ex:
+    main(["policy", "convert", str(f)])
+  assert str(ex.value) == (f"error: {f} has neither arrays/ nor the entries of an old "
+                           "policy.json: nothing to convert from")
+
+
+def test_record_budgets_are_checked_and_follow_the_arrays(tmp_path):
+  d = tmp_path / "pol"
+  P.save(P.demo(), d)
+  rec = json.loads((d / "policy.json").read_text())
+  for bad in ({}, {"b_d": 0.5}, {"b_d": "x", "b_p": 0.5}, {"b_d": -1, "b_p": 0.5}):
+    (d / "policy.json").write_text(json.dumps({**rec, "budgets": bad}))
+    with pytest.raises(ValueError, match=r"'budgets' must give 'b_\w' as a finite number"):
+      P.load(d)
+  # A policy whose budget array moved on without its record is saved with the array's budget.
+  pol = P.demo().replace(b_p=jnp.float32(0.25))
+  P.save(pol, d)
+  assert P.read_record(d)["budgets"] == {"b_d": 0.5, "b_p": 0.25}
+  assert float(P.load(d).b_p) == 0.25
 
 
 def test_template_binds_to_any_model(tmp_path):

@@ -37,7 +37,7 @@ def p15(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cal05(tmp_path_factory):
   """The 0.5B policy as ``pask-jax calibrate`` lays it out: OUT/policy beside OUT/calibration.json
-  (its variants were rescaled by hand: their records hold no measurement)."""
+  (its variants were derived, not calibrated: their records hold no measurement)."""
   out = tmp_path_factory.mktemp("cal05")
   shutil.copytree(P05, out / "policy")
   shutil.copy(CAL05, out / "calibration.json")
@@ -74,7 +74,10 @@ def test_derived_variant_is_the_calibrated_one_but_for_the_aimed_prefill_budget(
   v = rec["extra"]["variant"]
   assert rec["budgets"]["b_p"] == v["b_p"] == v["predicted_B_prefill"]
   assert abs(float(mine.b_p) - v["b_p"]) < 1e-7
-  assert v["source_policy"] == os.path.abspath(p15) and v["base"] == "B0.20"
+  # Paths relative to the variant's directory (true in any clone of a committed variant).
+  assert v["source_policy"] == ".."
+  assert os.path.normpath(os.path.join(p15, "B0.25", v["source_policy"])) == p15
+  assert v["base"] == "B0.20"
   assert v["requested_B"] == v["target"] == 0.25 and v["rule"] == variant.RULE
   assert v["measured"] is False and v["measured_B_total"] is None and v["dev_accuracy"] is None
   base = json.load(open(os.path.join(p15, "B0.20", "policy.json")))["extra"]["variant"]
@@ -96,8 +99,8 @@ def test_derived_from_the_calibration_record_of_the_top_level_policy(cal05):
   v = P.read_record(os.path.join(cal05, "B0.30"))["extra"]["variant"]
   comp = json.load(open(CAL05))["composed"]
   assert v["base"] == "top-level"
-  assert v["calibration_record"] == os.path.abspath(os.path.join(os.path.dirname(cal05),
-                                                                 "calibration.json"))
+  assert v["calibration_record"] == os.path.join("..", "..", "calibration.json")
+  assert v["source_policy"] == ".."
   # Decode measured 0: B_P = B / s, s = total / prefill.
   share = comp["measured_B_total"] / comp["measured_B_prefill"]
   assert abs(v["b_p"] - 0.3 / share) < 1e-9 and abs(v["prompt_share"] - share) < 1e-9
@@ -106,6 +109,29 @@ def test_derived_from_the_calibration_record_of_the_top_level_policy(cal05):
   assert E.pick_policy(cal05, 0.3)[0] == os.path.join(cal05, "B0.30")
   msg = refused(cal05, "--target-b", "0.2")
   assert "not reachable offline" in msg and "lowest predicted total B is 0.221" in msg
+
+
+def test_committed_05b_variants_are_what_derive_writes(tmp_path):
+  """policies/qwen2.5-coder-0.5b-instruct-bfcl/B0.33 … B0.60 are ``pask-jax policy derive
+  POLICY --target-b B --calibration bench/results/2026-12-01_calibrate/calibration.json``:
+  deriving them again gives the same tables, budgets and record (paths relative to each)."""
+  d = str(tmp_path / "policies" / "p05")
+  shutil.copytree(P05, d, ignore=lambda where, names: [n for n in names if n.startswith("B0.")]
+                  if where == P05 else [])
+  cal = tmp_path / "bench" / "results" / "2026-12-01_calibrate" / "calibration.json"
+  os.makedirs(cal.parent)
+  shutil.copy(CAL05, cal)    # the same relative place as in the repository
+  for b in ("0.33", "0.40", "0.50", "0.60"):
+    derive(d, "--target-b", b, "--calibration", str(cal))
+    mine, theirs = P.load(os.path.join(d, f"B{b}")), P.load(os.path.join(P05, f"B{b}"))
+    for k in ("action", "floor", "prio", "crit", "reserve", "pooled", "b_d", "b_p"):
+      np.testing.assert_array_equal(np.asarray(getattr(mine, k)), np.asarray(getattr(theirs, k)))
+    assert mine.record == theirs.record
+    v = theirs.record["extra"]["variant"]
+    assert v["rule"] == variant.RULE and v["base"] == "top-level" and v["measured"] is False
+    assert v["source_policy"] == ".." and os.path.isfile(
+        os.path.join(P05, f"B{b}", v["calibration_record"]))
+    assert abs(v["predicted_B_total"] - float(b)) < 1e-12
 
 
 @pytest.mark.parametrize("b", ["0", "1.5", "-0.2", "nan"])
@@ -118,7 +144,7 @@ def test_bad_input_is_one_line(p15, cal05, tmp_path):
   shutil.copytree(os.path.join(ROOT, "policies", "demo"), demo)
   assert "has no calibration record" in refused(demo, "--target-b", "0.3")
   no_cal = str(tmp_path / "p05")
-  shutil.copytree(P05, no_cal)       # hand-made variants: no measured B anywhere
+  shutil.copytree(P05, no_cal)       # derived variants: no measured B anywhere
   assert "has no calibration record" in refused(no_cal, "--target-b", "0.3")
   assert "not reachable offline" in refused(p15, "--target-b", "0.02")
   assert "already has the variant B0.20" in refused(p15, "--target-b", "0.2")
