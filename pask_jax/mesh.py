@@ -35,13 +35,21 @@ device).  ``shard_vocab=False`` replicates both tables (a vocabulary that N does
 
 The layer layout is the stacked one (``models.decoder``: a scan over layers): the unrolled
 layout fuses ``wq|wk|wv`` and ``w_gate|w_up`` into one matmul each, whose columns a contiguous
-split would not keep by head.  The Pallas kernels per shard (``shard_map``) are a later stage.
+split would not keep by head.
+
+The PASK attention kernels (Pallas: "gpu", "tpu") are opaque to the SPMD partitioner, so
+:func:`attention_per_shard` calls them per device through ``jax.shard_map``: each device runs the
+kernel on its own KV heads (its slice of the window and both pools) and the query heads of those
+GQA groups, with the page tables and lengths replicated (the controller's decisions are per token
+and layer group, the same for every head); the output stays sharded by query head, which is what
+the row-parallel o-projection takes.  Nothing is gathered.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -119,6 +127,35 @@ def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True):
   decoder.set_layout(model, "stacked")
   graphdef, params = nnx.split(model)
   return graphdef, jax.device_put(params, param_shardings(params, mesh, shard_vocab=shard_vocab))
+
+
+def attention_per_shard(attn, mesh: Mesh):
+  """``attn(q, window, hi, lo, maps, *, layer)`` (``pallas_kernels.decode_attention`` with its
+  backend and knobs bound) run per device of ``mesh``'s ``model`` axis by ``jax.shard_map``: q
+  [B, Hq, D] and the output by query head, the window and both pools (either INT4 storage format,
+  with or without the leading layer axis) by KV head, ``maps`` and ``layer`` replicated."""
+  def kv(x, axis):   # ``axis`` counted from the end, so a leading layer axis changes nothing
+    return P(*[AXIS if i == x.ndim + axis else None for i in range(x.ndim)])
+
+  def run(q, window, hi, lo, maps, *, layer=None):
+    head = -2 if lo.format == "bytes" else -3    # pallas_kernels.types.LowPool's two layouts
+    specs = (P(None, AXIS, None),
+             type(window)(kv(window.k, -2), kv(window.v, -2), P()),
+             type(hi)(kv(hi.k, -2), kv(hi.v, -2)),
+             type(lo)(kv(lo.k, head), kv(lo.v, head), kv(lo.scale, head)),
+             type(maps)(*(P() for _ in maps)))
+    if layer is None:
+      body = lambda *a: attn(*a)
+    else:
+      specs += (P(),)
+      body = lambda *a: attn(*a[:-1], layer=a[-1])
+      layer = jnp.asarray(layer, jnp.int32)
+    # check_vma=False: a pallas_call's outputs carry no varying-axes type; every output here
+    # varies over the axis (each device its own heads), as out_specs says
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS, None),
+                      check_vma=False)
+    return f(q, window, hi, lo, maps, *(() if layer is None else (layer,)))
+  return run
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
