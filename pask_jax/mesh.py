@@ -158,6 +158,23 @@ def attention_per_shard(attn, mesh: Mesh):
   return run
 
 
+def prepare(model, mesh: Mesh | None, *, shard_vocab: bool = True):
+  """A runner's model and mesh: ``(tp_mesh, graphdef, params)``.  ``tp_mesh`` is None for no
+  mesh or a mesh of one device (then the model takes its backend's layout, unsharded);
+  otherwise :func:`prepare_model` (checked, stacked layout, parameters placed)."""
+  from flax import nnx
+  if mesh is None or mesh.size == 1:
+    decoder.prepare(model)
+    return (None,) + tuple(nnx.split(model))
+  return (mesh,) + prepare_model(model, mesh, shard_vocab=shard_vocab)
+
+
+def step_shardings(mesh: Mesh, params, *, shard_vocab: bool = True):
+  """``(params' shardings, replicated, logits' sharding)``: what a runner's jits name."""
+  return (jax.tree.map(lambda x: x.sharding, params), replicated(mesh),
+          logits_sharding(mesh, shard_vocab=shard_vocab))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

@@ -3,7 +3,9 @@ devices in a subprocess (the device-count flag must be set before JAX starts): g
 PASK ledgers) of TP = 2 and 4 equal TP = 1 with and without a grammar, for the dense runner and
 the PASK runner (reference attention, and the GPU and TPU Pallas kernels per shard through
 shard_map, in interpret mode); the compiled step's collectives are the planned ones (no KV
-gathered); each device holds 1/N of the attention and MLP weights and of the KV cache / pools."""
+gathered); each device holds 1/N of the attention and MLP weights and of the KV cache / pools;
+the baselines' runners (masked H2O / SnapKV / MiKV, TriAxialKV) at TP = 2 equal TP = 1, and
+Spherical KV on a mesh is refused."""
 import os
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pask_jax import mesh as tp
 
 TP = r"""
 import collections, dataclasses, json, os, re, time
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 if os.environ.get("PASK_TEST_CACHE_DIR", "off") != "off":   # tests/conftest.py's compile cache:
   # the runs below compile the same prefill and commit programs for both Pallas backends
   jax.config.update("jax_compilation_cache_dir", os.environ["PASK_TEST_CACHE_DIR"])
@@ -126,6 +128,54 @@ for backend in ("gpu", "tpu"):
       check_step(f"pask {backend}", r, n, args, c.layers)
   assert ref[0][2]["measured_B"] < 1
   report["seconds"][backend] = round(time.perf_counter() - t1, 1)
+
+# The baselines' runners: H2O / SnapKV / MiKV (one masked runner, knobs traced) and TriAxialKV,
+# their state by KV head; StreamingLLM and INT4 are PaskRunner policies (above); Spherical KV is
+# refused.  Longer prompts so that every method compresses something.
+from pask_jax import tags as T
+from pask_jax.baselines import triaxial as TX
+from pask_jax.baselines.masked import Config, MaskedRunner
+from pask_jax.spherical.runner import SphRunner
+t1, ref = time.perf_counter(), {}
+rng = np.random.default_rng(3)
+long = [[int(x) for x in rng.integers(1, V, k)] for k in (40, 23)]
+lab = [T.prompt(T.PromptLabel.PROTECTED_CONTENT), T.prompt(T.PromptLabel.FUNCTION_NAME)]
+ptags = [np.stack([T.candidates(lab[i % 2]) for i in range(len(p))]) for p in long]
+kn = TX.Knobs(prefix=2, low=2, high=8, window=4)
+alloc = {"knobs": kn.asdict(), "budget": 0.5, "n_groups": 3,
+         "units": {str(lab[0]): [2, 4, 8], str(lab[1]): [8, 3, 2],
+                   str(T.fc(T.Cls.FREE_GENERATION)): [4, 2, 8]}}
+methods = (Config("h2o", ratio=0.5, sink=2, recent=4), Config("mikv", ratio=0.4, sink=2, recent=4),
+           Config("snapkv", target=0.5, obs=4, gen=8))
+step_args = lambda r, st, *extra: (r.params, st, jnp.zeros(B, jnp.int32)) + extra + (
+    jnp.ones(B, bool), bits0) + samp
+for n in (1, 2):
+  mr = MaskedRunner(random_model(cfg, seed=5), batch=B, capacity=64, mesh=tp.model_mesh(n))
+  for c in methods:
+    out = [(x.tokens, x.ledger) for x in generate(mr.configure(c), tok, long,
+                                                   sampling=Sampling(max_tokens=8))]
+    ref.setdefault(c.method, out)
+    assert out == ref[c.method], (c.method, n, out, ref[c.method])
+    assert out[0][1]["measured_B"] < 0.7, (c.method, out)
+  assert mr.traces["step"] == 1
+  tx = TX.TriaxialRunner(random_model(cfg, seed=5), batch=B, capacity=64,
+                         mesh=tp.model_mesh(n)).configure(kn, alloc)
+  out = [(x.tokens, x.ledger) for x in generate(tx, tok, long, prompt_tags=ptags,
+                                                 sampling=Sampling(max_tokens=8))]
+  ref.setdefault("triaxial", out)
+  assert out == ref["triaxial"] and out[0][1]["measured_B"] < 0.7, (n, out, ref["triaxial"])
+  if n > 1:   # the same collectives as the other runners (the MiKV demotion is per shard)
+    st = mr.new_state(np.array([len(p) for p in long]))
+    check_step("masked", mr, n, step_args(mr, st), (st.k, st.v))
+    st = tx.new_state(ptags, np.array([len(p) for p in long]))
+    check_step("triaxial", tx, n, step_args(tx, st, jnp.zeros((B, 4), jnp.int32)),
+               (st.cache.k, st.cache.v))
+try:
+  SphRunner(random_model(cfg), batch=B, capacity=64, mesh=tp.model_mesh(2))
+  raise AssertionError("Spherical KV on a mesh was not refused")
+except ValueError as e:
+  assert "SphRunner" in str(e) and "2 devices" in str(e), e
+report["seconds"]["baselines"] = round(time.perf_counter() - t1, 1)
 print("TP-OK", json.dumps(report), round(time.perf_counter() - t0, 1))
 """
 

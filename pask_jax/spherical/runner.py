@@ -74,6 +74,12 @@ def _fp16(x):
   return jnp.minimum(x, spherical.FP16_MAX).astype(jnp.float16).astype(jnp.float32)
 
 
+# Why SphRunner is not tensor parallel (issue 28): its state does not split by KV head.
+NOT_SHARDED = ("its RDR prefill plan ranks the (token, group, KV head) items of all heads "
+               "together under one byte budget, and its tier pools' per-KV-head page tables "
+               "have no sharding rule yet; run it with mesh=None")
+
+
 class SphRunner:
   """Spherical KV over the tiny-to-small models on any backend (reference attention).
 
@@ -83,7 +89,11 @@ class SphRunner:
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
                window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
-               protect_top: float = 0.02):
+               protect_top: float = 0.02, mesh: jax.sharding.Mesh | None = None):
+    """``mesh``: refused beyond one device (see :data:`NOT_SHARDED`)."""
+    if mesh is not None and mesh.size > 1:
+      raise ValueError(f"Spherical KV (SphRunner) does not run on a mesh of {mesh.size} devices: "
+                       f"{NOT_SHARDED}")
     self.cfg = c = model.cfg
     decoder.prepare(model)
     self.graphdef, self.params = nnx.split(model)
