@@ -123,11 +123,11 @@ class Runner:
     kv = tp.by_kv_head(self.tp_mesh, 5, 3)
     return kv_dense.DenseCache(kv, kv, tp.replicated(self.tp_mesh))
 
-  def new_cache(self, *, batch: int | None = None,
-                capacity: int | None = None) -> kv_dense.DenseCache:
+  def new_cache(self, *, batch: int | None = None, capacity: int | None = None,
+                dtype=None) -> kv_dense.DenseCache:
     c = self.cfg
     make = lambda: kv_dense.init(c.n_layers, batch or self.batch, capacity or self.capacity,
-                                 c.n_kv_heads, c.head_dim, self.cache_dtype)
+                                 c.n_kv_heads, c.head_dim, dtype or self.cache_dtype)
     if self.tp_mesh is None:
       return make()
     return jax.jit(make, out_shardings=self.cache_sharding())()   # each device its own heads
@@ -269,11 +269,12 @@ class PaskRunner:
                           out_shardings=(rep, lg, (cs, rep, rep)))
     self.select = self._dense.select
 
-  def cache_sharding(self) -> pcache.Cache:
+  def cache_sharding(self, shapes: pcache.Cache | None = None) -> pcache.Cache:
     """The cache's shardings (mesh runs): every K/V pool and the window by KV head, the page
-    tables, lengths and positions replicated."""
+    tables, lengths and positions replicated.  ``shapes``: of another cache of this runner's
+    layout (the engine's paged one; default: :meth:`new_cache`'s)."""
     axis = 3 if self.lo_format == "bytes" else 2   # the INT4 pool's layouts (pask_jax.cache)
-    shapes = jax.eval_shape(self._new_cache)
+    shapes = jax.eval_shape(self._new_cache) if shapes is None else shapes
     per = lambda name, x: tp.by_kv_head(self.tp_mesh, x.ndim, 3 if name in (
         "win_k", "win_v", "hi_k", "hi_v") else axis)
     layers = type(shapes.layers)(**{f: per(f, getattr(shapes.layers, f))

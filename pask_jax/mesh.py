@@ -84,13 +84,27 @@ def model_mesh(n: int | None = None, devices: Sequence[Any] | None = None) -> Me
   return Mesh(np.asarray(devices[:n]), (AXIS,))
 
 
+def serving_mesh(n, cfg: ModelConfig | None = None, *, shard_vocab: bool = True) -> Mesh | None:
+  """The mesh of ``--tensor-parallel-size n`` (vLLM's name): the first ``n`` local devices, None
+  for ``n = 1``; ``cfg`` checked against it (:func:`check`).  Bad values: one-line ValueError."""
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"tensor_parallel_size must be a positive int, got {n!r}")
+  devices = jax.local_devices()
+  if n > len(devices):
+    raise ValueError(f"tensor_parallel_size {n} is more than the {len(devices)} local "
+                     f"{devices[0].platform} device{'s' * (len(devices) > 1)} of this process")
+  if cfg is not None:
+    check(cfg, int(n), shard_vocab=shard_vocab)
+  return None if n == 1 else model_mesh(int(n), devices)
+
+
 def check(cfg: ModelConfig, n: int, *, shard_vocab: bool = True) -> None:
   """Refuse (ValueError, one line) a model whose groups do not split over ``n`` devices."""
-  if cfg.n_kv_heads % n:
+  if cfg.n_kv_heads % n or cfg.n_heads % n:
     raise ValueError(
         f"tensor parallelism over {n} devices: {cfg.n_kv_heads} KV heads (GQA groups of "
-        f"{cfg.group} query heads) do not split into whole groups per device; the KV heads must "
-        f"be a multiple of {n}")
+        f"{cfg.group} query heads, {cfg.n_heads} query heads in all) do not split into whole "
+        f"groups per device; the KV heads must be a multiple of {n}")
   if cfg.intermediate % n:
     raise ValueError(f"tensor parallelism over {n} devices: the MLP's intermediate size "
                      f"{cfg.intermediate} is not a multiple of {n}")
