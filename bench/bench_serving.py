@@ -186,6 +186,11 @@ class MemoPrefill:
   def prefill_chunks(self, dense, toks, lengths, chunk=None, ahead=None):
     yield self.prefill_all(dense, toks, lengths)   # memoized: all chunks at once
 
+  def __getattr__(self, name):   # the rest of the runner's interface (new_cache, tp_mesh, ...)
+    if name == "runner":           # not set yet (copies): no recursion
+      raise AttributeError(name)
+    return getattr(self.runner, name)
+
 
 # ---- one cell -----------------------------------------------------------------------------------
 

@@ -399,7 +399,7 @@ def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: in
                  kv_memory: float | None = None, gpu_memory_utilization: float | None = None,
                  kv_mix: tuple[float, float] | None = None, preemption: str = "replay",
                  prefill_chunk: int = 512, prefill_share: float = 1 / 3,
-                 warmup: bool | int = True):
+                 warmup: bool | int = True, tensor_parallel_size: int = 1):
   """A started :class:`serve.engine.Engine`: continuous batching of ``slots`` sequences over one
   paged PASK cache (``context``: most tokens per request).  Send it requests with
   :func:`submit`; stop it with ``engine.stop()``.  ``pask-jax serve`` puts the OpenAI API on it.
@@ -412,10 +412,15 @@ def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: in
   "recompute"), ``prefill_chunk`` and ``prefill_share``.  ``warmup``: compile before serving
   the decode step and every prompt bucket (True), only the buckets of prompts up to that many
   tokens (an int: a faster start where prompts are short; longer ones compile on first use), or
-  nothing (False).  Bad values: one-line ``ValueError``."""
+  nothing (False).  ``tensor_parallel_size`` (``--tensor-parallel-size``): serve on the first
+  that many local devices, the weights, pools and windows split by head (:mod:`pask_jax.mesh`);
+  ``kv_memory`` / ``gpu_memory_utilization`` are then each device's budget.  Bad values:
+  one-line ``ValueError``."""
+  from pask_jax import mesh as tp
   from serve.engine import Engine
   _check_sizing(slots, context, page, hi_pages, lo_pages, kv_memory, gpu_memory_utilization,
                 kv_mix, preemption, prefill_chunk, prefill_share)
+  mesh = tp.serving_mesh(tensor_parallel_size, model.cfg)
   if not isinstance(warmup, bool) and not (isinstance(warmup, int) and warmup > 0):
     raise ValueError(f"warmup must be True, False or a positive int (tokens), got {warmup!r}")
   pol = load_policy(policy, model)
@@ -424,7 +429,7 @@ def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: in
                   kv_bytes=None if kv_memory is None else int(kv_memory * 1e9),
                   gpu_memory_utilization=gpu_memory_utilization,
                   mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
-                  prefill_chunk=prefill_chunk, prefill_share=prefill_share)
+                  prefill_chunk=prefill_chunk, prefill_share=prefill_share, mesh=mesh)
   engine.loaded = model
   if warmup:
     engine.warmup(None if warmup is True else warmup)

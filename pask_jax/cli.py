@@ -85,7 +85,8 @@ def cmd_serve(args) -> int:
                         api_key=args.api_key or ([os.environ["PASK_API_KEY"]]
                                                  if os.environ.get("PASK_API_KEY") else None),
                         chat_template=args.chat_template,
-                        tool_call_parser=args.tool_call_parser, lo_format=args.lo_format)
+                        tool_call_parser=args.tool_call_parser, lo_format=args.lo_format,
+                        tensor_parallel_size=args.tensor_parallel_size)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
@@ -376,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                  metavar="N",
                  help="most tokens (prompt + max_tokens) per request (alias --context)")
   s.add_argument("--page", type=_positive, default=16, help="tokens per KV page")
+  s.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N",
+                 help="serve on the first N local GPUs or TPU chips, like vLLM: attention by KV "
+                      "head, the MLP by columns/rows, embeddings and lm_head by vocabulary, the "
+                      "KV pools and windows by KV head; --kv-memory and "
+                      "--gpu-memory-utilization are then per device (default: 1)")
   s.add_argument("--lo-format", choices=["bytes", "int4"], default="bytes",
                  help="storage of the INT4 pool: bytes (half-split nibbles: the Triton and TPU "
                       "kernels) or int4 (head-major int4 pages: the Mosaic GPU kernel on "

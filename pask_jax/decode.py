@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Any, Sequence
 
@@ -122,11 +123,11 @@ class Runner:
     kv = tp.by_kv_head(self.tp_mesh, 5, 3)
     return kv_dense.DenseCache(kv, kv, tp.replicated(self.tp_mesh))
 
-  def new_cache(self, *, batch: int | None = None,
-                capacity: int | None = None) -> kv_dense.DenseCache:
+  def new_cache(self, *, batch: int | None = None, capacity: int | None = None,
+                dtype=None) -> kv_dense.DenseCache:
     c = self.cfg
     make = lambda: kv_dense.init(c.n_layers, batch or self.batch, capacity or self.capacity,
-                                 c.n_kv_heads, c.head_dim, self.cache_dtype)
+                                 c.n_kv_heads, c.head_dim, dtype or self.cache_dtype)
     if self.tp_mesh is None:
       return make()
     return jax.jit(make, out_shardings=self.cache_sharding())()   # each device its own heads
@@ -225,17 +226,20 @@ class PaskRunner:
 
   def __init__(self, model: nnx.Module, policy, *, batch: int, capacity: int, page: int = 16,
                backend: str = "auto", lo_page: int | None = None, lo_format: str = "bytes",
-               mesh: jax.sharding.Mesh | None = None, shard_vocab: bool = True):
+               mesh: jax.sharding.Mesh | None = None, shard_vocab: bool = True,
+               kernel_knobs: dict | None = None):
     """``mesh``: tensor parallelism over a 1-D ``model`` mesh of more than one device (as
     :class:`Runner`; the pools and the window by KV head, page tables, controller and ledger
-    replicated); the reference attention only for now."""
+    replicated).  The reference attention runs under the SPMD partitioner; a Pallas backend
+    ("gpu", "tpu") runs per shard (``shard_map``: each device its own KV heads and their query
+    heads, :func:`pask_jax.mesh.attention_per_shard`).
+
+    ``kernel_knobs``: keyword arguments for ``pallas_kernels.decode_attention`` (tuning knobs,
+    ``interpret=True`` to run a Pallas backend on the CPU)."""
     self.cfg = model.cfg
     self.policy = policy
     self.tp_mesh = mesh if mesh is not None and mesh.size > 1 else None
-    if self.tp_mesh is not None and pallas_kernels.resolve_backend(backend) != "reference":
-      raise ValueError(f"tensor parallelism over {self.tp_mesh.size} devices runs the reference "
-                       f"attention (backend='reference'), not {backend!r}: the Pallas kernels per "
-                       "shard (shard_map) are a later stage")
+    self.kernel_knobs = dict(kernel_knobs or {})
     if self.tp_mesh is None:
       decoder.prepare(model)
     self.batch, self.capacity, self.page, self.backend = batch, capacity, page, backend
@@ -265,11 +269,12 @@ class PaskRunner:
                           out_shardings=(rep, lg, (cs, rep, rep)))
     self.select = self._dense.select
 
-  def cache_sharding(self) -> pcache.Cache:
+  def cache_sharding(self, shapes: pcache.Cache | None = None) -> pcache.Cache:
     """The cache's shardings (mesh runs): every K/V pool and the window by KV head, the page
-    tables, lengths and positions replicated."""
+    tables, lengths and positions replicated.  ``shapes``: of another cache of this runner's
+    layout (the engine's paged one; default: :meth:`new_cache`'s)."""
     axis = 3 if self.lo_format == "bytes" else 2   # the INT4 pool's layouts (pask_jax.cache)
-    shapes = jax.eval_shape(self._new_cache)
+    shapes = jax.eval_shape(self._new_cache) if shapes is None else shapes
     per = lambda name, x: tp.by_kv_head(self.tp_mesh, x.ndim, 3 if name in (
         "win_k", "win_v", "hi_k", "hi_v") else axis)
     layers = type(shapes.layers)(**{f: per(f, getattr(shapes.layers, f))
@@ -321,8 +326,11 @@ class PaskRunner:
       cache = pcache.write_step(cache, plan, layer, k[:, 0], v[:, 0], evict=False)
     window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
     with jax.named_scope("attention"):
-      out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
-                                            backend=self.backend)
+      attn = functools.partial(pallas_kernels.decode_attention, backend=self.backend,
+                               **self.kernel_knobs)
+      if self.tp_mesh is not None and pallas_kernels.resolve_backend(self.backend) != "reference":
+        attn = tp.attention_per_shard(attn, self.tp_mesh)   # a Pallas kernel per device
+      out = attn(q[:, 0], window, hi, lo, maps, layer=layer)
     return out[:, None].astype(q.dtype), (cache, plan)
 
   def _write_and_attend(self, params, cache, tokens, pending, active):

@@ -35,13 +35,21 @@ device).  ``shard_vocab=False`` replicates both tables (a vocabulary that N does
 
 The layer layout is the stacked one (``models.decoder``: a scan over layers): the unrolled
 layout fuses ``wq|wk|wv`` and ``w_gate|w_up`` into one matmul each, whose columns a contiguous
-split would not keep by head.  The Pallas kernels per shard (``shard_map``) are a later stage.
+split would not keep by head.
+
+The PASK attention kernels (Pallas: "gpu", "tpu") are opaque to the SPMD partitioner, so
+:func:`attention_per_shard` calls them per device through ``jax.shard_map``: each device runs the
+kernel on its own KV heads (its slice of the window and both pools) and the query heads of those
+GQA groups, with the page tables and lengths replicated (the controller's decisions are per token
+and layer group, the same for every head); the output stays sharded by query head, which is what
+the row-parallel o-projection takes.  Nothing is gathered.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -76,13 +84,27 @@ def model_mesh(n: int | None = None, devices: Sequence[Any] | None = None) -> Me
   return Mesh(np.asarray(devices[:n]), (AXIS,))
 
 
+def serving_mesh(n, cfg: ModelConfig | None = None, *, shard_vocab: bool = True) -> Mesh | None:
+  """The mesh of ``--tensor-parallel-size n`` (vLLM's name): the first ``n`` local devices, None
+  for ``n = 1``; ``cfg`` checked against it (:func:`check`).  Bad values: one-line ValueError."""
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"tensor_parallel_size must be a positive int, got {n!r}")
+  devices = jax.local_devices()
+  if n > len(devices):
+    raise ValueError(f"tensor_parallel_size {n} is more than the {len(devices)} local "
+                     f"{devices[0].platform} device{'s' * (len(devices) > 1)} of this process")
+  if cfg is not None:
+    check(cfg, int(n), shard_vocab=shard_vocab)
+  return None if n == 1 else model_mesh(int(n), devices)
+
+
 def check(cfg: ModelConfig, n: int, *, shard_vocab: bool = True) -> None:
   """Refuse (ValueError, one line) a model whose groups do not split over ``n`` devices."""
-  if cfg.n_kv_heads % n:
+  if cfg.n_kv_heads % n or cfg.n_heads % n:
     raise ValueError(
         f"tensor parallelism over {n} devices: {cfg.n_kv_heads} KV heads (GQA groups of "
-        f"{cfg.group} query heads) do not split into whole groups per device; the KV heads must "
-        f"be a multiple of {n}")
+        f"{cfg.group} query heads, {cfg.n_heads} query heads in all) do not split into whole "
+        f"groups per device; the KV heads must be a multiple of {n}")
   if cfg.intermediate % n:
     raise ValueError(f"tensor parallelism over {n} devices: the MLP's intermediate size "
                      f"{cfg.intermediate} is not a multiple of {n}")
@@ -119,6 +141,52 @@ def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True):
   decoder.set_layout(model, "stacked")
   graphdef, params = nnx.split(model)
   return graphdef, jax.device_put(params, param_shardings(params, mesh, shard_vocab=shard_vocab))
+
+
+def attention_per_shard(attn, mesh: Mesh):
+  """``attn(q, window, hi, lo, maps, *, layer)`` (``pallas_kernels.decode_attention`` with its
+  backend and knobs bound) run per device of ``mesh``'s ``model`` axis by ``jax.shard_map``: q
+  [B, Hq, D] and the output by query head, the window and both pools (either INT4 storage format,
+  with or without the leading layer axis) by KV head, ``maps`` and ``layer`` replicated."""
+  def kv(x, axis):   # ``axis`` counted from the end, so a leading layer axis changes nothing
+    return P(*[AXIS if i == x.ndim + axis else None for i in range(x.ndim)])
+
+  def run(q, window, hi, lo, maps, *, layer=None):
+    head = -2 if lo.format == "bytes" else -3    # pallas_kernels.types.LowPool's two layouts
+    specs = (P(None, AXIS, None),
+             type(window)(kv(window.k, -2), kv(window.v, -2), P()),
+             type(hi)(kv(hi.k, -2), kv(hi.v, -2)),
+             type(lo)(kv(lo.k, head), kv(lo.v, head), kv(lo.scale, head)),
+             type(maps)(*(P() for _ in maps)))
+    if layer is None:
+      body = lambda *a: attn(*a)
+    else:
+      specs += (P(),)
+      body = lambda *a: attn(*a[:-1], layer=a[-1])
+      layer = jnp.asarray(layer, jnp.int32)
+    # check_vma=False: a pallas_call's outputs carry no varying-axes type; every output here
+    # varies over the axis (each device its own heads), as out_specs says
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS, None),
+                      check_vma=False)
+    return f(q, window, hi, lo, maps, *(() if layer is None else (layer,)))
+  return run
+
+
+def prepare(model, mesh: Mesh | None, *, shard_vocab: bool = True):
+  """A runner's model and mesh: ``(tp_mesh, graphdef, params)``.  ``tp_mesh`` is None for no
+  mesh or a mesh of one device (then the model takes its backend's layout, unsharded);
+  otherwise :func:`prepare_model` (checked, stacked layout, parameters placed)."""
+  from flax import nnx
+  if mesh is None or mesh.size == 1:
+    decoder.prepare(model)
+    return (None,) + tuple(nnx.split(model))
+  return (mesh,) + prepare_model(model, mesh, shard_vocab=shard_vocab)
+
+
+def step_shardings(mesh: Mesh, params, *, shard_vocab: bool = True):
+  """``(params' shardings, replicated, logits' sharding)``: what a runner's jits name."""
+  return (jax.tree.map(lambda x: x.sharding, params), replicated(mesh),
+          logits_sharding(mesh, shard_vocab=shard_vocab))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -331,22 +331,25 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
           grammar_timeout_s: float = 10.0, prefill_chunk: int = 512,
           prefill_share: float = 1 / 3, api_key: str | list[str] | None = None,
           chat_template: str | None = None, tool_call_parser: str | None = None,
-          center_keys: bool = True, lo_format: str = "bytes"):
+          center_keys: bool = True, lo_format: str = "bytes", tensor_parallel_size: int = 1):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).
   ``chat_template``: a file path or a template (:func:`load_chat_template`); the other options
   as for :func:`create_app`; ``center_keys``: :mod:`models.center` (default on); ``lo_format``:
-  the INT4 pool's storage format (:class:`serve.engine.Engine`)."""
+  the INT4 pool's storage format (:class:`serve.engine.Engine`); ``tensor_parallel_size``: the
+  first that many local devices (``pask_jax.mesh.serving_mesh``; the KV budget per device)."""
   import jax
   import jax.numpy as jnp
 
   from models import load
+  from pask_jax import mesh as tp
   from pask_jax import policy as pol_mod
   from serve.grammars import GrammarPool
   if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
     raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; choose one of "
                      f"{', '.join(TOOL_CALL_PARSERS)}")
   check_lo_format(lo_format, page, "auto")            # before any weight loads
+  tp.serving_mesh(tensor_parallel_size)               # the device count, before any weight loads
   template = None if chat_template is None else load_chat_template(chat_template)
   dt = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
         "float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
@@ -355,6 +358,7 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
   if m.tokenizer is None:
     raise ValueError("this checkpoint has no tokenizer.json; the server needs one")
   tok = m.tokenizer if template is None else with_chat_template(m.tokenizer, template)
+  mesh = tp.serving_mesh(tensor_parallel_size, m.cfg)  # the heads split over the devices
   pol = pol_mod.resolve(policy, m.cfg, tokenizer_hash=m.tokenizer.hash())
   # The compile workers start (import XGrammar) while the engine compiles its step.
   grammars = GrammarPool(m.tokenizer, m.cfg.vocab_size, timeout_s=grammar_timeout_s)
@@ -364,7 +368,7 @@ def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
                   gpu_memory_utilization=gpu_memory_utilization,
                   mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
                   prefill_chunk=prefill_chunk, prefill_share=prefill_share,
-                  lo_format=lo_format)
+                  lo_format=lo_format, mesh=mesh)
   if warmup:
     engine.warmup()
   engine.start()

@@ -1,8 +1,11 @@
 """Tensor-parallel decode on a 1-D ``model`` mesh (pask_jax.mesh; issue 28, stage 1), on 4 CPU
 devices in a subprocess (the device-count flag must be set before JAX starts): greedy tokens (and
 PASK ledgers) of TP = 2 and 4 equal TP = 1 with and without a grammar, for the dense runner and
-the PASK runner (reference attention); the compiled step's collectives are the planned ones; each
-device holds 1/N of the attention and MLP weights and of the KV cache / pools."""
+the PASK runner (reference attention, and the GPU and TPU Pallas kernels per shard through
+shard_map, in interpret mode); the compiled step's collectives are the planned ones (no KV
+gathered); each device holds 1/N of the attention and MLP weights and of the KV cache / pools;
+the baselines' runners (masked H2O / SnapKV / MiKV, TriAxialKV) at TP = 2 equal TP = 1, and
+Spherical KV on a mesh is refused."""
 import os
 import subprocess
 import sys
@@ -13,14 +16,19 @@ from models import ModelConfig
 from pask_jax import mesh as tp
 
 TP = r"""
-import collections, dataclasses, json, re, time
-import jax, jax.numpy as jnp
+import collections, dataclasses, json, os, re, time
+import jax, jax.numpy as jnp, numpy as np
+if os.environ.get("PASK_TEST_CACHE_DIR", "off") != "off":   # tests/conftest.py's compile cache:
+  # the runs below compile the same prefill and commit programs for both Pallas backends
+  jax.config.update("jax_compilation_cache_dir", os.environ["PASK_TEST_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 from models import ModelConfig, random_model
 from pask_jax import ledger, mesh as tp, policy as P
 from pask_jax.decode import PaskRunner, Runner, Sampling, generate
 from pask_jax.testing import grammar_compiler, smollm2_tokenizer
 assert len(jax.devices()) == 4
-t0 = time.perf_counter()
+t0 = time.process_time()
 tok = smollm2_tokenizer()
 V = tok.vocab_size
 grammar = grammar_compiler(tok, V).json_schema(
@@ -44,7 +52,9 @@ def collectives(hlo):
 
 def check_step(name, r, n, args, kv):
   # the step's collectives, as planned, and 1/N of the sharded bytes on each device
+  tc = time.process_time()
   comp = r.step.lower(*args).compile()
+  tc = round(time.process_time() - tc, 2)   # ~0 where generate() compiled these arguments
   hlo = comp.as_text()
   comps, bodies = collectives(hlo)
   body = sum((comps.get(b, collections.Counter()) for b in bodies), collections.Counter())
@@ -60,7 +70,13 @@ def check_step(name, r, n, args, kv):
   fw, fc = tp.shard_fraction(w), tp.shard_fraction(kv)
   assert abs(fw * n - 1) < 0.05 and abs(fc * n - 1) < 0.05, (fw, fc)
   report[f"{name} TP={n}"] = {"layer_loop": dict(body), "outside": dict(rest), "weights": fw,
-                              "kv": fc, "arg_bytes": comp.memory_analysis().argument_size_in_bytes}
+                              "kv": fc, "arg_bytes": comp.memory_analysis().argument_size_in_bytes,
+                              "compile_cpu_s": tc}
+
+def placed(r, *xs):
+  # replicated on the runner's mesh, as the step's own outputs are: the arguments of the calls
+  # generate() made, so lowering them again finds the compiled step instead of compiling anew
+  return jax.device_put(xs, tp.replicated(r.tp_mesh))
 
 report = {}
 B = 2
@@ -95,31 +111,239 @@ for n in (1, 4):
   assert out == ref, (n, out, ref)
   if n > 1:
     c = r.new_cache()
-    state = (c, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
+    state = (c,) + placed(r, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
     args = (r.params, pol, state, jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32),
             jnp.zeros(B, jnp.int32), jnp.ones(B, bool), bits0) + samp
     check_step("pask", r, n, args, c.layers)
 assert ref[0][2]["measured_B"] < 1   # the demo policy compressed something
+report["cpu_s"] = {"reference": round(time.process_time() - t0, 1)}
+
+# PASK with the Pallas kernels per shard (shard_map over the KV heads; interpret mode on the CPU)
+for backend in ("gpu", "tpu"):
+  t1, ref = time.process_time(), None
+  for n in (1, 2, 4):
+    r = PaskRunner(random_model(cfg, seed=5), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
+                   backend=backend, kernel_knobs=dict(interpret=True))
+    out = [(x.tokens, x.finish, x.ledger) for x in generate(
+        r, tok, prompts, grammars=[grammar, None], sampling=Sampling(max_tokens=6))]
+    ref = ref or out
+    assert out == ref, (backend, n, out, ref)
+    if n == 4 and backend == "gpu":   # the kernel's inputs are the local shards: nothing gathered
+      c = r.new_cache()
+      state = (c,) + placed(r, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
+      args = (r.params, pol, state, jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32),
+              jnp.zeros(B, jnp.int32), jnp.ones(B, bool), bits0) + samp
+      check_step(f"pask {backend}", r, n, args, c.layers)
+  assert ref[0][2]["measured_B"] < 1
+  report["cpu_s"][backend] = round(time.process_time() - t1, 1)
+
+# The baselines' runners: H2O / SnapKV / MiKV (one masked runner, knobs traced) and TriAxialKV,
+# their state by KV head; StreamingLLM and INT4 are PaskRunner policies (above); Spherical KV is
+# refused.  Longer prompts so that every method compresses something.
+from pask_jax import tags as T
+from pask_jax.baselines import triaxial as TX
+from pask_jax.baselines.masked import Config, MaskedRunner
+from pask_jax.spherical.runner import SphRunner
+t1, ref = time.process_time(), {}
+rng = np.random.default_rng(3)
+long = [[int(x) for x in rng.integers(1, V, k)] for k in (40, 23)]
+lab = [T.prompt(T.PromptLabel.PROTECTED_CONTENT), T.prompt(T.PromptLabel.FUNCTION_NAME)]
+ptags = [np.stack([T.candidates(lab[i % 2]) for i in range(len(p))]) for p in long]
+kn = TX.Knobs(prefix=2, low=2, high=8, window=4)
+alloc = {"knobs": kn.asdict(), "budget": 0.5, "n_groups": 3,
+         "units": {str(lab[0]): [2, 4, 8], str(lab[1]): [8, 3, 2],
+                   str(T.fc(T.Cls.FREE_GENERATION)): [4, 2, 8]}}
+methods = (Config("h2o", ratio=0.5, sink=2, recent=4), Config("mikv", ratio=0.4, sink=2, recent=4),
+           Config("snapkv", target=0.5, obs=4, gen=8))
+step_args = lambda r, st, *extra: (r.params, st, jnp.zeros(B, jnp.int32)) + extra + (
+    jnp.ones(B, bool), bits0) + samp
+for n in (1, 2):
+  mr = MaskedRunner(random_model(cfg, seed=5), batch=B, capacity=64, mesh=tp.model_mesh(n))
+  for c in methods:
+    out = [(x.tokens, x.ledger) for x in generate(mr.configure(c), tok, long,
+                                                   sampling=Sampling(max_tokens=8))]
+    ref.setdefault(c.method, out)
+    assert out == ref[c.method], (c.method, n, out, ref[c.method])
+    assert out[0][1]["measured_B"] < 0.7, (c.method, out)
+  assert mr.traces["step"] == 1
+  tx = TX.TriaxialRunner(random_model(cfg, seed=5), batch=B, capacity=64,
+                         mesh=tp.model_mesh(n)).configure(kn, alloc)
+  out = [(x.tokens, x.ledger) for x in generate(tx, tok, long, prompt_tags=ptags,
+                                                 sampling=Sampling(max_tokens=8))]
+  ref.setdefault("triaxial", out)
+  assert out == ref["triaxial"] and out[0][1]["measured_B"] < 0.7, (n, out, ref["triaxial"])
+  if n > 1:   # the same collectives as the other runners (the MiKV demotion is per shard)
+    st = mr.new_state(np.array([len(p) for p in long]))
+    check_step("masked", mr, n, step_args(mr, st), (st.k, st.v))
+    st = tx.new_state(ptags, np.array([len(p) for p in long]))
+    check_step("triaxial", tx, n, step_args(tx, st, jnp.zeros((B, 4), jnp.int32)),
+               (st.cache.k, st.cache.v))
 try:
-  PaskRunner(random_model(cfg), pol, batch=B, capacity=64, mesh=tp.model_mesh(2), backend="gpu")
-  raise AssertionError("a Pallas backend on a mesh was not refused")
+  SphRunner(random_model(cfg), batch=B, capacity=64, mesh=tp.model_mesh(2))
+  raise AssertionError("Spherical KV on a mesh was not refused")
 except ValueError as e:
-  assert "shard_map" in str(e) and "2 devices" in str(e), e
-print("TP-OK", json.dumps(report), round(time.perf_counter() - t0, 1))
+  assert "SphRunner" in str(e) and "2 devices" in str(e), e
+report["cpu_s"]["baselines"] = round(time.process_time() - t1, 1)
+print("TP-OK", json.dumps(report), round(time.process_time() - t0, 1))
 """
 
 
-@pytest.mark.fast_compile   # tiny random models (tests/conftest.py); the subprocess inherits it
-def test_tensor_parallel_decode_on_four_cpu_devices():
+ENGINE = r"""
+import os, time
+import jax
+if os.environ.get("PASK_TEST_CACHE_DIR", "off") != "off":   # tests/conftest.py's compile cache
+  jax.config.update("jax_compilation_cache_dir", os.environ["PASK_TEST_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+from models import ModelConfig, random_model
+from pask_jax import mesh as tp, policy as P
+from pask_jax.grammar.prompt_spans import label_prompt
+from pask_jax.testing import grammar_compiler, smollm2_tokenizer
+from pask_jax.tracker import Tracker
+from serve.engine import Engine, Request
+assert len(jax.devices()) == 4
+t0 = time.process_time()
+tok = smollm2_tokenizer()
+V = tok.vocab_size
+grammar = grammar_compiler(tok, V).json_schema(
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+     "required": ["a", "b"], "additionalProperties": False})
+# tests/test_engine.py's model and demo policy: 2 KV heads (GQA groups of 2), 3 layer groups
+cfg = ModelConfig(arch="llama", vocab_size=V, hidden=64, intermediate=128, n_layers=3, n_heads=4,
+                  n_kv_heads=2, head_dim=16, tie_embeddings=True)
+pol = P.build(P.demo_entries(3), cfg, b_d=0.5, b_p=0.5, window=8, sink=2)
+PAGE, CTX = 4, 128
+
+def requests():
+  out = []
+  for i in range(4):
+    ids, tags = label_prompt(tok, tok.apply_chat_template(
+        [{"role": "user", "content": "Weather in Paris? " * (1 + i % 3)}]))
+    out.append(Request(ids=ids, tags=tags, max_tokens=16 + 4 * i,
+                       tracker=Tracker(grammar if i % 2 else None)))
+  return out
+
+def run(e):
+  reqs, done = requests(), {}
+  for r in reqs:
+    r.emit = lambda kind, payload, r=r: done.__setitem__(r.rid, payload) if kind == "done" else None
+    e.submit(r)
+  e.run_until_idle(max_iterations=5000)
+  return [done[r.rid] for r in reqs]
+
+# pools that hold the largest request alone but not all four at once: preemption (replay)
+worst = max(-(-(len(r.ids) + r.max_tokens - pol.window) // PAGE) for r in requests())
+ref = None
+for n in (1, 2):
+  e = Engine(random_model(cfg, seed=0), tok, pol, slots=4, context=CTX, page=PAGE,
+             hi_pages=worst + 1, lo_pages=worst + 1, mesh=tp.serving_mesh(n, cfg))
+  out = [(x["tokens"], x["finish"], x["ledger"]) for x in run(e)]
+  assert e.m["preemptions"] > 0 and e.m["resumed"] == e.m["preemptions"], (n, e.m)
+  assert e.traces["fwd"] == 1 and e.traces["insert"] == 1, e.traces   # one compile each
+  ref = ref or out
+  assert out == ref, (n, out, ref)
+  if n > 1:
+    assert e.sizing.shards == n and "per device (2 devices" in e.sizing.describe()
+    assert abs(tp.shard_fraction(e.step.state[0].layers) * n - 1) < 0.05
+assert ref[0][2]["measured_B"] < 1
+for n, c, want in ((8, cfg, "tensor_parallel_size 8 is more than the 4 local cpu devices"),
+                   (4, cfg, "2 KV heads (GQA groups of 2 query heads, 4 query heads in all)")):
+  try:
+    tp.serving_mesh(n, c)
+    raise AssertionError(f"tensor_parallel_size {n} was not refused")
+  except ValueError as e:
+    assert want in str(e) and "\n" not in str(e), e
+print("ENGINE-OK", round(time.process_time() - t0, 1))
+"""
+
+
+def _on_four_cpu_devices(script: str, ok: str) -> str:
+  """Run ``script`` in a Python with 4 CPU devices (the device-count flag must be set before JAX
+  starts) and this process's compile settings -> its stdout."""
   import jax
   fast = jax.config.values["jax_disable_most_optimizations"]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
              JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
-  r = subprocess.run([sys.executable, "-c", TP], capture_output=True, text=True, env=env,
+  r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "TP-OK" in r.stdout, r.stdout[-3000:]
+  assert ok in r.stdout, r.stdout[-3000:]
   print(r.stdout)
+  return r.stdout
+
+
+@pytest.mark.fast_compile   # tiny random models (tests/conftest.py); the subprocess inherits it
+def test_tensor_parallel_decode_on_four_cpu_devices():
+  _on_four_cpu_devices(TP, "TP-OK")
+
+
+@pytest.mark.fast_compile
+def test_engine_on_two_cpu_devices_with_preemption():
+  """serve.engine.Engine(mesh=serving_mesh(2)): the same tokens, ledgers and preemptions as on
+  one device, one compile per jitted function, the pools split by KV head and sized per device;
+  a tensor-parallel size over the device count or the KV heads refused in one line."""
+  _on_four_cpu_devices(ENGINE, "ENGINE-OK")
+
+
+def test_tensor_parallel_size_refused_before_loading_a_model():
+  """``pask-jax serve --tensor-parallel-size N`` and ``start_engine(tensor_parallel_size=N)``
+  with N over the local devices: one line, before any weights load."""
+  import types
+
+  import jax
+
+  from pask_jax import api, cli
+  n = len(jax.local_devices()) + 1
+  with pytest.raises(SystemExit) as e:
+    cli.main(["serve", "--tensor-parallel-size", str(n)])
+  msg = str(e.value.code)
+  assert msg.startswith(f"error: tensor_parallel_size {n} is more than the") and "\n" not in msg
+  cfg = ModelConfig(arch="llama", vocab_size=96, hidden=64, intermediate=128, n_layers=1,
+                    n_heads=8, n_kv_heads=4, head_dim=16)
+  with pytest.raises(ValueError, match=f"tensor_parallel_size {n} is more than the"):
+    api.start_engine(types.SimpleNamespace(cfg=cfg), tensor_parallel_size=n)
+  with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+    tp.serving_mesh(0)
+  assert tp.serving_mesh(1, cfg) is None
+
+
+def test_serve_passes_the_tensor_parallel_size(monkeypatch):
+  import uvicorn
+
+  import serve.app
+  from pask_jax import cli
+  seen = {}
+
+  class Engine:
+    sizing = type("S", (), {"describe": staticmethod(lambda: "sizes")})()
+
+    def stop(self):
+      pass
+
+  def build(*a, **kw):
+    seen.update(kw)
+    return object(), Engine()
+
+  monkeypatch.setattr(serve.app, "build", build)
+  monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+  assert cli.main(["serve"]) == 0 and seen["tensor_parallel_size"] == 1
+  assert cli.main(["serve", "-tp", "2"]) == 0 and seen["tensor_parallel_size"] == 2
+
+
+def test_pools_sized_per_device():
+  """A page costs 1/N of its bytes on each of N devices: a per-device budget holds about N times
+  the pages (the page tables, replicated, are not split)."""
+  from pask_jax import policy as P
+  from serve.engine import page_bytes, size_pools
+  cfg = ModelConfig(arch="llama", vocab_size=96, hidden=64, intermediate=128, n_layers=3,
+                    n_heads=8, n_kv_heads=4, head_dim=16)
+  pol = P.demo(cfg)
+  assert page_bytes(cfg, 16, 4) == tuple(b // 4 for b in page_bytes(cfg, 16))
+  one, four = (size_pools(cfg, pol, slots=4, context=256, kv_bytes=4 << 20, shards=n)
+               for n in (1, 4))
+  assert four.shards == 4 and four.total_bytes <= 4 << 20 and one.total_bytes <= 4 << 20
+  assert 3.5 < four.hi_pages / one.hi_pages <= 4.1 and 3.5 < four.lo_pages / one.lo_pages <= 4.1
+  assert "per device (4 devices" in four.describe()
 
 
 @pytest.mark.parametrize("kw, n, msg", [

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pask_jax.decode import Runner
 
 
-def runner(model, *, batch: int, capacity: int) -> Runner:
-  return Runner(model, batch=batch, capacity=capacity)
+def runner(model, *, batch: int, capacity: int, mesh=None) -> Runner:
+  return Runner(model, batch=batch, capacity=capacity, mesh=mesh)
 
 
 def measured(n_prompt: int, n_gen: int) -> dict:

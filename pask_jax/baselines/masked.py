@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import decoder
 from pallas_kernels import int4
+from pask_jax import mesh as tp
 from pask_jax.baselines import budget, h2o, mikv, snapkv
 from pask_jax.decode import Runner
 from pask_jax.traces import Traces
-from pask_jax.sample import apply_bitmask, sample
 
 KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2}
 # Prompt queries per prefill attention block.  One chunk's [B, Hkv, G, T, S] float32 probabilities
@@ -105,6 +104,16 @@ def qdq(x):
   return codes.astype(jnp.float32) * s[..., None].astype(jnp.float32)
 
 
+def _demote_rows(k, v, layer, j, dq):
+  """k, v [L, B, S, Hkv, D]: row ``j [B, Hkv]`` of each (sequence, head) of ``layer`` replaced by
+  its INT4 values where ``dq [B, Hkv]``."""
+  B, Hkv = j.shape
+  at = (layer, jnp.arange(B)[:, None], j, jnp.arange(Hkv)[None])
+  krow, vrow = k[at], v[at]
+  return (k.at[at].set(jnp.where(dq[..., None], qdq(krow), krow)),
+          v.at[at].set(jnp.where(dq[..., None], qdq(vrow), vrow)))
+
+
 def _probs(q, k, vis):
   """q [B, T, Hq, D], k [B, S, Hkv, D], vis bool [B, Hkv, T, S] -> p [B, Hkv, G, T, S] f32."""
   B, T, Hq, D = q.shape
@@ -148,18 +157,40 @@ class MaskedRunner:
   request's measured B (end-of-request payload, see :mod:`pask_jax.baselines.budget`).
   """
 
-  def __init__(self, model: nnx.Module, *, batch: int, capacity: int):
+  def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
+               mesh: jax.sharding.Mesh | None = None, shard_vocab: bool = True):
+    """``mesh``: tensor parallelism over a 1-D ``model`` mesh (as :class:`Runner`): K/V, keep,
+    INT4 and score arrays by KV head (every selection here is per (layer, sequence, KV head)),
+    lengths and knobs replicated."""
     self.cfg = model.cfg
-    decoder.prepare(model)
-    self.graphdef, self.params = nnx.split(model)
+    self.tp_mesh, self.graphdef, self.params = tp.prepare(model, mesh, shard_vocab=shard_vocab)
     self.batch, self.capacity = batch, capacity
     self.config: Config | None = None
     self.h_bits, self.l_bits = budget.entry_bits(self.cfg.head_dim)
     self.traces = Traces()
-    self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-    self.compress = jax.jit(self._compress, donate_argnums=(0,))
-    self.step = jax.jit(self._step, donate_argnums=(1,))
-    self.select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+    if self.tp_mesh is None:
+      self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+      self.compress = jax.jit(self._compress, donate_argnums=(0,))
+      self.step = jax.jit(self._step, donate_argnums=(1,))
+      self.select = jax.jit(self._select)
+      return
+    ps, rep, lg = tp.step_shardings(self.tp_mesh, self.params, shard_vocab=shard_vocab)
+    ss = self.state_sharding()
+    self.prefill = jax.jit(self._prefill, donate_argnums=(1,), in_shardings=(ps, ss, rep, rep, rep),
+                           out_shardings=(lg, ss))
+    self.compress = jax.jit(self._compress, donate_argnums=(0,), in_shardings=(ss,),
+                            out_shardings=ss)
+    self.step = jax.jit(self._step, donate_argnums=(1,), in_shardings=(ps, ss) + (rep,) * 6,
+                        out_shardings=(rep, lg, ss))
+    self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep)
+
+  _select = Runner._select   # the grammar mask (per vocabulary shard on a mesh), then sampling
+
+  def state_sharding(self) -> State:
+    """The state's shardings on the mesh (a pytree prefix: the rule's knobs all replicated)."""
+    m = self.tp_mesh
+    kv, mask, rep = tp.by_kv_head(m, 5, 3), tp.by_kv_head(m, 4, 2), tp.replicated(m)
+    return State(kv, kv, mask, mask, mask, rep, rep, rep, rep)
 
   def configure(self, config: Config) -> "MaskedRunner":
     self.config = config
@@ -181,9 +212,16 @@ class MaskedRunner:
     c, B, S = self.cfg, self.batch, self.capacity
     kv = (c.n_layers, B, S, c.n_kv_heads, c.head_dim)
     m = (c.n_layers, B, c.n_kv_heads, S)
-    z = jnp.zeros((B,), jnp.int32)
-    return State(jnp.zeros(kv, jnp.float32), jnp.zeros(kv, jnp.float32), jnp.zeros(m, bool),
-                 jnp.zeros(m, bool), jnp.zeros(m, jnp.float32), z, z, z, self.rule(lengths))
+    rule = self.rule(lengths)
+
+    def make():
+      z = jnp.zeros((B,), jnp.int32)
+      return State(jnp.zeros(kv, jnp.float32), jnp.zeros(kv, jnp.float32), jnp.zeros(m, bool),
+                   jnp.zeros(m, bool), jnp.zeros(m, jnp.float32), z, z, z, rule)
+    if self.tp_mesh is None:
+      return make()
+    # each device makes its own KV heads' zeros (the full arrays never sit on one device)
+    return jax.jit(make, out_shardings=self.state_sharding())()
 
   # --- prefill ---------------------------------------------------------------------------------
 
@@ -255,8 +293,13 @@ class MaskedRunner:
     evicts = (r.kind != KINDS["snapkv"]) & active     # [B]
     is_mikv = r.kind == KINDS["mikv"]
 
+    demote = _demote_rows
+    if self.tp_mesh is not None:   # per device: the rows of its own KV heads (no gather)
+      kv, by_head = (tp.by_kv_head(self.tp_mesh, n, a).spec for n, a in ((5, 3), (2, 1)))
+      demote = jax.shard_map(demote, mesh=self.tp_mesh, out_specs=(kv, kv),
+                             in_specs=(kv, kv, jax.sharding.PartitionSpec(), by_head, by_head))
+
     def attend(st, layer, q, k, v, positions):
-      Hkv = k.shape[2]
       kc = st.k.at[layer, bi, pos].set(
           jnp.where(active[:, None, None], k[:, 0], st.k[layer, bi, pos]).astype(jnp.float32),
           mode="drop")
@@ -279,11 +322,7 @@ class MaskedRunner:
       keep = keep & ~(hit & ~is_mikv)
       low = low | (hit & is_mikv)
       # MiKV: the demoted rows (one per head at most) get their INT4 values.
-      hi = jnp.arange(Hkv)
-      dq = need[..., None] & is_mikv
-      krow, vrow = kc[layer, bi[:, None], j, hi[None]], vc[layer, bi[:, None], j, hi[None]]
-      kc = kc.at[layer, bi[:, None], j, hi[None]].set(jnp.where(dq, qdq(krow), krow))
-      vc = vc.at[layer, bi[:, None], j, hi[None]].set(jnp.where(dq, qdq(vrow), vrow))
+      kc, vc = demote(kc, vc, layer, j, need & is_mikv)
       st = st._replace(k=kc, v=vc, keep=st.keep.at[layer].set(keep), low=st.low.at[layer].set(low),
                        score=st.score.at[layer].set(score))
       return o, st
@@ -292,7 +331,7 @@ class MaskedRunner:
     a = active.astype(jnp.int32)
     st = st._replace(length=st.length + a, n_gen=st.n_gen + a)
     logits = logits[:, 0]
-    return sample(apply_bitmask(logits, bits), key, temperature, top_p), logits, st
+    return self._select(logits, bits, key, temperature, top_p), logits, st
 
   # --- the session protocol used by generate() ------------------------------------------------
 

@@ -35,13 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import decoder
 from pask_jax import kv_dense
+from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax.baselines import quant as Q
 from pask_jax.decode import Runner
-from pask_jax.sample import apply_bitmask, sample
 
 # Paper Table 8.
 GRID = {"prefix": [4, 8, 16, 32], "bits": [[2, 4], [3, 4], [4, 4], [2, 8]],
@@ -362,19 +361,41 @@ class TriaxialRunner:
   """Session protocol of :func:`pask_jax.decode.generate` with tag-allocated precision; call
   :meth:`configure` with the knobs and a frozen allocation first."""
 
-  def __init__(self, model: nnx.Module, *, batch: int, capacity: int):
+  def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
+               mesh: jax.sharding.Mesh | None = None, shard_vocab: bool = True):
+    """``mesh``: tensor parallelism over a 1-D ``model`` mesh (as :class:`Runner`): the K/V and
+    the width map by KV head (widths are per tag and layer, the same for every head), tags,
+    table and counters replicated."""
     self.cfg = model.cfg
-    decoder.prepare(model)
-    self.graphdef, self.params = nnx.split(model)
+    self.tp_mesh, self.graphdef, self.params = tp.prepare(model, mesh, shard_vocab=shard_vocab)
     self.batch, self.capacity = batch, capacity
     self.knobs: Knobs | None = None
     self.tab: np.ndarray | None = None
     self.costs = entry_costs(self.cfg.head_dim)
     self.traces = Traces()
-    self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-    self.compress = jax.jit(self._compress, donate_argnums=(0,))
-    self.step = jax.jit(self._step, donate_argnums=(1,))
-    self.select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+    if self.tp_mesh is None:
+      self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
+      self.compress = jax.jit(self._compress, donate_argnums=(0,))
+      self.step = jax.jit(self._step, donate_argnums=(1,))
+      self.select = jax.jit(self._select)
+      return
+    ps, rep, lg = tp.step_shardings(self.tp_mesh, self.params, shard_vocab=shard_vocab)
+    ss = self.state_sharding()
+    self.prefill = jax.jit(self._prefill, donate_argnums=(1,), in_shardings=(ps, ss, rep, rep, rep),
+                           out_shardings=(lg, ss))
+    self.compress = jax.jit(self._compress, donate_argnums=(0,), in_shardings=(ss,),
+                            out_shardings=ss)
+    self.step = jax.jit(self._step, donate_argnums=(1,), in_shardings=(ps, ss) + (rep,) * 7,
+                        out_shardings=(rep, lg, ss))
+    self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep)
+
+  _select = Runner._select   # the grammar mask (per vocabulary shard on a mesh), then sampling
+
+  def state_sharding(self) -> State:
+    """The state's shardings on the mesh (K/V and widths by KV head, the rest replicated)."""
+    m = self.tp_mesh
+    kv, rep = tp.by_kv_head(m, 5, 3), tp.replicated(m)
+    return State(kv_dense.DenseCache(kv, kv, rep), tp.by_kv_head(m, 4, 2), *(rep,) * 7)
 
   def configure(self, knobs: Knobs, alloc: dict) -> "TriaxialRunner":
     if Knobs.parse(alloc["knobs"]) != knobs:
@@ -391,12 +412,17 @@ class TriaxialRunner:
       if t is not None:
         n = min(len(t), int(lengths[b]))
         tags[b, :n] = np.asarray(t, np.int32)[:n]
-    cache = kv_dense.init(c.n_layers, B, S, c.n_kv_heads, c.head_dim, jnp.float32)
-    z = jnp.zeros((B,), jnp.int32)
     kn = self.knobs
-    return State(cache, jnp.zeros((c.n_layers, B, c.n_kv_heads, S), jnp.int8), jnp.asarray(tags),
-                 jnp.asarray(self.tab), jnp.int32(kn.prefix), jnp.int32(kn.window),
-                 jnp.int8(kn.high), z, z)
+
+    def make(tags, tab):
+      cache = kv_dense.init(c.n_layers, B, S, c.n_kv_heads, c.head_dim, jnp.float32)
+      z = jnp.zeros((B,), jnp.int32)
+      return State(cache, jnp.zeros((c.n_layers, B, c.n_kv_heads, S), jnp.int8), tags, tab,
+                   jnp.int32(kn.prefix), jnp.int32(kn.window), jnp.int8(kn.high), z, z)
+    if self.tp_mesh is None:
+      return make(jnp.asarray(tags), jnp.asarray(self.tab))
+    # each device makes its own KV heads' zeros (the full arrays never sit on one device)
+    return jax.jit(make, out_shardings=self.state_sharding())(tags, self.tab)
 
   def _prefill(self, params, st: State, tokens, start, lengths):
     self.traces["prefill"] += 1
@@ -468,7 +494,7 @@ class TriaxialRunner:
     logits, st = model(tokens[:, None], pos[:, None], st._replace(tags=tags), attend)
     st = st._replace(n_gen=st.n_gen + active.astype(jnp.int32))
     logits = logits[:, 0]
-    return sample(apply_bitmask(logits, bits), key, temperature, top_p), logits, st
+    return self._select(logits, bits, key, temperature, top_p), logits, st
 
   # --- the session protocol used by generate() ------------------------------------------------
 

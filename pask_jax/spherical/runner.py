@@ -84,6 +84,12 @@ def _fp16(x):
 _select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
 
 
+# Why SphRunner is not tensor parallel (issue 28): its state does not split by KV head.
+NOT_SHARDED = ("its RDR prefill plan ranks the (token, group, KV head) items of all heads "
+               "together under one byte budget, and its tier pools' per-KV-head page tables "
+               "have no sharding rule yet; run it with mesh=None")
+
+
 class SphRunner:
   """Spherical KV over the tiny-to-small models on any backend (reference attention).
 
@@ -107,7 +113,12 @@ class SphRunner:
                window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
                protect_top: float = 0.02, plan: str = "rdr", read: str = "angles",
-               tags: bool = False, stats: MaskedRunner | None = None):
+               tags: bool = False, stats: MaskedRunner | None = None,
+               mesh: jax.sharding.Mesh | None = None):
+    """``mesh``: refused beyond one device (see :data:`NOT_SHARDED`)."""
+    if mesh is not None and mesh.size > 1:
+      raise ValueError(f"Spherical KV (SphRunner) does not run on a mesh of {mesh.size} devices: "
+                       f"{NOT_SHARDED}")
     if plan not in V.PLANS or read not in V.READS:
       raise ValueError(f"plan must be one of {V.PLANS} and read one of {V.READS}, got "
                        f"{plan!r}, {read!r}")

@@ -37,7 +37,7 @@ class Engine(Loop):
                preemption: str = "replay", backend: str = "auto",
                prefiller: Runner | None = None, overlap: bool = True,
                prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE,
-               lo_format: str = "bytes"):
+               lo_format: str = "bytes", mesh=None):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
@@ -49,7 +49,14 @@ class Engine(Loop):
     not apply); ``prefill_chunk``: tokens per prefill piece (one of :data:`PREFILL_CHUNKS`);
     ``prefill_share``: the most of the engine's time a long prompt's prefill takes while others
     decode; ``lo_format``: the INT4 pool's storage format (:func:`pask_jax.cache.init`): "int4"
-    is what the Mosaic GPU kernel reads on Hopper, with ``page`` a multiple of 64."""
+    is what the Mosaic GPU kernel reads on Hopper, with ``page`` a multiple of 64.
+
+    ``mesh``: tensor parallelism over a 1-D ``model`` mesh (``pask_jax.mesh.serving_mesh``:
+    ``--tensor-parallel-size``): weights, the prefill scratch and the pools and windows split
+    by KV head, page tables, controller and ledger replicated.  ``kv_bytes`` and
+    ``gpu_memory_utilization`` are then each device's budget: a page costs 1/N of its bytes
+    there, so the pools get about N times the pages of one device; admission and preemption
+    count pages as on one device."""
     if prefill_chunk not in PREFILL_CHUNKS:
       raise ValueError(f"prefill_chunk must be one of {PREFILL_CHUNKS}, got {prefill_chunk!r}")
     self.sched = Scheduler(prefill_chunk, prefill_share)
@@ -62,17 +69,24 @@ class Engine(Loop):
     self.model, self.cfg, self.tok, self.policy = model, model.cfg, tokenizer, policy
     self.slots, self.context, self.page = slots, context, page
     self.window, self.G = int(policy.window), int(policy.n_groups)
+    mesh = mesh if mesh is not None and mesh.size > 1 else None
     if prefiller is None:
-      prefiller = Runner(model, batch=1, capacity=context, cache_dtype=jnp.bfloat16)
-    self.dense = prefiller
+      prefiller = Runner(model, batch=1, capacity=context, cache_dtype=jnp.bfloat16, mesh=mesh)
+    elif prefiller.tp_mesh != mesh:
+      raise ValueError("the shared prefiller runs on another mesh than the engine's: make it "
+                       "with Runner(..., mesh=) of the engine's mesh")
+    self.dense, self.mesh = prefiller, mesh
     if gpu_memory_utilization is not None:
       if kv_bytes is not None:
         raise ValueError("give either a KV memory budget or a memory utilization, not both")
-      kv_bytes = kv_bytes_for_utilization(gpu_memory_utilization, self.cfg, context)
+      kv_bytes = kv_bytes_for_utilization(
+          gpu_memory_utilization, self.cfg, context,
+          device=None if mesh is None else mesh.devices.flat[0],
+          shards=1 if mesh is None else mesh.size)
     self.step = self.kind(model, policy, slots=slots, context=context, page=page,
                           backend=backend, watermark=watermark, kv_bytes=kv_bytes, mix=mix,
                           hi_pages=hi_pages, lo_pages=lo_pages, prefiller=prefiller,
-                          lo_format=lo_format)
+                          lo_format=lo_format, mesh=mesh)
     self.pages, self.sizing, self.reach = self.step.pages, self.step.sizing, self.step.reach
     self.hi_total, self.lo_total = self.sizing.hi_pages, self.sizing.lo_pages
     self.runner, self.traces = self.step.runner, self.step.traces

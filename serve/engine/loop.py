@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pask_jax import kv_dense
 from serve.engine.output import count_finish, count_peak
 from serve.engine.request import Request
 from serve.engine.sizing import bucket
@@ -139,8 +138,7 @@ class Loop:
     n, Tn = len(ids), bucket(len(ids), chunk)
     toks = np.zeros((1, Tn), np.int32)
     toks[0, :n] = ids
-    c = self.cfg
-    dense = kv_dense.init(c.n_layers, 1, Tn, c.n_kv_heads, c.head_dim, jnp.bfloat16)
+    dense = self.dense.new_cache(batch=1, capacity=Tn, dtype=jnp.bfloat16)   # on a mesh: sharded
     r.pre = (self.dense.prefill_chunks(dense, toks, np.array([n], np.int32), chunk, ahead=1),
              n, Tn, rows)
     if n > chunk:
@@ -369,7 +367,7 @@ class Loop:
     host = batch.host(decide)
     dec = [(b, self.running[b], int(self.count[b]) - 1) for b in np.flatnonzero(decide)]
     if tok_dev is None:
-      tok_dev = jnp.zeros((self.slots,), jnp.int32)
+      tok_dev = self.step.place(np.zeros((self.slots,), np.int32))
     t3 = time.perf_counter()
     logits, acts = self.step.forward(tok_dev, host, grow)
     m["dispatch_s"] += time.perf_counter() - t3

@@ -37,17 +37,20 @@ def bucket(n: int, chunk: int = PREFILL_CHUNK) -> int:
   return next(b for b in PREFILL_BUCKETS if b >= n)
 
 
-def page_bytes(cfg, page: int) -> tuple[int, int]:
+def page_bytes(cfg, page: int, shards: int = 1) -> tuple[int, int]:
   """Bytes of one page (all layers) of the BF16 pool (K and V) and of the INT4 pool (K and V
-  codes, D/2 bytes per row each, plus the fp16 K and V scales)."""
-  L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+  codes, D/2 bytes per row each, plus the fp16 K and V scales), on each of ``shards`` devices
+  (tensor parallelism splits the pools by KV head)."""
+  L, H, D = cfg.n_layers, cfg.n_kv_heads // shards, cfg.head_dim
   return 2 * L * page * H * D * 2, L * page * H * (D + 4)
 
 
-def slot_bytes(cfg, *, window: int, n_groups: int, context: int, page: int) -> int:
+def slot_bytes(cfg, *, window: int, n_groups: int, context: int, page: int,
+               shards: int = 1) -> int:
   """Fixed cache bytes of one slot: BF16 window K/V, window positions and pending actions,
-  page tables and entry positions of both pools, count/overflow."""
-  L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+  page tables and entry positions of both pools, count/overflow; on each of ``shards`` devices
+  (the window split by KV head, the tables and positions replicated)."""
+  L, H, D = cfg.n_layers, cfg.n_kv_heads // shards, cfg.head_dim
   n = math.ceil(context / page)
   return (2 * L * window * H * D * 2 + window * (4 + n_groups) + 2 * n_groups * n * 4
           + 2 * n_groups * n * page * 4 + 2 * n_groups * 4 + 8)
@@ -112,6 +115,7 @@ class Sizing:
   mix: tuple[float, float]
   mix_source: str
   source: str                  # "budget", "pages" or "full context per slot"
+  shards: int = 1              # devices the pools are split over by KV head (bytes: per device)
 
   @property
   def pool_bytes(self) -> int:
@@ -152,6 +156,8 @@ class Sizing:
     h, l = self.mix
     head = (f"KV memory {gb(self.kv_bytes)} (budget)" if self.kv_bytes is not None
             else f"KV memory {gb(self.total_bytes)} ({self.source})")
+    if self.shards > 1:
+      head += f" per device ({self.shards} devices, pools and windows split by KV head)"
     return (f"{head}: BF16 pool {self.hi_pages:,} pages x {self.page} tokens "
             f"({gb(self.hi_pages * self.hi_page_bytes)}), INT4 pool {self.lo_pages:,} pages "
             f"({gb(self.lo_pages * self.lo_page_bytes)}), windows and tables "
@@ -163,13 +169,17 @@ class Sizing:
 
 def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
                kv_bytes: int | None = None, mix: tuple[float, float] | None = None,
-               hi_pages: int | None = None, lo_pages: int | None = None) -> Sizing:
-  """Pool sizes from a KV memory budget (bytes) and the policy (the module docstring)."""
+               hi_pages: int | None = None, lo_pages: int | None = None,
+               shards: int = 1) -> Sizing:
+  """Pool sizes from a KV memory budget (bytes) and the policy (the module docstring).
+  ``shards``: tensor parallelism over that many devices; then ``kv_bytes`` is each device's
+  budget and every byte figure is per device (a page costs 1/``shards`` of its bytes there)."""
   if slots < 1 or context < 1 or page < 1:
     raise ValueError("slots, context and page must be positive")
   window, G = int(policy.window), int(policy.n_groups)
-  hb, lb = page_bytes(cfg, page)
-  fixed = slots * slot_bytes(cfg, window=window, n_groups=G, context=context, page=page)
+  hb, lb = page_bytes(cfg, page, shards)
+  fixed = slots * slot_bytes(cfg, window=window, n_groups=G, context=context, page=page,
+                             shards=shards)
   if mix is not None:
     h, l = (float(x) for x in mix)
     if not (0 <= h <= 1 and 0 <= l <= 1 and h + l > 0):
@@ -207,13 +217,15 @@ def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
   return Sizing(slots=slots, context=context, page=page, window=window, hi_pages=int(hi),
                 lo_pages=int(max(lo, 1)), hi_page_bytes=hb, lo_page_bytes=lb, fixed_bytes=fixed,
                 kv_bytes=None if kv_bytes is None else int(kv_bytes), mix=(h, l),
-                mix_source=why, source=source)
+                mix_source=why, source=source, shards=shards)
 
 
-def kv_bytes_for_utilization(fraction: float, cfg, context: int, device=None) -> int:
+def kv_bytes_for_utilization(fraction: float, cfg, context: int, device=None,
+                             shards: int = 1) -> int:
   """``fraction`` of the device's free memory (after whatever is already allocated, e.g. the
   weights), less the transient prefill scratch of one ``context`` prompt (dense BF16 K/V and one
-  chunk's attention scores)."""
+  chunk's attention scores); with ``shards`` > 1 the first device's share (the weights, the
+  scratch and the scores split by head over the devices)."""
   if not 0 < fraction <= 1:
     raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
   dev = device or jax.devices()[0]
@@ -223,22 +235,22 @@ def kv_bytes_for_utilization(fraction: float, cfg, context: int, device=None) ->
                      f"{dev.platform} does not: give the KV budget with --kv-memory GB")
   free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
   n = max(bucket(context, c) for c in PREFILL_CHUNKS)   # the longest padding of any piece size
-  scratch = 2 * cfg.n_layers * n * cfg.n_kv_heads * cfg.head_dim * 2
-  scores = min(n, PREFILL_CHUNK) * n * cfg.n_heads * 4
+  scratch = 2 * cfg.n_layers * n * cfg.n_kv_heads // shards * cfg.head_dim * 2
+  scores = min(n, PREFILL_CHUNK) * n * cfg.n_heads // shards * 4
   return int(fraction * free) - scratch - scores
 
 
 def dense_sizing(cfg, *, slots: int, context: int, page: int, window: int,
-                 kv_bytes: int | None) -> Sizing:
+                 kv_bytes: int | None, shards: int = 1) -> Sizing:
   """The layout of the dense Full-KV cache (one row of ``context`` BF16 slots per sequence, no
-  pools), checked against the budget."""
-  hb, _ = page_bytes(cfg, page)
+  pools), checked against the budget (per device with ``shards`` > 1)."""
+  hb, _ = page_bytes(cfg, page, shards)
   tok_bytes = hb // page
   sizing = Sizing(slots=slots, context=context, page=page, window=window,
                   hi_pages=slots * math.ceil(context / page), lo_pages=0, hi_page_bytes=hb,
                   lo_page_bytes=0, fixed_bytes=0,
                   kv_bytes=None if kv_bytes is None else int(kv_bytes), mix=(1.0, 0.0),
-                  mix_source="dense Full KV", source="dense rows")
+                  mix_source="dense Full KV", source="dense rows", shards=shards)
   if kv_bytes is not None and slots * context * tok_bytes > kv_bytes:
     raise ValueError(f"{slots} dense rows of {context} tokens need "
                      f"{slots * context * tok_bytes / 1e9:.2f} GB, over the KV "

@@ -22,6 +22,7 @@ some row asks (``lax.cond``), one compile whatever the per-request count.
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -31,6 +32,7 @@ from flax import nnx
 
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
+from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
@@ -41,11 +43,14 @@ from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, wor
 TOP_LOGPROBS = 20   # alternatives computed per step when a request asks for logprobs
 
 
-def pick(logits, bits, seeds, steps, temperature, top_p, want_lp):
+def pick(logits, bits, seeds, steps, temperature, top_p, want_lp, *, gather=None):
   """Per-row sampling: row b uses key fold_in(key(seeds[b]), steps[b]).  -> (tokens [B],
   (chosen log-prob [B], top ids [B, K], top log-probs [B, K])); the log-probs are of the masked
-  logits and are zeros unless some row wants them."""
+  logits and are zeros unless some row wants them.  ``gather``: applied to the masked logits
+  before sampling (on a mesh: the vocabulary shards gathered, after each applied its mask)."""
   masked = apply_bitmask(logits, bits)
+  if gather is not None:
+    masked = gather(masked)
   greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
   row = lambda l, k, t, p, g: nucleus(l[None], k, t[None], p[None], g[None])[0]
@@ -64,12 +69,12 @@ def pick(logits, bits, seeds, steps, temperature, top_p, want_lp):
   return tok, jax.lax.cond(jnp.any(want_lp), lp, none)
 
 
-def pick_packed(logits, packed):
+def pick_packed(logits, packed, *, gather=None):
   """:func:`pick` with its per-row inputs in one int32 array (``Batch.packed``)."""
   nw = packed.shape[1] - 5
   f32 = lambda c: jax.lax.bitcast_convert_type(packed[:, c], jnp.float32)
   return pick(logits, packed[:, :nw], jax.lax.bitcast_convert_type(packed[:, nw], jnp.uint32),
-              packed[:, nw + 1], f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0)
+              packed[:, nw + 1], f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0, gather=gather)
 
 
 def lp_row(lp, b: int):
@@ -80,12 +85,30 @@ def lp_row(lp, b: int):
 
 
 class Step:
-  """What both kinds share: the sampler, and the interface the engine calls."""
+  """What both kinds share: the sampler, and the interface the engine calls.
+
+  ``mesh`` (tensor parallelism, :mod:`pask_jax.mesh`): the state's K/V split by KV head, the
+  rest replicated; every jitted function names its in/out shardings, so a step's outputs come
+  back placed as its inputs were (one compile, no resharding)."""
   can_overlap = True
 
-  def __init__(self):
-    self._first = jax.jit(pick)
-    self._pick_rows = jax.jit(pick_packed)
+  def __init__(self, mesh=None):
+    self.mesh = mesh
+    self.gather = None if mesh is None else functools.partial(
+        jax.lax.with_sharding_constraint, shardings=tp.replicated(mesh))
+    self._first = jax.jit(functools.partial(pick, gather=self.gather))
+    self._pick_rows = jax.jit(functools.partial(pick_packed, gather=self.gather))
+
+  def place(self, x):
+    """A host value as a device array where the jitted functions keep theirs (on a mesh:
+    replicated on it, so the first call traces the types every later call has)."""
+    return jnp.asarray(x) if self.mesh is None else jax.device_put(x, tp.replicated(self.mesh))
+
+  def _jit(self, fn, donate: int, ins=None, outs=None):
+    """``jax.jit`` of a state-carrying function; on a mesh with these in/out shardings."""
+    if self.mesh is None:
+      return jax.jit(fn, donate_argnums=(donate,))
+    return jax.jit(fn, donate_argnums=(donate,), in_shardings=ins, out_shardings=outs)
 
   def first(self, logits, bits1, r) -> tuple[int, tuple | None]:
     """A new request's first token from its prefill's logits -> (token, log-prob row)."""
@@ -119,32 +142,42 @@ class PagedStep(Step):
 
   def __init__(self, model, policy, *, slots: int, context: int, page: int, backend: str,
                watermark: float, kv_bytes=None, mix=None, hi_pages=None, lo_pages=None,
-               lo_format: str = "bytes", **_):
-    super().__init__()
+               lo_format: str = "bytes", mesh=None, **_):
+    super().__init__(mesh)
     c = model.cfg
     check_lo_format(lo_format, page, backend)
     self.policy, self.window, self.G = policy, int(policy.window), int(policy.n_groups)
     self.page, self.can_overlap = page, self.window >= 3   # page growth needs a window of 3
     self.sizing = size_pools(c, policy, slots=slots, context=context, page=page,
-                             kv_bytes=kv_bytes, mix=mix, hi_pages=hi_pages, lo_pages=lo_pages)
+                             kv_bytes=kv_bytes, mix=mix, hi_pages=hi_pages, lo_pages=lo_pages,
+                             shards=1 if mesh is None else mesh.size)
     self.reach = reachable(policy)
     totals = (self.sizing.hi_pages, self.sizing.lo_pages)
     self.pages = PagePools(totals, slots=slots, context=context, page=page, window=self.window,
                            sink=int(policy.sink), n_groups=self.G, watermark=watermark)
     self.runner = PaskRunner(model, policy, batch=slots, capacity=context, page=page,
-                             backend=backend, lo_format=lo_format)
+                             backend=backend, lo_format=lo_format, mesh=mesh)
     self.traces = self.runner.traces
-    cache = pcache.init_paged(c.n_layers, slots, c.n_kv_heads, c.head_dim, capacity=context,
-                              window=self.window, hi_pool_pages=totals[0],
-                              lo_pool_pages=totals[1], sink=policy.sink, n_groups=self.G,
-                              page=page, lo_format=lo_format)
-    self.state = (cache, jnp.zeros((slots,), jnp.float32), ledger.init(slots, self.G))
+    make = lambda: pcache.init_paged(
+        c.n_layers, slots, c.n_kv_heads, c.head_dim, capacity=context, window=self.window,
+        hi_pool_pages=totals[0], lo_pool_pages=totals[1], sink=policy.sink, n_groups=self.G,
+        page=page, lo_format=lo_format)
+    ss = kv = ps = rep = lg = None
+    if mesh is None:
+      cache = make()
+    else:   # each device makes its own KV heads' pools and windows
+      cs = self.runner.cache_sharding(jax.eval_shape(make))
+      cache = jax.jit(make, out_shardings=cs)()
+      ps, rep, lg = tp.step_shardings(mesh, self.runner.params)
+      ss, kv = (cs, rep, rep), tp.by_kv_head(mesh, 5, 3)
+    self.state = (cache, self.place(np.zeros((slots,), np.float32)),
+                  jax.tree.map(self.place, ledger.init(slots, self.G)))
     self._plan = jax.jit(self._plan_fn)
-    self._insert = jax.jit(self._insert_fn, donate_argnums=(1,))
-    self._restore = jax.jit(self._restore_fn, donate_argnums=(0,))
-    self._release = jax.jit(self._release_fn, donate_argnums=(0,))
-    self._step = jax.jit(self._step_fn, donate_argnums=(2,))
-    self._fwd = jax.jit(self._fwd_fn, donate_argnums=(2,))
+    self._insert = self._jit(self._insert_fn, 1, (rep, ss, kv, kv) + (rep,) * 5, ss)
+    self._restore = self._jit(self._restore_fn, 0, (ss, rep, rep, rep), ss)
+    self._release = self._jit(self._release_fn, 0, (ss, rep), ss)
+    self._step = self._jit(self._step_fn, 2, (ps, rep, ss) + (rep,) * 12, ((rep, rep), ss))
+    self._fwd = self._jit(self._fwd_fn, 2, (ps, rep, ss, rep, rep, rep), ((lg, rep), ss))
 
   # --- jitted pieces ------------------------------------------------------------------------
 
@@ -184,7 +217,7 @@ class PagedStep(Step):
     cache = pcache.assign_pages(cache, new_hi, new_lo)
     logits, cache, budget, led, actions = self.runner.decode_fn(
         params, policy, cache, budget, led, tokens, tag_ids, state_ids, active)
-    nxt, lps = pick(logits, bits, seeds, steps, temperature, top_p, want_lp)
+    nxt, lps = pick(logits, bits, seeds, steps, temperature, top_p, want_lp, gather=self.gather)
     out = jnp.concatenate([nxt[:, None], actions.astype(jnp.int32)], axis=1)
     return (out, lps), (cache, budget, led)
 
@@ -273,23 +306,27 @@ class DenseStep(Step):
   admission by free slot only, no pages, no ledger (measured B is 1 by definition)."""
 
   def __init__(self, model, policy, *, slots: int, context: int, page: int, prefiller,
-               kv_bytes=None, **_):
-    super().__init__()
+               kv_bytes=None, mesh=None, **_):
+    super().__init__(mesh)
     c = model.cfg
     self.policy, self.G = policy, int(policy.n_groups)
     self.sizing = dense_sizing(c, slots=slots, context=context, page=page,
-                               window=int(policy.window), kv_bytes=kv_bytes)
+                               window=int(policy.window), kv_bytes=kv_bytes,
+                               shards=1 if mesh is None else mesh.size)
     self.reach = (True, False)
     self.pages = NoPages()
-    self.graphdef, _ = nnx.split(model)
+    self.graphdef, _ = nnx.split(model)   # the prefiller's layout (stacked on a mesh)
     self.runner = prefiller   # params and traces live on the shared prefill runner
     self.traces = Traces()
-    self.state = kv_dense.init(c.n_layers, slots, context, c.n_kv_heads, c.head_dim,
-                               jnp.bfloat16)
-    self._insert = jax.jit(self._insert_fn, donate_argnums=(0,))
-    self._release = jax.jit(self._release_fn, donate_argnums=(0,))
-    self._step = jax.jit(self._step_fn, donate_argnums=(1,))
-    self._fwd = jax.jit(self._fwd_fn, donate_argnums=(1,))
+    self.state = prefiller.new_cache(batch=slots, capacity=context, dtype=jnp.bfloat16)
+    cs = kv = ps = rep = lg = None
+    if mesh is not None:
+      ps, rep, lg = tp.step_shardings(mesh, prefiller.params)
+      cs, kv = prefiller.cache_sharding(), tp.by_kv_head(mesh, 5, 3)
+    self._insert = self._jit(self._insert_fn, 0, (cs, kv, kv, rep, rep), cs)
+    self._release = self._jit(self._release_fn, 0, (cs, rep), cs)
+    self._step = self._jit(self._step_fn, 1, (ps, cs) + (rep,) * 8, ((rep, rep), cs))
+    self._fwd = self._jit(self._fwd_fn, 1, (ps, cs, rep, rep), ((lg, rep), cs))
 
   def _forward(self, params, cache, tokens, active):
     """tokens [B] written at each active row's next slot, the model over the dense cache ->
@@ -323,7 +360,7 @@ class DenseStep(Step):
                want_lp):
     self.traces["step"] += 1
     logits, cache = self._forward(params, cache, tokens, active)
-    nxt, lps = pick(logits, bits, seeds, steps, temperature, top_p, want_lp)
+    nxt, lps = pick(logits, bits, seeds, steps, temperature, top_p, want_lp, gather=self.gather)
     out = jnp.concatenate([nxt[:, None], jnp.zeros((nxt.shape[0], self.G), jnp.int32)], axis=1)
     return (out, lps), cache
 
