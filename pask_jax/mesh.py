@@ -189,6 +189,27 @@ def step_shardings(mesh: Mesh, params, *, shard_vocab: bool = True):
           logits_sharding(mesh, shard_vocab=shard_vocab))
 
 
+def compressing_jits(fns, mesh: Mesh | None, params, state_sharding, *, shard_vocab: bool,
+                     step_inputs: int):
+  """``fns = (prefill, compress, step, select)`` of a runner whose per-head state is compressed
+  after prefill (the masked baselines, TriAxialKV), jitted with the state donated: plain jits
+  without a mesh; on one, the parameters', state's (``state_sharding()``) and logits' shardings
+  named, so each compiles once.  ``step_inputs``: the step's replicated inputs after the
+  parameters and the state."""
+  prefill, compress, step, select = fns
+  if mesh is None:
+    return (jax.jit(prefill, donate_argnums=(1,)), jax.jit(compress, donate_argnums=(0,)),
+            jax.jit(step, donate_argnums=(1,)), jax.jit(select))
+  ps, rep, lg = step_shardings(mesh, params, shard_vocab=shard_vocab)
+  ss = state_sharding()
+  return (jax.jit(prefill, donate_argnums=(1,), in_shardings=(ps, ss, rep, rep, rep),
+                  out_shardings=(lg, ss)),
+          jax.jit(compress, donate_argnums=(0,), in_shardings=(ss,), out_shardings=ss),
+          jax.jit(step, donate_argnums=(1,), in_shardings=(ps, ss) + (rep,) * step_inputs,
+                  out_shardings=(rep, lg, ss)),
+          jax.jit(select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

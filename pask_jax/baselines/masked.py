@@ -168,21 +168,9 @@ class MaskedRunner:
     self.config: Config | None = None
     self.h_bits, self.l_bits = budget.entry_bits(self.cfg.head_dim)
     self.traces = Traces()
-    if self.tp_mesh is None:
-      self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-      self.compress = jax.jit(self._compress, donate_argnums=(0,))
-      self.step = jax.jit(self._step, donate_argnums=(1,))
-      self.select = jax.jit(self._select)
-      return
-    ps, rep, lg = tp.step_shardings(self.tp_mesh, self.params, shard_vocab=shard_vocab)
-    ss = self.state_sharding()
-    self.prefill = jax.jit(self._prefill, donate_argnums=(1,), in_shardings=(ps, ss, rep, rep, rep),
-                           out_shardings=(lg, ss))
-    self.compress = jax.jit(self._compress, donate_argnums=(0,), in_shardings=(ss,),
-                            out_shardings=ss)
-    self.step = jax.jit(self._step, donate_argnums=(1,), in_shardings=(ps, ss) + (rep,) * 6,
-                        out_shardings=(rep, lg, ss))
-    self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep)
+    self.prefill, self.compress, self.step, self.select = tp.compressing_jits(
+        (self._prefill, self._compress, self._step, self._select), self.tp_mesh, self.params,
+        self.state_sharding, shard_vocab=shard_vocab, step_inputs=6)
 
   _select = Runner._select   # the grammar mask (per vocabulary shard on a mesh), then sampling
 
