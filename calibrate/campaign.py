@@ -68,6 +68,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from calibrate import evaluate as E
+from pask_jax.spherical import variants as SV
 
 RESULTS = os.path.join("results", "campaign")
 KEY_LEN = 16
@@ -79,6 +80,9 @@ MATCHED = ("streaming", "h2o", "snapkv", "mikv")
 _TOP = {"name", "task", "seed", "batch", "max_tokens", "case_seconds", "load_seconds", "models",
         "methods", "splits"}
 _METHOD = {"method", "budgets", "policy", "knobs"}
+# The methods run under a PASK policy: PASK itself, and the Spherical KV hybrids that take its
+# floor-H tags (rdr+tags) or its controller (pask+ada).
+POLICY_METHODS = ("pask",) + SV.TAGGED
 _SPLIT = {"split", "categories", "skip", "cases", "chunk", "ids"}
 _MODEL = {"model", "dtype", "key_center"}
 
@@ -102,7 +106,7 @@ class Method:
   label: str
   method: str
   budgets: tuple[float, ...]
-  policy: str | None = None         # pask: a built-in name or a directory pattern
+  policy: str | None = None         # POLICY_METHODS: a built-in name or a directory pattern
   knobs: str | dict | None = None    # a knobs file pattern or an inline knobs table
 
 
@@ -225,10 +229,10 @@ def load_plan(path: str, results: str | None = None) -> Plan:
       except ValueError as e:
         raise PlanError(f"{where}.budgets: {e}") from None
     policy = _get(v, "policy", where, str, ok=bool, rule="a policy name or directory")
-    if m == "pask" and policy is None:
-      raise PlanError(f"{where}.policy: missing (method pask needs a policy directory, or demo)")
-    if m != "pask" and policy is not None:
-      raise PlanError(f"{where}.policy: only method pask takes a policy")
+    if m in POLICY_METHODS and policy is None:
+      raise PlanError(f"{where}.policy: missing (method {m} needs a policy directory, or demo)")
+    if m not in POLICY_METHODS and policy is not None:
+      raise PlanError(f"{where}.policy: only methods {', '.join(POLICY_METHODS)} take a policy")
     knobs = _get(v, "knobs", where, (str, dict))
     methods.append(Method(label, m, tuple(float(b) for b in dict.fromkeys(budgets)), policy,
                           knobs))

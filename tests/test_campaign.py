@@ -334,7 +334,9 @@ def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
        "methods.full.budgets: method full has no budget"),
       (PLAN.replace("[0.5, 0.4]", "[1.5]"), "methods.h2o.budgets:"),
       (PLAN.replace("[methods.full]", "[methods.full]\npolicy = \"demo\""),
-       "methods.full.policy: only method pask"),
+       "methods.full.policy: only methods pask, rdr+tags, pask+ada take a policy"),
+      (PLAN.replace("[methods.full]", "[methods.\"rdr+tags\"]\nbudgets = [0.5]"),
+       "methods.rdr+tags.policy: missing (method rdr+tags needs a policy"),
       (PLAN.replace("seed = 3", "seed = 3\nsed = 4"), "plan.sed: unknown key"),
       (PLAN.replace("seed = 3", "seed = \"x\""), "plan.seed: expected int"),
       (PLAN.replace("[methods.full]", "[methods.int4]\nknobs = \"t/B{{budget:.2f}}.json\""),
@@ -351,6 +353,11 @@ def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
       cli.main(["campaign", p, "--results", str(env / "r"), "--dry-run"])
     got = str(e.value.code)
     assert msg in got and "\n" not in got and got.startswith("error: "), (msg, got)
+  # the Spherical KV hybrids run under a PASK policy as pask does: planned, one cell per budget
+  ok = PLAN.replace("[methods.full]", "[methods.full]\n\n[methods.\"rdr+tags\"]\nbudgets = [0.5]"
+                    "\npolicy = \"demo\"")
+  assert cli.main(["campaign", write_plan(env, ok), "--results", str(env / "r"), "--dry-run"]) == 0
+  assert "rdr+tags" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="not found"):
     cli.main(["campaign", str(env / "missing.toml"), "--dry-run"])
   with pytest.raises(SystemExit):
