@@ -13,8 +13,9 @@ What each piece reuses:
   every visible (token, group, head) lives in exactly one of window, BF16 pool or one tier;
 * the plan — :func:`pask_jax.spherical.rdr.solve_batch` with the budget ``rho [B]`` traced (one
   compiled commit and one compiled step serve every budget);
-* decode — :func:`pallas_kernels.decode_attention` with ``sph=`` (the "reference" backend: the
-  tiers' logits by CosFromAngles, never a dense key).
+* decode — :func:`pallas_kernels.decode_attention` with ``sph=`` (the "reference" backend by
+  default, the GPU or TPU tier kernel with ``backend=``: the tiers' logits by CosFromAngles,
+  never a dense key).
 
 Features of the distortion model (§2.4), and what is simplified [ours, this runner]:
 ``â_i`` = attention mass from the observation window, mean over the group's layers and the KV
@@ -91,7 +92,7 @@ NOT_SHARDED = ("its RDR prefill plan ranks the (token, group, KV head) items of 
 
 
 class SphRunner:
-  """Spherical KV over the tiny-to-small models on any backend (reference attention).
+  """Spherical KV over the tiny-to-small models (the reference attention by default).
 
   ``configure(budget, policy=None)`` sets the requested B (a host float, checked; it reaches the
   device as a traced ``[B]`` array) and, with ``tags``, the PASK policy whose floors protect.
@@ -114,8 +115,15 @@ class SphRunner:
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
                protect_top: float = 0.02, plan: str = "rdr", read: str = "angles",
                tags: bool = False, stats: MaskedRunner | None = None,
-               mesh: jax.sharding.Mesh | None = None):
-    """``mesh``: refused beyond one device (see :data:`NOT_SHARDED`)."""
+               mesh: jax.sharding.Mesh | None = None, backend: str = "reference",
+               kernel_knobs: dict | None = None):
+    """``mesh``: refused beyond one device (see :data:`NOT_SHARDED`).  ``backend``: the attention
+    backend of :func:`pallas_kernels.decode_attention` ("reference", "gpu", "tpu" or "auto"; the
+    tier partitions through the backend's tier kernel), ``kernel_knobs`` its knobs (e.g.
+    ``interpret=True`` to run a Pallas backend on the CPU, ``sph_knobs={...}``)."""
+    if backend not in ("reference", "gpu", "tpu", "auto"):
+      raise ValueError(f"backend must be one of reference, gpu, tpu, auto; got {backend!r}")
+    self.backend, self.kernel_knobs = backend, dict(kernel_knobs or {})
     if mesh is not None and mesh.size > 1:
       raise ValueError(f"Spherical KV (SphRunner) does not run on a mesh of {mesh.size} devices: "
                        f"{NOT_SHARDED}")
@@ -363,7 +371,8 @@ class SphRunner:
       window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
       if self.read == "angles":
         out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
-                                              sph=scache.sph_inputs(sph, g), backend="reference")
+                                              sph=scache.sph_inputs(sph, g), backend=self.backend,
+                                              **self.kernel_knobs)
       else:
         out = self.attend_reconstructed(q[:, 0], window, hi, lo, maps, layer, sph, g)
       return out[:, None].astype(q.dtype), cache
@@ -382,7 +391,8 @@ class SphRunner:
     H = self.cfg.n_kv_heads
     gq = Hq // H
     out, lse = pallas_kernels.decode_attention(q, window, hi, lo, maps, layer=layer,
-                                               return_lse=True, backend="reference")
+                                               return_lse=True, backend=self.backend,
+                                               **self.kernel_knobs)
     outs, lses = [out.astype(jnp.float32)], [lse]
     empty_k = jnp.zeros((B * H, 1, 1, D), jnp.bfloat16)
     win = Window(empty_k, empty_k, jnp.zeros((B * H,), jnp.int32))
@@ -397,7 +407,7 @@ class SphRunner:
       m = PageMaps(jnp.arange(B * H * n, dtype=jnp.int32).reshape(B * H, n), length.reshape(-1),
                    jnp.zeros((B * H, 0), jnp.int32), jnp.zeros((B * H,), jnp.int32))
       o, ls = pallas_kernels.decode_attention(qf, win, pool, no_lo, m, return_lse=True,
-                                              backend="reference")
+                                              backend=self.backend, **self.kernel_knobs)
       outs.append(o.reshape(B, Hq, D).astype(jnp.float32))
       lses.append(ls.reshape(B, Hq))
     lse = jnp.stack(lses)                                                    # [K+1, B, Hq]
