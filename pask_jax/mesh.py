@@ -134,13 +134,18 @@ def param_shardings(params, mesh: Mesh, *, shard_vocab: bool = True):
 
 
 def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True):
-  """Check ``model`` against the mesh, put it in the stacked layout (in place) and return
-  ``(graphdef, params)`` with every parameter placed by :func:`param_shardings`."""
+  """Check ``model`` against the mesh, put it in the stacked layout and its parameters where
+  :func:`param_shardings` places them (both in place) and return ``(graphdef, params)``.  In
+  place, so the model keeps no unsharded copy and every runner made from it (an engine's prefill
+  runner, its PASK runner's dense half) shares one placed copy: placing an array where it
+  already is copies nothing."""
   from flax import nnx
   check(model.cfg, mesh.size, shard_vocab=shard_vocab)
   decoder.set_layout(model, "stacked")
   graphdef, params = nnx.split(model)
-  return graphdef, jax.device_put(params, param_shardings(params, mesh, shard_vocab=shard_vocab))
+  params = jax.device_put(params, param_shardings(params, mesh, shard_vocab=shard_vocab))
+  nnx.update(model, params)
+  return graphdef, params
 
 
 def attention_per_shard(attn, mesh: Mesh):

@@ -378,9 +378,13 @@ def save(pol: FrozenPolicy, directory: str | os.PathLike) -> None:
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=me),
                              multiprocessing_options=me)
   ckptr.save(os.path.join(d, "arrays"), tree, force=True)
-  with open(os.path.join(d, "policy.json"), "w") as f:
+  # The record last and whole (a temporary file renamed over the old one): a save or a
+  # `policy convert` stopped at any point leaves a directory that loads (and converts again).
+  tmp = os.path.join(d, f".policy.json.{os.getpid()}.tmp")
+  with open(tmp, "w") as f:
     json.dump(rec, f, indent=1, sort_keys=True)
     f.write("\n")
+  os.replace(tmp, os.path.join(d, "policy.json"))
 
 
 def _convert_hint(d: str) -> str:
@@ -411,13 +415,16 @@ def load(directory: str | os.PathLike, model: Any = None,
   except Exception as e:  # noqa: BLE001 — orbax raises many kinds; one line names the problem
     raise ValueError(f"{d}/arrays cannot be read: {type(e).__name__}: "
                      f"{' '.join(str(e).split())[:200]}") from None
-  need = _TABLES + (_BUDGETS if legacy else ())
-  if not isinstance(arr, dict) or any(k not in arr for k in need):
-    raise ValueError(f"{d}/arrays lacks the policy arrays {list(need)}")
+  if not isinstance(arr, dict) or any(k not in arr for k in _TABLES):
+    raise ValueError(f"{d}/arrays lacks the policy arrays {list(_TABLES)}")
   G = int(rec["n_groups"])
   if np.asarray(arr["action"]).shape != (T.N_IDS, G):
     raise ValueError(f"{d}: table shape {np.asarray(arr['action']).shape} != {(T.N_IDS, G)}")
-  budgets = arr if legacy else rec["budgets"]
+  # pask-policy/1 kept B_D / B_P in arrays/ too (the exact float32s); its arrays/ rewritten by a
+  # `policy convert` stopped before the record no longer has them: the record's then.
+  budgets = arr if legacy and all(k in arr for k in _BUDGETS) else rec.get("budgets")
+  if not isinstance(budgets, dict) or any(k not in budgets for k in _BUDGETS):
+    raise ValueError(f"{d}: no budgets (b_d, b_p) in policy.json nor in arrays/")
   rec = metadata(rec)
   gamma = np.asarray(arr["gamma"], np.float32)
   pol = FrozenPolicy(

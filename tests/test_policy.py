@@ -246,3 +246,28 @@ def test_policy_is_a_pytree_under_jit():
   f(pol, 3)
   f(pol.replace(b_d=jnp.float32(0.9)), 5)      # new budget: same program
   assert len(traces) == 1
+
+
+def test_a_convert_stopped_before_its_record_leaves_a_policy_that_loads_and_converts(
+    tmp_path, monkeypatch):
+  """`policy convert` writes arrays/ (pask-policy/2: no budgets there) and then the record; one
+  stopped between the two leaves the old record beside the new arrays/, which still loads (the
+  budgets from the record) and converts; the record itself is replaced whole or not at all."""
+  import shutil
+  demo = P.demo(FakeConfig())
+  d = tmp_path / "old"
+  shutil.copytree(LEGACY, d)
+  before = (d / "policy.json").read_text()
+
+  def stopped(*a):
+    raise KeyboardInterrupt
+
+  with monkeypatch.context() as m:
+    m.setattr(os, "replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+      P.convert(d)
+  assert (d / "policy.json").read_text() == before            # the old record, untouched
+  _same_tables(P.load(d, FakeConfig()), demo)
+  assert "converted to pask-policy/2" in P.convert(d)
+  _same_tables(P.load(d, FakeConfig()), demo)
+  assert json.loads((d / "policy.json").read_text())["format"] == "pask-policy/2"

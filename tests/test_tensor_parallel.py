@@ -239,6 +239,10 @@ for n in (1, 2):
   if n > 1:
     assert e.sizing.shards == n and "per device (2 devices" in e.sizing.describe()
     assert abs(tp.shard_fraction(e.step.state[0].layers) * n - 1) < 0.05
+    # one placed copy of the weights: the PASK runner's are the prefill runner's buffers
+    ptr = lambda ps: [x.addressable_shards[0].data.unsafe_buffer_pointer()
+                      for x in jax.tree.leaves(ps)]
+    assert ptr(e.step.runner.params) == ptr(e.dense.params)
 assert ref[0][2]["measured_B"] < 1
 for n, c, want in ((8, cfg, "tensor_parallel_size 8 is more than the 4 local cpu devices"),
                    (4, cfg, "2 KV heads (GQA groups of 2 query heads, 4 query heads in all)")):
