@@ -12,6 +12,14 @@ Two layouts of the same weights (``Decoder.layout``):
   written once per step); per-layer arrays are read once, in place, and the fused projections
   halve the small launches of a decode step.
 
+  The fused columns are ordered shard-major for a static factor ``Decoder.fused_tp`` (``tp``;
+  1 on one device): ``w_qkv``'s columns are ``tp`` blocks, block i holding the query, key and
+  value columns of heads ``[i·H/tp, (i+1)·H/tp)`` (``w_gu``: block i the gate and up columns
+  ``[i·f/tp, …)``).  A contiguous split of the fused output over ``tp`` devices then gives each
+  device whole heads, and the model splits the fused output by a reshape to ``[…, tp, C/tp]``
+  and slices of the last axis (:func:`unfuse`), which an SPMD partitioner runs in place with
+  no collective (:mod:`pask_jax.mesh`).  With ``tp`` = 1 it is the plain ``[q | k | v]``.
+
 The KV cache is *not* part of the module: the
 caller passes a cache pytree and an ``attend`` function, which is how the same decoder runs with
 the dense Full-KV cache and with the PASK mixed-precision cache::
@@ -37,6 +45,8 @@ from models.config import ModelConfig
 
 Attend = Callable[..., tuple[jax.Array, Any]]
 LAYOUTS = ("stacked", "unrolled")
+# The unrolled layout's fused weights and their parts, in column order within a shard block.
+FUSED = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gu": ("w_gate", "w_up")}
 _LAYER_NAMES = ("attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
                 "bq", "bk", "bv", "q_norm", "k_norm")
 
@@ -65,6 +75,28 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: np.ndarray | None = None) -> n
     mid = (wavelen <= lo_wl) & (wavelen >= hi_wl)
     inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
   return inv.astype(np.float32)
+
+
+def fuse(parts, tp: int = 1) -> jax.Array:
+  """Concatenate ``parts`` on their last axis, shard-major for ``tp`` shards: ``tp`` blocks,
+  block i the i-th of ``tp`` equal slices of each part, in order (``tp`` = 1: the plain
+  concatenation)."""
+  if tp == 1:
+    return jnp.concatenate(parts, axis=-1)
+  blocks = [w.reshape(*w.shape[:-1], tp, w.shape[-1] // tp) for w in parts]
+  w = jnp.concatenate(blocks, axis=-1)
+  return w.reshape(*w.shape[:-2], -1)
+
+
+def unfuse(x: jax.Array, widths: tuple[int, ...], tp: int = 1) -> list[jax.Array]:
+  """:func:`fuse`'s inverse on the last axis: the parts of widths ``widths`` (each a multiple
+  of ``tp``).  A reshape that splits the sharded axis by its shard count and slices of the
+  unsharded rest: in place on every shard, no collective."""
+  cuts = np.cumsum(widths)[:-1]
+  if tp == 1:
+    return jnp.split(x, cuts, axis=-1)
+  y = x.reshape(*x.shape[:-1], tp, x.shape[-1] // tp)
+  return [p.reshape(*x.shape[:-1], -1) for p in jnp.split(y, cuts // tp, axis=-1)]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -111,6 +143,7 @@ class Decoder(nnx.Module):
 
   layout = "stacked"
   layout_chosen = False   # set by set_layout: runners keep an explicit choice
+  fused_tp = 1            # unrolled layout: the shard count its fused columns are ordered for
 
   def layer_params(self) -> dict[str, jax.Array]:
     """Stacked layout: the stacked per-layer weights, by name."""
@@ -131,6 +164,7 @@ class Decoder(nnx.Module):
     k_center = self.k_center[...] if hasattr(self, "k_center") else None
 
     hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    tp = self.fused_tp
 
     def layer(carry, xs):
       # Named scopes label the ops in device profiles (bench/profile_step.py groups by them).
@@ -143,7 +177,7 @@ class Decoder(nnx.Module):
           qkv = h @ p["w_qkv"]
           if cfg.qkv_bias:
             qkv = qkv + p["b_qkv"]
-          q, k, v = qkv[..., :hq], qkv[..., hq:hq + hkv], qkv[..., hq + hkv:]
+          q, k, v = unfuse(qkv, (hq, hkv, hkv), tp)
         else:
           q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
           if cfg.qkv_bias:
@@ -166,7 +200,7 @@ class Decoder(nnx.Module):
       with jax.named_scope("mlp"):
         if "w_gu" in p:
           gu = h @ p["w_gu"]
-          gate, up = gu[..., :cfg.intermediate], gu[..., cfg.intermediate:]
+          gate, up = unfuse(gu, (cfg.intermediate,) * 2, tp)
         else:
           gate, up = h @ p["w_gate"], h @ p["w_up"]
         x = x + (jax.nn.silu(gate) * up) @ p["w_down"]
@@ -198,57 +232,63 @@ class Block(nnx.Module):
       setattr(self, name, nnx.Param(w))
 
 
-def set_layout(model: Decoder, layout: str) -> Decoder:
+def set_layout(model: Decoder, layout: str, *, tp: int = 1) -> Decoder:
   """Convert ``model`` to ``layout`` in place (same weights, bit for bit) and return it.
 
   Stacked -> unrolled splits every stacked weight into per-layer arrays and concatenates
   ``wq|wk|wv`` (and biases) into ``w_qkv`` and ``w_gate|w_up`` into ``w_gu`` along the output
-  axis; unrolled -> stacked undoes it.  Weights are converted one name at a time and the old
-  arrays dropped, so peak memory is the model plus its largest stacked weight.
+  axis, shard-major for ``tp`` shards (:func:`fuse`; ``tp`` is ignored for "stacked");
+  unrolled -> stacked undoes it.  An unrolled model fused for another ``tp`` goes through the
+  stacked layout.  Weights are converted one name at a time and the old arrays dropped, so
+  peak memory is the model plus its largest stacked weight.
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  if model.layout == layout:
+  if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+    raise ValueError(f"tp must be a positive int, got {tp!r}")
+  tp = int(tp) if layout == "unrolled" else 1
+  if model.layout == layout and model.fused_tp == tp:
     model.layout_chosen = True
     return model
+  if model.layout == layout:      # unrolled for another shard count
+    set_layout(model, "stacked")
   cfg, L = model.cfg, model.cfg.n_layers
+  hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  widths = {"w_qkv": (hq, hkv, hkv), "b_qkv": (hq, hkv, hkv), "w_gu": (cfg.intermediate,) * 2}
   if layout == "unrolled":
+    if any(w % tp for ws in widths.values() for w in ws):
+      raise ValueError(f"the fused projections' parts {widths['w_qkv']} and "
+                       f"{widths['w_gu']} do not split into {tp} shards")
     blocks: list[dict[str, jax.Array]] = [{} for _ in range(L)]
-    fused = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gu": ("w_gate", "w_up")}
-    parts = {p for ps in fused.values() for p in ps}
+    parts = {p for ps in FUSED.values() for p in ps}
     for name in _LAYER_NAMES:
       if hasattr(model, name) and name not in parts:
         w = getattr(model, name)[...]
         for i in range(L):
           blocks[i][name] = w[i]
         delattr(model, name)
-    for name, ps in fused.items():
+    for name, ps in FUSED.items():
       if not all(hasattr(model, p) for p in ps):
         continue
       ws = [getattr(model, p)[...] for p in ps]
       for i in range(L):
-        blocks[i][name] = jnp.concatenate([w[i] for w in ws], axis=-1)
+        blocks[i][name] = fuse([w[i] for w in ws], tp)
       for p in ps:
         delattr(model, p)
     model.layers = nnx.List([Block(**b) for b in blocks])
   else:
     blocks = [{n: w[...] for n, w in vars(b).items() if isinstance(w, nnx.Variable)}
               for b in model.layers]
-    hq, hkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    split = {"w_qkv": (("wq", "wk", "wv"), (hq, hq + hkv)),
-             "b_qkv": (("bq", "bk", "bv"), (hq, hq + hkv)),
-             "w_gu": (("w_gate", "w_up"), (cfg.intermediate,))}
     for name in list(blocks[0]):
       w = jnp.stack([b.pop(name) for b in blocks])
-      if name in split:
-        names, cuts = split[name]
-        for n, part in zip(names, jnp.split(w, cuts, axis=-1)):
+      if name in FUSED:
+        for n, part in zip(FUSED[name], unfuse(w, widths[name], model.fused_tp)):
           setattr(model, n, nnx.Param(part))
       else:
         setattr(model, name, nnx.Param(w))
       del w
     del model.layers
-  model.layout = layout
+  model.layout, model.fused_tp = layout, tp
   model.layout_chosen = True
   return model
 
@@ -265,11 +305,10 @@ def default_layout(backend: str | None = None) -> str:
   return "stacked" if backend == "cpu" else "unrolled"
 
 
-def prepare(model: Decoder, layout: str = "auto") -> Decoder:
-  """The layout a runner executes (in place).  "auto": a layout chosen earlier with
-  :func:`set_layout` stays; otherwise :func:`default_layout`."""
+def prepare(model: Decoder, layout: str = "auto", *, tp: int = 1) -> Decoder:
+  """The layout a runner executes (in place), its fused columns ordered for ``tp`` shards.
+  "auto": a layout chosen earlier with :func:`set_layout` stays (re-fused if unrolled for
+  another ``tp``); otherwise :func:`default_layout`."""
   if layout == "auto":
-    if getattr(model, "layout_chosen", False):
-      return model
-    layout = default_layout()
-  return set_layout(model, layout)
+    layout = model.layout if getattr(model, "layout_chosen", False) else default_layout()
+  return set_layout(model, layout, tp=tp)

@@ -312,13 +312,13 @@ def fingerprint(model) -> dict[str, Any]:
   import hashlib
 
   from models import decoder
-  layout = getattr(model, "layout", "stacked")
+  layout, tp = getattr(model, "layout", "stacked"), getattr(model, "fused_tp", 1)
   if layout != "stacked":   # a runner converted it (GPU/TPU): digest the loaders' layout
     decoder.set_layout(model, "stacked")
     try:
       return fingerprint(model)
     finally:
-      decoder.set_layout(model, layout)
+      decoder.set_layout(model, layout, tp=tp)
   h = hashlib.sha256()
   _, state = nnx.split(model)
   flat = sorted(nnx.to_pure_dict(state).items())

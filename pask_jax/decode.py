@@ -90,7 +90,9 @@ class Runner:
 
     ``mesh``: tensor parallelism over a 1-D ``model`` mesh of more than one device
     (:mod:`pask_jax.mesh`: weights by head / column / row, the cache by KV head, embeddings and
-    lm_head by vocabulary unless ``shard_vocab=False``); the model takes the stacked layout."""
+    lm_head by vocabulary unless ``shard_vocab=False``); the model takes the layer layout it
+    would take on one device (``models.decoder.prepare``), the unrolled one's fused columns
+    ordered for the mesh."""
     self.cfg = model.cfg
     self.tp_mesh = mesh if mesh is not None and mesh.size > 1 else None
     self.attend = kv_dense.attend if attn_out_dtype is None else (

@@ -33,9 +33,19 @@ out vocabulary-sharded; the runner applies the grammar bitmask to its shard and 
 masked logits ``[B, V]`` (one all-gather; sampling then runs replicated, the same draw on every
 device).  ``shard_vocab=False`` replicates both tables (a vocabulary that N does not divide).
 
-The layer layout is the stacked one (``models.decoder``: a scan over layers): the unrolled
-layout fuses ``wq|wk|wv`` and ``w_gate|w_up`` into one matmul each, whose columns a contiguous
-split would not keep by head.
+Both layer layouts (``models.decoder``) run on a mesh; a runner takes the one it would take on
+one device (:func:`prepare_model`: the unrolled one on GPU/TPU, ``$PASK_LAYER_LAYOUT`` or an
+explicit ``models.decoder.set_layout`` choice overriding).  The table is the stacked layout's;
+the unrolled layout holds each layer's arrays without the leading layer axis, split the same
+way, and fuses ``wq|wk|wv`` (``w_qkv``, biases ``b_qkv``) and ``w_gate|w_up`` (``w_gu``) into one
+matmul each.  Their columns are ordered shard-major for the mesh's size N
+(``models.decoder.fuse``: block i = device i's query, key and value heads; its gate and up
+columns), so the contiguous split ``(None, "model")`` gives each device whole heads, and the
+model splits the fused output by a reshape to ``[…, N, C/N]`` plus slices of the unsharded last
+axis: no collective.  The compiled step has the same collectives in either layout, two
+all-reduces per layer (the stacked layout's in the scan's body, the unrolled one's in line).
+Why the unrolled layout: the scan copies each layer's slice of every stacked weight before its
+matmul (H200, Qwen3-4B shape, one device: 9.82 ms per PASK step stacked, 5.59 ms unrolled).
 
 The PASK attention kernels (Pallas: "gpu", "tpu") are opaque to the SPMD partitioner, so
 :func:`attention_per_shard` calls them per device through ``jax.shard_map``: each device runs the
@@ -114,34 +124,54 @@ def check(cfg: ModelConfig, n: int, *, shard_vocab: bool = True) -> None:
                      "embeddings and lm_head)")
 
 
-def spec(name: str, *, shard_vocab: bool = True) -> P:
-  """The PartitionSpec of the model weight ``name`` (stacked layout)."""
+def spec(name: str, *, shard_vocab: bool = True, stacked: bool = True) -> P:
+  """The PartitionSpec of the model weight ``name``: a stacked weight, or (``stacked=False``)
+  one layer's array of the unrolled layout, the fused ``w_qkv`` / ``b_qkv`` / ``w_gu`` split
+  like their parts (their columns shard-major: ``models.decoder.fuse``)."""
   if shard_vocab and name in VOCAB_SPECS:
     return VOCAB_SPECS[name]
+  name = decoder.FUSED.get(name, (name,))[0]
   if name in SPECS:
-    return SPECS[name]
+    return SPECS[name] if stacked else P(*SPECS[name][1:])   # no leading layer axis
   if name in REPLICATED:
     return P()
   raise ValueError(f"no tensor-parallel sharding rule for the model weight {name!r}")
 
 
+def _name(path) -> tuple[str, bool]:
+  """A parameter's weight name and whether it is stacked: ``(name, …)`` at the top, or
+  ``("layers", i, name, …)`` in the unrolled layout."""
+  keys = [k.key if hasattr(k, "key") else getattr(k, "name", str(k)) for k in path]
+  return (str(keys[2]), False) if keys[0] == "layers" else (str(keys[0]), True)
+
+
 def param_shardings(params, mesh: Mesh, *, shard_vocab: bool = True):
-  """The NamedSharding of every leaf of an ``nnx.split`` state (stacked layout), same tree."""
+  """The NamedSharding of every leaf of an ``nnx.split`` state (either layer layout), same
+  tree."""
   def one(path, _):
-    name = path[0].key if hasattr(path[0], "key") else str(path[0])
-    return NamedSharding(mesh, spec(name, shard_vocab=shard_vocab))
+    name, stacked = _name(path)
+    return NamedSharding(mesh, spec(name, shard_vocab=shard_vocab, stacked=stacked))
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True):
-  """Check ``model`` against the mesh, put it in the stacked layout and its parameters where
-  :func:`param_shardings` places them (both in place) and return ``(graphdef, params)``.  In
-  place, so the model keeps no unsharded copy and every runner made from it (an engine's prefill
-  runner, its PASK runner's dense half) shares one placed copy: placing an array where it
-  already is copies nothing."""
+def sharded_weights(params) -> list:
+  """The attention and MLP weights of an ``nnx.split`` state (either layout): what each of N
+  devices holds 1/N of."""
+  names = set(SHARDED_WEIGHTS) | set(decoder.FUSED)
+  return [x for path, x in jax.tree_util.tree_leaves_with_path(params)
+          if _name(path)[0] in names]
+
+
+def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True, layout: str = "auto"):
+  """Check ``model`` against the mesh, put it in ``layout`` (``models.decoder.prepare``: "auto"
+  is the layout a single-device runner would take, its fused columns ordered for the mesh's
+  size) and its parameters where :func:`param_shardings` places them (both in place) and
+  return ``(graphdef, params)``.  In place, so the model keeps no unsharded copy and every
+  runner made from it (an engine's prefill runner, its PASK runner's dense half) shares one
+  placed copy: placing an array where it already is copies nothing."""
   from flax import nnx
   check(model.cfg, mesh.size, shard_vocab=shard_vocab)
-  decoder.set_layout(model, "stacked")
+  decoder.prepare(model, layout, tp=mesh.size)
   graphdef, params = nnx.split(model)
   params = jax.device_put(params, param_shardings(params, mesh, shard_vocab=shard_vocab))
   nnx.update(model, params)
@@ -180,7 +210,7 @@ def attention_per_shard(attn, mesh: Mesh):
 def prepare(model, mesh: Mesh | None, *, shard_vocab: bool = True):
   """A runner's model and mesh: ``(tp_mesh, graphdef, params)``.  ``tp_mesh`` is None for no
   mesh or a mesh of one device (then the model takes its backend's layout, unsharded);
-  otherwise :func:`prepare_model` (checked, stacked layout, parameters placed)."""
+  otherwise :func:`prepare_model` (checked, the same layout rule, parameters placed)."""
   from flax import nnx
   if mesh is None or mesh.size == 1:
     decoder.prepare(model)

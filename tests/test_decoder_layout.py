@@ -53,6 +53,16 @@ def test_unrolled_matches_stacked(family):
   for g, w in zip(got, want):
     err = np.linalg.norm(g - w) / np.linalg.norm(w)
     assert err < 1e-5, err    # fp32: only the matmul blocking of the fused projections differs
+  if family == "qwen2":   # (q/k/v biases) the columns ordered for 2 shards: the same numbers
+    decoder.set_layout(model, "unrolled", tp=2)
+    assert model.fused_tp == 2
+    w = np.asarray(model.layers[1].w_qkv)
+    q, k, v = (before[n][1] for n in ("wq", "wk", "wv"))
+    half = lambda x, i: x[:, i * x.shape[1] // 2:(i + 1) * x.shape[1] // 2]
+    np.testing.assert_array_equal(w, np.concatenate(
+        [half(q, 0), half(k, 0), half(v, 0), half(q, 1), half(k, 1), half(v, 1)], axis=1))
+    for g, w in zip(_logits(model, tokens), want):
+      assert np.linalg.norm(g - w) / np.linalg.norm(w) < 1e-5
   decoder.set_layout(model, "stacked")
   after = model.layer_params()
   assert set(after) == set(before)
@@ -83,3 +93,13 @@ def test_runner_keeps_an_explicit_layout(monkeypatch):
   decoder.set_layout(m, "stacked")
   Runner(m, batch=1, capacity=8)
   assert m.layout == "stacked"                       # an explicit choice is kept
+  # what a mesh of 2 does (pask_jax.mesh.prepare_model): the same rule, the fused columns
+  # ordered for the mesh; an unrolled model fused for another mesh is re-fused
+  assert decoder.prepare(m, tp=2).layout == "stacked" and m.fused_tp == 1
+  m = random_model(cfg)
+  assert decoder.prepare(m, tp=2).layout == "unrolled" and m.fused_tp == 2
+  assert decoder.prepare(m).fused_tp == 1 and decoder.prepare(m, "unrolled", tp=4).fused_tp == 4
+  with pytest.raises(ValueError, match="do not split into 3 shards"):
+    decoder.set_layout(m, "unrolled", tp=3)
+  with pytest.raises(ValueError, match="tp must be a positive int"):
+    decoder.set_layout(m, "unrolled", tp=0)

@@ -2,10 +2,12 @@
 devices in a subprocess (the device-count flag must be set before JAX starts): greedy tokens (and
 PASK ledgers) of TP = 2 and 4 equal TP = 1 with and without a grammar, for the dense runner and
 the PASK runner (reference attention, and the GPU and TPU Pallas kernels per shard through
-shard_map, in interpret mode); the compiled step's collectives are the planned ones (no KV
-gathered); each device holds 1/N of the attention and MLP weights and of the KV cache / pools;
-the baselines' runners (masked H2O / SnapKV / MiKV, TriAxialKV) at TP = 2 equal TP = 1, and
-Spherical KV on a mesh is refused."""
+shard_map, in interpret mode), in both layer layouts (TP = 1 stacked is every run's reference;
+the mesh runs alternate stacked and unrolled, whose fused q|k|v and gate|up columns are ordered
+for the mesh); the compiled step's collectives are the planned ones (no KV gathered); each device
+holds 1/N of the attention and MLP weights and of the KV cache / pools; the baselines' runners
+(masked H2O / SnapKV / MiKV, TriAxialKV) at TP = 2 equal TP = 1, and Spherical KV on a mesh is
+refused."""
 import os
 import subprocess
 import sys
@@ -37,7 +39,7 @@ grammar = grammar_compiler(tok, V).json_schema(
 TP = PRELUDE + r"""
 import collections, dataclasses, json, re
 import jax.numpy as jnp, numpy as np
-from models import ModelConfig, random_model
+from models import ModelConfig, decoder, random_model
 from pask_jax import ledger, mesh as tp, policy as P
 from pask_jax.decode import PaskRunner, Runner, Sampling, generate
 prompts = [tok.encode("Answer in JSON: the quick brown fox jumps over the lazy dog"),
@@ -56,7 +58,10 @@ def collectives(hlo):
   bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
   return comps, bodies
 
-def check_step(name, r, n, args, kv):
+def model(cfg, layout):
+  return decoder.set_layout(random_model(cfg, seed=5), layout)   # an explicit choice: kept
+
+def check_step(name, r, n, args, kv, layout):
   # the step's collectives, as planned, and 1/N of the sharded bytes on each device
   tc = time.process_time()
   comp = r.step.lower(*args).compile()
@@ -65,19 +70,20 @@ def check_step(name, r, n, args, kv):
   comps, bodies = collectives(hlo)
   body = sum((comps.get(b, collections.Counter()) for b in bodies), collections.Counter())
   rest = sum((v for k, v in comps.items() if k not in bodies), collections.Counter())
-  # per layer (the scan's body): after the o-projection and after the MLP's down projection;
+  # per layer (the scan's body, or each unrolled layer): after the o-projection and after the
+  # MLP's down projection (nothing where the unrolled layout splits its fused projections);
   # outside: the vocabulary-sharded embedding lookup (all-reduce) and the masked logits gathered
   # for sampling (all-gather of [B, V], nothing else gathered: no KV)
-  assert dict(body) == {"all-reduce": 2}, (name, n, comps, bodies)
-  assert dict(rest) == {"all-reduce": 1, "all-gather": 1}, (name, n, comps, bodies)
+  per_layer = {"stacked": 0, "unrolled": 2 * r.cfg.n_layers}[layout]
+  assert dict(body) == ({"all-reduce": 2} if layout == "stacked" else {}), (name, n, comps)
+  assert dict(rest) == {"all-reduce": 1 + per_layer, "all-gather": 1}, (name, n, comps, bodies)
   gathers = [l for l in hlo.splitlines() if re.search(r"= [^=]*? all-gather(?:-start)?\(", l)]
   assert all(f"f32[{r.batch},{V}]" in l for l in gathers), gathers
-  w = {k: r.params[k] for k in tp.SHARDED_WEIGHTS if k in r.params}
-  fw, fc = tp.shard_fraction(w), tp.shard_fraction(kv)
+  fw, fc = tp.shard_fraction(tp.sharded_weights(r.params)), tp.shard_fraction(kv)
   assert abs(fw * n - 1) < 0.05 and abs(fc * n - 1) < 0.05, (fw, fc)
-  report[f"{name} TP={n}"] = {"layer_loop": dict(body), "outside": dict(rest), "weights": fw,
-                              "kv": fc, "arg_bytes": comp.memory_analysis().argument_size_in_bytes,
-                              "compile_cpu_s": tc}
+  report[f"{name} {layout} TP={n}"] = {
+      "layer_loop": dict(body), "outside": dict(rest), "weights": fw, "kv": fc,
+      "arg_bytes": comp.memory_analysis().argument_size_in_bytes, "compile_cpu_s": tc}
 
 def placed(r, *xs):
   # replicated on the runner's mesh, as the step's own outputs are: the arguments of the calls
@@ -93,34 +99,36 @@ samp = (jax.random.key(0), jnp.zeros(B), jnp.ones(B))
 cfg = ModelConfig(arch="qwen2", vocab_size=V, hidden=64, intermediate=128, n_layers=2, n_heads=8,
                   n_kv_heads=4, head_dim=16, rope_theta=1e6)
 ref = None
-for n in (1, 2, 4):
-  r = Runner(random_model(cfg, seed=5), batch=B, capacity=64, mesh=tp.model_mesh(n))
+for n, layout in ((1, "stacked"), (2, "unrolled"), (4, "stacked")):
+  r = Runner(model(cfg, layout), batch=B, capacity=64, mesh=tp.model_mesh(n))
   out = [(x.tokens, x.finish) for x in generate(r, tok, prompts, grammars=[grammar, None],
                                                 sampling=Sampling(max_tokens=6))]
   ref = ref or out
-  assert out == ref, (n, out, ref)
+  assert out == ref, (n, layout, out, ref)
   if n > 1:
     c = r.new_cache()
-    check_step("dense", r, n, (r.params, c, jnp.zeros(B, jnp.int32), bits0) + samp, (c.k, c.v))
+    check_step("dense", r, n, (r.params, c, jnp.zeros(B, jnp.int32), bits0) + samp, (c.k, c.v),
+               layout)
 
 # PASK (reference attention): pools and window by KV head, controller and ledger replicated
 cfg = ModelConfig(arch="llama", vocab_size=V, hidden=64, intermediate=128, n_layers=2, n_heads=8,
                   n_kv_heads=4, head_dim=16, rope_theta=1e6, tie_embeddings=True)
 pol = dataclasses.replace(P.demo(cfg), window=4)
+# (unrolled on the mesh here and with the kernels below, all against TP = 1 stacked)
 ref = None
-for n in (1, 4):
-  r = PaskRunner(random_model(cfg, seed=5), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
+for n, layout in ((1, "stacked"), (4, "unrolled")):
+  r = PaskRunner(model(cfg, layout), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
                  backend="reference")
   out = [(x.tokens, x.finish, x.ledger) for x in generate(
       r, tok, prompts, grammars=[grammar, None], sampling=Sampling(max_tokens=6))]
   ref = ref or out
-  assert out == ref, (n, out, ref)
+  assert out == ref, (n, layout, out, ref)
   if n > 1:
     c = r.new_cache()
     state = (c,) + placed(r, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
     args = (r.params, pol, state, jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32),
             jnp.zeros(B, jnp.int32), jnp.ones(B, bool), bits0) + samp
-    check_step("pask", r, n, args, c.layers)
+    check_step("pask", r, n, args, c.layers, layout)
 assert ref[0][2]["measured_B"] < 1   # the demo policy compressed something
 report["cpu_s"] = {"reference": round(time.process_time() - t0, 1)}
 
@@ -130,7 +138,8 @@ report["cpu_s"] = {"reference": round(time.process_time() - t0, 1)}
 for backend, sizes in (("gpu", (1, 4)), ("tpu", (1, 2))):
   t1, ref = time.process_time(), None
   for n in sizes:
-    r = PaskRunner(random_model(cfg, seed=5), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
+    layout = "stacked" if n == 1 else "unrolled"
+    r = PaskRunner(model(cfg, layout), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
                    backend=backend, kernel_knobs=dict(interpret=True))
     out = [(x.tokens, x.finish, x.ledger) for x in generate(
         r, tok, prompts, grammars=[grammar, None], sampling=Sampling(max_tokens=6))]
@@ -141,7 +150,7 @@ for backend, sizes in (("gpu", (1, 4)), ("tpu", (1, 2))):
       state = (c,) + placed(r, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
       args = (r.params, pol, state, jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32),
               jnp.zeros(B, jnp.int32), jnp.ones(B, bool), bits0) + samp
-      check_step(f"pask {backend}", r, n, args, c.layers)
+      check_step(f"pask {backend}", r, n, args, c.layers, layout)
   assert ref[0][2]["measured_B"] < 1
   report["cpu_s"][backend] = round(time.process_time() - t1, 1)
 
@@ -174,7 +183,8 @@ for n in (1, 2):
     assert out == ref[c.method], (c.method, n, out, ref[c.method])
     assert out[0][1]["measured_B"] < 0.7, (c.method, out)
   assert mr.traces["step"] == 1
-  tx = TX.TriaxialRunner(random_model(cfg, seed=5), batch=B, capacity=64,
+  # (the masked runner stacked on the mesh, TriAxialKV unrolled)
+  tx = TX.TriaxialRunner(model(cfg, "stacked" if n == 1 else "unrolled"), batch=B, capacity=64,
                          mesh=tp.model_mesh(n)).configure(kn, alloc)
   out = [(x.tokens, x.ledger) for x in generate(tx, tok, long, prompt_tags=ptags,
                                                  sampling=Sampling(max_tokens=8))]
@@ -182,10 +192,10 @@ for n in (1, 2):
   assert out == ref["triaxial"] and out[0][1]["measured_B"] < 0.7, (n, out, ref["triaxial"])
   if n > 1:   # the same collectives as the other runners (the MiKV demotion is per shard)
     st = mr.new_state(np.array([len(p) for p in long]))
-    check_step("masked", mr, n, step_args(mr, st), (st.k, st.v))
+    check_step("masked", mr, n, step_args(mr, st), (st.k, st.v), "stacked")
     st = tx.new_state(ptags, np.array([len(p) for p in long]))
     check_step("triaxial", tx, n, step_args(tx, st, jnp.zeros((B, 4), jnp.int32)),
-               (st.cache.k, st.cache.v))
+               (st.cache.k, st.cache.v), "unrolled")
 try:
   SphRunner(random_model(cfg), batch=B, capacity=64, mesh=tp.model_mesh(2))
   raise AssertionError("Spherical KV on a mesh was not refused")

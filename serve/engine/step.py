@@ -315,7 +315,7 @@ class DenseStep(Step):
                                shards=1 if mesh is None else mesh.size)
     self.reach = (True, False)
     self.pages = NoPages()
-    self.graphdef, _ = nnx.split(model)   # the prefiller's layout (stacked on a mesh)
+    self.graphdef, _ = nnx.split(model)   # the prefiller's layout
     self.runner = prefiller   # params and traces live on the shared prefill runner
     self.traces = Traces()
     self.state = prefiller.new_cache(batch=slots, capacity=context, dtype=jnp.bfloat16)
