@@ -237,10 +237,16 @@ def run(e):
 
 # pools that hold the largest request alone but not all four at once: preemption (replay)
 worst = max(-(-(len(r.ids) + r.max_tokens - pol.window) // PAGE) for r in requests())
+# --gpu-memory-utilization on a mesh: the budget of the device with the least free memory (CPU
+# devices report none: stubbed, device 1 the poorest; the pool sizes above override the budget's)
+from serve.engine import sizing
+GB = 1 << 30
+sizing.memory_stats = lambda d: {"bytes_limit": 8 * GB, "bytes_in_use": (1 + 2 * d.id) * GB}
 ref = None
 for n in (1, 2):
+  util = dict(gpu_memory_utilization=0.5) if n > 1 else {}
   e = Engine(random_model(cfg, seed=0), tok, pol, slots=4, context=CTX, page=PAGE,
-             hi_pages=worst + 1, lo_pages=worst + 1, mesh=tp.serving_mesh(n, cfg))
+             hi_pages=worst + 1, lo_pages=worst + 1, mesh=tp.serving_mesh(n, cfg), **util)
   out = [(x["tokens"], x["finish"], x["ledger"]) for x in run(e)]
   assert e.m["preemptions"] > 0 and e.m["resumed"] == e.m["preemptions"], (n, e.m)
   assert e.traces["fwd"] == 1 and e.traces["insert"] == 1, e.traces   # one compile each
@@ -248,6 +254,8 @@ for n in (1, 2):
   assert out == ref, (n, out, ref)
   if n > 1:
     assert e.sizing.shards == n and "per device (2 devices" in e.sizing.describe()
+    want = sizing.kv_bytes_for_utilization(0.5, cfg, CTX, [jax.devices()[1]], shards=n)
+    assert e.sizing.kv_bytes == want < (5 * GB) // 2, (e.sizing.kv_bytes, want)
     assert abs(tp.shard_fraction(e.step.state[0].layers) * n - 1) < 0.05
     # one placed copy of the weights: the PASK runner's are the prefill runner's buffers
     ptr = lambda ps: [x.addressable_shards[0].data.unsafe_buffer_pointer()
@@ -288,8 +296,9 @@ def test_tensor_parallel_decode_on_four_cpu_devices():
 @pytest.mark.fast_compile
 def test_engine_on_two_cpu_devices_with_preemption():
   """serve.engine.Engine(mesh=serving_mesh(2)): the same tokens, ledgers and preemptions as on
-  one device, one compile per jitted function, the pools split by KV head and sized per device;
-  a tensor-parallel size over the device count or the KV heads refused in one line."""
+  one device, one compile per jitted function, the pools split by KV head and sized per device
+  (``gpu_memory_utilization``: from the mesh device with the least free memory); a
+  tensor-parallel size over the device count or the KV heads refused in one line."""
   _on_four_cpu_devices(ENGINE, "ENGINE-OK")
 
 
@@ -352,6 +361,30 @@ def test_pools_sized_per_device():
   assert four.shards == 4 and four.total_bytes <= 4 << 20 and one.total_bytes <= 4 << 20
   assert 3.5 < four.hi_pages / one.hi_pages <= 4.1 and 3.5 < four.lo_pages / one.lo_pages <= 4.1
   assert "per device (4 devices" in four.describe()
+
+
+def test_utilization_budget_from_the_device_with_the_least_free_memory(monkeypatch):
+  """``--gpu-memory-utilization`` on a mesh: the fraction of the least free memory over its
+  devices (each holds the same pools); a device that reports none refused in one line.  (Stubbed
+  device memory: CPU devices report none; the engine's use of its mesh is in the 2-device run.)"""
+  import types
+
+  from serve.engine import sizing
+  cfg = ModelConfig(arch="llama", vocab_size=96, hidden=64, intermediate=128, n_layers=3,
+                    n_heads=8, n_kv_heads=4, head_dim=16)
+  GB = 1 << 30
+  used = {0: 1 * GB, 1: 5 * GB, 2: 3 * GB, 3: None}
+  devs = [types.SimpleNamespace(id=i, platform="gpu") for i in range(4)]
+  monkeypatch.setattr(sizing, "memory_stats", lambda d: used[d.id] and {
+      "bytes_limit": 8 * GB, "bytes_in_use": used[d.id]})
+  assert sizing.free_memory(devs[:3]) == 3 * GB
+  mesh3 = sizing.kv_bytes_for_utilization(0.5, cfg, 256, devs[:3], shards=3)
+  poorest = sizing.kv_bytes_for_utilization(0.5, cfg, 256, devs[1:2], shards=3)
+  richest = sizing.kv_bytes_for_utilization(0.5, cfg, 256, devs[:1], shards=3)
+  assert mesh3 == poorest < richest and richest - poorest == 2 * GB
+  with pytest.raises(ValueError, match="gpu device 3 does not: give the KV budget") as e:
+    sizing.kv_bytes_for_utilization(0.5, cfg, 256, devs, shards=4)
+  assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("kw, n, msg", [

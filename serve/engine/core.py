@@ -54,9 +54,10 @@ class Engine(Loop):
     ``mesh``: tensor parallelism over a 1-D ``model`` mesh (``pask_jax.mesh.serving_mesh``:
     ``--tensor-parallel-size``): weights, the prefill scratch and the pools and windows split
     by KV head, page tables, controller and ledger replicated.  ``kv_bytes`` and
-    ``gpu_memory_utilization`` are then each device's budget: a page costs 1/N of its bytes
-    there, so the pools get about N times the pages of one device; admission and preemption
-    count pages as on one device."""
+    ``gpu_memory_utilization`` are then each device's budget (the utilization's: of the mesh
+    device with the least free memory): a page costs 1/N of its bytes there, so the pools get
+    about N times the pages of one device; admission and preemption count pages as on one
+    device."""
     if prefill_chunk not in PREFILL_CHUNKS:
       raise ValueError(f"prefill_chunk must be one of {PREFILL_CHUNKS}, got {prefill_chunk!r}")
     self.sched = Scheduler(prefill_chunk, prefill_share)
@@ -81,7 +82,7 @@ class Engine(Loop):
         raise ValueError("give either a KV memory budget or a memory utilization, not both")
       kv_bytes = kv_bytes_for_utilization(
           gpu_memory_utilization, self.cfg, context,
-          device=None if mesh is None else mesh.devices.flat[0],
+          devices=None if mesh is None else list(mesh.devices.flat),
           shards=1 if mesh is None else mesh.size)
     self.step = self.kind(model, policy, slots=slots, context=context, page=page,
                           backend=backend, watermark=watermark, kv_bytes=kv_bytes, mix=mix,

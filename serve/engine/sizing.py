@@ -1,15 +1,16 @@
 """KV memory sizing: how many pages each pool gets, and what a request can need.
 
 The budget (``kv_bytes``, or ``gpu_memory_utilization`` x the device's free memory after the
-weights, less the prefill scratch) first pays every slot's fixed state (its BF16 recent window,
-page tables and position maps); the rest is split between the BF16 and INT4 pools in proportion
-to the bytes the expected H/L mix puts in each: a fraction ``h`` of the (token, layer group)
-entries that leave the window goes to the BF16 pool, ``l`` to the INT4 pool.  The mix is, in
-order: the ``mix`` argument (``--kv-mix``), the policy record's ``extra.kv_mix``, or
-:func:`expected_mix`.  Each pool keeps at least one page per slot (sinks are H forever; every
-sequence has a partial page).  Without a budget the pools hold every slot at full context;
-``hi_pages``/``lo_pages`` override either pool.  Page ids are per layer group, and a pool gives
-every group as many ids as its heaviest group needs, so ``h`` and ``l`` are the heaviest group's.
+weights, less the prefill scratch; on a mesh the least free memory of its devices) first pays
+every slot's fixed state (its BF16 recent window, page tables and position maps); the rest is
+split between the BF16 and INT4 pools in proportion to the bytes the expected H/L mix puts in
+each: a fraction ``h`` of the (token, layer group) entries that leave the window goes to the BF16
+pool, ``l`` to the INT4 pool.  The mix is, in order: the ``mix`` argument (``--kv-mix``), the
+policy record's ``extra.kv_mix``, or :func:`expected_mix`.  Each pool keeps at least one page per
+slot (sinks are H forever; every sequence has a partial page).  Without a budget the pools hold
+every slot at full context; ``hi_pages``/``lo_pages`` override either pool.  Page ids are per layer
+group, and a pool gives every group as many ids as its heaviest group needs, so ``h`` and ``l``
+are the heaviest group's.
 """
 from __future__ import annotations
 
@@ -220,20 +221,38 @@ def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
                 mix_source=why, source=source, shards=shards)
 
 
-def kv_bytes_for_utilization(fraction: float, cfg, context: int, device=None,
+def memory_stats(device) -> dict | None:
+  """``device.memory_stats()``; None where the device reports none (CPU)."""
+  return device.memory_stats() if hasattr(device, "memory_stats") else None
+
+
+def free_memory(devices) -> int:
+  """The least free memory (``bytes_limit - bytes_in_use``) over ``devices``: on a mesh every
+  device holds the same pools, so the one with the least room sizes them.  A device that
+  reports no memory: ValueError (one line)."""
+  free = []
+  for dev in devices:
+    stats = memory_stats(dev)
+    if not stats or "bytes_limit" not in stats:
+      raise ValueError(f"--gpu-memory-utilization needs a device that reports its memory; "
+                       f"{dev.platform} device {dev.id} does not: give the KV budget with "
+                       "--kv-memory GB")
+    free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+  if not free:
+    raise ValueError("--gpu-memory-utilization needs at least one device")
+  return min(free)
+
+
+def kv_bytes_for_utilization(fraction: float, cfg, context: int, devices=None,
                              shards: int = 1) -> int:
-  """``fraction`` of the device's free memory (after whatever is already allocated, e.g. the
-  weights), less the transient prefill scratch of one ``context`` prompt (dense BF16 K/V and one
-  chunk's attention scores); with ``shards`` > 1 the first device's share (the weights, the
-  scratch and the scores split by head over the devices)."""
+  """``fraction`` of the free memory (after whatever is already allocated, e.g. the weights) of
+  the device with the least of it among ``devices`` (default: the first device;
+  :func:`free_memory`), less the transient prefill scratch of one ``context`` prompt (dense BF16
+  K/V and one chunk's attention scores); with ``shards`` > 1 each device's budget (the weights,
+  the scratch and the scores split by head over the devices)."""
   if not 0 < fraction <= 1:
     raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
-  dev = device or jax.devices()[0]
-  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-  if not stats or "bytes_limit" not in stats:
-    raise ValueError(f"--gpu-memory-utilization needs a device that reports its memory; "
-                     f"{dev.platform} does not: give the KV budget with --kv-memory GB")
-  free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  free = free_memory([jax.devices()[0]] if devices is None else list(devices))
   n = max(bucket(context, c) for c in PREFILL_CHUNKS)   # the longest padding of any piece size
   scratch = 2 * cfg.n_layers * n * cfg.n_kv_heads // shards * cfg.head_dim * 2
   scores = min(n, PREFILL_CHUNK) * n * cfg.n_heads // shards * 4
