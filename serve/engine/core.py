@@ -54,9 +54,9 @@ class Engine(Loop):
     ``mesh``: tensor parallelism over a 1-D ``model`` mesh (``pask_jax.mesh.serving_mesh``:
     ``--tensor-parallel-size``): weights, the prefill scratch and the pools and windows split
     by KV head, page tables, controller and ledger replicated.  ``kv_bytes`` and
-    ``gpu_memory_utilization`` are then each device's budget (the utilization's: of the mesh
-    device with the least free memory): a page costs 1/N of its bytes there, so the pools get
-    about N times the pages of one device; admission and preemption count pages as on one
+    ``gpu_memory_utilization`` are then each device's budget (the utilization taken of the
+    mesh device with the least free memory): a page costs 1/N of its bytes there, so the pools
+    get about N times the pages of one device; admission and preemption count pages as on one
     device."""
     if prefill_chunk not in PREFILL_CHUNKS:
       raise ValueError(f"prefill_chunk must be one of {PREFILL_CHUNKS}, got {prefill_chunk!r}")
