@@ -419,12 +419,19 @@ class SphRunner:
     return (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(jnp.bfloat16)
 
   def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+    nxt, _, state = self.advance_logits(state, tokens, tag_ids, state_ids, active, bits, key,
+                                        temperature, top_p)
+    return nxt, state
+
+  def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
+                     top_p):
+    """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
     tpol = self.tag_policy if self.needs_policy else None
     tags = tag_ids if self.needs_policy else None
     sids = state_ids if self.plan == "pask" else None
-    nxt, _, state = self.step(self.params, tpol, state, tokens, tags, sids, active, bits, key,
-                              temperature, top_p)
-    return nxt, state
+    return self.step(self.params, tpol, state, tokens, tags, sids, active, bits, key,
+                     temperature, top_p)
 
   # --- accounting ------------------------------------------------------------------------------
 
