@@ -564,8 +564,10 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
     raise ValueError(f"no W1 documents for split {rc.split!r}")
   K = task.tail
   # The budget-matched baselines plan for ``gen`` generated tokens: here exactly the tail.
-  rc = dataclasses.replace(rc, knobs={**(rc.knobs or {}), "gen": float(K)},
-                           max_tokens=K)
+  # (a tuned knobs file's per-method ĝ too: the generated length is K, not a dev estimate)
+  kn = dict(rc.knobs or {})
+  kn.update(gen=float(K), **{rc.method: {**kn.get(rc.method, {}), "gen": float(K)}})
+  rc = dataclasses.replace(rc, knobs=kn, max_tokens=K)
   preps = [Prompt("", task.prompt_ids(c), case=c) for c in cases]
   s.ensure_capacity(preps, K)
   batch = batch_size(len(preps), s.batch)

@@ -412,25 +412,36 @@ class BFCLLongSuite:
     if base > self.length:
       raise ValueError(f"BFCL case {case.id} is {base} tokens unpadded, beyond --length "
                        f"{self.length}")
-    extra, est = [], base
-    for j in order:
-      c = self._tool_cost(pool[j])
-      if est + c > self.length:
-        break
-      extra.append(pool[j])
-      est += c
+    perm = rng.permutation(len(pool) + len(case.functions))
 
     def build(k):
       fns = list(case.functions) + extra[:k]
-      perm = rng.permutation(len(fns)) if k else np.arange(len(fns))
-      fns = [fns[i] for i in perm]
-      tools = bf.to_tools(fns)
-      return dataclasses.replace(case, functions=fns, tools=tools, key=bf.schema_key(tools))
+      idx = [i for i in perm if i < len(fns)]          # the case's tools at seeded places
+      tools = bf.to_tools([fns[i] for i in idx])
+      return dataclasses.replace(case, functions=[fns[i] for i in idx], tools=tools,
+                                 key=bf.schema_key(tools))
 
+    # Tools in seeded order, skipping one that would pass the length, by their JSON's token
+    # count scaled to what the template makes of them (measured once on the first fill).
+    extra, est, scale, rest = [], float(base), 1.0, list(order)
+    for attempt in range(2):
+      left = []
+      for j in rest:
+        c = scale * self._tool_cost(pool[j])
+        if est + c > self.length:
+          left.append(j)
+          continue
+        extra.append(pool[j])
+        est += c
+      rest = left
+      if attempt == 0 and extra:
+        got = self._render_len(build(len(extra)))
+        scale = max(0.25, (got - base) / max(est - base, 1.0))
+        est = float(got)
     k = len(extra)
     padded = build(k)
     while k and self._render_len(padded) > self.length:   # the estimate ran over: shed tools
-      k = max(0, k - max(1, k // 20))
+      k = max(0, k - max(1, k // 50))
       padded = build(k)
     self.original[padded.id] = case
     return padded

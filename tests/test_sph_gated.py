@@ -80,7 +80,7 @@ def test_gated_runner_accumulates_window_attention_and_keeps_the_budget():
           jnp.asarray(np.full((B, 2), -1, np.int32)), jax.random.key(0),
           jnp.zeros((B,), jnp.float32), jnp.ones((B,), jnp.float32))
   prev = None
-  for j in range(20):
+  for j in range(14):
     _, logits, state = r.advance_logits(state, jnp.asarray(rng.integers(1, 61, (B,)), jnp.int32),
                                         *args)
     att = np.asarray(state[1].win_att)                         # [B, W, G, H]
@@ -90,7 +90,7 @@ def test_gated_runner_accumulates_window_attention_and_keeps_the_budget():
   assert prev.max() > 0
   rep = r.report(state)
   for x in rep:
-    assert x["decode"] == "gated" and x["n_gen"] == 20
+    assert x["decode"] == "gated" and x["n_gen"] == 14
     assert x["decode_B"] <= 0.4 + 1e-6
     assert x["measured_B"] <= 0.4 + 1e-3 or x["deficit_bytes"] > 0
   assert r.traces["step"] == 1
