@@ -931,12 +931,13 @@ def merge(dirs: Sequence[str], out: str) -> dict:
       seen[key] = m["dir"]
       rows.append(r)
   meta = {k: v for k, v in first.items() if k != "dir"}
-  summ = summarize(rows)
+  lm = bool(rows) and all("nll" in r for r in rows)   # W1 runs (run_lm): NLL, not accuracy
+  summ = summarize_lm(rows) if lm else summarize(rows)
   meta.update(n_cases=len(rows), wall_s=float(sum(m.get("wall_s", 0.0) for m in metas)),
               merged_from=[m["dir"] for m in metas],
               settings_by_slice=[m.get("settings") for m in metas], categories=summ,
               measured_B=summ["overall"]["total_B"])
-  write(out, rows, meta)
+  (write_lm if lm else write)(out, rows, meta)
   return meta
 
 

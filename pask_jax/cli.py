@@ -272,9 +272,9 @@ def cmd_merge(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   o = meta["categories"]["overall"]
-  print(f"{meta['method']} B={E.label(meta['budget'])}: {o['n']} cases, accuracy "
-        f"{100 * o['accuracy']:.2f}%, measured B {o['total_B']:.3f}; wrote {args.out}",
-        file=sys.stderr)
+  q = f"nll {o['nll']:.4f}" if "nll" in o else f"accuracy {100 * o['accuracy']:.2f}%"
+  print(f"{meta['method']} B={E.label(meta['budget'])}: {o['n']} cases, {q}, measured B "
+        f"{o['total_B']:.3f}; wrote {args.out}", file=sys.stderr)
   return 0
 
 

@@ -85,6 +85,23 @@ def test_w1_nll_is_the_teacher_forced_nll_and_w2_runs_in_the_harness(loaded, tmp
   assert set(qa["categories"]) == {"hop1", "hop2", "overall"}
 
 
+def test_w1_slices_merge(tmp_path):
+  """W1 runs over disjoint document slices pool into one run (``pask-jax merge``)."""
+  meta = {"method": "spherical", "budget": 0.35, "split": "test", "model_identity": {},
+          "task": "w1:L64:K8", "max_tokens": 8, "settings": {"sink": 4}, "wall_s": 1.0}
+  row = lambda i, nll: {"id": f"w1_test_{i}", "category": "w1", "nll": nll,
+                        "nll_first_half": nll, "nll_last_half": nll, "prompt_len": 55,
+                        "gen_len": 8, "kv_gen_len": 8, "prefill_B": 0.3, "decode_B": 0.4,
+                        "total_B": 0.31}
+  for k, rows in enumerate([[row(0, 1.0), row(1, 2.0)], [row(2, 3.0)]]):
+    E.write_lm(str(tmp_path / f"s{k}"), rows, {**meta, "categories": E.summarize_lm(rows)})
+  assert cli.main(["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out",
+                   str(tmp_path / "m")]) == 0
+  m = E.load_runs([str(tmp_path / "m")])[0]
+  assert m["n_cases"] == 3 and m["categories"]["overall"]["nll"] == pytest.approx(2.0)
+  assert m["measured_B"] == pytest.approx(0.31)
+
+
 def test_w2_cells_needles_and_exact_match(tok):
   s = LC.NeedleSuite(tok, length=600, seed=0)
   cs = s.cases("test", max_cases=9)
