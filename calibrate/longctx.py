@@ -17,6 +17,8 @@ method of :data:`pask_jax.baselines.METHODS` on them at a chosen prompt length.
   answer needle at an early / middle / late depth (10 / 50 / 90 % of the haystack's lines, the
   two-hop link at a random depth).  Case ``i`` of a split takes cell ``(position, K_d)`` =
   ``(POSITIONS[i % 3], DISTRACTORS[(i // 3) % 3])`` (so any 9 consecutive cases cover the grid).
+  The haystack is corpus lines from a seeded line on (lines over :data:`LONG_LINE` tokens, data
+  blobs, left out) up to the room the question, needles and template leave.
   Free generation; **exact match**: the first 6-digit group of the answer (digit-bounded) is the
   code.  Categories ``hop1``, ``hop2``.
 * **W3** BFCL-long (:class:`BFCLLongSuite`): BFCL ``simple_python`` and ``multiple`` cases whose
@@ -106,6 +108,14 @@ def corpus() -> str:
 def _line_starts() -> np.ndarray:
   text = corpus()
   return np.asarray([0] + [m.end() for m in re.finditer("\n", text)][:-1], np.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _lines() -> tuple[str, ...]:
+  return tuple(corpus().split("\n"))
+
+
+LONG_LINE = 128   # W2 haystacks leave out lines of more tokens (data blobs, not prose or code)
 
 
 def _split_id(split: str) -> int:
@@ -314,12 +324,14 @@ class NeedleSuite:
     if room < 16:
       raise ValueError(f"--length {self.length} leaves no room for a haystack (the question, "
                        f"needles and template take {overhead} tokens)")
-    starts = _line_starts()
-    start = int(starts[int(rng.integers(len(starts)))])
-    text = text_from(start, 5 * room + 512)
+    every = _lines()
+    at0 = int(rng.integers(len(every)))
     lines, used = [], 0
-    for line in text.split("\n"):
+    for j in range(len(every)):   # from a seeded line on, wrapping; long lines (data) skipped
+      line = every[(at0 + j) % len(every)]
       c = len(self.tok.encode(line + "\n"))
+      if c > LONG_LINE:
+        continue
       if used + c > room:
         break
       lines.append(line)
