@@ -964,8 +964,16 @@ def load_runs(dirs: Sequence[str]) -> list[dict]:
 def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None = None) -> str:
   """Markdown table + PNG of headline (simple+multiple) accuracy against measured total B, of the
   run directories ``dirs`` or of ``runs`` already loaded (summary dicts, e.g. pooled cells of
-  :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n."""
+  :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n.  Runs of the
+  LM task (W1: NLL, no accuracy) get their own table and NLL-vs-B plot (:func:`report_lm`); the
+  two kinds do not share one report."""
   runs = load_runs(dirs) if runs is None else list(runs)
+  lm = [is_lm(r) for r in runs]
+  if runs and all(lm):
+    return report_lm(runs, out)
+  if any(lm):
+    raise ValueError("W1 (NLL) runs and accuracy runs cannot share one report: report them "
+                     "separately")
   runs.sort(key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS else 99,
                            r["budget"] or 0.0))
   cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple")
@@ -999,6 +1007,61 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(md)
   plot_runs(runs, os.path.join(out, "accuracy_vs_B.png"))
+  return md
+
+
+def is_lm(run: dict) -> bool:
+  """Whether a loaded run (summary dict) is of the LM task (W1: NLL, not accuracy)."""
+  return "nll" in run["categories"]["overall"]
+
+
+def plot_name(runs: Sequence[dict]) -> str:
+  """The file name :func:`report` gives the plot of ``runs``."""
+  return "nll_vs_B.png" if runs and all(is_lm(r) for r in runs) else "accuracy_vs_B.png"
+
+
+def report_lm(runs: Sequence[dict], out: str) -> str:
+  """W1's table (method, target and measured B, NLL per token, perplexity, n; per run the
+  length and tail) and NLL against measured total B (``out``/report.md, ``out``/nll_vs_B.png)."""
+  runs = sorted(runs, key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS
+                                     else 99, r["budget"] or 0.0))
+  head = ["method", "target B", "measured B (prefill / decode / total)", "NLL / token", "ppl",
+          "length / tail", "n"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in runs:
+    o = r["categories"]["overall"]
+    lines.append("| " + " | ".join([
+        r["method"], "–" if r["method"] == "full" else label(r["budget"]),
+        f"{o['prefill_B']:.3f} / {o['decode_B']:.3f} / {o['total_B']:.3f}", f"{o['nll']:.4f}",
+        f"{o['ppl']:.3f}", f"{r.get('length', '?')} / {r.get('tail', '?')}", str(o["n"])]) + " |")
+  md = "\n".join(lines) + "\n"
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "report.md"), "w") as f:
+    f.write(md)
+  try:
+    import matplotlib
+  except ImportError:
+    return md
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  by: dict[str, list] = {}
+  for r in runs:
+    o = r["categories"]["overall"]
+    by.setdefault(r["method"], []).append((o["total_B"], o["nll"]))
+  for m, pts in by.items():
+    pts.sort()
+    if m == "full":
+      ax.axhline(pts[0][1], color="k", ls="--", lw=1, label="Full KV")
+      continue
+    ax.plot(*zip(*pts), marker="o", label=m)
+  ax.set_xlabel("measured relative total KV cost B")
+  ax.set_ylabel("NLL per token (last tail tokens)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "nll_vs_B.png"), dpi=130)
+  plt.close(fig)
   return md
 
 

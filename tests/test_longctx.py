@@ -85,8 +85,9 @@ def test_w1_nll_is_the_teacher_forced_nll_and_w2_runs_in_the_harness(loaded, tmp
   assert set(qa["categories"]) == {"hop1", "hop2", "overall"}
 
 
-def test_w1_slices_merge(tmp_path):
-  """W1 runs over disjoint document slices pool into one run (``pask-jax merge``)."""
+def test_w1_slices_merge_and_report(tmp_path):
+  """W1 runs over disjoint document slices pool into one run (``pask-jax merge``); the report
+  gives W1 runs their NLL table."""
   meta = {"method": "spherical", "budget": 0.35, "split": "test", "model_identity": {},
           "task": "w1:L64:K8", "max_tokens": 8, "settings": {"sink": 4}, "wall_s": 1.0}
   row = lambda i, nll: {"id": f"w1_test_{i}", "category": "w1", "nll": nll,
@@ -100,6 +101,9 @@ def test_w1_slices_merge(tmp_path):
   m = E.load_runs([str(tmp_path / "m")])[0]
   assert m["n_cases"] == 3 and m["categories"]["overall"]["nll"] == pytest.approx(2.0)
   assert m["measured_B"] == pytest.approx(0.31)
+  md = E.report([str(tmp_path / "m")], str(tmp_path / "r"))      # W1's own table and plot
+  assert "| spherical | 0.35 | 0.300 / 0.400 / 0.310 | 2.0000 | 7.389 | ? / ? | 3 |" in md
+  assert (tmp_path / "r" / "report.md").exists()
 
 
 def test_w2_cells_needles_and_exact_match(tok):
