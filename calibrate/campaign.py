@@ -849,13 +849,14 @@ def report(paths: Sequence[str], out: str, *, results: str | None = None,
   if len(sections) == 1:
     (_, rs), = sections.values()
     md = E.report(None, out, runs=rs)
-    return md, [os.path.join(out, "report.md"), os.path.join(out, "accuracy_vs_B.png")]
+    return md, [os.path.join(out, "report.md"), os.path.join(out, E.plot_name(rs))]
   parts, files = [], []
   for i, (title, rs) in enumerate(sorted(sections.values(), key=lambda s: s[0])):
     slug = f"{i + 1:02d}-" + re.sub(r"[^\w.+-]+", "_", title).strip("_")[:60]
     md = E.report(None, os.path.join(out, slug), runs=rs)
-    files.append(os.path.join(out, slug, "accuracy_vs_B.png"))
-    parts.append(f"## {title}\n\n{md}\n![accuracy vs B]({slug}/accuracy_vs_B.png)\n")
+    png = E.plot_name(rs)
+    files.append(os.path.join(out, slug, png))
+    parts.append(f"## {title}\n\n{md}\n![{png[:-4].replace('_', ' ')}]({slug}/{png})\n")
   text = "\n".join(parts)
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "report.md"), "w") as f:

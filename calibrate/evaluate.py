@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
+import math
 import os
 import re
 import time
@@ -437,6 +439,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   ``close()``."""
   from pask_jax.decode import Sampling, generate
   from pask_jax.tracker import Tracker
+  if getattr(s.task, "kind", None) == "lm":   # W1: teacher-forced NLL, not generation
+    return run_lm(s, rc, out, cases=cases)
   check_config(rc)
   if rc.method in PASK_POLICY:   # the variant for the budget; the label is its own target
     pol, target = pick_policy(rc.policy, rc.budget)
@@ -516,6 +520,151 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   if out:
     write(out, rows, meta)
   return meta
+
+
+# --- the LM task (teacher forcing through the method's cache) -------------------------------
+
+def _nll(logits, targets):
+  import jax
+  import jax.numpy as jnp
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+
+
+@functools.lru_cache(maxsize=1)
+def _nll_fn():
+  import jax
+  return jax.jit(_nll)
+
+
+def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
+           cases: list | None = None) -> dict:
+  """The LM task (W1 of :mod:`calibrate.longctx`: ``s.task`` has ``kind == "lm"``, ``tail``,
+  ``length``, ``prompt_ids(case)``, ``forced(case)``) for one (method, budget): per document
+  the mean NLL of its last ``tail`` tokens, fed one per step through the runner's forced-token
+  path (``advance_logits``) and so read from the method's cache, and the method's measured B;
+  writes ``out``/cases.jsonl, summary.csv, summary.json (the harness's files, NLL columns in
+  place of accuracy)."""
+  import jax
+  import jax.numpy as jnp
+
+  from pask_jax import tags as T
+  from pask_jax.decode import pad_prompts
+  from pask_jax.grammar.matcher import new_bitmask
+  from pask_jax.prompt import Prompt
+  from pask_jax.tracker import FREE_TAG
+  task = s.task
+  check_config(rc)
+  if rc.method in PASK_POLICY:
+    pol, target = pick_policy(rc.policy, rc.budget)
+    rc = dataclasses.replace(rc, policy=pol, budget=target)
+  if cases is None:
+    cases = task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
+  if not cases:
+    raise ValueError(f"no W1 documents for split {rc.split!r}")
+  K = task.tail
+  # The budget-matched baselines plan for ``gen`` generated tokens: here exactly the tail.
+  # (a tuned knobs file's per-method ĝ too: the generated length is K, not a dev estimate)
+  kn = dict(rc.knobs or {})
+  kn.update(gen=float(K), **{rc.method: {**kn.get(rc.method, {}), "gen": float(K)}})
+  rc = dataclasses.replace(rc, knobs=kn, max_tokens=K)
+  preps = [Prompt("", task.prompt_ids(c), case=c) for c in cases]
+  s.ensure_capacity(preps, K)
+  batch = batch_size(len(preps), s.batch)
+  runner, used = _setup(s, rc, preps, batch)
+  B, V = runner.batch, runner.cfg.vocab_size
+  nll = _nll_fn()
+  rows = []
+  t0 = time.perf_counter()
+  for st in range(0, len(preps), batch):
+    ps = preps[st:st + batch]
+    n = len(ps)
+    tokens, lengths = pad_prompts([p.ids for p in ps], B, runner.capacity)
+    t1 = time.perf_counter()
+    logits, state = runner.begin(tokens, lengths, None)
+    jax.block_until_ready(logits)
+    t2 = time.perf_counter()
+    fed = np.zeros((K, B), np.int32)
+    tgt = np.zeros((K, B), np.int32)
+    for b, p in enumerate(ps):
+      f, t = task.forced(p.case)
+      fed[:, b], tgt[:, b] = f, t
+    bits = jnp.asarray(np.full(new_bitmask(B, V).shape, -1, np.int32))
+    tag_ids = jnp.asarray(np.broadcast_to(FREE_TAG, (B, T.N_CAND)).copy())
+    state_ids = jnp.full((B,), -1, jnp.int32)
+    active = jnp.asarray(np.arange(B) < n)
+    temp, top_p = jnp.zeros((B,), jnp.float32), jnp.ones((B,), jnp.float32)
+    key = jax.random.key(0)
+    scores = []
+    for j in range(K):
+      _, logits, state = runner.advance_logits(state, jnp.asarray(fed[j]), tag_ids, state_ids,
+                                               active, bits, key, temp, top_p)
+      scores.append(nll(logits, jnp.asarray(tgt[j])))
+    scores = np.asarray(jnp.stack(scores))                           # [K, B]
+    t3 = time.perf_counter()
+    reports = runner.report(state) or [None] * n
+    for b, p in enumerate(ps):
+      led = reports[b]
+      if led is not None:
+        led = {**led, "n_gen": led.get("n_gen", K)}
+      meas = _measured(rc, used, len(p.ids), K, led)
+      v = scores[:, b].astype(np.float64)
+      rows.append({"id": p.case.id, "category": "w1", "split": rc.split, "method": rc.method,
+                   "budget": rc.budget, "nll": float(v.mean()), "nll_first_half":
+                   float(v[:max(1, K // 2)].mean()), "nll_last_half": float(v[K // 2:].mean())
+                   if K > 1 else float(v.mean()), "prompt_len": len(p.ids), "gen_len": K,
+                   "kv_gen_len": K, **meas, "prefill_s": t2 - t1, "decode_s": t3 - t2})
+  wall = time.perf_counter() - t0
+  summ = summarize_lm(rows)
+  meta = {"method": rc.method, "budget": rc.budget, "measured_B": summ["overall"]["total_B"],
+          "split": rc.split, "model": s.cfg.arch, "model_identity": _ident(s),
+          "task": task.name, "n_cases": len(rows), "max_tokens": K, "batch": batch,
+          "capacity": s.capacity, "settings": used, "wall_s": wall, "categories": summ,
+          "length": task.length, "tail": K, "corpus_sha256": getattr(task, "corpus_sha256", None)}
+  if out:
+    write_lm(out, rows, meta)
+  return meta
+
+
+LM_FIELDS = ("method", "budget", "split", "category", "n", "nll", "ppl", "nll_first_half",
+             "nll_last_half", "prefill_B", "decode_B", "total_B", "total_B_weighted",
+             "prompt_len", "gen_len")
+
+
+def summarize_lm(rows: Sequence[dict]) -> dict[str, dict]:
+  """``w1`` and ``overall`` (the same rows): mean NLL per token (documents weigh equally: every
+  one scores ``tail`` tokens), its perplexity, and the B means as the harness reports them."""
+  out = {}
+  for k in ("w1", "overall"):
+    v = list(rows)
+    mean = lambda f: float(np.mean([r[f] for r in v])) if v else float("nan")
+    n_all = sum(r["prompt_len"] + r["kv_gen_len"] for r in v)
+    w = sum(r["total_B"] * (r["prompt_len"] + r["kv_gen_len"]) for r in v) / n_all if n_all \
+        else float("nan")
+    nll = mean("nll")
+    out[k] = {"n": len(v), "nll": nll, "ppl": float(math.exp(nll)) if v else float("nan"),
+              "nll_first_half": mean("nll_first_half"), "nll_last_half": mean("nll_last_half"),
+              "prefill_B": mean("prefill_B"), "decode_B": mean("decode_B"),
+              "total_B": mean("total_B"), "total_B_weighted": w, "gen_len": mean("gen_len"),
+              "prompt_len": mean("prompt_len")}
+  return out
+
+
+def write_lm(out: str, rows: Sequence[dict], meta: dict) -> None:
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "cases.jsonl"), "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+  with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(LM_FIELDS)
+    for cat, d in meta["categories"].items():
+      w.writerow([meta["method"], label(meta["budget"]), meta["split"], cat] +
+                 [_fmt(d[k]) for k in LM_FIELDS[4:]])
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+    f.write("\n")
+
 
 
 def label(budget: float | None) -> str:
@@ -782,12 +931,13 @@ def merge(dirs: Sequence[str], out: str) -> dict:
       seen[key] = m["dir"]
       rows.append(r)
   meta = {k: v for k, v in first.items() if k != "dir"}
-  summ = summarize(rows)
+  lm = bool(rows) and all("nll" in r for r in rows)   # W1 runs (run_lm): NLL, not accuracy
+  summ = summarize_lm(rows) if lm else summarize(rows)
   meta.update(n_cases=len(rows), wall_s=float(sum(m.get("wall_s", 0.0) for m in metas)),
               merged_from=[m["dir"] for m in metas],
               settings_by_slice=[m.get("settings") for m in metas], categories=summ,
               measured_B=summ["overall"]["total_B"])
-  write(out, rows, meta)
+  (write_lm if lm else write)(out, rows, meta)
   return meta
 
 
@@ -814,8 +964,16 @@ def load_runs(dirs: Sequence[str]) -> list[dict]:
 def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None = None) -> str:
   """Markdown table + PNG of headline (simple+multiple) accuracy against measured total B, of the
   run directories ``dirs`` or of ``runs`` already loaded (summary dicts, e.g. pooled cells of
-  :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n."""
+  :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n.  Runs of the
+  LM task (W1: NLL, no accuracy) get their own table and NLL-vs-B plot (:func:`report_lm`); the
+  two kinds do not share one report."""
   runs = load_runs(dirs) if runs is None else list(runs)
+  lm = [is_lm(r) for r in runs]
+  if runs and all(lm):
+    return report_lm(runs, out)
+  if any(lm):
+    raise ValueError("W1 (NLL) runs and accuracy runs cannot share one report: report them "
+                     "separately")
   runs.sort(key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS else 99,
                            r["budget"] or 0.0))
   cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple")
@@ -849,6 +1007,61 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(md)
   plot_runs(runs, os.path.join(out, "accuracy_vs_B.png"))
+  return md
+
+
+def is_lm(run: dict) -> bool:
+  """Whether a loaded run (summary dict) is of the LM task (W1: NLL, not accuracy)."""
+  return "nll" in run["categories"]["overall"]
+
+
+def plot_name(runs: Sequence[dict]) -> str:
+  """The file name :func:`report` gives the plot of ``runs``."""
+  return "nll_vs_B.png" if runs and all(is_lm(r) for r in runs) else "accuracy_vs_B.png"
+
+
+def report_lm(runs: Sequence[dict], out: str) -> str:
+  """W1's table (method, target and measured B, NLL per token, perplexity, n; per run the
+  length and tail) and NLL against measured total B (``out``/report.md, ``out``/nll_vs_B.png)."""
+  runs = sorted(runs, key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS
+                                     else 99, r["budget"] or 0.0))
+  head = ["method", "target B", "measured B (prefill / decode / total)", "NLL / token", "ppl",
+          "length / tail", "n"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in runs:
+    o = r["categories"]["overall"]
+    lines.append("| " + " | ".join([
+        r["method"], "–" if r["method"] == "full" else label(r["budget"]),
+        f"{o['prefill_B']:.3f} / {o['decode_B']:.3f} / {o['total_B']:.3f}", f"{o['nll']:.4f}",
+        f"{o['ppl']:.3f}", f"{r.get('length', '?')} / {r.get('tail', '?')}", str(o["n"])]) + " |")
+  md = "\n".join(lines) + "\n"
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "report.md"), "w") as f:
+    f.write(md)
+  try:
+    import matplotlib
+  except ImportError:
+    return md
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  by: dict[str, list] = {}
+  for r in runs:
+    o = r["categories"]["overall"]
+    by.setdefault(r["method"], []).append((o["total_B"], o["nll"]))
+  for m, pts in by.items():
+    pts.sort()
+    if m == "full":
+      ax.axhline(pts[0][1], color="k", ls="--", lw=1, label="Full KV")
+      continue
+    ax.plot(*zip(*pts), marker="o", label=m)
+  ax.set_xlabel("measured relative total KV cost B")
+  ax.set_ylabel("NLL per token (last tail tokens)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "nll_vs_B.png"), dpi=130)
+  plt.close(fig)
   return md
 
 

@@ -111,8 +111,23 @@ def _task_cases(args, split: str, skip: int = 0):
   if args.task != "jsonl":
     if args.data is not None:
       raise SystemExit("error: --data applies to --task jsonl")
-    from calibrate import bfcl
-    bfcl.need()
+    long = args.task in ("w1", "w2", "w3")
+    if not long and (args.length is not None or args.tail is not None):
+      raise SystemExit("error: --length and --tail apply to --task w1, w2, w3")
+    if args.task == "w1" and args.categories:
+      raise SystemExit("error: --task w1 has no categories")
+    if args.task in ("bfcl", "w3"):
+      from calibrate import bfcl
+      bfcl.need()
+    if long:
+      from calibrate import longctx
+      try:
+        if args.task in ("w1", "w2"):
+          longctx.corpus()
+        longctx.suite(args.task, None, None, length=args.length or 8192,
+                      tail=args.tail or 1024, seed=args.seed, check_only=True)
+      except ValueError as e:
+        raise SystemExit(f"error: {e}")
     return None
   if args.data is None:
     raise SystemExit("error: --task jsonl needs --data FILE (one JSON case per line)")
@@ -131,6 +146,13 @@ def _task_cases(args, split: str, skip: int = 0):
 def _session(m, args, cases):
   """The evaluation session of ``eval`` / ``tune``: BFCL, or the JSONL task's cases."""
   from calibrate import evaluate as E
+  if args.task in ("w1", "w2", "w3"):
+    from calibrate import longctx
+    from pask_jax.grammar import GrammarCompiler
+    gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
+    task = longctx.suite(args.task, m, gc, length=args.length or 8192, tail=args.tail or 1024,
+                         seed=args.seed)
+    return E.Session(m, task, batch=args.batch, compiler=gc)
   if cases is None:
     return E.Session(m, batch=args.batch)
   from pask_jax.grammar import GrammarCompiler
@@ -166,6 +188,10 @@ def cmd_eval(args) -> int:
         f"{meta['measured_B']:.3f}" + (f" (policy {meta['settings']['policy']})"
                                          if meta["method"] == "pask" else ""))
   for k, d in c.items():
+    if "nll" in d:   # W1
+      print(f"{k:>18}: n={d['n']:4d} nll={d['nll']:.4f} ppl={d['ppl']:.3f} B prefill/decode/"
+            f"total={d['prefill_B']:.3f}/{d['decode_B']:.3f}/{d['total_B']:.3f}")
+      continue
     print(f"{k:>18}: n={d['n']:4d} acc={100 * d['accuracy']:6.2f}% per-call="
           f"{100 * d['per_call']:6.2f}% B prefill/decode/total={d['prefill_B']:.3f}/"
           f"{d['decode_B']:.3f}/{d['total_B']:.3f}")
@@ -178,6 +204,9 @@ def cmd_tune(args) -> int:
   """``pask-jax tune``: dev-split knob search for the baselines (paper C.3, Table 8)."""
   from calibrate import evaluate as E
   from pask_jax.baselines import budget as BU
+  if args.task == "w1":
+    raise SystemExit("error: tune picks knobs by accuracy; --task w1 scores NLL (tune on w2, "
+                     "w3 or bfcl)")
   try:   # bad methods or budgets fail here, before the model loads and minutes are spent
     E.check_tunable(args.methods, args.grid)
     for b in args.budget:
@@ -243,9 +272,9 @@ def cmd_merge(args) -> int:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   o = meta["categories"]["overall"]
-  print(f"{meta['method']} B={E.label(meta['budget'])}: {o['n']} cases, accuracy "
-        f"{100 * o['accuracy']:.2f}%, measured B {o['total_B']:.3f}; wrote {args.out}",
-        file=sys.stderr)
+  q = f"nll {o['nll']:.4f}" if "nll" in o else f"accuracy {100 * o['accuracy']:.2f}%"
+  print(f"{meta['method']} B={E.label(meta['budget'])}: {o['n']} cases, {q}, measured B "
+        f"{o['total_B']:.3f}; wrote {args.out}", file=sys.stderr)
   return 0
 
 
@@ -300,10 +329,17 @@ _share = _arg(float, lambda v: 0 < v < 1, "a fraction in (0, 1)")
 
 def _task_args(p) -> None:
   """--task / --data / --seed, as eval and tune take them."""
-  p.add_argument("--task", choices=["bfcl", "jsonl"], default="bfcl",
+  p.add_argument("--task", choices=["bfcl", "jsonl", "w1", "w2", "w3"], default="bfcl",
                  help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
                       "calibrate --task jsonl reads (split test: every case of the file; cal / "
-                      "dev: calibration's 1:1 split of it by --seed) (default: bfcl)")
+                      "dev: calibration's 1:1 split of it by --seed); w1 / w2 / w3: the "
+                      "long-context workloads of docs/SPHERICAL_KV.md §4 (calibrate/longctx.py: "
+                      "LM NLL of the last --tail tokens, needle retrieval EM, BFCL padded with "
+                      "distractor tools), prompts of --length tokens (default: bfcl)")
+  p.add_argument("--length", type=_positive, default=None,
+                 help="--task w1/w2/w3: document / prompt length in tokens (default 8192)")
+  p.add_argument("--tail", type=_positive, default=None,
+                 help="--task w1: tokens scored at the end of each document (default 1024)")
   p.add_argument("--data", default=None, metavar="FILE",
                  help="--task jsonl: the task file (see calibrate/tasks.py)")
   p.add_argument("--seed", type=int, default=0,

@@ -206,8 +206,15 @@ class Runner:
     return self.prefill_all(self.new_cache(), tokens, lengths)
 
   def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
-    nxt, _, state = self.step(self.params, state, tokens, bits, key, temperature, top_p)
+    nxt, _, state = self.advance_logits(state, tokens, tag_ids, state_ids, active, bits, key,
+                                        temperature, top_p)
     return nxt, state
+
+  def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
+                     top_p):
+    """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
+    return self.step(self.params, state, tokens, bits, key, temperature, top_p)
 
   def report(self, state) -> list[dict] | None:
     return None
@@ -403,9 +410,16 @@ class PaskRunner:
     return logits, state
 
   def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
-    nxt, _, state = self.step(self.params, self.policy, state, tokens, tag_ids, state_ids,
-                              active, bits, key, temperature, top_p)
+    nxt, _, state = self.advance_logits(state, tokens, tag_ids, state_ids, active, bits, key,
+                                        temperature, top_p)
     return nxt, state
+
+  def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
+                     top_p):
+    """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
+    return self.step(self.params, self.policy, state, tokens, tag_ids, state_ids, active, bits,
+                     key, temperature, top_p)
 
   def report(self, state) -> list[dict]:
     return ledger.summary(state[2], self.policy)

@@ -327,8 +327,15 @@ class MaskedRunner:
     return self.prefill_all(self.new_state(lengths), tokens, lengths)
 
   def advance(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
-    nxt, _, st = self.step(self.params, st, tokens, active, bits, key, temperature, top_p)
+    nxt, _, st = self.advance_logits(st, tokens, tag_ids, state_ids, active, bits, key,
+                                     temperature, top_p)
     return nxt, st
+
+  def advance_logits(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature,
+                     top_p):
+    """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
+    return self.step(self.params, st, tokens, active, bits, key, temperature, top_p)
 
   def report(self, st: State) -> list[dict]:
     """Per request: retained entries (H and INT4) and measured B, prompt / generated / total."""

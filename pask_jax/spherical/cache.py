@@ -18,6 +18,8 @@ per tier t: P_t pages of ``page`` rows, NB_t packed angle bytes)::
   prot           [B, W, G, Hkv]       bool pending protection flag
   balance, lam   [B, G]               f32  RDR's decode budget balance and λ (set by RDR)
   overflow       [B]                  bool an item did not fit its tier (it was dropped)
+  win_att        [B, W, G, Hkv]       f32  attention mass each window token has received since it
+                                           entered (the gated decode rule; else left at 0)
   consts         signs [L, D], mu [L, Hkv, D] (rotation Π_ℓ and centering μ)
 
 Routes: 0 = drop, k ∈ 1..K = tier k (``spec[k − 1]``), K + 1 = the PASK cache's BF16 pool
@@ -62,6 +64,7 @@ class SphState:
   balance: jax.Array
   lam: jax.Array
   overflow: jax.Array
+  win_att: jax.Array
   consts: SphConsts
   spec: tuple = flax.struct.field(pytree_node=False, default=())
   group_of: tuple = flax.struct.field(pytree_node=False, default=())
@@ -143,7 +146,8 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, tiers, ca
       flags=tuple(flags), free=tuple(free), free_n=tuple(free_n),
       route=jnp.zeros((B, window, G, H), jnp.int8), prot=jnp.zeros((B, window, G, H), bool),
       balance=jnp.zeros((B, G), jnp.float32), lam=jnp.zeros((B, G), jnp.float32),
-      overflow=jnp.zeros((B,), bool), consts=SphConsts(signs, mu), spec=tiers,
+      overflow=jnp.zeros((B,), bool), win_att=jnp.zeros((B, window, G, H), jnp.float32),
+      consts=SphConsts(signs, mu), spec=tiers,
       group_of=tuple(T.group_of_layer(L, G)), sink=int(sink), page=int(page))
 
 

@@ -46,8 +46,14 @@ sinks route to the BF16 pool, the others to tier K (``protect_dense``: the BF16 
 heads).  Window tokens get their route now like any protected item [ours: the decode rule may still
 re-route them when they leave the window].
 
+**Decode gate** (:func:`gate`, §2.4's rule ``gated``, ablation A5): when a generated token leaves
+the window, each of its items takes ``argmin_t D_i(t) + λ_g C(t)`` (drop included; ties to the
+cheaper route), ``D_i`` from the attention the token received while in the window; the
+(token, group) then fits the balance by capping every head's tier at the highest cap whose cost
+fits (down-tier before drop; cap 0 drops all).
+
 Not here (the caller's business): whether a tier's pool has room (the cache drops an item that does
-not fit and sets ``overflow``), the decode-time rules and balance, and the ``rdr="box"`` variant.
+not fit and sets ``overflow``), the balance's income, and the ``rdr="box"`` variant.
 """
 from __future__ import annotations
 
@@ -270,6 +276,34 @@ def solve_batch(dist, cost, dense, n, rho, protect=None, *, window: int, sink: i
   return jax.vmap(lambda d, m, r, p: f(d, cost, dense, m, r, p))(dist, n, rho, protect)
 
 
+def gate(dist, cost, lam, balance, eligible):
+  """The gated decode rule for one leaving token per sequence (module docstring).
+
+  dist ``[B, G, H, K+1]`` (D_i(t), column 0 drop, κ_drop applied), cost ``[G, K+1]`` (per item,
+  drop 0), lam ``[B, G]`` (λ_g of the prefill plan), balance ``[B, G]`` (bytes the token may
+  spend, its provisional reservation refunded), eligible bool ``[B]`` or ``[B, G]`` (the
+  (token, group)s gated).  Returns (route ``[B, G, H]`` int32 in 0..K, the rule's unconstrained
+  choice ``[B, G, H]``, balance after paying); what is not eligible gets route 0 and pays
+  nothing.
+  Jittable, every input may be traced."""
+  dist = jnp.asarray(dist, jnp.float32)
+  cost = jnp.asarray(cost, jnp.float32)
+  B, G, H, K1 = dist.shape
+  score = dist + jnp.asarray(lam, jnp.float32)[:, :, None, None] * cost[None, :, None, :]
+  want = jnp.argmin(score, axis=-1).astype(jnp.int32)                     # [B, G, H]
+  caps = jnp.arange(K1)                                                    # cap c: min(want, c)
+  capped = jnp.minimum(want[..., None], caps)                              # [B, G, H, K+1]
+  c_item = jnp.take_along_axis(jnp.broadcast_to(cost[None, :, None, :], capped.shape), capped,
+                               -1)
+  spend = jnp.sum(c_item, axis=2)                                          # [B, G, K+1] per cap
+  fits = spend <= jnp.asarray(balance, jnp.float32)[..., None]
+  cap = jnp.max(jnp.where(fits, caps, 0), axis=-1)                         # [B, G]; 0 always fits
+  elig = jnp.broadcast_to(jnp.asarray(eligible, bool).reshape((B, -1)), (B, G))
+  route = jnp.where(elig[..., None], jnp.minimum(want, cap[..., None]), 0)
+  paid = jnp.where(elig, jnp.take_along_axis(spend, cap[..., None], -1)[..., 0], 0.0)
+  return route, want, jnp.asarray(balance, jnp.float32) - paid
+
+
 def fixed(cost, dense, n, rho, n_tokens: int, n_kv_heads: int, *, tier: int,
           sink: int = 0) -> Plan:
   """The plan without RDR (ablations A2 angle-only and quant-only, §4): every valid token at
@@ -301,4 +335,5 @@ def fixed(cost, dense, n, rho, n_tokens: int, n_kv_heads: int, *, tier: int,
               jnp.maximum(total - budget, 0.0))
 
 
-__all__ = ["Plan", "costs", "distortion", "fixed", "protect_mask", "solve", "solve_batch"]
+__all__ = ["Plan", "costs", "distortion", "fixed", "gate", "protect_mask", "solve",
+           "solve_batch"]

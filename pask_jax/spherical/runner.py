@@ -28,6 +28,16 @@ default (no calibration yet).
 **Decode rule** ("fixed" with the balance of §2.4): per (sequence, group) a balance gains
 ``rho · Hkv · dense_g`` per generated token; the new token takes the highest tier whose item cost
 (all heads) fits the balance, else it is dropped (down-tier before drop), and the balance pays it.
+``decode="gated"`` (§2.4's ``gated`` rule, ablation A5; plan "rdr" only): that choice is only a
+reservation while the token is in the window.  Each step the attention mass every window token
+receives is accumulated (``SphState.win_att``: the window logits ``q·k/√D`` in XLA against the
+kernel's LSE, mean over the group's layers and the KV head's query heads); when a generated token
+leaves the window its reservation is refunded and :func:`rdr.gate` places each of its items at
+``argmin_t D_i(t) + λ_g C(t)`` — ``â_i`` the mean mass per step in the window (the sum over its
+W steps / W), the tier errors measured by encoding the token at every tier as at prefill, the
+"recent" weight ω = 2, λ_g the prefill plan's cut — capped so that the (token, group) fits the
+balance (down-tier before drop).  Prompt tokens keep the plan's route, and so do protected and
+BF16-pool ones.  The new token's reservation is made before the leaving token is gated.
 
 **Variants** (:mod:`pask_jax.spherical.variants`; docs/SPHERICAL_KV.md §4): the ablations and
 the hybrids with PASK are settings of this runner — ``plan`` ("rdr", "fixed", "pask"), ``read``
@@ -114,7 +124,7 @@ class SphRunner:
                window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
                protect_top: float = 0.02, plan: str = "rdr", read: str = "angles",
-               tags: bool = False, stats: MaskedRunner | None = None,
+               tags: bool = False, decode: str = "fixed", stats: MaskedRunner | None = None,
                mesh: jax.sharding.Mesh | None = None, backend: str = "reference",
                kernel_knobs: dict | None = None):
     """``mesh``: refused beyond one device (see :data:`NOT_SHARDED`).  ``backend``: the attention
@@ -143,6 +153,11 @@ class SphRunner:
                        f"{[t.layout for t in self.tiers]}")
     if self.tags and plan != "rdr":
       raise ValueError("tags join RDR's protected set: they need plan 'rdr'")
+    if decode not in V.DECODES:
+      raise ValueError(f"decode must be one of {V.DECODES}, got {decode!r}")
+    if decode == "gated" and plan != "rdr":
+      raise ValueError("the gated decode rule prices tiers with RDR's λ: it needs plan 'rdr'")
+    self.decode = decode
     self.mu = mu
     self.obs, self.kappa_drop, self.protect_top = int(obs), float(kappa_drop), float(protect_top)
     self.group_of = T.group_of_layer(c.n_layers, self.n_groups)
@@ -169,7 +184,7 @@ class SphRunner:
     ``kw`` as for the constructor (batch, capacity, sink, window, ...)."""
     v = V.variant(method)
     return cls(model, tiers=ladder(model.cfg.head_dim, v.layouts, v.values), plan=v.plan,
-               read=v.read, tags=v.tags, **kw)
+               read=v.read, tags=v.tags, decode=v.decode, **kw)
 
   @property
   def needs_policy(self) -> bool:
@@ -202,6 +217,58 @@ class SphRunner:
 
   # --- prefill ---------------------------------------------------------------------------------
 
+  def _tier_errors(self, k):
+    """Keys ``[L, ..., H, D]`` (post-RoPE, rounded to BF16 as the window holds them) -> per
+    layer and item the direction and radius errors of drop and of every tier (two lists of K+1
+    arrays ``[L, ..., H]``: ``r²‖x̂ − ũ(t)‖²/D``, ``(r − r̃(t))²/D``; drop: ``2r²/D``, ``r²/D``)
+    and the radius ``r`` (after centering and rotation)."""
+    L, D = k.shape[0], k.shape[-1]
+    H = k.shape[-2]
+    kb = k.astype(jnp.bfloat16).astype(jnp.float32)
+    mu = jnp.zeros((L, H, D), jnp.float32) if self.mu is None else jnp.asarray(self.mu,
+                                                                                jnp.float32)
+    mu = mu.reshape((L,) + (1,) * (k.ndim - 3) + (H, D))
+    h = jnp.asarray(spherical.hadamard(D) / math.sqrt(D), jnp.float32)
+    signs = jnp.asarray([spherical.rotation_signs(D, lyr, 0) for lyr in range(L)], jnp.float32)
+    rot = h[None] * signs[:, None, :]
+    x = jnp.einsum("l...d,led->l...e", kb - mu, rot, precision=jax.lax.Precision.HIGHEST)
+    r = jnp.sqrt(jnp.sum(x * x, axis=-1))
+    xhat = x / jnp.maximum(r, 1e-30)[..., None]
+    th, rr = [2.0 * r * r / D], [r * r / D]                                        # drop
+    for ts in self.tiers:
+      codes, rq = spherical.encode(x, ts.key)
+      u = spherical.direction(*spherical.angle_trig(codes, ts.key))
+      th.append(r * r * jnp.sum((xhat - u) ** 2, axis=-1) / D)
+      rr.append((r - _fp16(rq)) ** 2 / D)
+    return th, rr, r
+
+  def _gate_leaving(self, sph, slot, old_pos, old_k, n_prompt, active, leaving):
+    """The gated rule for the token leaving window slot ``slot [B]`` (``old_k [L, B, H, D]``):
+    refund its reservation, place its items by :func:`rdr.gate`, write the route into the slot
+    (read by :func:`scache.evict_step`).  Only generated tokens (``old_pos >= n_prompt``) whose
+    pending route is a tier or a drop on every head and that are not protected are gated."""
+    B, H, G, W = self.batch, self.cfg.n_kv_heads, self.n_groups, self.window
+    K = len(self.tiers)
+    bi = jnp.arange(B)
+    pending = sph.route[bi, slot].astype(jnp.int32)                           # [B, G, H]
+    elig = (active & leaving & (old_pos >= n_prompt))[:, None] \
+        & ~jnp.any(pending > K, axis=-1) & ~jnp.any(sph.prot[bi, slot], axis=-1)   # [B, G]
+    cost = jnp.asarray(self.cost)                                             # [G, K+1]
+    held = jnp.take_along_axis(jnp.broadcast_to(cost[None, :, None, :], (B, G, H, K + 1)),
+                               jnp.clip(pending, 0, K)[..., None], -1)[..., 0]
+    bal = sph.balance + jnp.where(elig, jnp.sum(held, axis=-1), 0.0)
+    onehot = jax.nn.one_hot(jnp.asarray(self.group_of), G, dtype=jnp.float32)      # [L, G]
+    th, rr, _ = self._tier_errors(old_k)                                      # [L, B, H] each
+    to_g = lambda e: jnp.einsum("lbh,lg->bgh", e, onehot)
+    a = (sph.win_att[bi, slot] / W)[..., None]                                # [B, G, H, 1]
+    eps_t = jnp.stack([to_g(e) for e in th], -1) * a
+    eps_r = jnp.stack([to_g(e) for e in rr], -1) * a
+    dist = OMEGA[2] * (eps_t + eps_r)                                         # recent, û=1, ŝ=0
+    dist = dist.at[..., 0].multiply(self.kappa_drop)
+    route, _, bal = rdr.gate(dist, cost, sph.lam, bal, elig)
+    route = jnp.where(elig[..., None], route, pending).astype(jnp.int8)
+    return sph.replace(route=sph.route.at[bi, slot].set(route), balance=bal)
+
   def _features(self, k, score, n):
     """Per-item errors of every tier.  k [L, B, T, H, D] (post-RoPE), score [L, B, H, T] (obs
     attention column sums), n [B] -> (eps_theta, eps_r [B, T, G, H, K+1], att, radius
@@ -218,22 +285,7 @@ class SphRunner:
                       jnp.ones(att.shape[:-1], bool))
     att = jnp.where(pv, att, 0.0)
     att = jnp.transpose(att, (0, 3, 2, 1))                                         # [B, T, G, H]
-    kb = k.astype(jnp.bfloat16).astype(jnp.float32)
-    mu = jnp.zeros((L, H, D), jnp.float32) if self.mu is None else jnp.asarray(self.mu,
-                                                                                jnp.float32)
-    h = jnp.asarray(spherical.hadamard(D) / math.sqrt(D), jnp.float32)
-    signs = jnp.asarray([spherical.rotation_signs(D, lyr, 0) for lyr in range(L)], jnp.float32)
-    rot = h[None] * signs[:, None, :]
-    x = jnp.einsum("lbthd,led->lbthe", kb - mu[:, None, None], rot,
-                   precision=jax.lax.Precision.HIGHEST)
-    r = jnp.sqrt(jnp.sum(x * x, axis=-1))                                          # [L, B, T, H]
-    xhat = x / jnp.maximum(r, 1e-30)[..., None]
-    th, rr = [2.0 * r * r / D], [r * r / D]                                        # drop
-    for ts in self.tiers:
-      codes, rq = spherical.encode(x, ts.key)
-      u = spherical.direction(*spherical.angle_trig(codes, ts.key))
-      th.append(r * r * jnp.sum((xhat - u) ** 2, axis=-1) / D)
-      rr.append((r - _fp16(rq)) ** 2 / D)
+    th, rr, r = self._tier_errors(k)                                               # [L, B, T, H]
     to_g = lambda e: jnp.einsum("lbth,lg->btgh", e, onehot)                       # sum over ℓ∈g
     a = att[..., None]
     eps_t = jnp.stack([to_g(e) for e in th], -1) * a
@@ -357,32 +409,61 @@ class SphRunner:
     old_pos = cache.win_pos[bi, slot]
     lay = cache.layers
     old_k, old_v = lay.win_k[:, bi, slot], lay.win_v[:, bi, slot]        # [L, B, H, D]
+    gated = self.decode == "gated"
+    if gated:
+      sph = self._gate_leaving(sph, slot, old_pos, old_k, n_prompt, active, p >= W)
     sph = scache.evict_step(sph, jnp.where(active, slot, W),
                             jnp.where(active & (p >= W), old_pos, -1), old_k, old_v, route,
                             new_prot)
+    if gated:   # the slot's new token starts with no attention received
+      sph = sph.replace(win_att=sph.win_att.at[bi, slot].set(
+          jnp.where(active[:, None, None], 0.0, sph.win_att[bi, slot])))
     actions = scache.base_actions(sph, scache.normalize_route(sph, route, p))
     cache, plan = pcache.begin_step(cache, actions, active)
     cache = pcache.evict_step(cache, plan)
     gl = pcache.group_array(cache)
+    per_g = jnp.asarray(self.layers_per_group, jnp.float32)
 
     def attend(carry, layer, q, k, v, positions):
-      cache = pcache.write_step(carry, plan, layer, k[:, 0], v[:, 0], evict=False)
+      cache, att = carry
+      cache = pcache.write_step(cache, plan, layer, k[:, 0], v[:, 0], evict=False)
       g = gl[layer]
       window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
       if self.read == "angles":
-        out = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
+        res = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
                                               sph=scache.sph_inputs(sph, g), backend=self.backend,
-                                              **self.kernel_knobs)
+                                              return_lse=gated, **self.kernel_knobs)
       else:
-        out = self.attend_reconstructed(q[:, 0], window, hi, lo, maps, layer, sph, g)
-      return out[:, None].astype(q.dtype), cache
+        res = self.attend_reconstructed(q[:, 0], window, hi, lo, maps, layer, sph, g,
+                                        return_lse=gated)
+      out = res[0] if gated else res
+      if gated:   # the attention mass each window token receives (§2.4: O(W) in XLA)
+        att = att + self._window_mass(q[:, 0], window, layer, res[1])[:, :, None, :] * (
+            jax.nn.one_hot(g, self.n_groups) / per_g[g])[None, None, :, None]
+      return out[:, None].astype(q.dtype), (cache, att)
 
-    logits, cache = model(tokens[:, None], p[:, None], cache, attend)
+    logits, (cache, att) = model(tokens[:, None], p[:, None], (cache, sph.win_att), attend)
+    if gated:
+      sph = sph.replace(win_att=jnp.where(active[:, None, None, None], att, sph.win_att))
     logits = logits[:, 0]
     nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
     return nxt, logits, (cache, sph, rho, n_prompt, deficit)
 
-  def attend_reconstructed(self, q, window, hi, lo, maps, layer, sph, g):
+  def _window_mass(self, q, window, layer, lse):
+    """Probability mass each window slot receives this step, mean over each KV head's query
+    heads -> ``[B, W, H]`` (0 on empty slots); ``lse [B, Hq]`` of the whole attention."""
+    B, Hq, D = q.shape
+    H = self.cfg.n_kv_heads
+    wk = window.k[layer].astype(jnp.float32)                                  # [B, W, H, D]
+    qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
+    s = jnp.einsum("bhqd,bwhd->bhqw", qg, wk, precision=jax.lax.Precision.HIGHEST)
+    s = s / math.sqrt(D)
+    prob = jnp.exp(s - lse.reshape(B, H, Hq // H)[..., None])
+    vis = jnp.arange(wk.shape[1])[None, :] < window.length[:, None]          # [B, W]
+    mass = jnp.where(vis[:, None, :], jnp.mean(prob, axis=2), 0.0)            # [B, H, W]
+    return jnp.transpose(mass, (0, 2, 1))
+
+  def attend_reconstructed(self, q, window, hi, lo, maps, layer, sph, g, return_lse=False):
     """Reconstruct-then-dot (A1): the base partitions (window, BF16 pool) and, per tier, a BF16
     partition over the tier's keys rebuilt densely (:func:`scache.rebuild_tier`; each (sequence,
     KV head) as a sequence of one KV head), merged by their LSEs.  The partitions' outputs meet
@@ -416,15 +497,25 @@ class SphRunner:
     w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - top), 0.0)
     num = jnp.sum(w[..., None] * jnp.stack(outs), axis=0)
     den = jnp.sum(w, axis=0)
-    return (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(jnp.bfloat16)
+    out = (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(jnp.bfloat16)
+    if return_lse:
+      return out, top + jnp.log(jnp.where(den > 0, den, 1.0))
+    return out
 
   def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+    nxt, _, state = self.advance_logits(state, tokens, tag_ids, state_ids, active, bits, key,
+                                        temperature, top_p)
+    return nxt, state
+
+  def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
+                     top_p):
+    """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
     tpol = self.tag_policy if self.needs_policy else None
     tags = tag_ids if self.needs_policy else None
     sids = state_ids if self.plan == "pask" else None
-    nxt, _, state = self.step(self.params, tpol, state, tokens, tags, sids, active, bits, key,
-                              temperature, top_p)
-    return nxt, state
+    return self.step(self.params, tpol, state, tokens, tags, sids, active, bits, key,
+                     temperature, top_p)
 
   # --- accounting ------------------------------------------------------------------------------
 
@@ -485,6 +576,7 @@ class SphRunner:
                   "resident_B": ratio(held, n), "budget": float(np.asarray(rho)[b]),
                   "deficit_bytes": float(np.sum(deficit[b])), "overflow": bool(overflow[b]),
                   "plan": self.plan, "read": self.read, "tags": self.tags,
+                  "decode": self.decode,
                   "items": {"drop": int(counts[0]),
                             **{self.tiers[t].layout: int(counts[t + 1]) for t in range(K)},
                             "bf16": int(counts[K + 1])}})

@@ -17,6 +17,10 @@ sphkv-retain    A3     retention-only: tiers {drop, t3 (A4)}, RDR plan — isola
                        (drop vs keep) without down-tiering
 sphkv-quant     A3'    quantization-only: every non-sink token at t1 (A2), no drop, no RDR —
                        isolates the cheapest tier without retention
+sphkv-gated     A5     A0 with the ``gated`` decode rule: a generated token's items are placed
+                       when it leaves the window, at argmin_t D_i(t) + λ_g C(t) from the
+                       attention it received there, within the balance — isolates the decode
+                       gate (vs A0's fixed rule)
 rdr+tags        ext.   A0 with PASK's floor-H tags in RDR's protected set P (a PASK policy's
                        floors, the grammar tracker's tags) — isolates what parser tags add to RDR
 pask+ada        ext.   PASK's policy and controller (R/L/H from tags, PASK's budget) with its L
@@ -34,6 +38,7 @@ import dataclasses
 
 PLANS = ("rdr", "fixed", "pask")
 READS = ("angles", "reconstruct")
+DECODES = ("fixed", "gated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +48,9 @@ class Variant:
   (every item at the ladder's only tier, no drop) or "pask" (PASK's controller and policy: H to
   the BF16 pool, L to the ladder's only tier, R dropped); ``read`` "angles" (logits from the
   codes) or "reconstruct" (dense BF16 K rebuilt per step, then attention); ``tags``: PASK
-  floor-H tags join P.  ``needs_policy``: the run takes a PASK policy and the parser's tags."""
+  floor-H tags join P; ``decode`` "fixed" (§2.4's fixed rule) or "gated" (the tier of a
+  generated token chosen when it leaves the window, from the attention it received there;
+  plan "rdr" only).  ``needs_policy``: the run takes a PASK policy and the parser's tags."""
 
   label: str
   layouts: tuple[str, ...] = ("A2", "A42", "A4")
@@ -51,6 +58,7 @@ class Variant:
   plan: str = "rdr"
   read: str = "angles"
   tags: bool = False
+  decode: str = "fixed"
   isolates: str = ""
 
   def __post_init__(self):
@@ -65,6 +73,10 @@ class Variant:
                        f"{self.layouts}")
     if self.tags and self.plan != "rdr":
       raise ValueError("tags join RDR's protected set: they need plan 'rdr'")
+    if self.decode not in DECODES:
+      raise ValueError(f"decode must be one of {DECODES}, got {self.decode!r}")
+    if self.decode == "gated" and self.plan != "rdr":
+      raise ValueError("the gated decode rule prices tiers with RDR's λ: it needs plan 'rdr'")
 
   @property
   def needs_policy(self) -> bool:
@@ -82,6 +94,9 @@ VARIANTS: dict[str, Variant] = {
                             isolates="down-tiering: RDR over {drop, t3} only"),
     "sphkv-quant": Variant("A3'", layouts=("A2",), plan="fixed",
                            isolates="retention: every item at t1, no drop"),
+    "sphkv-gated": Variant("A5", decode="gated",
+                           isolates="decode gate: a generated token's tier from the attention "
+                                    "it received in the window, not the fixed rule"),
     "rdr+tags": Variant("ext", tags=True,
                         isolates="parser tags: PASK's floor-H tags join RDR's protected set"),
     "pask+ada": Variant("ext", layouts=("A4",), values="int4", plan="pask",
@@ -100,4 +115,4 @@ def variant(name: str) -> Variant:
                      f"{', '.join(VARIANTS)}") from None
 
 
-__all__ = ["METHODS", "PLANS", "READS", "TAGGED", "VARIANTS", "Variant", "variant"]
+__all__ = ["DECODES", "METHODS", "PLANS", "READS", "TAGGED", "VARIANTS", "Variant", "variant"]
