@@ -53,8 +53,18 @@ def test_readme_accelerator_section_names_the_pinned_versions():
   assert "bash scripts/setup.sh --gpu" in sec and "bash scripts/setup.sh --tpu" in sec
   assert "jax[cuda13] 0.11.2" in sec and "jax 0.10.2 with libtpu 0.0.52" in sec
   assert 'python -c "import jax; print(jax.default_backend(), jax.devices())"' in sec
-  for script in re.findall(r"\.venv/bin/python (bench/\S+\.py|scripts/\S+\.py)", sec):
-    assert os.path.exists(os.path.join(ROOT, script)), script
+  # the commands reproducing bench/RESULTS.md's headline rows: each script exists and defines
+  # every flag the README gives it
+  scripts = 0
+  for line in sec.splitlines():
+    for part in line.split("&&"):
+      m = re.search(r"\.venv/bin/python ((?:bench|scripts)/\S+\.py)(.*)", part)
+      if m:
+        scripts += 1
+        src = open(os.path.join(ROOT, m.group(1))).read()
+        for flag in re.findall(r"(--[a-z0-9-]+)", m.group(2)):
+          assert f'"{flag}"' in src, (m.group(1), flag)
+  assert scripts >= 6
 
 
 def test_setup_script_takes_the_readme_options_and_refuses_others(tmp_path):
