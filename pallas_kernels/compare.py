@@ -184,18 +184,29 @@ def run(shapes, out_dir, *, gens=None, log=print):
 AOT_HINT = "install the ahead-of-time compile extras: bash scripts/setup.sh --aot"
 
 
+# jax's CUDA plugin registers the Triton compiler (Triton IR -> PTX) that the GPU compile check
+# runs before ptxas; without it the check would fail with "Platform CUDA does not have a Triton
+# compilation handler", which says nothing about the kernel.
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+
+
 def missing_toolchains() -> dict[str, str]:
-  """What the compile checks need and this install lacks, by backend (``gpu``: ptxas from CUDA
-  >= 13; ``tpu``: libtpu): ``{backend: reason}``, empty when both are there.  The default CPU
-  install has neither (the ``aot`` extra adds them): its rows say "not checked", not failed."""
+  """What the compile checks need and this install lacks, by backend (``gpu``: jax's CUDA plugin,
+  which carries Triton's compiler, and ptxas from CUDA >= 13; ``tpu``: libtpu): ``{backend:
+  reason}``, empty when all are there.  The default CPU install has neither plugin nor libtpu
+  (the ``aot`` extra adds them; a system CUDA toolkit may still put a ptxas on PATH): its rows
+  say "not checked", not failed."""
   import importlib.util
 
   from pallas_kernels.gpu import aot as gpu_aot
   out = {}
-  try:
-    gpu_aot.find_ptxas()
-  except FileNotFoundError:
-    out["gpu"] = f"no ptxas from CUDA >= 13 ({AOT_HINT})"
+  if not any(importlib.util.find_spec(n) is not None for n in CUDA_PLUGINS):
+    out["gpu"] = f"jax's CUDA plugin (Triton's compiler) is not installed ({AOT_HINT})"
+  else:
+    try:
+      gpu_aot.find_ptxas()
+    except FileNotFoundError:
+      out["gpu"] = f"no ptxas from CUDA >= 13 ({AOT_HINT})"
   if importlib.util.find_spec("libtpu") is None:
     out["tpu"] = f"libtpu is not installed ({AOT_HINT})"
   return out

@@ -196,9 +196,31 @@ def test_calibrate_cli_refuses_bad_jsonl_input_before_loading(tmp_path, monkeypa
   assert str(e.value.code).startswith(msg) and "\n" not in str(e.value.code)
 
 
-def test_calibrate_jsonl_end_to_end_writes_a_loadable_policy(tmp_path, monkeypatch, capsys):
-  """The CLI on a tiny random llama over SmolLM2's tokenizer (SmolLM2's own weights take minutes
-  on a CPU); one case per split, answers of a few tokens."""
+def readme_jsonl_commands() -> list[list[str]]:
+  """The README's "calibrate on your file ... evaluate it at that budget" block: its pask-jax
+  command lines (continuations joined), each split as a shell would, without the program."""
+  import re
+  import shlex
+  readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "README.md"), encoding="utf-8").read()
+  blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+  block = next((b for b in blocks if "--task jsonl" in b and "--target-b" in b
+                and "--budget" in b), None)
+  assert block, "README.md lost its calibrate-on-your-JSONL / eval-at-a-budget block"
+  lines = [l for l in block.replace("\\\n", " ").splitlines() if l.strip()
+           and not l.lstrip().startswith("#")]
+  return [shlex.split(l)[1:] for l in lines]
+
+
+def test_readme_calibrate_then_eval_at_the_budget_through_the_cli(tmp_path, monkeypatch, capsys):
+  """The README's two-command workflow, flags as written, through the CLI: ``calibrate --task
+  jsonl --data FILE --target-b B`` writes ``OUT/policy/B<B>/``, and ``eval --task jsonl --method
+  pask --policy OUT/policy --budget B`` runs that variant, its summary carrying the requested B
+  beside the measured one; ``eval --method full`` beside it.  The model is a tiny random llama
+  over SmolLM2's tokenizer (the embedded SmolLM2 weights take minutes per command on a CPU), the
+  task file two yes/no cases, answers of a few tokens, and B is 1 (a random model's dev runs
+  reach no lower total B for sure); everything else is the README's command line.  The eval
+  commands are parsed and handed to the harness, which is faked (its runs are test_eval's)."""
   from models.loaders import Loaded
   from pask_jax import cli, platform
   from pask_jax import policy as P
@@ -213,13 +235,51 @@ def test_calibrate_jsonl_end_to_end_writes_a_loadable_policy(tmp_path, monkeypat
                {"messages": [{"role": "user", "content": "Is fire cold?"}], "schema": yes_no,
                 "scorer": "json_valid"})
   assert [c.id for c in tasks.split_jsonl(tasks.read_jsonl(data))[1]] == ["2"]   # dev: json_valid
-  out = tmp_path / "cal"
-  assert cli.main(["calibrate", "--task", "jsonl", "--data", data, "--out", str(out),
-                   "--rows", "1", "--max-tokens", "6"]) == 0
+  cal, pask, full = readme_jsonl_commands()
+  assert cal[:1] == ["calibrate"] and pask[:1] == full[:1] == ["eval"]
+  assert "--target-b" in cal and "--budget" in pask and pask[pask.index("--method") + 1] == "pask"
+  readme_b = pask[pask.index("--budget") + 1]
+  assert cal[cal.index("--target-b") + 1] == readme_b           # the same B in both commands
+  out = cal[cal.index("--out") + 1]
+  assert pask[pask.index("--policy") + 1] == f"{out}/policy"     # eval reads what calibrate wrote
+
+  def here(argv, extra):
+    sub = {readme_b: "1", out: str(tmp_path / "cal"), f"{out}/policy": str(tmp_path / "cal/policy")}
+    argv = [sub.get(a, a) for a in argv]
+    argv[argv.index("--data") + 1] = data
+    if "--out" in argv and argv[0] == "eval":
+      argv[argv.index("--out") + 1] = str(tmp_path / argv[argv.index("--out") + 1]
+                                          .replace("/", "_"))
+    return argv + extra
+
+  assert cli.main(here(cal, ["--rows", "1", "--max-tokens", "6"])) == 0
   said = capsys.readouterr().out
   assert f"calibration 1 cases, development 1 ({data})" in said
-  P.load(str(out / "policy"), model.cfg, tok.hash())     # this model's and tokenizer's policy
-  rec = json.load(open(out / "calibration.json"))
+  P.load(str(tmp_path / "cal" / "policy"), model.cfg, tok.hash())   # this model's policy
+  variant = tmp_path / "cal" / "policy" / "B1.00"
+  P.load(str(variant), model.cfg, tok.hash())
+  rec = json.load(open(tmp_path / "cal" / "calibration.json"))
   assert rec["n_cal"] == 1 and rec["n_dev"] == 1
   assert rec["dev_reference_accuracy"] == 1.0        # the json_valid case: any complete answer
   assert 0.0 < rec["composed"]["measured_B_total"] <= 1.0
+  # the eval commands' runs are the harness's (on a calibrated variant and a JSONL task:
+  # test_eval.py's test_pask_runs_the_variant_... and test_a_jsonl_task_runs_in_the_harness_...,
+  # on that file's session); here what the CLI hands it and prints
+  from calibrate import evaluate as E
+  seen = []
+
+  def fake_run(s, rc, out):
+    seen.append((s.task.name, rc))
+    settings = {"policy": E.pick_policy(rc.policy, rc.budget)[0]} if rc.method == "pask" else {}
+    return {"method": rc.method, "budget": rc.budget, "measured_B": 0.5, "settings": settings,
+            "categories": {}, "wall_s": 0.0}
+
+  monkeypatch.setattr(E, "run", fake_run)
+  assert cli.main(here(pask, ["--max-tokens", "6"])) == 0
+  (task, rc), = seen
+  assert task == "jsonl:t.jsonl" and rc.method == "pask" and rc.budget == 1.0
+  assert E.pick_policy(rc.policy, rc.budget) == (str(variant), 1.0)   # the variant calibrated
+  assert f"pask: requested B 1, measured B 0.500 (policy {variant})" in capsys.readouterr().out
+  assert cli.main(here(full, ["--max-tokens", "6"])) == 0
+  (task, rc) = seen[1]
+  assert task == "jsonl:t.jsonl" and rc.method == "full" and rc.policy is None

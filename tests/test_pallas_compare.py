@@ -140,3 +140,19 @@ def test_an_install_without_the_aot_compilers_checks_numerics_and_exits_0(tmp_pa
   for r in rows:
     assert r["compiled"] == "" and r["resources"].startswith("compile not checked")
     assert 0 < float(r["rel_err"]) < 1e-2
+
+
+def test_a_ptxas_without_jax_cuda_plugin_is_not_checked_not_failed(monkeypatch):
+  """A CPU install beside a system CUDA toolkit: ptxas is on PATH but jax's CUDA plugin (which
+  carries Triton's compiler) is not installed.  The GPU compile is "not checked" with the install
+  command, not a "compiled NO" that fails compare-kernels (seen on a fresh clone of this repo)."""
+  import importlib.util
+
+  from pallas_kernels.gpu import aot as gpu_aot
+  real_spec = importlib.util.find_spec
+  monkeypatch.setattr(gpu_aot, "find_ptxas", lambda: "/usr/local/bin/ptxas")
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name in compare.CUDA_PLUGINS
+                      else real_spec(name, *a))
+  missing = compare.missing_toolchains()
+  assert "CUDA plugin" in missing["gpu"] and "bash scripts/setup.sh --aot" in missing["gpu"]

@@ -74,6 +74,13 @@ def test_serve_help_gives_every_flag_help_and_its_default(capsys):
     words = " ".join(" ".join(b).split())
     assert "(default:" in words, words
   assert "(default: 256)" in " ".join(text.split())   # --default-max-tokens
+  # the defaults the README's serving table names where they differ from vLLM's
+  said = {b[0].split()[0].rstrip(","): " ".join(" ".join(b).split()) for b in blocks}
+  for flag, default in (("--host", "127.0.0.1"), ("--port", "8000"), ("--max-num-seqs", "4"),
+                        ("--max-model-len", "2048"), ("--dtype", "auto")):
+    assert f"(default: {default})" in said[flag], said[flag]
+  for flag in ("--kv-memory", "--gpu-memory-utilization"):
+    assert "(default: every slot at full context)" in said[flag], said[flag]
 
 
 def test_cli_passes_the_serve_options(monkeypatch, tmp_path):
