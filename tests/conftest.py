@@ -12,6 +12,20 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# XLA:CPU's fusion emitters (the MLIR code generator for loops and fusions, its default) cost
+# about 25 ms of compile per small program, the legacy elemental emitter 15 ms; the suite
+# compiles ~12,700 programs, most of them small (eager ops, interpret-mode kernels).  The same
+# HLO passes and fusions run either way; only the loop code differs.  Measured on this 2-core
+# host (user CPU, 2026-12-05): test_spherical_format 53 -> 38 s, test_decode_pask 86 -> 71 s,
+# test_api (the real SmolLM2, default optimization level) 103 -> 93 s.  The flag is read when
+# the CPU client starts, so it is set here, before jax loads; subprocesses inherit it (those
+# that add a flag of their own append it: pask_jax.testing.xla_flags).
+# PASK_TEST_FUSION_EMITTERS=on keeps XLA's default.
+if os.environ.get("PASK_TEST_FUSION_EMITTERS", "off") != "on":
+  _flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_use_fusion_emitters" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_cpu_use_fusion_emitters=false").strip()
+
 import jax  # noqa: E402
 
 from pask_jax.grammar.matcher import import_xgrammar  # noqa: E402

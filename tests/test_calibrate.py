@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from pask_jax.testing import fast_compile, smollm2, tiny_llama
+from pask_jax.testing import fast_compile, smollm2, tiny_llama, xla_flags
 from models import random_model
 from pask_jax import policy as P
 from pask_jax import actions as Act
@@ -218,8 +218,8 @@ def test_policy_stack_sharded_over_four_cpu_devices():
   import jax
   # compiled at this file's level (tests/conftest.py: fast_compile), as in the test process
   fast = jax.config.values["jax_disable_most_optimizations"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
+  env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
+             JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
   r = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env,
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 
+from pask_jax.testing import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A process of the calibration: the CLI on a tiny random llama over SmolLM2's tokenizer (as
@@ -54,7 +56,7 @@ def tail(text: str, n: int = 2500) -> str:
 
 def launch(args, devices: int):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
              JAX_DISABLE_MOST_OPTIMIZATIONS="1")   # compiles dominate; results are the same
   env.pop("JAX_COORDINATOR_ADDRESS", None)
   return subprocess.Popen([sys.executable, "-c", DRIVER] + args, cwd=ROOT, env=env,
@@ -186,7 +188,8 @@ print("HELPERS-OK", pid)
 
 def test_distributed_helpers_in_two_processes():
   port = free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"))
   procs = {f"process {i}": subprocess.Popen([sys.executable, "-c", HELPERS, str(i), str(port)],
                                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE, text=True) for i in (0, 1)}

@@ -16,6 +16,7 @@ import pytest
 
 from models import ModelConfig
 from pask_jax import mesh as tp
+from pask_jax.testing import xla_flags
 
 # What both 4-device scripts begin with: tests/conftest.py's compile cache (the runs compile the
 # same prefill and commit programs more than once), SmolLM2's tokenizer and one JSON grammar.
@@ -289,8 +290,8 @@ def _on_four_cpu_devices(script: str, ok: str) -> str:
   starts) and this process's compile settings -> its stdout."""
   import jax
   fast = jax.config.values["jax_disable_most_optimizations"]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
+  env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
+             JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
   r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]

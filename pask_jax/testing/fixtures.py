@@ -133,6 +133,13 @@ def load_tokenizer(path: str):
                    special_tokens=rec.get("special_tokens"))
 
 
+def xla_flags(*flags: str) -> str:
+  """``$XLA_FLAGS`` with ``flags`` after it: the value a test gives a subprocess that needs a
+  flag of its own (``--xla_force_host_platform_device_count=4``) and keeps the suite's
+  (tests/conftest.py's compile-speed flags)."""
+  return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
 @contextlib.contextmanager
 def fast_compile(on: bool = True):
   """XLA's most expensive optimizations off (``on``) or at their defaults inside, whatever the
