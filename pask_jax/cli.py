@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
   mem.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
                    metavar="FRACTION", help="KV budget as this fraction of the device's free "
                                             "memory after loading the weights, like vLLM (with "
-                                            "-tp: of the device with the least; default: "
+                                            "-tp: of the device with the least) (default: "
                                             "every slot at full context)")
   s.add_argument("--kv-mix", type=_fraction, nargs=2, default=None, metavar=("H", "L"),
                  help="expected fractions of window-leaving entries stored H and L, for "

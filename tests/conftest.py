@@ -17,19 +17,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compiles ~12,700 programs, most of them small (eager ops, interpret-mode kernels).  The same
 # HLO passes and fusions run either way; only the loop code differs.  Measured on this 2-core
 # host (user CPU, 2026-12-05): test_spherical_format 53 -> 38 s, test_decode_pask 86 -> 71 s,
-# test_api (the real SmolLM2, default optimization level) 103 -> 93 s.  The flag is read when
-# the CPU client starts, so it is set here, before jax loads; subprocesses inherit it (those
-# that add a flag of their own append it: pask_jax.testing.xla_flags).
-# PASK_TEST_FUSION_EMITTERS=on keeps XLA's default.
-if os.environ.get("PASK_TEST_FUSION_EMITTERS", "off") != "on":
-  _flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_cpu_use_fusion_emitters" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_cpu_use_fusion_emitters=false").strip()
+# test_api (the real SmolLM2, default optimization level) 103 -> 93 s.  The CPU client reads
+# XLA_FLAGS when it starts, so the flag is in XLA_FLAGS only until the client exists (below):
+# libtpu, which the ahead-of-time TPU compile tests load later, reads XLA_FLAGS too and aborts
+# on a flag it does not know.  Subprocesses that start a CPU client get it from
+# pask_jax.testing.xla_flags ($PASK_TEST_XLA_FLAGS).  PASK_TEST_FUSION_EMITTERS=on keeps XLA's
+# default.
+if (os.environ.get("PASK_TEST_FUSION_EMITTERS", "off") != "on"
+    and os.environ["JAX_PLATFORMS"] == "cpu"):
+  os.environ.setdefault("PASK_TEST_XLA_FLAGS", "--xla_cpu_use_fusion_emitters=false")
+_XLA_FLAGS = os.environ.get("XLA_FLAGS")
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [_XLA_FLAGS,
+                                                 os.environ.get("PASK_TEST_XLA_FLAGS")]))
 
 import jax  # noqa: E402
 
 from pask_jax.grammar.matcher import import_xgrammar  # noqa: E402
 from pask_jax.testing import fast_compile  # noqa: E402
+
+jax.devices()   # the CPU client starts here, with the flags above
+if _XLA_FLAGS is None:
+  del os.environ["XLA_FLAGS"]
+else:
+  os.environ["XLA_FLAGS"] = _XLA_FLAGS
 
 # xgrammar first, here: its SIGSEGV handler is replaced by faulthandler's (import_xgrammar), so a
 # crash ends the run with a traceback instead of hanging it.

@@ -134,10 +134,12 @@ def load_tokenizer(path: str):
 
 
 def xla_flags(*flags: str) -> str:
-  """``$XLA_FLAGS`` with ``flags`` after it: the value a test gives a subprocess that needs a
-  flag of its own (``--xla_force_host_platform_device_count=4``) and keeps the suite's
-  (tests/conftest.py's compile-speed flags)."""
-  return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+  """The ``XLA_FLAGS`` for a test's subprocess that starts a CPU client: ``$XLA_FLAGS``, the
+  suite's compile-speed flags (``$PASK_TEST_XLA_FLAGS``, set by tests/conftest.py, which keeps
+  them out of ``XLA_FLAGS`` itself: libtpu aborts on them) and ``flags``
+  (``--xla_force_host_platform_device_count=4``)."""
+  return " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                os.environ.get("PASK_TEST_XLA_FLAGS"), *flags]))
 
 
 @contextlib.contextmanager
