@@ -167,13 +167,8 @@ def pytest_configure(config):
 def pytest_xdist_make_scheduler(config, log):
   if config.getvalue("dist") != "loadfile":
     return None
-  from xdist.scheduler import LoadFileScheduling
-
-  class GroupedFiles(LoadFileScheduling):
-    def _split_scope(self, nodeid: str) -> str:
-      return _unit(nodeid)
-
-  return GroupedFiles(config, log)
+  from pask_jax.testing.schedule import grouped_files
+  return grouped_files(config, log, _unit)   # and a crashed worker ends the run, not hangs it
 
 
 def pytest_collection_modifyitems(config, items):
