@@ -9,7 +9,9 @@ only its last test waits for a next one that ``_reschedule`` never sends.  The r
 with idle workers until CI's time limit instead of ending with the crash reported as a failure.
 Here the dead worker's finished units are dropped, the test it died on is marked done
 (``handle_crashitem`` has reported it failed), and a node is topped up until it holds more than
-two pending tests or the queue is empty, and told to shut down once the queue is empty.
+two pending tests or the queue is empty, and told to shut down once the queue is empty (a
+replacement worker that has not finished collecting waits for its own collection's end, where
+xdist schedules again).
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def grouped_files(config, log, unit: Callable[[str], str]):
       return crashitem
 
     def _reschedule(self, node):
-      if node.shutting_down:
+      # a replacement worker still collecting gets its work at its own collection's end
+      if node.shutting_down or node not in self.registered_collections:
         return
       while self.workqueue and self._pending_of(self.assigned_work.get(node, {})) <= 2:
         self._assign_work_unit(node)
