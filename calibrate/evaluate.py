@@ -651,20 +651,8 @@ def summarize_lm(rows: Sequence[dict]) -> dict[str, dict]:
 
 
 def write_lm(out: str, rows: Sequence[dict], meta: dict) -> None:
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "cases.jsonl"), "w") as f:
-    for r in rows:
-      f.write(json.dumps(r) + "\n")
-  with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-    w = csv.writer(f)
-    w.writerow(LM_FIELDS)
-    for cat, d in meta["categories"].items():
-      w.writerow([meta["method"], label(meta["budget"]), meta["split"], cat] +
-                 [_fmt(d[k]) for k in LM_FIELDS[4:]])
-  with open(os.path.join(out, "summary.json"), "w") as f:
-    json.dump(meta, f, indent=1)
-    f.write("\n")
-
+  """:func:`write` with W1's columns (:data:`LM_FIELDS`)."""
+  write(out, rows, meta, fields=LM_FIELDS)
 
 
 def label(budget: float | None) -> str:
@@ -703,17 +691,18 @@ CSV_FIELDS = ("method", "budget", "split", "category", "n", "accuracy", "per_cal
               "decode_B", "total_B", "total_B_weighted", "prompt_len", "gen_len")
 
 
-def write(out: str, rows: Sequence[dict], meta: dict) -> None:
+def write(out: str, rows: Sequence[dict], meta: dict,
+          fields: Sequence[str] = CSV_FIELDS) -> None:
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "cases.jsonl"), "w") as f:
     for r in rows:
       f.write(json.dumps(r, ensure_ascii=False) + "\n")
   with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
     w = csv.writer(f)
-    w.writerow(CSV_FIELDS)
+    w.writerow(fields)
     for cat, d in meta["categories"].items():
       w.writerow([meta["method"], label(meta["budget"]), meta["split"], cat] +
-                 [_fmt(d[k]) for k in CSV_FIELDS[4:]])
+                 [_fmt(d[k]) for k in fields[4:]])
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(meta, f, indent=1)
     f.write("\n")
