@@ -646,20 +646,22 @@ def test_sph_rd_reads_the_same_storage_by_reconstruction(session, sph_runs):
     assert np.max(np.abs(base - want)) > 10 * np.max(np.abs(got - want))
 
 
-def _random_tags(session, ids, floor, action):
+def _random_tags(session, ids, floor, action, seed=0):
   """Random tag candidates per prompt token of the sph_runs prompts (mostly one of ``ids``,
   some several, some none) and, per token and group, the floor PASK resolves them to (one
   candidate: its floor; several: the max of their actions and floors; none: H)."""
   from pask_jax import tags as T
+  # its own generator: the module's RNG is shared, so its draws depended on which tests ran first
+  rng = np.random.default_rng(seed)
   preps = session.task.prepare(session.task.cases("test", max_cases=1), prompt_labels=True)
   tags, floors = [], []
   for p in preps:
     n = len(p.ids)
     c = np.full((n, T.N_CAND), T.PAD, np.int32)
-    k = RNG.choice([0, 1, 1, 1, 1, 1, 1, 1, 2, 3], n)       # candidates per token
+    k = rng.choice([0, 1, 1, 1, 1, 1, 1, 1, 2, 3], n)       # candidates per token
     f = np.full((n, floor.shape[1]), 2, np.int64)
     for t in range(n):
-      c[t, :k[t]] = v = RNG.choice(ids, k[t], replace=False)
+      c[t, :k[t]] = v = rng.choice(ids, k[t], replace=False)
       if len(v) == 1:
         f[t] = floor[v[0]]
       elif len(v) > 1:
