@@ -44,7 +44,8 @@ A cell is identified by the sha256 (first :data:`KEY_LEN` hex digits) of the can
 key material: the task, the model fingerprint (sha256 of the weights file, or of every file of a
 checkpoint directory, computed once and cached by path, size and mtime) and dtype, the method, the
 target budget, the settings that change its answers (max_tokens; the method's own knobs with the
-generated-length estimate ĝ its budget matching uses; the policy's fingerprint), the split and the
+generated-length estimate ĝ its budget matching uses; the policy's content digest,
+:func:`pask_jax.policy.digest`: its tables and record, not its files), the split and the
 case ids.  Labels, plan order, batch size and file paths are not in it.  Its folder
 ``RESULTS/<plan name>/<key>/`` holds ``cell.json`` (the summary of ``pask-jax eval`` plus the key
 material, n, accuracy, binomial standard error, measured B, timings, git commit, jax and devices)
@@ -449,7 +450,12 @@ def _policy(method: Method, model: Model, budget: float) -> tuple[str | None, di
   if not os.path.isfile(os.path.join(d, "policy.json")):
     raise PlanError(f"methods.{method.label}.policy: no policy directory {d} (model "
                     f"{model.label}, B={budget:g})")
-  return d, {"sha256": fingerprint(d)}
+  # keyed on what the policy decides with (policy.digest), not on its files: a conversion to a
+  # newer storage format or a re-save keeps the cells it already has
+  try:
+    return d, {"content": P.digest(d)}
+  except (OSError, ValueError) as e:
+    raise PlanError(f"methods.{method.label}.policy: {d}: {e}") from None
 
 
 def _settings(method: str, knobs: dict | None, policy_fp: dict | None, max_tokens: int) -> dict:

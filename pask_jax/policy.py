@@ -37,6 +37,7 @@ rebuilt once by :func:`convert` (``pask-jax policy convert DIR``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -440,6 +441,26 @@ def load(directory: str | os.PathLike, model: Any = None,
   if model is not None:
     pol = bind(pol, model, tokenizer_hash)
   return pol
+
+
+def digest(directory: str | os.PathLike) -> str:
+  """sha256 of what a policy directory decides with, not of how it is stored: every table's
+  dtype, shape and bytes, B_D / B_P as float32, sink, window and the record without its storage
+  fields (``format``, ``arrays``).  A ``pask-policy/1`` directory and its conversion, or a policy
+  saved again (orbax writes timestamps), digest the same; any changed table or record field
+  does not."""
+  d = os.fspath(directory)
+  pol = load(d)
+  h = hashlib.sha256()
+  for k in ("action", "floor", "prio", "crit", "reserve", "pooled", "b_d", "b_p"):
+    a = np.ascontiguousarray(np.asarray(getattr(pol, k)))
+    h.update(f"{k}\0{a.dtype.str}\0{a.shape}\0".encode())
+    h.update(a.tobytes())
+  rec = {k: v for k, v in pol.record.items() if k not in ("format", "arrays")}
+  rec["budgets"] = {k: v for k, v in (rec.get("budgets") or {}).items() if k not in _BUDGETS}
+  rec["sink"], rec["window"] = pol.sink, pol.window
+  h.update(json.dumps(rec, sort_keys=True).encode())
+  return h.hexdigest()
 
 
 def convert(directory: str | os.PathLike) -> str:

@@ -271,3 +271,32 @@ def test_a_convert_stopped_before_its_record_leaves_a_policy_that_loads_and_conv
   assert "converted to pask-policy/2" in P.convert(d)
   _same_tables(P.load(d, FakeConfig()), demo)
   assert json.loads((d / "policy.json").read_text())["format"] == "pask-policy/2"
+
+
+def test_digest_is_the_policy_not_its_files(tmp_path):
+  """``policy.digest`` (the campaign's cell key): an old directory, its conversion and a re-save
+  (new orbax files, new timestamps) digest the same; one changed table entry, budget or record
+  field does not."""
+  import shutil
+  d = tmp_path / "old"
+  shutil.copytree(LEGACY, d)
+  want = P.digest(d)
+  assert len(want) == 64
+  P.convert(d)
+  assert P.digest(d) == want
+  again = tmp_path / "again"
+  P.save(P.load(d), again)
+  assert P.digest(again) == want
+  pol = P.load(d)
+  rng = np.random.default_rng()
+  i, g = int(rng.integers(pol.action.shape[0])), int(rng.integers(pol.action.shape[1]))
+  changed = {
+      "table": pol.replace(floor=pol.floor.at[i, g].set((pol.floor[i, g] + 1) % 3)),
+      "budget": pol.replace(b_d=pol.b_d + np.float32(1e-3)),
+      "record": pol.replace(record_json=json.dumps({**pol.record, "name": "another"})),
+      "window": pol.replace(window=pol.window + 1,   # save writes the record's sink and window
+                            record_json=json.dumps({**pol.record, "window": pol.window + 1})),
+  }
+  for what, p in changed.items():
+    P.save(p, tmp_path / what)
+    assert P.digest(tmp_path / what) != want, what
