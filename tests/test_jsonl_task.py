@@ -1,6 +1,7 @@
 """A user's calibration task from a JSONL file (calibrate.tasks.JsonlTask): parsing and one-line
 errors per bad line, the 1:1 split, scoring of right and wrong answers, the task protocol, and
-``pask-jax calibrate --task jsonl`` end to end (a tiny random model over SmolLM2's tokenizer)."""
+``pask-jax calibrate --task jsonl`` end to end (a tiny random model over SmolLM2's tokenizer), and the
+README's calibrate-then-eval commands run for real on the embedded model."""
 import json
 import os
 
@@ -212,74 +213,64 @@ def readme_jsonl_commands() -> list[list[str]]:
   return [shlex.split(l)[1:] for l in lines]
 
 
-def test_readme_calibrate_then_eval_at_the_budget_through_the_cli(tmp_path, monkeypatch, capsys):
-  """The README's two-command workflow, flags as written, through the CLI: ``calibrate --task
-  jsonl --data FILE --target-b B`` writes ``OUT/policy/B<B>/``, and ``eval --task jsonl --method
-  pask --policy OUT/policy --budget B`` runs that variant, its summary carrying the requested B
-  beside the measured one; ``eval --method full`` beside it.  The model is a tiny random llama
-  over SmolLM2's tokenizer (the embedded SmolLM2 weights take minutes per command on a CPU), the
-  task file two yes/no cases, answers of a few tokens, and B is 1 (a random model's dev runs
-  reach no lower total B for sure); everything else is the README's command line.  The eval
-  commands are parsed and handed to the harness, which is faked (its runs are test_eval's)."""
-  from models.loaders import Loaded
-  from pask_jax import cli, platform
+def test_readme_calibrate_then_eval_at_the_budget_on_the_embedded_model(tmp_path, capsys):
+  """The README's two-command workflow, run for real through the CLI on the embedded default
+  model (SmolLM2-135M): ``calibrate --task jsonl --data FILE --target-b B`` writes
+  ``OUT/policy/B<B>/``, ``eval --task jsonl --method pask --policy OUT/policy --budget B`` runs
+  that variant at a measured B within the budget and labels its summary with both, ``eval
+  --method full`` beside it.  The README's flags and budget as written; what changes: the model
+  (the embedded one in place of the Qwen 0.5B, which CI does not have), the file (two yes/no
+  cases the 135M model can answer under their schema: one exact, one json_valid), paths under
+  tmp, and small settings for a CPU (``--rows 8 --max-tokens 4 --path-points 1``)."""
+  from models import registry
+  from pask_jax import cli
   from pask_jax import policy as P
-  from pask_jax.testing import tiny_llama
-  tok, _ = smollm2_grammars()
-  model = tiny_llama(tok.vocab_size)
-  monkeypatch.setattr(platform, "load_model", lambda *a, **k: Loaded(model.cfg, model, tok))
+  from pask_jax.platform import load_model
   yes_no = {"enum": ["yes", "no"]}
   data = write(tmp_path / "t.jsonl",
-               {"messages": [{"role": "user", "content": "Is the sky blue?"}], "schema": yes_no,
-                "expected": "yes"},
-               {"messages": [{"role": "user", "content": "Is fire cold?"}], "schema": yes_no,
-                "scorer": "json_valid"})
+               {"messages": [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+                "schema": yes_no, "expected": "yes"},
+               {"messages": [{"role": "user", "content": "Is fire cold? Answer yes or no."}],
+                "schema": yes_no, "scorer": "json_valid"})
   assert [c.id for c in tasks.split_jsonl(tasks.read_jsonl(data))[1]] == ["2"]   # dev: json_valid
   cal, pask, full = readme_jsonl_commands()
   assert cal[:1] == ["calibrate"] and pask[:1] == full[:1] == ["eval"]
   assert "--target-b" in cal and "--budget" in pask and pask[pask.index("--method") + 1] == "pask"
-  readme_b = pask[pask.index("--budget") + 1]
-  assert cal[cal.index("--target-b") + 1] == readme_b           # the same B in both commands
+  b = pask[pask.index("--budget") + 1]
+  assert cal[cal.index("--target-b") + 1] == b           # the same B in both commands
   out = cal[cal.index("--out") + 1]
   assert pask[pask.index("--policy") + 1] == f"{out}/policy"     # eval reads what calibrate wrote
+  runs = {}
 
   def here(argv, extra):
-    sub = {readme_b: "1", out: str(tmp_path / "cal"), f"{out}/policy": str(tmp_path / "cal/policy")}
-    argv = [sub.get(a, a) for a in argv]
+    argv = list(argv)
+    argv[argv.index("--model") + 1] = registry.DEFAULT
     argv[argv.index("--data") + 1] = data
-    if "--out" in argv and argv[0] == "eval":
-      argv[argv.index("--out") + 1] = str(tmp_path / argv[argv.index("--out") + 1]
-                                          .replace("/", "_"))
+    o = argv.index("--out") + 1
+    runs[argv[0]] = argv[o] = str(tmp_path / argv[o].replace("/", "_"))
+    if "--policy" in argv:
+      argv[argv.index("--policy") + 1] = runs["calibrate"] + "/policy"
     return argv + extra
 
-  assert cli.main(here(cal, ["--rows", "1", "--max-tokens", "6"])) == 0
+  assert cli.main(here(cal, ["--rows", "8", "--max-tokens", "4", "--path-points", "1"])) == 0
   said = capsys.readouterr().out
   assert f"calibration 1 cases, development 1 ({data})" in said
-  P.load(str(tmp_path / "cal" / "policy"), model.cfg, tok.hash())   # this model's policy
-  variant = tmp_path / "cal" / "policy" / "B1.00"
-  P.load(str(variant), model.cfg, tok.hash())
-  rec = json.load(open(tmp_path / "cal" / "calibration.json"))
+  m = load_model(registry.DEFAULT)
+  variant = os.path.join(runs["calibrate"], "policy", f"B{float(b):.2f}")
+  P.load(variant, m.cfg, m.tokenizer.hash())           # a policy of this model
+  rec = json.load(open(os.path.join(runs["calibrate"], "calibration.json")))
   assert rec["n_cal"] == 1 and rec["n_dev"] == 1
   assert rec["dev_reference_accuracy"] == 1.0        # the json_valid case: any complete answer
-  assert 0.0 < rec["composed"]["measured_B_total"] <= 1.0
-  # the eval commands' runs are the harness's (on a calibrated variant and a JSONL task:
-  # test_eval.py's test_pask_runs_the_variant_... and test_a_jsonl_task_runs_in_the_harness_...,
-  # on that file's session); here what the CLI hands it and prints
-  from calibrate import evaluate as E
-  seen = []
-
-  def fake_run(s, rc, out):
-    seen.append((s.task.name, rc))
-    settings = {"policy": E.pick_policy(rc.policy, rc.budget)[0]} if rc.method == "pask" else {}
-    return {"method": rc.method, "budget": rc.budget, "measured_B": 0.5, "settings": settings,
-            "categories": {}, "wall_s": 0.0}
-
-  monkeypatch.setattr(E, "run", fake_run)
-  assert cli.main(here(pask, ["--max-tokens", "6"])) == 0
-  (task, rc), = seen
-  assert task == "jsonl:t.jsonl" and rc.method == "pask" and rc.budget == 1.0
-  assert E.pick_policy(rc.policy, rc.budget) == (str(variant), 1.0)   # the variant calibrated
-  assert f"pask: requested B 1, measured B 0.500 (policy {variant})" in capsys.readouterr().out
-  assert cli.main(here(full, ["--max-tokens", "6"])) == 0
-  (task, rc) = seen[1]
-  assert task == "jsonl:t.jsonl" and rc.method == "full" and rc.policy is None
+  assert cli.main(here(pask, ["--max-tokens", "4"])) == 0
+  said = capsys.readouterr().out
+  got = json.load(open(os.path.join(runs["eval"], "summary.json")))
+  assert got["method"] == "pask" and got["budget"] == float(b) and got["n_cases"] == 2
+  assert got["settings"]["policy"] == variant
+  assert 0.0 < got["measured_B"] <= float(b) + 0.02    # the budget asked for, measured
+  assert (f"pask: requested B {b}, measured B {got['measured_B']:.3f} (policy {variant})"
+          in said)
+  cases = [json.loads(l) for l in open(os.path.join(runs["eval"], "cases.jsonl"))]
+  assert [c["id"] for c in cases] == ["1", "2"] and cases[1]["passed"]   # json_valid: complete
+  assert cli.main(here(full, ["--max-tokens", "4"])) == 0
+  got = json.load(open(os.path.join(runs["eval"], "summary.json")))
+  assert got["method"] == "full" and got["measured_B"] == 1.0 and got["n_cases"] == 2
