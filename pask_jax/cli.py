@@ -278,10 +278,40 @@ def cmd_merge(args) -> int:
   return 0
 
 
+def _transfer(args) -> int:
+  """``pask-jax policy transfer``: POLICY_DIR and each of its ``B<b>`` variants bound, tables
+  unchanged, to --model, written under --out (the same layout)."""
+  import glob
+  from pask_jax import policy as P
+  src = os.path.normpath(args.policy_dir)
+  dirs = [src] + sorted(d for d in glob.glob(os.path.join(src, "B*"))
+                        if os.path.isfile(os.path.join(d, "policy.json")))
+  try:
+    pols = [(d, P.load(d)) for d in dirs]     # every source read before the model loads
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  if os.path.exists(os.path.join(args.out, "policy.json")):
+    raise SystemExit(f"error: {args.out} already holds a policy; give another --out")
+  m = platform.load_model_or_exit(args.model, "bfloat16")
+  for d, pol in pols:
+    try:
+      moved = P.transfer(pol, m.cfg, m.tokenizer.hash())
+    except ValueError as e:
+      raise SystemExit(f"error: {d}: {e}")
+    dst = os.path.normpath(os.path.join(args.out, os.path.relpath(d, src)))
+    P.save(moved, dst)
+    print(f"{dst}: {d}'s tables bound to {m.cfg.arch} {m.cfg.n_layers} layers "
+          f"(groups {moved.record['layer_boundaries']}), C_full {float(moved.c_full):.0f} bits")
+  return 0
+
+
 def cmd_policy(args) -> int:
   """``pask-jax policy derive``: a total-B variant from what calibration measured, no model
-  loaded (:func:`calibrate.variant.derive`); ``pask-jax policy convert``: an old policy directory
+  loaded (:func:`calibrate.variant.derive`); ``transfer``: the tables bound to another model
+  (:func:`pask_jax.policy.transfer`); ``pask-jax policy convert``: an old policy directory
   rewritten with its tables in ``arrays/`` only (:func:`pask_jax.policy.convert`)."""
+  if args.policy_cmd == "transfer":
+    return _transfer(args)
   if args.policy_cmd == "convert":
     from pask_jax import policy as P
     for d in args.policy_dirs:
@@ -526,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
   from calibrate import cli as calibrate_cli
   calibrate_cli.add_parser(sub)
   po = sub.add_parser("policy", help="work on a calibrated policy directory")
-  pos = po.add_subparsers(dest="policy_cmd", required=True, metavar="{derive,convert}")
+  pos = po.add_subparsers(dest="policy_cmd", required=True, metavar="{derive,convert,transfer}")
   pd = pos.add_parser("derive", help="write the variant at another total B from the dev "
                                      "measurements calibration saved (no model loaded)",
                        description="Writes the variant at total B (--target-b) of a calibrated "
@@ -551,6 +581,17 @@ def main(argv: list[str] | None = None) -> int:
                                   "entries where arrays/ is gone. A pask-policy/2 directory is "
                                   "left as it is.")
   pc.add_argument("policy_dirs", nargs="+", metavar="POLICY_DIR")
+  pt = pos.add_parser("transfer", help="bind a policy (and its B<b> variants), tables unchanged, "
+                                       "to another model",
+                      description="Writes POLICY_DIR and each of its B<b> variants under --out "
+                                  "bound to --model: the same tables, budgets and Γ (fractions of "
+                                  "C_full), the target's layer groups and cost model; the record "
+                                  "keeps the source's identity under transferred_from (the "
+                                  "paper's Table 4: a policy calibrated on one model used on "
+                                  "another).")
+  pt.add_argument("policy_dir", metavar="POLICY_DIR")
+  pt.add_argument("--model", required=True, help="registered name, GGUF file or HF directory")
+  pt.add_argument("--out", required=True, metavar="DIR")
   mg = sub.add_parser("merge", help="pool eval runs of one configuration over disjoint slices")
   mg.add_argument("runs", nargs="+", help="eval output directories (same method, budget, split)")
   mg.add_argument("--out", required=True)

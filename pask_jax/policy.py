@@ -313,6 +313,24 @@ def bind(pol: FrozenPolicy, model: Any, tokenizer_hash: str | None = None) -> Fr
                      record_json=json.dumps(rec, sort_keys=True))
 
 
+def transfer(pol: FrozenPolicy, model: Any, tokenizer_hash: str | None = None) -> FrozenPolicy:
+  """The policy, unchanged, bound to another model (the paper's Table 4: a policy calibrated on
+  one model used as it is on another).  Its tables are per tag and layer group, B_D / B_P and Γ
+  fractions of C_full, so only the cost model and the identity change: the layer groups are the
+  target's (``tags.layer_boundaries`` over its layers), the bits its own.  The record keeps the
+  source's identity and content under ``transferred_from``.  A model with fewer layers than the
+  policy has groups: ValueError."""
+  ident = identity_of(model, tokenizer_hash)
+  if int(ident["n_layers"]) < pol.n_groups:
+    raise ValueError(f"the policy has {pol.n_groups} layer groups, the model only "
+                     f"{ident['n_layers']} layers")
+  rec = pol.record
+  src = rec.pop("model", None)
+  rec["transferred_from"] = {"model": src, "name": (rec.get("extra") or {}).get("name"),
+                             "layer_boundaries": rec.get("layer_boundaries")}
+  return bind(pol.replace(record_json=json.dumps(rec, sort_keys=True)), ident)
+
+
 def check_identity(policy_ident: Mapping, model_ident: Mapping, where: str = "policy"):
   """Raise ValueError naming every field on which the two identities disagree.
 

@@ -300,3 +300,43 @@ def test_digest_is_the_policy_not_its_files(tmp_path):
   for what, p in changed.items():
     P.save(p, tmp_path / what)
     assert P.digest(tmp_path / what) != want, what
+
+
+def test_transfer_binds_the_same_tables_to_another_model(tmp_path, capsys):
+  """``policy transfer`` (the paper's Table 4): the 1.5B's calibrated policy and its B<b>
+  variants bound to the embedded SmolLM2 — tables, budgets and Γ unchanged, the target's layer
+  groups and bits, the source's identity kept; the result loads for SmolLM2 and is refused for
+  the 1.5B; bad input is one line."""
+  from models import registry
+  from pask_jax.cli import main
+  from pask_jax.platform import load_model
+  src = os.path.join(os.path.dirname(__file__), "data", "policy15_rule2")
+  out = tmp_path / "moved"
+  assert main(["policy", "transfer", src, "--model", registry.DEFAULT, "--out", str(out)]) == 0
+  said = capsys.readouterr().out
+  m = load_model(registry.DEFAULT)
+  th = m.tokenizer.hash()
+  for rel in ["", "B0.15", "B0.20", "B0.25", "B0.33"]:
+    a, b = P.load(os.path.join(src, rel)), P.load(out / rel, m.cfg, th)
+    assert f"{os.path.join(str(out), rel) if rel else str(out)}: " in said
+    for k in ("action", "floor", "crit", "reserve", "pooled", "b_d", "b_p"):
+      np.testing.assert_array_equal(np.asarray(getattr(a, k)), np.asarray(getattr(b, k)), k)
+    np.testing.assert_array_equal(np.isnan(a.prio), np.isnan(b.prio))
+    assert (a.sink, a.window) == (b.sink, b.window)
+    assert b.record["model"]["n_layers"] == m.cfg.n_layers == 30
+    assert b.record["transferred_from"]["model"] == a.record["model"]
+    assert b.record["model"]["n_layers"] != a.record["model"]["n_layers"]   # 28: the 1.5B
+    assert float(b.c_full) != float(a.c_full)
+    assert b.record["layer_boundaries"] == list(T.layer_boundaries(30, b.n_groups))
+    with pytest.raises(ValueError, match="made for another model"):
+      P.load(out / rel, a.record["model"])
+  # an --out that already holds a policy, a source that is none, a model too small: one line
+  for argv, msg in [([src, "--out", str(out)], f"error: {out} already holds a policy"),
+                    ([str(tmp_path), "--out", str(tmp_path / "x")], "error: "),
+                    ]:
+    with pytest.raises(SystemExit) as e:
+      main(["policy", "transfer", *argv, "--model", registry.DEFAULT])
+    assert str(e.value.code).startswith(msg) and "\n" not in str(e.value.code)
+  pol = P.load(src)
+  with pytest.raises(ValueError, match="3 layer groups, the model only 2 layers"):
+    P.transfer(pol, {"n_layers": 2, "n_kv_heads": 2, "head_dim": 64})
