@@ -26,6 +26,7 @@ import threading
 import weakref
 from typing import Any, Sequence
 
+from pask_jax.options import ENGINE, check_engine
 from pask_jax.prompt import Prompt
 
 _lock = threading.Lock()
@@ -324,6 +325,9 @@ def generate(model, prompt: str | Sequence[dict] | Sequence[str | Sequence[dict]
   every prompt of a batch shares ``system``, ``tools``, ``json_schema``, ``policy`` and the
   sampling, and a sampled (temperature > 0) batch is seeded as a whole (the same batch and seed
   give the same answers).
+  ``tool_format``: the tool-call format (``hermes``, vLLM's name, = ``tool_call_tags``:
+  ``<tool_call>`` blocks; ``fenced_json``; ``json_list``; None: the model family's measured
+  one), the names ``serve --tool-call-parser`` takes.
   ``policy``: None (Full KV), ``"all-high"``, ``"demo"``, a calibrated policy directory or a
   FrozenPolicy: decode under PASK and report the ledger.  Sampling: ``sampling=``
   :class:`SamplingParams`, or its fields as keywords (default 64 new tokens, greedy, seed 0);
@@ -362,75 +366,58 @@ def generate(model, prompt: str | Sequence[dict] | Sequence[str | Sequence[dict]
 
 # --- the serving engine --------------------------------------------------------------------------
 
-def _check_sizing(slots, context, page, hi_pages, lo_pages, kv_memory, gpu_memory_utilization,
-                  kv_mix, preemption, prefill_chunk, prefill_share) -> None:
-  """``pask-jax serve``'s checks of its sizing flags, as one-line ValueErrors."""
-  pos = lambda x: isinstance(x, int) and not isinstance(x, bool) and x > 0
-  for name, v in (("slots", slots), ("context", context), ("page", page)):
-    if not pos(v):
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
-  for name, v in (("hi_pages", hi_pages), ("lo_pages", lo_pages)):
-    if v is not None and not pos(v):
-      raise ValueError(f"{name} must be None or a positive int, got {v!r}")
-  if kv_memory is not None and gpu_memory_utilization is not None:
-    raise ValueError("give kv_memory or gpu_memory_utilization, not both")
-  if kv_memory is not None and not (isinstance(kv_memory, (int, float)) and 0 < kv_memory
-                                    < float("inf")):
-    raise ValueError(f"kv_memory must be a positive number of GB, got {kv_memory!r}")
-  if gpu_memory_utilization is not None and not (
-      isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
-    raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-  if kv_mix is not None and not (
-      isinstance(kv_mix, (list, tuple)) and len(kv_mix) == 2
-      and all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in kv_mix)
-      and sum(kv_mix) <= 1 + 1e-9):
-    raise ValueError(f"kv_mix must be two fractions (H, L) in [0, 1] summing to at most 1, got "
-                     f"{kv_mix!r}")
-  if preemption not in ("replay", "recompute"):
-    raise ValueError(f"preemption must be 'replay' or 'recompute', got {preemption!r}")
-  if prefill_chunk not in (64, 128, 256, 512):
-    raise ValueError(f"prefill_chunk must be one of 64, 128, 256, 512, got {prefill_chunk!r}")
-  if not (isinstance(prefill_share, (int, float)) and 0 < prefill_share <= 1):
-    raise ValueError(f"prefill_share must be in (0, 1], got {prefill_share!r}")
-
-
-def start_engine(model, policy: Any = "all-high", *, slots: int = 4, context: int = 1024,
-                 page: int = 16, hi_pages: int | None = None, lo_pages: int | None = None,
+def start_engine(model, policy: Any = ENGINE.policy, *, slots: int = ENGINE.slots,
+                 context: int = ENGINE.context, page: int = ENGINE.page,
+                 hi_pages: int | None = None, lo_pages: int | None = None,
                  kv_memory: float | None = None, gpu_memory_utilization: float | None = None,
-                 kv_mix: tuple[float, float] | None = None, preemption: str = "replay",
-                 prefill_chunk: int = 512, prefill_share: float = 1 / 3,
-                 warmup: bool | int = True, tensor_parallel_size: int = 1):
+                 kv_mix: tuple[float, float] | None = None, preemption: str = ENGINE.preemption,
+                 prefill_chunk: int = ENGINE.prefill_chunk,
+                 prefill_share: float = ENGINE.prefill_share, lo_format: str = ENGINE.lo_format,
+                 tool_format: str | None = None, warmup: bool | int = True,
+                 tensor_parallel_size: int = ENGINE.tensor_parallel_size):
   """A started :class:`serve.engine.Engine`: continuous batching of ``slots`` sequences over one
   paged PASK cache (``context``: most tokens per request).  Send it requests with
   :func:`submit`; stop it with ``engine.stop()``.  ``pask-jax serve`` puts the OpenAI API on it.
 
-  The sizing options are ``pask-jax serve``'s: ``slots`` (``--max-num-seqs``), ``context``
-  (``--max-model-len``), ``page``; the KV memory budget ``kv_memory`` in GB or
-  ``gpu_memory_utilization`` (a fraction of the device's free memory; give at most one; neither:
-  every slot gets its full context), ``kv_mix`` (expected H and L fractions for sizing),
-  ``hi_pages`` / ``lo_pages`` (pool sizes overriding the budget's), ``preemption`` ("replay" or
-  "recompute"), ``prefill_chunk`` and ``prefill_share``.  ``warmup``: compile before serving
-  the decode step and every prompt bucket (True), only the buckets of prompts up to that many
-  tokens (an int: a faster start where prompts are short; longer ones compile on first use), or
-  nothing (False).  ``tensor_parallel_size`` (``--tensor-parallel-size``): serve on the first
-  that many local devices, the weights, pools and windows split by head (:mod:`pask_jax.mesh`);
-  ``kv_memory`` / ``gpu_memory_utilization`` are then each device's budget.  Bad values:
-  one-line ``ValueError``."""
+  The options are ``pask-jax serve``'s, with its defaults (one source:
+  :data:`pask_jax.options.ENGINE`): ``policy`` (``--policy``, "all-high"), ``slots``
+  (``--max-num-seqs``, 4), ``context`` (``--max-model-len``, 2048), ``page`` (``--page``, 16);
+  the KV memory budget ``kv_memory`` in GB (``--kv-memory``) or ``gpu_memory_utilization`` (a
+  fraction in (0, 1] of the device's free memory; give at most one; neither: every slot gets
+  its full context), ``kv_mix`` (expected H and L fractions for sizing), ``hi_pages`` /
+  ``lo_pages`` (pool sizes overriding the budget's), ``preemption`` ("replay", the default, or
+  "recompute"), ``prefill_chunk`` (64, 128, 256 or 512, the default) and ``prefill_share`` (in
+  (0, 1), default 1/3), ``lo_format`` (``--lo-format``: the INT4 pool's storage, "bytes", the
+  default, or "int4": head-major int4 pages for the Mosaic GPU kernel on Hopper, pages a
+  multiple of 64 there).  ``tool_format`` (``--tool-call-parser``): the tool-call format of
+  every request that names none (``hermes``, vLLM's name, = ``tool_call_tags``;
+  ``fenced_json``; ``json_list``; None: the model family's).  ``warmup``: compile before
+  serving the decode step and every prompt bucket (True, as the server does), only the buckets
+  of prompts up to that many tokens (an int: a faster start where prompts are short; longer
+  ones compile on first use), or nothing (False).  ``tensor_parallel_size``
+  (``--tensor-parallel-size``): serve on the first that many local devices, the weights, pools
+  and windows split by head (:mod:`pask_jax.mesh`); ``kv_memory`` / ``gpu_memory_utilization``
+  are then each device's budget.  Bad values: one-line ``ValueError``."""
   from pask_jax import mesh as tp
-  from serve.engine import Engine
-  _check_sizing(slots, context, page, hi_pages, lo_pages, kv_memory, gpu_memory_utilization,
-                kv_mix, preemption, prefill_chunk, prefill_share)
-  mesh = tp.serving_mesh(tensor_parallel_size, model.cfg)
+  from serve.engine import Engine, check_lo_format
+  check_engine(slots=slots, context=context, page=page, hi_pages=hi_pages, lo_pages=lo_pages,
+               kv_memory=kv_memory, gpu_memory_utilization=gpu_memory_utilization,
+               kv_mix=kv_mix, preemption=preemption, prefill_chunk=prefill_chunk,
+               prefill_share=prefill_share, lo_format=lo_format,
+               tensor_parallel_size=tensor_parallel_size, tool_format=tool_format)
   if not isinstance(warmup, bool) and not (isinstance(warmup, int) and warmup > 0):
     raise ValueError(f"warmup must be True, False or a positive int (tokens), got {warmup!r}")
+  check_lo_format(lo_format, page, "auto")
+  mesh = tp.serving_mesh(tensor_parallel_size, model.cfg)
   pol = load_policy(policy, model)
   engine = Engine(model.model, model.tokenizer, pol, slots=slots, context=context, page=page,
                   hi_pages=hi_pages, lo_pages=lo_pages,
                   kv_bytes=None if kv_memory is None else int(kv_memory * 1e9),
                   gpu_memory_utilization=gpu_memory_utilization,
                   mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
-                  prefill_chunk=prefill_chunk, prefill_share=prefill_share, mesh=mesh)
-  engine.loaded = model
+                  prefill_chunk=prefill_chunk, prefill_share=prefill_share,
+                  lo_format=lo_format, mesh=mesh)
+  engine.loaded, engine.tool_format = model, tool_format
   if warmup:
     engine.warmup(None if warmup is True else warmup)
   return engine.start()
@@ -447,7 +434,8 @@ def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
   """Queue one request on an engine from :func:`start_engine` -> a Future of its Generation
   (prepared exactly as :func:`generate` prepares it; the engine always decodes under its policy,
   so the result carries the ledger).  Sampling as for :func:`generate`, plus ``logprobs``
-  (``Generation.logprobs``).  Thread-safe."""
+  (``Generation.logprobs``).  ``tool_format``: None takes the engine's
+  (``start_engine(tool_format=...)``, like ``serve --tool-call-parser``).  Thread-safe."""
   from serve.engine import Request
   model = getattr(engine, "loaded", None)
   if model is None:
@@ -456,6 +444,8 @@ def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
   sp = _sampling(sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                  seed=seed, stop=stop, logprobs=logprobs, n=n)
   _check_stop(sp, tools, json_schema)
+  if tool_format is None:   # the engine's (start_engine(tool_format=...)), as the server's
+    tool_format = getattr(engine, "tool_format", None)
   p = prepare(model, prompt, system=system, tools=tools, json_schema=json_schema,
               tool_format=tool_format, chat_template=chat_template, labels=True)
   fut: concurrent.futures.Future = concurrent.futures.Future()

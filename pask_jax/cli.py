@@ -7,6 +7,8 @@ import os
 import sys
 
 from pask_jax import platform
+from pask_jax.options import (ENGINE, LO_FORMATS, PREEMPTION, PREFILL_CHUNKS, TOOL_FORMATS,
+                              check_engine)
 
 
 KEY_CENTER_HELP = ("subtract a fixed per-channel mean from the post-RoPE keys (models.center): "
@@ -355,6 +357,7 @@ _positive = _arg(int, lambda v: v >= 1, "a positive integer")
 _positive_float = _arg(float, lambda v: v > 0, "a positive number")
 _fraction = _arg(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 _share = _arg(float, lambda v: 0 < v < 1, "a fraction in (0, 1)")
+_utilization = _arg(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 
 def _task_args(p) -> None:
@@ -389,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
   x = g.add_mutually_exclusive_group()
   x.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
   x.add_argument("--tools", metavar="FILE", help="JSON list of tools (OpenAI format)")
-  g.add_argument("--tool-format", choices=["fenced_json", "tool_call_tags", "json_list"],
-                 help="tool-call format (default: per model family, see pask_jax.grammar)")
+  g.add_argument("--tool-format", choices=list(TOOL_FORMATS),
+                 help="tool-call format; hermes (vLLM's name) = tool_call_tags (default: per "
+                      "model family, see pask_jax.grammar)")
   g.add_argument("--max-tokens", type=int, default=64)
   g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   g.add_argument("--top-p", type=float, default=1.0)
@@ -415,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                      description="OpenAI-compatible server (vLLM-style flags where they exist).")
   s.add_argument("--model", default=None, help="GGUF file, HF checkpoint dir, or a registered "
                                                "name (default: smollm2-135m-instruct)")
-  s.add_argument("--policy", default="all-high",
+  s.add_argument("--policy", default=ENGINE.policy,
                  help="PASK policy: all-high, demo, or a calibrated policy directory")
   s.add_argument("--host", default="127.0.0.1", help="address to listen on")
   s.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -426,29 +430,32 @@ def main(argv: list[str] | None = None) -> int:
   s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                  help="Jinja chat template replacing the model's: a file path, or the template "
                       "itself (a value with '{', '}' or a newline) (default: the model's)")
-  s.add_argument("--tool-call-parser", default=None, choices=["hermes", "fenced_json",
-                                                              "json_list"],
+  s.add_argument("--tool-call-parser", default=None, choices=list(TOOL_FORMATS),
                  help="the format tool calls are generated (grammar) and parsed in: hermes = "
                       "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks "
-                      "(Qwen2.5, Hermes; vLLM's hermes), fenced_json = ```json blocks, "
+                      "(Qwen2.5, Hermes; vLLM's hermes; tool_call_tags is the same format), "
+                      "fenced_json = ```json blocks, "
                       "json_list = a JSON list of calls (default: per model family: qwen2 "
                       "fenced_json, qwen3 hermes, others json_list)")
   s.add_argument("--enable-auto-tool-choice", action="store_true",
                  help="accepted so that vLLM command lines run; tool_choice 'auto' works "
                       "with or without it (default: off)")
-  s.add_argument("--max-num-seqs", "--slots", dest="slots", type=_positive, default=4,
+  s.add_argument("--max-num-seqs", "--slots", dest="slots", type=_positive,
+                 default=ENGINE.slots,
                  metavar="N",
                  help="decode batch: requests decoded together (alias --slots)")
-  s.add_argument("--max-model-len", "--context", dest="context", type=_positive, default=2048,
+  s.add_argument("--max-model-len", "--context", dest="context", type=_positive,
+                 default=ENGINE.context,
                  metavar="N",
                  help="most tokens (prompt + max_tokens) per request (alias --context)")
-  s.add_argument("--page", type=_positive, default=16, help="tokens per KV page")
-  s.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N",
+  s.add_argument("--page", type=_positive, default=ENGINE.page, help="tokens per KV page")
+  s.add_argument("--tensor-parallel-size", "-tp", type=_positive,
+                 default=ENGINE.tensor_parallel_size, metavar="N",
                  help="serve on the first N local GPUs or TPU chips, like vLLM: attention by KV "
                       "head, the MLP by columns/rows, embeddings and lm_head by vocabulary, the "
                       "KV pools and windows by KV head; --kv-memory and "
                       "--gpu-memory-utilization are then per device (default: 1)")
-  s.add_argument("--lo-format", choices=["bytes", "int4"], default="bytes",
+  s.add_argument("--lo-format", choices=list(LO_FORMATS), default=ENGINE.lo_format,
                  help="storage of the INT4 pool: bytes (half-split nibbles: the Triton and TPU "
                       "kernels) or int4 (head-major int4 pages: the Mosaic GPU kernel on "
                       "Hopper, ~1.5x the INT4 read rate; needs --page 64 or 128 there)")
@@ -456,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
   mem.add_argument("--kv-memory", type=_positive_float, default=None, metavar="GB",
                    help="KV cache memory budget in GB: both pools sized from it and the "
                         "policy's expected H/L mix (default: every slot at full context)")
-  mem.add_argument("--gpu-memory-utilization", type=_positive_float, default=None,
+  mem.add_argument("--gpu-memory-utilization", type=_utilization, default=None,
                    metavar="FRACTION", help="KV budget as this fraction of the device's free "
                                             "memory after loading the weights, like vLLM (with "
                                             "-tp: of the device with the least) (default: "
@@ -470,16 +477,17 @@ def main(argv: list[str] | None = None) -> int:
   s.add_argument("--lo-pages", type=_positive, default=None,
                  help="INT4 pool size in pages, overriding the budget's (default: sized from "
                       "the budget)")
-  s.add_argument("--preemption", choices=["replay", "recompute"], default="replay",
+  s.add_argument("--preemption", choices=list(PREEMPTION), default=ENGINE.preemption,
                  help="when a pool runs dry the youngest request is preempted; when readmitted "
                       "its prompt is prefilled again and its generated tokens re-fed through "
                       "the decode step (replay: output continues bit-exactly) or prefilled "
                       "with the prompt (recompute: one prefill, numerically close)")
-  s.add_argument("--prefill-chunk", type=int, choices=[64, 128, 256, 512], default=512,
+  s.add_argument("--prefill-chunk", type=int, choices=list(PREFILL_CHUNKS),
+                 default=ENGINE.prefill_chunk,
                  help="tokens of a prompt prefilled between two decode steps while other "
                       "requests decode (smaller: less stall for them, more steps for the "
                       "prompt)")
-  s.add_argument("--prefill-share", type=_share, default=1 / 3,
+  s.add_argument("--prefill-share", type=_share, default=ENGINE.prefill_share,
                  help="the most of the engine's time a long prompt's prefill (several pieces) "
                       "takes while other requests decode; prompts of one piece are not paced "
                       "and may pass a long one in progress (default: 1/3)")
@@ -633,6 +641,13 @@ def main(argv: list[str] | None = None) -> int:
       ap.error(f"--port must be in [0, 65535], got {args.port}")
     if not args.grammar_timeout > 0:
       ap.error(f"--grammar-timeout must be positive, got {args.grammar_timeout}")
+    try:   # the checks start_engine makes, naming the flags (e.g. --kv-mix summing over 1)
+      check_engine(**{k: getattr(args, k) for k in (
+          "slots", "context", "page", "hi_pages", "lo_pages", "kv_memory",
+          "gpu_memory_utilization", "kv_mix", "preemption", "prefill_chunk", "prefill_share",
+          "lo_format", "tensor_parallel_size")}, tool_format=args.tool_call_parser, flags=True)
+    except ValueError as e:
+      ap.error(str(e))
     return cmd_serve(args)
   if args.cmd == "report":
     return cmd_report(args)

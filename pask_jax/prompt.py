@@ -35,13 +35,14 @@ class Prompt:
 
 
 def style(arch: str, tool_format: str | None = None) -> tuple[str, int | None]:
-  """(tool-call format, JSON indent) for a model family and an optional chosen format."""
-  from pask_jax.grammar.toolcall import DEFAULT_STYLE, FORMATS
+  """(tool-call format, JSON indent) for a model family and an optional chosen format: a name
+  of :data:`pask_jax.options.TOOL_FORMATS` (vLLM's ``hermes`` is ``tool_call_tags``)."""
+  from pask_jax.grammar.toolcall import DEFAULT_STYLE
+  from pask_jax.options import resolve_tool_format
   fmt, indent = DEFAULT_STYLE.get(arch, ("json_list", None))
+  tool_format = resolve_tool_format(tool_format)
   if tool_format is None or tool_format == fmt:
     return fmt, indent
-  if tool_format not in FORMATS:
-    raise ValueError(f"unknown tool format {tool_format!r}; choose from {', '.join(FORMATS)}")
   return tool_format, None
 
 

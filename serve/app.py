@@ -66,6 +66,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pask_jax.options import ENGINE
 from pask_jax.prompt import Prompt
 from pask_jax.tracker import Tracker
 from serve.engine import Engine, Request, check_lo_format
@@ -321,19 +322,23 @@ def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = 
 
 
 
-def build(model: str | None = None, policy: str = "all-high", *, slots: int = 4,
-          context: int = 1024, page: int = 16, hi_pages: int | None = None,
+def build(model: str | None = None, policy: str = ENGINE.policy, *, slots: int = ENGINE.slots,
+          context: int = ENGINE.context, page: int = ENGINE.page, hi_pages: int | None = None,
           lo_pages: int | None = None, kv_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, kv_mix=None,
-          preemption: str = "replay", dtype: str = "auto", default_max_tokens: int = 256,
-          warmup: bool = True, served_model_name: list[str] | None = None,
-          max_body_bytes: int = 2 << 20, max_json_depth: int = 64,
-          grammar_timeout_s: float = 10.0, prefill_chunk: int = 512,
-          prefill_share: float = 1 / 3, api_key: str | list[str] | None = None,
-          chat_template: str | None = None, tool_call_parser: str | None = None,
-          center_keys: bool = True, lo_format: str = "bytes", tensor_parallel_size: int = 1):
+          preemption: str = ENGINE.preemption, dtype: str = "auto",
+          default_max_tokens: int = 256, warmup: bool = True,
+          served_model_name: list[str] | None = None, max_body_bytes: int = 2 << 20,
+          max_json_depth: int = 64, grammar_timeout_s: float = 10.0,
+          prefill_chunk: int = ENGINE.prefill_chunk, prefill_share: float = ENGINE.prefill_share,
+          api_key: str | list[str] | None = None, chat_template: str | None = None,
+          tool_call_parser: str | None = None, center_keys: bool = True,
+          lo_format: str = ENGINE.lo_format,
+          tensor_parallel_size: int = ENGINE.tensor_parallel_size):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
-  :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).
+  :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).  The
+  engine options' defaults are ``pask-jax serve``'s and ``start_engine``'s
+  (:data:`pask_jax.options.ENGINE`).
   ``chat_template``: a file path or a template (:func:`load_chat_template`); the other options
   as for :func:`create_app`; ``center_keys``: :mod:`models.center` (default on); ``lo_format``:
   the INT4 pool's storage format (:class:`serve.engine.Engine`); ``tensor_parallel_size``: the

@@ -9,17 +9,19 @@ import math
 from typing import Any
 
 
+from pask_jax.options import TOOL_FORMATS
 from pask_jax.tracker import Tracker
 from serve.engine import Engine
 from serve.protocol import (ChatCompletionRequest, CompletionRequest)
 
 MAX_CALLS = 8   # calls per answer with parallel_tool_calls (BFCL's parallel cases need a few)
 # ``--tool-call-parser`` -> the format of pask_jax.grammar.toolcall that both the grammar and the
-# parser of the answer follow.  ``hermes`` is vLLM's name for Qwen2.5's / Hermes'
-# ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` blocks; the other two have no
-# vLLM parser.  None: the measured per-family default (pask_jax.grammar.DEFAULT_STYLE).
-TOOL_CALL_PARSERS = {"hermes": "tool_call_tags", "fenced_json": "fenced_json",
-                     "json_list": "json_list"}
+# parser of the answer follow: the names every front end accepts (pask_jax.options.TOOL_FORMATS).
+# ``hermes`` is vLLM's name for Qwen2.5's / Hermes'
+# ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` blocks (``tool_call_tags``, its
+# pask-jax name, is the same format); fenced_json and json_list have no vLLM parser.  None: the
+# measured per-family default (pask_jax.grammar.DEFAULT_STYLE).
+TOOL_CALL_PARSERS = TOOL_FORMATS
 
 
 def load_chat_template(value: str) -> str:

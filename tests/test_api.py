@@ -181,7 +181,10 @@ def test_start_engine_takes_the_serve_sizing_options(smol):
                   (dict(preemption="swap"), "preemption must be 'replay' or 'recompute'"),
                   (dict(prefill_chunk=100), "prefill_chunk must be one of"),
                   (dict(prefill_share=0.0), "prefill_share must be in"),
-                  (dict(hi_pages=0), "hi_pages must be None or a positive int")):
+                  (dict(hi_pages=0), "hi_pages must be None or a positive int"),
+                  (dict(lo_format="nibbles"), "lo_format must be 'bytes' or 'int4'"),
+                  (dict(tool_format="mistral"), "unknown tool format 'mistral'"),
+                  (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive")):
     with pytest.raises(ValueError, match=msg):
       pj.start_engine(smol, "demo", warmup=False, **kw)
   for bad in (0, -5, 2.5, "128"):
@@ -191,12 +194,143 @@ def test_start_engine_takes_the_serve_sizing_options(smol):
   big.stop()
   e = pj.start_engine(smol, "demo", slots=2, context=256, kv_memory=0.004, kv_mix=(0.5, 0.5),
                       preemption="recompute", prefill_chunk=128, prefill_share=0.5,
-                      warmup=False)
+                      lo_format="int4", tool_format="hermes", warmup=False)
   try:
     assert e.preemption == "recompute" and e.hi_total + e.lo_total < big.hi_total + big.lo_total
+    assert e.tool_format == "hermes" and big.tool_format is None
     f = pj.submit(e, "Name a color.", sampling=pj.SamplingParams(max_tokens=6, logprobs=2))
     g = f.result(timeout=600)
     assert len(g.logprobs) == len(g.tokens) and all(len(alts) <= 2 for _, alts in g.logprobs)
     assert pj.submit(e, "Name a color.", max_tokens=6).result(timeout=600).logprobs is None
   finally:
     e.stop()
+
+
+# ---- the API and pask-jax serve cannot drift -----------------------------------------------------
+
+def _serve_kwargs(monkeypatch, argv):
+  """What ``pask-jax serve ARGV`` hands serve.app.build (no model loads, no server starts)."""
+  import uvicorn
+
+  import serve.app
+  from pask_jax.cli import main
+  seen = {}
+
+  class Engine:
+    sizing = type("S", (), {"describe": staticmethod(lambda: "sizes")})()
+
+    def stop(self):
+      pass
+
+  def build(*a, **kw):
+    seen.update(kw, model=a[0], policy=a[1])
+    return object(), Engine()
+
+  monkeypatch.setattr(serve.app, "build", build)
+  monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+  monkeypatch.delenv("PASK_API_KEY", raising=False)
+  assert main(["serve", *argv]) == 0
+  return seen
+
+
+# start_engine keyword -> what serve passes build (the flag's argparse default)
+ENGINE_OPTIONS = {"policy": "policy", "slots": "slots", "context": "context", "page": "page",
+                  "hi_pages": "hi_pages", "lo_pages": "lo_pages", "kv_memory": "kv_memory_gb",
+                  "gpu_memory_utilization": "gpu_memory_utilization", "kv_mix": "kv_mix",
+                  "preemption": "preemption", "prefill_chunk": "prefill_chunk",
+                  "prefill_share": "prefill_share", "lo_format": "lo_format",
+                  "tool_format": "tool_call_parser",
+                  "tensor_parallel_size": "tensor_parallel_size"}
+
+
+def test_start_engine_defaults_are_serves(monkeypatch):
+  """Every engine option of start_engine defaults to what ``pask-jax serve`` uses when its flag
+  is not given (and serve.app.build's own defaults agree); a new option of either side fails
+  here until the other has it."""
+  import inspect
+
+  import pask_jax as pj
+  from serve.app import build
+  api = {k: p.default for k, p in inspect.signature(pj.start_engine).parameters.items()
+         if p.default is not inspect.Parameter.empty}
+  assert set(api) == set(ENGINE_OPTIONS) | {"warmup"}, set(api) ^ set(ENGINE_OPTIONS)
+  assert api["warmup"] is True   # the server always warms up every bucket
+  served = _serve_kwargs(monkeypatch, [])
+  built = {k: p.default for k, p in inspect.signature(build).parameters.items()}
+  for ours, theirs in ENGINE_OPTIONS.items():
+    assert api[ours] == served[theirs], (ours, api[ours], served[theirs])
+    assert built[theirs] == api[ours], (theirs, built[theirs], api[ours])
+  assert (api["slots"], api["context"], api["lo_format"]) == (4, 2048, "bytes")
+  # the values the engine itself takes: one list of chunks, preemptions, shares
+  from serve.engine import PREEMPTION, PREFILL_CHUNKS
+  from serve.schedule import PREFILL_SHARE
+  from pask_jax import options
+  assert set(options.PREEMPTION) == set(PREEMPTION)
+  assert options.PREFILL_CHUNKS == PREFILL_CHUNKS and api["prefill_share"] == PREFILL_SHARE
+
+
+def test_serve_refuses_what_start_engine_refuses(monkeypatch, capsys):
+  import serve.app
+  from pask_jax.cli import main
+
+  def build(*a, **kw):
+    raise AssertionError("a bad flag reached build")
+
+  monkeypatch.setattr(serve.app, "build", build)
+  for argv, msg in ((["--kv-mix", "0.8", "0.5"], "--kv-mix must be two fractions"),
+                    (["--kv-mix", "0", "0"], "--kv-mix must be two fractions"),
+                    (["--gpu-memory-utilization", "1.5"], r"expected a fraction in \(0, 1\]"),
+                    (["--prefill-share", "1"], r"expected a fraction in \(0, 1\)"),
+                    (["--lo-format", "nibbles"], "invalid choice")):
+    with pytest.raises(SystemExit) as e:
+      main(["serve", *argv])
+    assert e.value.code == 2
+    assert re.search(msg, capsys.readouterr().err), argv
+  import pask_jax as pj
+  for kw, msg in ((dict(kv_mix=(0.0, 0.0)), "kv_mix must be two fractions"),
+                  (dict(prefill_share=1.0), r"prefill_share must be in \(0, 1\)")):
+    with pytest.raises(ValueError, match=msg):
+      pj.start_engine(None, **kw)   # refused before the model is looked at
+
+
+def test_tool_format_names_are_the_same_everywhere(monkeypatch, capsys):
+  """vLLM's ``hermes`` (= ``tool_call_tags``) and the other names are accepted alike by serve
+  --tool-call-parser, generate --tool-format, the API's tool_format and the server's app."""
+  from pask_jax import api, options
+  from pask_jax.cli import main
+  from pask_jax.prompt import style
+  from serve.prepare import TOOL_CALL_PARSERS
+  names = ["hermes", "tool_call_tags", "fenced_json", "json_list"]
+  assert list(options.TOOL_FORMATS) == names and TOOL_CALL_PARSERS == options.TOOL_FORMATS
+  for name in names:
+    assert _serve_kwargs(monkeypatch, ["--tool-call-parser", name])["tool_call_parser"] == name
+    for arch in ("qwen2", "qwen3", "llama"):
+      assert style(arch, name)[0] == options.TOOL_FORMATS[name]
+  assert style("qwen2", "hermes") == ("tool_call_tags", None)
+  assert style("qwen3", "hermes") == style("qwen3", None)   # its own format: the same indent
+  for cmd in (["serve", "--tool-call-parser"], ["generate", "--prompt", "x", "--tool-format"]):
+    with pytest.raises(SystemExit):
+      main([*cmd, "mistral"])
+    err = capsys.readouterr().err
+    choices = err.split("choose from", 1)[1]
+    assert "invalid choice: 'mistral'" in err and all(n in choices for n in names), err
+  # submit: a request that names no format takes the engine's (as the server's parser)
+  seen = []
+
+  def prepare(model, prompt, **kw):
+    seen.append(kw["tool_format"])
+    raise LookupError("stop here")
+
+  monkeypatch.setattr(api, "prepare", prepare)
+  engine = type("E", (), {"loaded": object(), "tool_format": "hermes"})()
+  for given, want in ((None, "hermes"), ("json_list", "json_list")):
+    with pytest.raises(LookupError):
+      api.submit(engine, "hi", tool_format=given)
+    assert seen[-1] == want
+
+
+def test_hermes_tool_calls_through_the_api(smol):
+  import pask_jax as pj
+  tools = json.load(open(os.path.join(ROOT, "examples/weather_tools.json")))
+  p = pj.prepare(smol, "Weather in Oslo?", tools=tools, tool_format="hermes")
+  assert p.fmt == "tool_call_tags" and "<tool_call>" in p.text
