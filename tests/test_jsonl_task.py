@@ -1,7 +1,7 @@
 """A user's calibration task from a JSONL file (calibrate.tasks.JsonlTask): parsing and one-line
 errors per bad line, the 1:1 split, scoring of right and wrong answers, the task protocol, and
-``pask-jax calibrate --task jsonl`` end to end (a tiny random model over SmolLM2's tokenizer), and the
-README's calibrate-then-eval commands run for real on the embedded model."""
+``pask-jax calibrate --task jsonl`` end to end (a tiny random model over SmolLM2's tokenizer), and
+the README's calibrate-then-eval commands run for real on the embedded model."""
 import json
 import os
 
