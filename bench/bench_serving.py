@@ -203,7 +203,7 @@ HOST_PARTS = ("fill", "dispatch", "wait", "accept")   # serve.engine's per-step 
 
 
 def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: float,
-             profile: tuple[str, str, int] | None = None):
+             profile: tuple[str, str, int] | None = None, keep_tokens: bool = False):
   """Submit ``c`` identical-shape requests at once, drive to completion (or the deadline).
 
   ``profile`` = (trace dir, name, steps): once 32 decode steps have run, trace ``steps`` engine
@@ -270,6 +270,8 @@ def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: floa
          "alloc_overhead_frac": (m["alloc_s"] + m["admit_s"]) / m["decode_step_s"]
          if m["decode_step_s"] else None,
          "host_ms_per_step": {k: 1e3 * m[k + "_s"] / steps for k in HOST_PARTS}}
+  if keep_tokens:   # every completed request's tokens, in submission order
+    row["tokens"] = [[int(t) for t in x["tokens"]] for x in res]
   if prof is not None:
     row["profile"] = {k: v for k, v in prof.items() if not k.startswith("_")}
     row["profile_top"] = prof["_top_kernels"]
@@ -288,6 +290,28 @@ def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: floa
     row.update(kv_pool_bytes=s.total_bytes, kv_peak_used_bytes=s.total_bytes,
                fit_measured=row.get("fit_expected"))
   return row
+
+
+def cell_fit(cfg, policy, method: str, slots: int, n_tokens: int, context: int, page: int,
+             kv_bytes: int, mix, shards: int = 1) -> tuple[int, str | None]:
+  """(requests of ``n_tokens`` that fit the KV budget ``kv_bytes``, why none fit or None): host
+  arithmetic, before building an engine of ``slots`` slots.  ``method`` "xla": dense Full-KV rows
+  of ``context`` tokens; else the engine's pool sizing (:func:`serve.engine.size_pools`) at
+  ``mix``, and 0 when one request's worst case exceeds a pool (the engine would refuse it).
+  ``shards``: tensor parallelism (``kv_bytes`` per device, a page 1/``shards`` of its bytes)."""
+  from serve.engine import page_bytes, size_pools, worst_pages
+  if method == "xla":
+    return int(kv_bytes // (context * (page_bytes(cfg, page, shards)[0] // page))), None
+  try:
+    s = size_pools(cfg, policy, slots=slots, context=context, page=page, kv_bytes=kv_bytes,
+                   mix=mix, shards=shards)
+  except ValueError as e:
+    return 0, str(e)
+  wh, wl = worst_pages(policy, n_tokens, page)
+  if wh > s.hi_pages or wl > s.lo_pages:
+    return 0, (f"a request's worst case ({wh} BF16 / {wl} INT4 pages) exceeds the pools "
+               f"({s.hi_pages} / {s.lo_pages})")
+  return s.requests_fit(n_tokens), None
 
 
 def device_memory():
@@ -422,7 +446,7 @@ def main(argv=None) -> int:
   from pask_jax import policy as P
   from pask_jax.decode import Runner
   from pask_jax.grammar import DEFAULT_STYLE, GrammarCompiler, tool_call_grammar
-  from serve.engine import DenseEngine, Engine, page_bytes, size_pools, worst_pages
+  from serve.engine import DenseEngine, Engine, page_bytes
   if a.shape != "tiny" and a.shape not in SHAPES:
     raise SystemExit(f"error: unknown shape {a.shape!r}; choose tiny or one of {', '.join(SHAPES)}")
   if min(a.inputs + a.outputs + a.concurrency) < 1:
@@ -523,18 +547,9 @@ def main(argv=None) -> int:
              "kv_budget_bytes": kv_bytes, "mix": mix, "prefill_memo": a.prefill_memo,
              "device": dev.device_kind}
       # Does this concurrency fit the budget?  (host arithmetic, before building anything)
-      if meth == "xla":
-        fit = int(kv_bytes // (ctx * tbytes))
-      else:
-        try:
-          s = size_pools(mcfg, pol, slots=c, context=ctx, page=a.page, kv_bytes=kv_bytes, mix=mix)
-          fit = s.requests_fit(n_in + n_out)
-          wh, wl = worst_pages(pol, n_in + n_out, a.page)
-          if wh > s.hi_pages or wl > s.lo_pages:   # the engine would refuse it (fits_ever)
-            fit, row["reason"] = 0, (f"a request's worst case ({wh} BF16 / {wl} INT4 pages) "
-                                     f"exceeds the pools ({s.hi_pages} / {s.lo_pages})")
-        except ValueError as e:
-          fit, row["reason"] = 0, str(e)
+      fit, why = cell_fit(mcfg, pol, meth, c, n_in + n_out, ctx, a.page, kv_bytes, mix)
+      if why:
+        row["reason"] = why
       row.update(fit_expected=fit, full_kv_fit=int(kv_bytes // ((n_in + n_out) * tbytes)))
       if fit < c:
         row.update(status="infeasible", reason=row.get("reason") or

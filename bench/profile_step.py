@@ -8,7 +8,8 @@ device time per class of op:
   label ``qkv``, ``out_proj``, ``mlp``, ``lm_head``, ``norm``, ``rope``, ``attention``,
   ``cache_write``, ``controller``, ``ledger``, ``sample``), found in the event's arguments (XLA
   puts the HLO op's ``op_name`` metadata there); otherwise a guess from the kernel name
-  (gemm / scatter / the Pallas kernels / copy / other);
+  (gemm / scatter / the Pallas kernels / copy / other); a collective (NCCL kernel, XLA
+  all-reduce / all-gather / …: tensor parallelism) is ``collective`` whatever its scope;
 * ``host gap`` = wall time per step minus device busy time per step (launch gaps, host work,
   transfers the device waits for).
 
@@ -44,7 +45,16 @@ def scopes_from_hlo(hlo_text: str) -> dict[str, str]:
   return out
 
 
+# Cross-device collectives (tensor parallelism: NCCL's kernels, XLA's collective ops), a class of
+# their own whatever named scope they were inserted under (the SPMD partitioner gives an
+# all-reduce the op_name of the matmul whose partial sums it adds).
+COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|"
+                        r"collective[-_]?permute|all[-_]?to[-_]?all", re.I)
+
+
 def classify(name: str, args: dict, op_names: dict | None = None) -> str:
+  if COLLECTIVE.search(name):
+    return "collective"
   text = " ".join(str(v) for v in args.values()) if args else ""
   if op_names:
     text += " " + op_names.get(name, op_names.get(re.sub(r"_\d+$", "", name), ""))
