@@ -309,21 +309,19 @@ def test_transfer_binds_the_same_tables_to_another_model(tmp_path, capsys):
   the 1.5B; bad input is one line."""
   from models import registry
   from pask_jax.cli import main
-  from pask_jax.platform import load_model
   src = os.path.join(os.path.dirname(__file__), "data", "policy15_rule2")
   out = tmp_path / "moved"
   assert main(["policy", "transfer", src, "--model", registry.DEFAULT, "--out", str(out)]) == 0
   said = capsys.readouterr().out
-  m = load_model(registry.DEFAULT)
-  th = m.tokenizer.hash()
+  smol = {"arch": "llama", "n_layers": 30, "n_kv_heads": 3, "head_dim": 64, "vocab_size": 49152}
   for rel in ["", "B0.15", "B0.20", "B0.25", "B0.33"]:
-    a, b = P.load(os.path.join(src, rel)), P.load(out / rel, m.cfg, th)
+    a, b = P.load(os.path.join(src, rel)), P.load(out / rel, smol)
     assert f"{os.path.join(str(out), rel) if rel else str(out)}: " in said
     for k in ("action", "floor", "crit", "reserve", "pooled", "b_d", "b_p"):
       np.testing.assert_array_equal(np.asarray(getattr(a, k)), np.asarray(getattr(b, k)), k)
     np.testing.assert_array_equal(np.isnan(a.prio), np.isnan(b.prio))
     assert (a.sink, a.window) == (b.sink, b.window)
-    assert b.record["model"]["n_layers"] == m.cfg.n_layers == 30
+    assert {k: b.record["model"][k] for k in smol} == smol
     assert b.record["transferred_from"]["model"] == a.record["model"]
     assert b.record["model"]["n_layers"] != a.record["model"]["n_layers"]   # 28: the 1.5B
     assert float(b.c_full) != float(a.c_full)
