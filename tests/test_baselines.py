@@ -194,9 +194,11 @@ def test_snapkv_runner_keeps_window_and_generated(tiny):
   obs, target, gen = 8, 0.5, 24
   out = generate(mr.configure(Config("snapkv", target=target, obs=obs, gen=gen)), Tok(), prompts,
                  sampling=Sampling(max_tokens=24))
+  assert any(o.tokens for o in out)
   for o, p in zip(out, prompts):
     cap = snapkv.prompt_cap(target, len(p), obs, gen)
-    assert o.ledger["decode_B"] == 1.0
+    if o.tokens:   # the random model may stop at once (stop id 0): no decode entries, B is NaN
+      assert o.ledger["decode_B"] == 1.0
     assert o.ledger["prefill_B"] == pytest.approx(cap / len(p))
 
 
