@@ -10,6 +10,8 @@ import sys
 import jsonschema
 import pytest
 
+from pask_jax.testing import serve_kwargs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -208,31 +210,6 @@ def test_start_engine_takes_the_serve_sizing_options(smol):
 
 # ---- the API and pask-jax serve cannot drift -----------------------------------------------------
 
-def _serve_kwargs(monkeypatch, argv):
-  """What ``pask-jax serve ARGV`` hands serve.app.build (no model loads, no server starts)."""
-  import uvicorn
-
-  import serve.app
-  from pask_jax.cli import main
-  seen = {}
-
-  class Engine:
-    sizing = type("S", (), {"describe": staticmethod(lambda: "sizes")})()
-
-    def stop(self):
-      pass
-
-  def build(*a, **kw):
-    seen.update(kw, model=a[0], policy=a[1])
-    return object(), Engine()
-
-  monkeypatch.setattr(serve.app, "build", build)
-  monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
-  monkeypatch.delenv("PASK_API_KEY", raising=False)
-  assert main(["serve", *argv]) == 0
-  return seen
-
-
 # start_engine keyword -> what serve passes build (the flag's argparse default)
 ENGINE_OPTIONS = {"policy": "policy", "slots": "slots", "context": "context", "page": "page",
                   "hi_pages": "hi_pages", "lo_pages": "lo_pages", "kv_memory": "kv_memory_gb",
@@ -255,7 +232,7 @@ def test_start_engine_defaults_are_serves(monkeypatch):
          if p.default is not inspect.Parameter.empty}
   assert set(api) == set(ENGINE_OPTIONS) | {"warmup"}, set(api) ^ set(ENGINE_OPTIONS)
   assert api["warmup"] is True   # the server always warms up every bucket
-  served = _serve_kwargs(monkeypatch, [])
+  served = serve_kwargs(monkeypatch, [])
   built = {k: p.default for k, p in inspect.signature(build).parameters.items()}
   for ours, theirs in ENGINE_OPTIONS.items():
     assert api[ours] == served[theirs], (ours, api[ours], served[theirs])
@@ -303,7 +280,7 @@ def test_tool_format_names_are_the_same_everywhere(monkeypatch, capsys):
   names = ["hermes", "tool_call_tags", "fenced_json", "json_list"]
   assert list(options.TOOL_FORMATS) == names and TOOL_CALL_PARSERS == options.TOOL_FORMATS
   for name in names:
-    assert _serve_kwargs(monkeypatch, ["--tool-call-parser", name])["tool_call_parser"] == name
+    assert serve_kwargs(monkeypatch, ["--tool-call-parser", name])["tool_call_parser"] == name
     for arch in ("qwen2", "qwen3", "llama"):
       assert style(arch, name)[0] == options.TOOL_FORMATS[name]
   assert style("qwen2", "hermes") == ("tool_call_tags", None)

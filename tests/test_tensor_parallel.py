@@ -338,26 +338,9 @@ def test_tensor_parallel_size_refused_before_loading_a_model():
 
 
 def test_serve_passes_the_tensor_parallel_size(monkeypatch):
-  import uvicorn
-
-  import serve.app
-  from pask_jax import cli
-  seen = {}
-
-  class Engine:
-    sizing = type("S", (), {"describe": staticmethod(lambda: "sizes")})()
-
-    def stop(self):
-      pass
-
-  def build(*a, **kw):
-    seen.update(kw)
-    return object(), Engine()
-
-  monkeypatch.setattr(serve.app, "build", build)
-  monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
-  assert cli.main(["serve"]) == 0 and seen["tensor_parallel_size"] == 1
-  assert cli.main(["serve", "-tp", "2"]) == 0 and seen["tensor_parallel_size"] == 2
+  from pask_jax.testing import serve_kwargs
+  assert serve_kwargs(monkeypatch, [])["tensor_parallel_size"] == 1
+  assert serve_kwargs(monkeypatch, ["-tp", "2"])["tensor_parallel_size"] == 2
 
 
 def test_pools_sized_per_device():
