@@ -374,6 +374,22 @@ def qwen_gguf(gguf: str | None) -> str | None:
     return None
 
 
+def start_jax(compile_cache: str | None, min_compile_s: float = 1.0):
+  """Import jax for a benchmark: on the CPU where JAX_PLATFORMS is unset and the host has no
+  NVIDIA device (the CUDA plugin would wake), with the persistent compile cache at
+  ``compile_cache`` keeping programs that took ``min_compile_s`` or more (0: every program)."""
+  if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidia0"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  if compile_cache:
+    os.makedirs(compile_cache, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
+    if min_compile_s <= 0:
+      jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  return jax
+
+
 def order_cells(inputs, outputs, concurrency, methods):
   """Blocks of (input, output) in order of importance, then methods, then concurrency."""
   pairs = [(i, o) for i in inputs for o in outputs]
@@ -434,14 +450,8 @@ def main(argv=None) -> int:
     ap.error("--out is required")
   t_start = time.perf_counter()
   deadline = t_start + a.time_limit if a.time_limit else float("inf")
-  if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidia0"):
-    os.environ["JAX_PLATFORMS"] = "cpu"
-  import jax
+  jax = start_jax(a.compile_cache)
   import jax.numpy as jnp
-  if a.compile_cache:
-    os.makedirs(a.compile_cache, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", a.compile_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   from models import ModelConfig, load, random_model
   from pask_jax import policy as P
   from pask_jax.decode import Runner

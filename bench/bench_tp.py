@@ -407,17 +407,10 @@ def main(argv=None) -> int:
     return merge(a.merge, a.out)
   t_start = time.perf_counter()
   deadline = t_start + a.time_limit if a.time_limit else float("inf")
-  if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidia0"):
-    os.environ["JAX_PLATFORMS"] = "cpu"
-  import jax
+  # every program cached (the engines of one TP size share most of theirs: a hit, not a compile)
+  jax = BS.start_jax(a.compile_cache, min_compile_s=0)
   import jax.numpy as jnp
   from models import ModelConfig
-  if a.compile_cache:
-    os.makedirs(a.compile_cache, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", a.compile_cache)
-    # every program (the engines of one TP size share most of theirs: a hit instead of a compile)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   ndev = jax.device_count()
   tps = a.tp or [n for n in (1, 2, 4) if n <= ndev]
   if max(tps) > ndev or min(tps) < 1:
