@@ -18,8 +18,8 @@ import dataclasses
 TOOL_FORMATS = {"hermes": "tool_call_tags", "tool_call_tags": "tool_call_tags",
                 "fenced_json": "fenced_json", "json_list": "json_list"}
 
-PREEMPTION = ("replay", "recompute")
-PREFILL_CHUNKS = (64, 128, 256, 512)      # as serve.engine.PREFILL_CHUNKS
+PREEMPTION = ("replay", "recompute")     # the engine's too (serve.engine imports both)
+PREFILL_CHUNKS = (64, 128, 256, 512)      # prefill piece sizes, each one of the engine's buckets
 LO_FORMATS = ("bytes", "int4")            # as pallas_kernels.int4's formats
 
 

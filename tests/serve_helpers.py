@@ -104,3 +104,29 @@ def idle(base: str, bound: float = 60.0) -> dict:
 def pages_all_free(m: dict) -> bool:
   return (m['pask_pages_free{pool="bf16"}'] == m['pask_pages_total{pool="bf16"}'] == HI_PAGES
           and m['pask_pages_free{pool="int4"}'] == m['pask_pages_total{pool="int4"}'] == LO_PAGES)
+
+
+def serve_kwargs(monkeypatch, argv: list[str]) -> dict:
+  """What ``pask-jax serve ARGV`` hands ``serve.app.build`` (its keywords, plus ``model`` and
+  ``policy``), with no model loaded and no server started (``monkeypatch``: pytest's)."""
+  import uvicorn
+
+  import serve.app
+  from pask_jax.cli import main
+  seen = {}
+
+  class Engine:
+    sizing = type("S", (), {"describe": staticmethod(lambda: "sizes")})()
+
+    def stop(self):
+      pass
+
+  def build(*a, **kw):
+    seen.update(kw, model=a[0], policy=a[1])
+    return object(), Engine()
+
+  monkeypatch.setattr(serve.app, "build", build)
+  monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+  monkeypatch.delenv("PASK_API_KEY", raising=False)
+  assert main(["serve", *argv]) == 0
+  return seen

@@ -10,7 +10,7 @@ import sys
 import jsonschema
 import pytest
 
-from pask_jax.testing import serve_kwargs
+from serve_helpers import serve_kwargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -338,7 +338,7 @@ def test_tensor_parallel_size_refused_before_loading_a_model():
 
 
 def test_serve_passes_the_tensor_parallel_size(monkeypatch):
-  from pask_jax.testing import serve_kwargs
+  from serve_helpers import serve_kwargs
   assert serve_kwargs(monkeypatch, [])["tensor_parallel_size"] == 1
   assert serve_kwargs(monkeypatch, ["-tp", "2"])["tensor_parallel_size"] == 2
 

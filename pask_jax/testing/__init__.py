@@ -12,12 +12,11 @@ Kernel inputs and quantizer stress rows are in :mod:`pallas_kernels.testing`.
 """
 from pask_jax.testing.fixtures import (TINY, accepts_text, export_tokenizer, fast_compile,
                                        full_logprobs, grammar_compiler, load_tokenizer, relerr,
-                                       serve_kwargs, smollm2,
+                                       smollm2,
                                        smollm2_grammars, smollm2_tokenizer, stored_tokenizer,
                                        tiny_llama, xla_flags)
 
 __all__ = ["TINY", "accepts_text", "export_tokenizer", "fast_compile", "full_logprobs",
            "grammar_compiler",
-           "load_tokenizer", "relerr", "serve_kwargs", "smollm2", "smollm2_grammars",
-           "smollm2_tokenizer",
+           "load_tokenizer", "relerr", "smollm2", "smollm2_grammars", "smollm2_tokenizer",
            "stored_tokenizer", "tiny_llama", "xla_flags"]

@@ -153,29 +153,3 @@ def fast_compile(on: bool = True):
     yield
   finally:
     jax.config.update("jax_disable_most_optimizations", old)
-
-
-def serve_kwargs(monkeypatch, argv: list[str]) -> dict:
-  """What ``pask-jax serve ARGV`` hands ``serve.app.build`` (its keywords, plus ``model`` and
-  ``policy``), with no model loaded and no server started (``monkeypatch``: pytest's)."""
-  import uvicorn
-
-  import serve.app
-  from pask_jax.cli import main
-  seen = {}
-
-  class Engine:
-    sizing = type("S", (), {"describe": staticmethod(lambda: "sizes")})()
-
-    def stop(self):
-      pass
-
-  def build(*a, **kw):
-    seen.update(kw, model=a[0], policy=a[1])
-    return object(), Engine()
-
-  monkeypatch.setattr(serve.app, "build", build)
-  monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
-  monkeypatch.delenv("PASK_API_KEY", raising=False)
-  assert main(["serve", *argv]) == 0
-  return seen

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pask_jax.decode import PREFILL_CHUNK, Runner
+from pask_jax.options import PREEMPTION   # the engine's choices are serve's and start_engine's
 from serve.engine.batch import Batch
 from serve.engine.loop import Loop
 from serve.engine.output import METRIC_KEYS, Output
@@ -22,7 +23,6 @@ from serve.engine.sizing import PREFILL_CHUNKS, bucket, kv_bytes_for_utilization
 from serve.engine.step import DenseStep, PagedStep
 from serve.schedule import PREFILL_SHARE
 
-PREEMPTION = ("recompute", "replay")
 
 
 class Engine(Loop):

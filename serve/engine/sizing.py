@@ -22,8 +22,9 @@ import numpy as np
 
 from pask_jax import actions as Act
 from pask_jax.decode import PREFILL_CHUNK
+# PREFILL_CHUNKS: the prefill piece sizes (each one of the buckets below), serve's choices too
+from pask_jax.options import PREFILL_CHUNKS
 
-PREFILL_CHUNKS = (64, 128, 256, 512)   # prefill piece sizes (each one of the buckets below)
 # Padded lengths of a one-piece prompt: steps of 1.5x and 2x, so padding is at most a third of
 # a prefill, at one compile per bucket.
 PREFILL_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512)
