@@ -696,7 +696,7 @@ def test_rdr_tags_protects_exactly_the_floor_h_items_besides_rdr_own(session, sp
   (_, cache, sph, plan, rho), _ = _sph_state(session, r, 0.6, pol, tags)
   K = len(r.tiers)
   own_p, prot, route = np.asarray(own.prot), np.asarray(plan.prot), np.asarray(plan.route)
-  extra = 0
+  extra = stays = 0
   for b, fh in enumerate(want):
     n = int(lengths[b])
     region = slice(r.sink, n - r.window)
@@ -705,9 +705,11 @@ def test_rdr_tags_protects_exactly_the_floor_h_items_besides_rdr_own(session, sp
     assert not prot[b, :r.sink].any() and not prot[b, n - r.window:].any()
     assert np.all(route[b, region][exp] == K)
     extra += int(np.sum(exp & ~own_p[b, region]))
-    assert np.any(own_p[b, region] & ~fh[region][..., None])   # RDR's own protection stays
+    stays += int(np.sum(own_p[b, region] & ~fh[region][..., None]))
     assert fh[region].any() and not fh[region].all()
-  assert extra > 0
+  # RDR's own protection stays beside the floors: counted over the batch, as on one row the
+  # random model's own set may fall inside the (dense) floor-H items
+  assert extra > 0 and stays > 0
   # decode: row 0 a floor-H tag (dispatch key: HH), row 1 free generation (LL), row 2 none (H)
   B = r.batch
   tag_ids = np.full((B, T.N_CAND), T.PAD, np.int32)
