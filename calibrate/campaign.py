@@ -496,13 +496,16 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
   for mo in plan.models:
     path = model_path(mo)
     model_fp = {"sha256": fingerprint(path), "dtype": mo.dtype, "key_center": mo.key_center}
+    # once per method and budget, not per case chunk (a policy's digest reads its arrays)
+    resolved = {(me.label, b): _resolved(me, mo, b, plan.max_tokens)
+                for me in plan.methods for b in me.budgets}
     for sp in plan.splits:
       parts = split_cases[sp.label]
       for i, cs in enumerate(parts):
         ids = sorted(f"{c.category}/{c.id}" for c in cs)
         for me in plan.methods:
           for b in me.budgets:
-            knobs, policy, settings = _resolved(me, mo, b, plan.max_tokens)
+            knobs, policy, settings = resolved[me.label, b]
             material = {"task": task.name, "model": model_fp, "method": me.method, "budget": b,
                         "settings": settings, "split": E.SPLIT_NAMES[sp.split], "cases": ids}
             key = cell_key(material)
