@@ -8,8 +8,13 @@ Choices where nothing else decides:
 * ``dtype="auto"`` is float32 on a CPU host and bfloat16 on an accelerator (as the CLI).
 * A string prompt is one user turn (after ``system`` when given); a list is the whole
   conversation (OpenAI-style message dicts).  The chat template renders it unless
-  ``chat_template=False``; a template that ignores ``tools`` gets them described in a system
-  message instead (:func:`pask_jax.grammar.tools_system_prompt`).
+  ``chat_template=False``; ``chat_template="..."`` replaces the model's template with a file or
+  the template itself, resolved and checked as ``pask-jax serve --chat-template`` does
+  (:func:`pask_jax.prompt.load_chat_template`); a template that ignores ``tools`` gets them
+  described in a system message instead (:func:`pask_jax.grammar.tools_system_prompt`).
+* ``max_tokens=None`` (the default) is ``pask-jax serve``'s default for a chat completion:
+  :data:`pask_jax.options.DEFAULT_MAX_TOKENS` (256) new tokens, capped by the room the prompt
+  leaves in the context (the model's for :func:`generate`, the engine's for :func:`submit`).
 * A JSON schema is checked against its meta-schema (``jsonschema``) before XGrammar compiles it,
   so a schema that is not a schema is refused by name, not compiled into something else.
 * Runners (the jitted prefill and decode step) are cached per model, kind and cache capacity
@@ -26,7 +31,7 @@ import threading
 import weakref
 from typing import Any, Sequence
 
-from pask_jax.options import ENGINE, check_engine
+from pask_jax.options import DEFAULT_MAX_TOKENS, ENGINE, check_engine
 from pask_jax.prompt import Prompt
 
 _lock = threading.Lock()
@@ -59,12 +64,13 @@ class Generation:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How one request samples, the fields of ``pask-jax serve``'s requests: ``max_tokens`` new
-  tokens (> 0); ``temperature`` >= 0 (0 is greedy); ``top_p`` in (0, 1]; ``seed`` (an int);
-  ``stop`` strings (a string or up to 16, matched on the text also across token boundaries and
-  cut from it, finish "stop"); ``logprobs`` (None, or 0..20 top alternatives per token: engine
-  requests, :func:`submit`); ``n`` answers per prompt (1: as the server, n > 1 is refused).
-  Bad values raise a one-line ``ValueError`` naming the field."""
-  max_tokens: int = 64
+  tokens (> 0; None: the server's default, :data:`~pask_jax.options.DEFAULT_MAX_TOKENS` capped
+  by the room the prompt leaves in the context); ``temperature`` >= 0 (0 is greedy); ``top_p``
+  in (0, 1]; ``seed`` (an int); ``stop`` strings (a string or up to 16, matched on the text also
+  across token boundaries and cut from it, finish "stop"); ``logprobs`` (None, or 0..20 top
+  alternatives per token: engine requests, :func:`submit`); ``n`` answers per prompt (1: as the
+  server, n > 1 is refused).  Bad values raise a one-line ``ValueError`` naming the field."""
+  max_tokens: int | None = None
   temperature: float = 0.0
   top_p: float = 1.0
   seed: int = 0
@@ -74,8 +80,9 @@ class SamplingParams:
 
   def __post_init__(self):
     whole = lambda x: isinstance(x, int) and not isinstance(x, bool)
-    if not whole(self.max_tokens) or self.max_tokens <= 0:
-      raise ValueError(f"max_tokens must be positive, got {self.max_tokens!r}")
+    if self.max_tokens is not None and (not whole(self.max_tokens) or self.max_tokens <= 0):
+      raise ValueError(f"max_tokens must be positive (or None: the default), got "
+                       f"{self.max_tokens!r}")
     if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0
             and self.temperature != float("inf")):   # NaN fails too
       raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
@@ -181,16 +188,26 @@ def check_schema(schema: Any) -> None:
 
 def prepare(model, prompt: str | Sequence[dict], *, system: str | None = None,
             tools: Sequence[dict] | dict | None = None, json_schema: dict | None = None,
-            tool_format: str | None = None, chat_template: bool = True,
+            tool_format: str | None = None, chat_template: bool | str = True,
             labels: bool = False, max_tokens: int = 0) -> Prompt:
   """Messages -> chat-template text -> ids (``labels``: with the prompt-span labels of the PASK
-  prefill plan), plus the grammar for ``json_schema`` or ``tools``.  ``max_tokens``: refuse a
-  prompt that cannot fit the model's context with that many new tokens."""
+  prefill plan), plus the grammar for ``json_schema`` or ``tools``.  ``chat_template``: True
+  (the model's), False (a string prompt as it is), or a template file's path or the template
+  itself, in place of the model's (:func:`pask_jax.prompt.load_chat_template`, as ``pask-jax
+  serve --chat-template``).  ``max_tokens``: refuse a prompt that cannot fit the model's context
+  with that many new tokens."""
   from pask_jax import prompt as P
   from pask_jax.grammar import tool_call_grammar
   cfg, tok = model.cfg, model.tokenizer
   if tools is not None and json_schema is not None:
     raise ValueError("give tools or a JSON schema, not both")
+  renders = tok   # the model's tokenizer, or a copy of it with the caller's template
+  if isinstance(chat_template, str):
+    renders = P.with_chat_template(tok, P.load_chat_template(chat_template, "chat_template"),
+                                   "chat_template")
+  elif not isinstance(chat_template, bool):
+    raise ValueError(f"chat_template must be True, False, or a template (a file path or the "
+                     f"template itself), got {chat_template!r}")
   if isinstance(prompt, str):
     messages = [{"role": "user", "content": prompt}]
   elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -209,8 +226,8 @@ def prepare(model, prompt: str | Sequence[dict], *, system: str | None = None,
     fmt, indent = P.style(cfg.arch, tool_format)
     with _lock:
       grammar = tool_call_grammar(_compiler(tok, cfg.vocab_size), tools, fmt, indent=indent)
-  if chat_template and tok.chat_template:
-    text = P.render(tok, messages, tools=tools, fmt=fmt)
+  if chat_template is not False and renders.chat_template:
+    text = P.render(renders, messages, tools=tools, fmt=fmt)
   elif isinstance(prompt, str):
     text = prompt
   else:
@@ -315,7 +332,7 @@ def generate(model, prompt: str | Sequence[dict] | Sequence[str | Sequence[dict]
              seed: int | None = None, stop: str | Sequence[str] | None = None,
              logprobs: int | None = None, n: int | None = None,
              sampling: SamplingParams | None = None,
-             chat_template: bool = True) -> Generation | list[Generation]:
+             chat_template: bool | str = True) -> Generation | list[Generation]:
   """Generate one answer; with ``tools`` it is a tool call in the model's format (parsed into
   ``tool_calls``), with ``json_schema`` a JSON document valid for the schema.
 
@@ -330,10 +347,12 @@ def generate(model, prompt: str | Sequence[dict] | Sequence[str | Sequence[dict]
   one), the names ``serve --tool-call-parser`` takes.
   ``policy``: None (Full KV), ``"all-high"``, ``"demo"``, a calibrated policy directory or a
   FrozenPolicy: decode under PASK and report the ledger.  Sampling: ``sampling=``
-  :class:`SamplingParams`, or its fields as keywords (default 64 new tokens, greedy, seed 0);
-  ``temperature`` 0 is greedy; sampling is seeded; ``logprobs`` are computed by the engine only
-  (:func:`submit`).  Bad input raises ``ValueError`` / ``FileNotFoundError`` with a one-line
-  message."""
+  :class:`SamplingParams`, or its fields as keywords (default: greedy, seed 0, and
+  :data:`~pask_jax.options.DEFAULT_MAX_TOKENS` new tokens capped by the room the longest prompt
+  leaves in the model's context, as the server's default); ``temperature`` 0 is greedy;
+  sampling is seeded; ``logprobs`` are computed by the engine only (:func:`submit`).
+  ``chat_template``: True (the model's), False, or a template file or text (:func:`prepare`).
+  Bad input raises ``ValueError`` / ``FileNotFoundError`` with a one-line message."""
   from pask_jax.decode import Sampling, capacity_for, generate as run
   sp = _sampling(sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                  seed=seed, stop=stop, logprobs=logprobs, n=n)
@@ -345,15 +364,17 @@ def generate(model, prompt: str | Sequence[dict] | Sequence[str | Sequence[dict]
   pol = load_policy(policy, model) if policy is not None else None
   ps = [prepare(model, q, system=system, tools=tools, json_schema=json_schema,
                 tool_format=tool_format, chat_template=chat_template, labels=pol is not None,
-                max_tokens=sp.max_tokens) for q in prompts]
+                max_tokens=sp.max_tokens or 1) for q in prompts]
+  longest = max(len(p.ids) for p in ps)
+  new = sp.max_tokens or min(DEFAULT_MAX_TOKENS, model.cfg.max_position - longest)
   rows = 1 << (len(ps) - 1).bit_length()   # batch sizes compile once each: powers of two
-  runner = _runner(model, pol, capacity_for(max(len(p.ids) for p in ps), sp.max_tokens), rows)
+  runner = _runner(model, pol, capacity_for(longest, new), rows)
   trackers = [_tracker(model, p, pol) for p in ps]
   if sp.stop:
     trackers = [_StopText(t, model.tokenizer, sp.stop) for t in trackers]
   res = run(runner, model.tokenizer, [p.ids for p in ps], trackers=trackers,
             prompt_tags=[p.tags for p in ps],
-            sampling=Sampling(max_tokens=sp.max_tokens, temperature=sp.temperature,
+            sampling=Sampling(max_tokens=new, temperature=sp.temperature,
                               top_p=sp.top_p, seed=sp.seed))
   out = []
   for r, p in zip(res, ps):
@@ -430,11 +451,12 @@ def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
            seed: int | None = None, stop: str | Sequence[str] | None = None,
            logprobs: int | None = None, n: int | None = None,
            sampling: SamplingParams | None = None,
-           chat_template: bool = True) -> "concurrent.futures.Future[Generation]":
+           chat_template: bool | str = True) -> "concurrent.futures.Future[Generation]":
   """Queue one request on an engine from :func:`start_engine` -> a Future of its Generation
   (prepared exactly as :func:`generate` prepares it; the engine always decodes under its policy,
   so the result carries the ledger).  Sampling as for :func:`generate`, plus ``logprobs``
-  (``Generation.logprobs``).  ``tool_format``: None takes the engine's
+  (``Generation.logprobs``); ``max_tokens=None`` is capped by the room the prompt leaves in the
+  engine's ``context``, as the server caps it.  ``tool_format``: None takes the engine's
   (``start_engine(tool_format=...)``, like ``serve --tool-call-parser``).  Thread-safe."""
   from serve.engine import Request
   model = getattr(engine, "loaded", None)
@@ -465,7 +487,8 @@ def submit(engine, prompt: str | Sequence[dict], *, system: str | None = None,
                                 logprobs=payload.get("logprobs")
                                 if sp.logprobs is not None else None))
 
-  req = Request.of(p, sp.max_tokens, _tracker(model, p, engine.policy),
+  new = sp.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, engine.context - len(p.ids)))
+  req = Request.of(p, new, _tracker(model, p, engine.policy),
                    temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed % 2**32,
                    stop=sp.stop, logprobs=sp.logprobs, emit=emit)
   engine.submit(req)   # ValueError when it can never fit (context, pools)

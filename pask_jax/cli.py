@@ -7,8 +7,8 @@ import os
 import sys
 
 from pask_jax import platform
-from pask_jax.options import (ENGINE, LO_FORMATS, PREEMPTION, PREFILL_CHUNKS, TOOL_FORMATS,
-                              check_engine)
+from pask_jax.options import (DEFAULT_MAX_TOKENS, ENGINE, LO_FORMATS, PREEMPTION, PREFILL_CHUNKS,
+                              TOOL_FORMATS, check_engine)
 
 
 KEY_CENTER_HELP = ("subtract a fixed per-channel mean from the post-RoPE keys (models.center): "
@@ -395,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
   g.add_argument("--tool-format", choices=list(TOOL_FORMATS),
                  help="tool-call format; hermes (vLLM's name) = tool_call_tags (default: per "
                       "model family, see pask_jax.grammar)")
-  g.add_argument("--max-tokens", type=int, default=64)
+  g.add_argument("--max-tokens", type=int, default=None,
+                 help=f"new tokens (default: {DEFAULT_MAX_TOKENS}, capped by the room the prompt "
+                      "leaves in the model's context, as serve's --default-max-tokens)")
   g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   g.add_argument("--top-p", type=float, default=1.0)
   g.add_argument("--seed", type=int, default=0)
@@ -491,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                  help="the most of the engine's time a long prompt's prefill (several pieces) "
                       "takes while other requests decode; prompts of one piece are not paced "
                       "and may pass a long one in progress (default: 1/3)")
-  s.add_argument("--default-max-tokens", type=int, default=256,
+  s.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                  help="max_tokens of a chat completion that sets none (capped by the room "
                       "left in --max-model-len)")
   s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -667,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "tune":
       return cmd_tune(args)
     return cmd_eval(args)
-  if args.max_tokens <= 0:
+  if args.max_tokens is not None and args.max_tokens <= 0:
     ap.error("--max-tokens must be positive")
   if not 0 <= args.temperature <= 2:   # NaN fails too
     ap.error(f"--temperature must be in [0, 2] (0 = greedy), got {args.temperature}")

@@ -6,6 +6,9 @@ the tool-call formats.  Cheap to import (no JAX).
   them (``tests/test_api.py`` compares the two against the ``serve`` parser).
 * :func:`check_engine` — one-line ``ValueError``s for bad engine options (``start_engine``
   raises them; ``serve`` turns them into argparse errors naming its flags).
+* :data:`DEFAULT_MAX_TOKENS` — the new tokens of a request that sets no ``max_tokens``, capped
+  by the room its prompt leaves in the context: ``serve --default-max-tokens``'s default (chat
+  completions) and the API's (``SamplingParams(max_tokens=None)``, ``pask-jax generate``).
 * :data:`TOOL_FORMATS` — the tool-call format names every front end accepts (``serve
   --tool-call-parser``, ``generate --tool-format``, ``tool_format=`` of the API) -> the format
   of :mod:`pask_jax.grammar.toolcall`.  ``hermes`` is vLLM's name (``--tool-call-parser hermes``)
@@ -17,6 +20,8 @@ import dataclasses
 
 TOOL_FORMATS = {"hermes": "tool_call_tags", "tool_call_tags": "tool_call_tags",
                 "fenced_json": "fenced_json", "json_list": "json_list"}
+
+DEFAULT_MAX_TOKENS = 256                  # --default-max-tokens; the API's max_tokens=None
 
 PREEMPTION = ("replay", "recompute")     # the engine's too (serve.engine imports both)
 PREFILL_CHUNKS = (64, 128, 256, 512)      # prefill piece sizes, each one of the engine's buckets

@@ -14,9 +14,14 @@ serving engine builds its request from one (``serve.engine.Request.of``).
   first message or (``merge``) in front of the conversation's own system message.
 * :func:`encode` — the ids (``== tokenizer.encode``), with the prompt-span labels of the PASK
   prefill plan when asked.
+* :func:`load_chat_template`, :func:`with_chat_template` — a chat template of the user's in place
+  of the model's: ``pask-jax serve --chat-template`` and the API's ``chat_template="..."`` resolve
+  it alike (a file path, else the template itself, as vLLM does) and refuse it alike.
 """
 from __future__ import annotations
 
+import codecs
+import copy
 import dataclasses
 from typing import Any, Sequence
 
@@ -72,6 +77,47 @@ def render(tokenizer, messages: Sequence[dict], *, tools: Sequence[dict] | None 
     options["chat_template"] = template
   return tokenizer.apply_chat_template(msgs, tools=list(tools) if (tools and takes) else None,
                                        **options)
+
+
+def one_line(e: BaseException) -> str:
+  """An exception's message as one line (at most 300 characters), or its type's name."""
+  return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def load_chat_template(value: str, what: str = "--chat-template") -> str:
+  """A chat template given as a file path or as the template itself, resolved as vLLM resolves
+  ``--chat-template``: a readable file is read; otherwise a value holding ``{``, ``}`` or a
+  newline is the template itself (its ``\\n`` escapes decoded, so a template fits on one line).
+  ``what`` names the option in the one-line ValueError (``serve``'s flag, the API's keyword)."""
+  if not isinstance(value, str) or not value:
+    raise ValueError(f"{what} must be a file path or a template (a non-empty string), got "
+                     f"{value!r}")
+  try:
+    with open(value, encoding="utf-8") as f:
+      text = f.read()
+  except (OSError, ValueError) as e:   # ValueError: not UTF-8, or a NUL in the value
+    if any(c in value for c in "{}\n"):
+      return codecs.decode(value, "unicode_escape") if value.isascii() else value
+    why = (e.strerror if isinstance(e, OSError) else
+           "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else one_line(e))
+    raise ValueError(f"{what} {value!r} is neither a readable file ({why}) nor a "
+                     "template (it has no '{')") from None
+  if not text.strip():
+    raise ValueError(f"{what} {value!r} is an empty file")
+  return text
+
+
+def with_chat_template(tokenizer, template: str, what: str = "--chat-template"):
+  """A copy of ``tokenizer`` whose only (default) chat template is ``template`` (the model's
+  tokenizer is not changed); ValueError naming ``what`` if it cannot render a one-message
+  conversation."""
+  tok = copy.copy(tokenizer)
+  tok.chat_template, tok.chat_templates = template, {"default": template}
+  try:
+    tok.apply_chat_template([{"role": "user", "content": "hi"}])
+  except Exception as e:  # noqa: BLE001 — jinja2 raises many kinds; all are a bad template
+    raise ValueError(f"{what} cannot render a one-message conversation: {one_line(e)}") from None
+  return tok
 
 
 def takes_tools(tokenizer, template: str | None = None) -> bool:

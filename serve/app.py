@@ -66,21 +66,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pask_jax.options import ENGINE
-from pask_jax.prompt import Prompt
+from pask_jax.options import DEFAULT_MAX_TOKENS, ENGINE
+from pask_jax.prompt import Prompt, load_chat_template, with_chat_template
 from pask_jax.tracker import Tracker
 from serve.engine import Engine, Request, check_lo_format
 from serve.guard import Auth, Guard
 from serve.metrics import Metrics
-from serve.prepare import (TOOL_CALL_PARSERS, BadRequest, Preparer, load_chat_template,
-                           with_chat_template)
+from serve.prepare import TOOL_CALL_PARSERS, BadRequest, Preparer
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                             TokenizeRequest, error_body, validation_error)
 from serve.respond import Responder, observe, sse_chunks, stream_text, usage_of
 
 def create_app(engine: Engine, tokenizer, cfg, *, model_name: str | list[str] = "pask-jax",
-               default_max_tokens: int = 256, grammars=None, max_body_bytes: int = 2 << 20,
-               max_json_depth: int = 64, grammar_timeout_s: float = 10.0,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS, grammars=None,
+               max_body_bytes: int = 2 << 20, max_json_depth: int = 64,
+               grammar_timeout_s: float = 10.0,
                api_key: str | list[str] | None = None, chat_template: str | None = None,
                tool_call_parser: str | None = None) -> FastAPI:
   """The app.  ``model_name``: the served name(s); responses use the first.  ``grammars``: a
@@ -327,7 +327,7 @@ def build(model: str | None = None, policy: str = ENGINE.policy, *, slots: int =
           lo_pages: int | None = None, kv_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, kv_mix=None,
           preemption: str = ENGINE.preemption, dtype: str = "auto",
-          default_max_tokens: int = 256, warmup: bool = True,
+          default_max_tokens: int = DEFAULT_MAX_TOKENS, warmup: bool = True,
           served_model_name: list[str] | None = None, max_body_bytes: int = 2 << 20,
           max_json_depth: int = 64, grammar_timeout_s: float = 10.0,
           prefill_chunk: int = ENGINE.prefill_chunk, prefill_share: float = ENGINE.prefill_share,
@@ -339,10 +339,11 @@ def build(model: str | None = None, policy: str = ENGINE.policy, *, slots: int =
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).  The
   engine options' defaults are ``pask-jax serve``'s and ``start_engine``'s
   (:data:`pask_jax.options.ENGINE`).
-  ``chat_template``: a file path or a template (:func:`load_chat_template`); the other options
-  as for :func:`create_app`; ``center_keys``: :mod:`models.center` (default on); ``lo_format``:
-  the INT4 pool's storage format (:class:`serve.engine.Engine`); ``tensor_parallel_size``: the
-  first that many local devices (``pask_jax.mesh.serving_mesh``; the KV budget per device)."""
+  ``chat_template``: a file path or a template (:func:`pask_jax.prompt.load_chat_template`, as
+  the API's ``chat_template="..."``); the other options as for :func:`create_app`;
+  ``center_keys``: :mod:`models.center` (default on); ``lo_format``: the INT4 pool's storage
+  format (:class:`serve.engine.Engine`); ``tensor_parallel_size``: the first that many local
+  devices (``pask_jax.mesh.serving_mesh``; the KV budget per device)."""
   import jax
   import jax.numpy as jnp
 

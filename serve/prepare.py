@@ -2,14 +2,13 @@
 rendering (through :func:`pask_jax.prompt.render`), the length check, labels and trackers."""
 from __future__ import annotations
 
-import codecs
-import copy
 import json
 import math
 from typing import Any
 
 
-from pask_jax.options import TOOL_FORMATS
+from pask_jax.options import DEFAULT_MAX_TOKENS, TOOL_FORMATS
+from pask_jax.prompt import one_line
 from pask_jax.tracker import Tracker
 from serve.engine import Engine
 from serve.protocol import (ChatCompletionRequest, CompletionRequest)
@@ -22,37 +21,6 @@ MAX_CALLS = 8   # calls per answer with parallel_tool_calls (BFCL's parallel cas
 # pask-jax name, is the same format); fenced_json and json_list have no vLLM parser.  None: the
 # measured per-family default (pask_jax.grammar.DEFAULT_STYLE).
 TOOL_CALL_PARSERS = TOOL_FORMATS
-
-
-def load_chat_template(value: str) -> str:
-  """``--chat-template``, resolved as vLLM does: a readable file is read; otherwise a value
-  holding ``{``, ``}`` or a newline is the template itself (its ``\\n`` escapes decoded, so a
-  template fits on one line).  ValueError with a one-line message otherwise."""
-  try:
-    with open(value, encoding="utf-8") as f:
-      text = f.read()
-  except (OSError, UnicodeDecodeError) as e:
-    if any(c in value for c in "{}\n"):
-      return codecs.decode(value, "unicode_escape") if value.isascii() else value
-    why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-    raise ValueError(f"--chat-template {value!r} is neither a readable file ({why}) nor a "
-                     "template (it has no '{')") from None
-  if not text.strip():
-    raise ValueError(f"--chat-template {value!r} is an empty file")
-  return text
-
-
-def with_chat_template(tokenizer, template: str):
-  """A copy of ``tokenizer`` whose only (default) chat template is ``template``; ValueError if
-  it cannot render a one-message conversation."""
-  tok = copy.copy(tokenizer)
-  tok.chat_template, tok.chat_templates = template, {"default": template}
-  try:
-    tok.apply_chat_template([{"role": "user", "content": "hi"}])
-  except Exception as e:  # noqa: BLE001 — jinja2 raises many kinds; all are a bad template
-    raise ValueError(f"--chat-template cannot render a one-message conversation: "
-                     f"{one_line(e)}") from None
-  return tok
 
 
 class BadRequest(Exception):
@@ -87,7 +55,8 @@ class Plan:
 class Preparer:
   """Builds the engine request of a validated body (see the module docstring)."""
 
-  def __init__(self, engine: Engine, tokenizer, cfg, grammars, *, default_max_tokens: int = 256,
+  def __init__(self, engine: Engine, tokenizer, cfg, grammars, *,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS,
                tool_format: str | None = None, template: str | None = None):
     from pask_jax import policy as P
     from pask_jax.prompt import style
@@ -301,8 +270,4 @@ class Preparer:
       from pask_jax.grammar.toolcall import adapter_for
       return Tracker(grammar, adapter_for(grammar, self.tok, vocab=self.state_vocab))
     return Tracker(grammar)
-
-
-def one_line(e: BaseException) -> str:
-  return " ".join(str(e).split())[:300] or type(e).__name__
 

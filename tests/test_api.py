@@ -10,7 +10,7 @@ import sys
 import jsonschema
 import pytest
 
-from serve_helpers import serve_kwargs
+from serve_helpers import TEMPLATE, serve_kwargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,6 +171,97 @@ def test_stop_strings_end_and_are_cut(smol):
   cut = pj.generate(smol, q, sampling=pj.SamplingParams(max_tokens=32, stop=["@@never", stop]))
   assert cut.finish == "stop" and cut.text == full.text[:full.text.find(stop)]
   assert len(cut.tokens) < len(full.tokens) and cut.tokens == full.tokens[:len(cut.tokens)]
+
+
+class Decoded(Exception):
+  """Raised in place of decoding: what generate handed the generation loop is checked."""
+
+
+class Engine:
+  """What submit reads of an engine (the model, its tool format, policy and context) and a
+  submit that keeps the request: no engine runs."""
+
+  def __init__(self, model, context: int):
+    self.loaded, self.tool_format, self.policy, self.context = model, None, None, context
+    self.got = []
+
+  def submit(self, req):
+    self.got.append(req)
+
+
+def test_chat_template_is_a_file_or_a_template_as_serve_takes_it(smol, tmp_path, monkeypatch):
+  """``chat_template=`` of prepare / generate / submit takes what ``serve --chat-template``
+  takes (a file path, else the template itself, one-line form included), resolved and refused
+  by the same functions (:mod:`pask_jax.prompt`), the errors naming the keyword."""
+  import pask_jax as pj
+  import serve.app
+  from pask_jax import decode, prompt
+  assert (serve.app.load_chat_template, serve.app.with_chat_template) == (
+      prompt.load_chat_template, prompt.with_chat_template)       # one resolution for both
+  f = tmp_path / "t.jinja"
+  f.write_text(TEMPLATE)
+  want = ("<|im_start|>system: Be brief.<|im_end|>\n<|im_start|>user: hi<|im_end|>\n"
+          "<|im_start|>assistant: ")
+  for given in (str(f), TEMPLATE, TEMPLATE.replace("\n", "\\n")):
+    p = pj.prepare(smol, "hi", system="Be brief.", chat_template=given)
+    assert p.text == want and p.ids == smol.tokenizer.encode(want), given
+  assert smol.tokenizer.chat_template != TEMPLATE          # the model's tokenizer is unchanged
+  assert pj.prepare(smol, "hi", chat_template=False).text == "hi"
+  for bad, msg in ((str(tmp_path / "no.jinja"), r"chat_template '.*no\.jinja' is neither a "
+                                                r"readable file \(No such file"),
+                   (str(tmp_path), r"chat_template '.*' is neither a readable file"),
+                   ("{% for m in messages %}", "chat_template cannot render a one-message "
+                                               "conversation: .*"),
+                   ("", "chat_template must be a file path or a template"),
+                   (None, "chat_template must be True, False, or a template")):
+    with pytest.raises(ValueError, match=msg) as e:
+      pj.prepare(smol, "hi", chat_template=bad)
+    assert "\n" not in str(e.value)
+  seen = []
+
+  def run(runner, tokenizer, prompts, **kw):
+    seen.append(list(prompts[0]))
+    raise Decoded
+
+  monkeypatch.setattr(decode, "generate", run)
+  with pytest.raises(Decoded):
+    pj.generate(smol, "hi", system="Be brief.", chat_template=str(f))
+  engine = Engine(smol, context=2048)
+  pj.submit(engine, "hi", system="Be brief.", chat_template=TEMPLATE)
+  assert seen == [engine.got[0].ids] == [smol.tokenizer.encode(want)]
+
+
+def test_max_tokens_default_is_serves(smol, monkeypatch):
+  """``max_tokens=None``, the default of SamplingParams, generate, submit and ``pask-jax
+  generate``, is what ``serve`` gives a chat completion that sets none: --default-max-tokens
+  (one constant, pask_jax.options.DEFAULT_MAX_TOKENS) capped by the room the prompt leaves in
+  the context (the model's for generate, the engine's for submit)."""
+  import pask_jax as pj
+  from pask_jax import cli, decode, options, platform
+  default = options.DEFAULT_MAX_TOKENS
+  assert pj.SamplingParams().max_tokens is None
+  assert serve_kwargs(monkeypatch, [])["default_max_tokens"] == default == 256
+  seen = []
+
+  def run(runner, tokenizer, prompts, *, sampling, **kw):
+    seen.append((len(prompts[0]), sampling.max_tokens))
+    raise Decoded
+
+  monkeypatch.setattr(decode, "generate", run)
+  monkeypatch.setattr(platform, "load_model", lambda *a, **kw: smol)
+  for call in (lambda: pj.generate(smol, "hi"), lambda: pj.generate(smol, "word " * 8100),
+               lambda: cli.main(["generate", "--prompt", "hi"])):
+    with pytest.raises(Decoded):
+      call()
+  (_, short), (n, capped), (_, by_cli) = seen
+  assert short == by_cli == default and n + capped == smol.cfg.max_position and capped < default
+  engine = Engine(smol, context=2048)
+  for q in ("hi", "word " * 2000):
+    pj.submit(engine, q)
+  short, long = engine.got
+  assert short.max_tokens == default and len(long.ids) + long.max_tokens == 2048
+  pj.submit(engine, "hi", max_tokens=3)
+  assert engine.got[-1].max_tokens == 3
 
 
 def test_start_engine_takes_the_serve_sizing_options(smol):
