@@ -234,6 +234,22 @@ def test_shipped_policies_match_constructors():
     assert P.resolve(name, FakeConfig()).record == built.record
 
 
+def test_committed_policies_store_each_thing_once():
+  """Every policy directory the repository ships (built-ins, calibrated policies, their B<b>
+  variants, the transfer) is pask-policy/2: the tables in arrays/ only, a record without them."""
+  import glob
+  found = glob.glob(os.path.join(P.POLICIES_DIR, "**", "policy.json"), recursive=True)
+  dirs = sorted(os.path.dirname(f) for f in found)
+  assert {os.path.basename(d) for d in dirs} >= {"all-high", "demo", "B0.33"}, dirs
+  for d in dirs:
+    text = open(os.path.join(d, "policy.json"), encoding="utf-8").read()
+    rec = json.loads(text)
+    assert rec["format"] == P.FORMAT and rec["arrays"] == P.ARRAYS, d
+    assert "entries" not in rec and "per_state" not in text, d
+    assert set(rec["reserve"]) == {"k", "beta", "unit"}, d
+    assert os.path.isdir(os.path.join(d, "arrays")), d
+
+
 def test_policy_is_a_pytree_under_jit():
   pol = P.demo(FakeConfig())
   traces = []
