@@ -8,7 +8,7 @@ finish within the time given, and stops cleanly.  ``pask-jax report`` pools and 
 A plan (TOML; relative paths are relative to the current directory)::
 
     name = "qwen05-bfcl"            # results go to RESULTS/<name>/ (RESULTS: results/campaign)
-    task = "bfcl"                   # the only task so far
+    task = "bfcl"                   # bfcl, or a long-context workload w1 | w2 | w3 (below)
     seed = 0                        # the split seed (calibrate.bfcl.assign_splits, paper C.1)
     batch = 64                      # most sequences per generation batch (not in the cell key)
     max_tokens = 128
@@ -40,22 +40,60 @@ A plan (TOML; relative paths are relative to the current directory)::
     chunk = 20                      # optional: one cell per 20 cases per category
     # ids = ["simple_python_3", ...]  # or exactly these cases (of the split)
 
+The long-context workloads of Spherical KV (:mod:`calibrate.longctx`; docs/SPHERICAL_KV.md §4):
+``task = "w1" | "w2" | "w3"`` with ``length`` (prompt / document tokens, as ``pask-jax eval
+--length``) and, for W1, ``tail`` (scored tokens, default 1024), at the top (the default of every
+split) or in a split entry, which may also name its own ``task``, ``max_tokens``, ``batch`` and
+``case_seconds`` — so one plan holds every workload and length, each split entry one of them::
+
+    [splits.w1-8k]
+    task = "w1"
+    length = 8192
+    tail = 1024
+    split = "test"
+    chunk = 16                      # W1: 64 documents per split (§4), one category w1
+    batch = 16
+    case_seconds = 6.0
+    [splits.w2-8k]
+    task = "w2"                     # 300 prompts per hop and split; categories hop1, hop2
+    length = 8192
+    max_tokens = 24
+    split = "test"
+    cases = 300
+    chunk = 50
+
+W1 scores the last ``tail`` tokens (its cells' max_tokens is the tail); W2 is exact match, W3 the
+AST checker on the unpadded case.  A workload's cases are named without a model (W1/W2
+:class:`calibrate.longctx.Stub`, W3 the BFCL split of ``seed``) and built when the cell runs.
+
 A cell is identified by the sha256 (first :data:`KEY_LEN` hex digits) of the canonical JSON of its
 key material: the task, the model fingerprint (sha256 of the weights file, or of every file of a
 checkpoint directory, computed once and cached by path, size and mtime) and dtype, the method, the
 target budget, the settings that change its answers (max_tokens; the method's own knobs with the
 generated-length estimate ĝ its budget matching uses; the policy's content digest,
 :func:`pask_jax.policy.digest`: its tables and record, not its files), the split and the
-case ids.  Labels, plan order, batch size and file paths are not in it.  Its folder
+case ids; for a workload the task is its name with the length (``w1:L8192:K1024``,
+``w2:L8192``, ``w3:L8192``, :func:`calibrate.longctx.name_of`) and the seed is in the key too
+(its documents, needles and padding follow it).  Labels, plan order, batch size and file paths
+are not in it.  Its folder
 ``RESULTS/<plan name>/<key>/`` holds ``cell.json`` (the summary of ``pask-jax eval`` plus the key
 material, n, accuracy, binomial standard error, measured B, timings, git commit, jax and devices)
-and ``cases.jsonl``.  A cell is written in ``.partial-<key>/`` and renamed into place when complete,
-so an interrupted cell leaves no ``cell.json`` and runs again next time.
+and ``cases.jsonl`` (per case also the generated token ids, ``tokens``, for the stability
+metrics of the report; cells written before hold texts only and still report).  A cell is
+written in ``.partial-<key>/`` and renamed into place when complete, so an interrupted cell
+leaves no ``cell.json`` and runs again next time.
+
+``pask-jax report`` tabulates each (model, workload with its length, split) on its own, with its
+quality metric (BFCL and W3: AST accuracy; W2: exact match; W1: NLL per token and perplexity)
+beside the measured B, a quality-vs-measured-B plot, and — for the generating tasks — the
+stability of every row against the Full-KV row of the same table
+(:mod:`calibrate.stability`: length drift, greedy trajectory disagreement, failure counts).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -69,6 +107,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from calibrate import evaluate as E
+from calibrate import longctx as LC
+from calibrate import stability as ST
+from pask_jax import baselines as BL
 from pask_jax.spherical import variants as SV
 
 RESULTS = os.path.join("results", "campaign")
@@ -79,12 +120,16 @@ DTYPES = ("auto", "float32", "bfloat16")
 # Budget-matched methods: their settings are solved from the target and the estimate ĝ.
 MATCHED = ("streaming", "h2o", "snapkv", "mikv")
 _TOP = {"name", "task", "seed", "batch", "max_tokens", "case_seconds", "load_seconds", "models",
-        "methods", "splits"}
+        "methods", "splits", "length", "tail"}
 _METHOD = {"method", "budgets", "policy", "knobs"}
 # The methods run under a PASK policy: PASK itself, and the Spherical KV hybrids that take its
 # floor-H tags (rdr+tags) or its controller (pask+ada).
 POLICY_METHODS = ("pask",) + SV.TAGGED
-_SPLIT = {"split", "categories", "skip", "cases", "chunk", "ids"}
+# Methods without a target budget: one cell at the nominal B = 1 (full, int4, and the
+# fixed-rate Spherical KV ablations, whose rate is their tier's).
+UNBUDGETED = ("full", "int4") + tuple(n for n, v in SV.VARIANTS.items() if v.plan == "fixed")
+_SPLIT = {"split", "categories", "skip", "cases", "chunk", "ids", "task", "length", "tail",
+          "max_tokens", "batch", "case_seconds"}
 _MODEL = {"model", "dtype", "key_center"}
 
 
@@ -120,6 +165,18 @@ class Split:
   cases: int | None = None
   chunk: int | None = None
   ids: tuple[str, ...] | None = None
+  task: str = "bfcl"             # bfcl | w1 | w2 | w3 (or a registered task)
+  length: int | None = None      # w1-w3: prompt / document tokens
+  tail: int | None = None        # w1: scored tokens
+  max_tokens: int = 128          # w1: the tail
+  batch: int = 64                # most sequences per generation batch (not in the key)
+  case_seconds: float = 2.0      # per case, until a cell of this workload ran
+
+  @property
+  def workload(self) -> str:
+    """The task with its length (the section of the report; part of the cell key)."""
+    return self.task if self.task not in LC.TASKS else \
+        LC.name_of(self.task, self.length, self.tail)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +243,8 @@ def load_plan(path: str, results: str | None = None) -> Plan:
   max_tokens = _get(t, "max_tokens", "plan", int, 128, ok=pos, rule="a positive integer")
   case_s = _get(t, "case_seconds", "plan", float, 2.0, ok=lambda x: x >= 0, rule="seconds >= 0")
   load_s = _get(t, "load_seconds", "plan", float, 60.0, ok=lambda x: x >= 0, rule="seconds >= 0")
+  length = _get(t, "length", "plan", int, ok=lambda x: x >= 8, rule="an integer >= 8")
+  tail = _get(t, "tail", "plan", int, ok=pos, rule="a positive integer")
 
   models = []
   for label, v in _get(t, "models", "plan", dict, {}).items():
@@ -219,9 +278,9 @@ def load_plan(path: str, results: str | None = None) -> Plan:
                    ok=lambda x: x and all(isinstance(b, (int, float)) and not isinstance(b, bool)
                                           for b in x), rule="a non-empty list of numbers")
     if budgets is None:
-      if m not in ("full", "int4"):
+      if m not in UNBUDGETED:
         raise PlanError(f"{where}.budgets: missing (method {m} needs target budgets in (0, 1])")
-      budgets = [1.0]   # full and int4 have no target: one cell at the nominal B = 1
+      budgets = [1.0]   # no target (full, int4, fixed-rate): one cell at the nominal B = 1
     if m == "full" and budgets != [1.0]:
       raise PlanError(f"{where}.budgets: method full has no budget (leave budgets out)")
     for b in budgets:
@@ -252,15 +311,61 @@ def load_plan(path: str, results: str | None = None) -> Plan:
     ids = _strings(v, "ids", where)
     if ids is not None and ({"skip", "cases", "chunk"} & set(v)):
       raise PlanError(f"{where}.ids: give either ids or skip/cases/chunk, not both")
+    wl = _workload(v, where, task, length, tail, max_tokens)
     splits.append(Split(label, sp, _strings(v, "categories", where),
                         _get(v, "skip", where, int, 0, ok=lambda x: x >= 0, rule="an integer >= 0"),
                         _get(v, "cases", where, int, ok=pos, rule="a positive integer"),
-                        _get(v, "chunk", where, int, ok=pos, rule="a positive integer"), ids))
+                        _get(v, "chunk", where, int, ok=pos, rule="a positive integer"), ids,
+                        *wl,
+                        _get(v, "batch", where, int, batch, ok=pos, rule="a positive integer"),
+                        _get(v, "case_seconds", where, float, case_s, ok=lambda x: x >= 0,
+                             rule="seconds >= 0")))
   if not splits:
     raise PlanError("splits: the plan has no splits (add e.g. [splits.test] split = \"test\")")
+  long = [s for s in splits if s.task in LC.TASKS]
+  if length is not None and not any("length" not in t["splits"][s.label] for s in long):
+    raise PlanError("plan.length: no split takes it (only tasks w1, w2, w3 take a length)")
+  if tail is not None and not any("tail" not in t["splits"][s.label] for s in long
+                                  if s.task == "w1"):
+    raise PlanError("plan.tail: no split takes it (only task w1 takes a tail)")
   folder = os.path.join(results or RESULTS, name)
   return Plan(name, path, folder, task, seed, batch, max_tokens, case_s, load_s, tuple(models),
               tuple(methods), tuple(splits))
+
+
+def _workload(v: dict, where: str, task: str, length: int | None, tail: int | None,
+              max_tokens: int) -> tuple[str, int | None, int | None, int]:
+  """A split entry's (task, length, tail, max_tokens): its own keys, else the plan's."""
+  task = _get(v, "task", where, str, task, ok=lambda s: s in TASKS,
+              rule="one of " + ", ".join(TASKS))
+  max_tokens = _get(v, "max_tokens", where, int, max_tokens, ok=lambda x: x >= 1,
+                    rule="a positive integer")
+  if task not in LC.TASKS:
+    for k in ("length", "tail"):
+      if k in v:
+        raise PlanError(f"{where}.{k}: only tasks {', '.join(LC.TASKS)} take a {k} (this split's "
+                        f"task is {task})")
+    return task, None, None, max_tokens
+  least = 8 if task == "w1" else 64
+  lkey = f"{where}.length" if "length" in v else "plan.length"
+  length = _get(v, "length", where, int, length, ok=lambda x: x >= least,
+                rule=f"an integer >= {least}")
+  if length is None:
+    raise PlanError(f"{where}.length: missing (task {task} needs a prompt length in tokens, "
+                    f"e.g. length = 8192, here or at the top of the plan)")
+  if length < least:   # the plan's length, given for all splits
+    raise PlanError(f"{lkey}: task {task} needs a length >= {least}, got {length}")
+  if task != "w1":
+    if "tail" in v:
+      raise PlanError(f"{where}.tail: only task w1 takes a tail (this split's task is {task})")
+    return task, length, None, max_tokens
+  tkey = f"{where}.tail" if "tail" in v else "plan.tail"
+  tail = _get(v, "tail", where, int, 1024 if tail is None else tail, ok=lambda x: x >= 1,
+              rule="a positive integer")
+  if tail > length - 4:
+    raise PlanError(f"{tkey}: a tail of {tail} leaves no prompt in a document of {length} tokens "
+                    f"(need tail <= length - 4)")
+  return task, length, tail, tail   # W1 generates nothing: its max_tokens is the tail
 
 
 # --- fingerprints ---------------------------------------------------------------------------------
@@ -331,7 +436,11 @@ def model_path(model: Model) -> str:
 
 class BFCL:
   """What the campaign needs of the BFCL task: a split's cases before any model loads (the
-  code's own split, :func:`calibrate.bfcl.load`), and an evaluation session for a model."""
+  code's own split, :func:`calibrate.bfcl.load`), and an evaluation session for a model.
+
+  A task may also have ``material(split, seed)`` (what of the task goes into a cell's key;
+  default ``{"task": name}``) and ``bind(session, split, cases, seed)`` (make ``session`` evaluate
+  this split — a model's session serves every task of a plan — and return the cases to run)."""
   name = "bfcl"
 
   def cases(self, split: str, categories: Sequence[str] | None, seed: int) -> list:
@@ -348,8 +457,94 @@ class BFCL:
     task = E.BFCLSuite(m.tokenizer, m.cfg.arch, gc, seed=seed)
     return E.Session(m, task, batch=batch, compiler=gc)
 
+  def bind(self, session: E.Session, split: Split, cases: Sequence, seed: int) -> list:
+    if not isinstance(session.task, E.BFCLSuite):   # the session last ran a workload
+      session.task = E.BFCLSuite(session.tok, session.cfg.arch, session.compiler, seed=seed)
+    return list(cases)
 
-TASKS: dict[str, Callable[[], Any]] = {"bfcl": BFCL}
+
+class _Unbound:
+  """A workload session's task until :meth:`Workload.bind` gives it one."""
+  name = "unbound"
+
+
+class Workload:
+  """The long-context workloads W1–W3 (:mod:`calibrate.longctx`) for the campaign: cases named
+  before any model loads (:func:`calibrate.longctx.stubs`), one session per model for every
+  workload and length of the plan, and per split the workload's suite (its length, tail and the
+  plan's seed) bound to the session and the cell's cases built by it."""
+
+  def __init__(self, name: str):
+    self.name = name
+    self._session: Any = None
+    self._suites: dict[tuple, Any] = {}
+
+  def material(self, split: Split, seed: int) -> dict:
+    return {"task": split.workload, "seed": seed}
+
+  def cases(self, split: str, categories: Sequence[str] | None, seed: int) -> list:
+    return LC.stubs(self.name, split, categories, seed)
+
+  def load(self, path: str, dtype: str, center_keys: bool):
+    from pask_jax import api
+    return api.load_model(path, dtype=dtype, center_keys=center_keys)
+
+  def compiler(self, loaded):
+    from pask_jax.grammar import GrammarCompiler
+    return GrammarCompiler(loaded.tokenizer, loaded.cfg.vocab_size)
+
+  def session(self, path: str, dtype: str, batch: int, seed: int,
+              center_keys: bool = True) -> E.Session:
+    m = self.load(path, dtype, center_keys)
+    return E.Session(m, _Unbound(), batch=batch, compiler=self.compiler(m))
+
+  def suite(self, session: E.Session, split: Split, seed: int):
+    """The workload's suite for ``split`` on ``session``'s model (built once per length)."""
+    if self._session is not session:
+      self._session, self._suites = session, {}
+    k = (split.length, split.tail, seed)
+    if k not in self._suites:
+      self._suites[k] = LC.suite(self.name, session.m, session.compiler, length=split.length,
+                                 tail=split.tail or 1024, seed=seed)
+    return self._suites[k]
+
+  def bind(self, session: E.Session, split: Split, cases: Sequence, seed: int) -> list:
+    session.task = self.suite(session, split, seed)
+    return session.task.materialize(cases)
+
+
+TASKS: dict[str, Callable[[], Any]] = {"bfcl": BFCL,
+                                       **{w: functools.partial(Workload, w) for w in LC.TASKS}}
+
+
+def task_names(plan: "Plan") -> list[str]:
+  """The tasks a plan's splits name, in plan order."""
+  return list(dict.fromkeys(sp.task for sp in plan.splits))
+
+
+def check_task_data(plan: "Plan") -> None:
+  """One-line errors, before any model loads, for data a plan's tasks need: the BFCL install
+  (bfcl, w3) and the pinned W1/W2 corpus."""
+  from calibrate import bfcl
+  names = task_names(plan)
+  if {"bfcl", "w3"} & set(names):
+    try:
+      bfcl.require()
+    except bfcl.BFCLMissing as e:
+      raise PlanError(str(e)) from None
+  if {"w1", "w2"} & set(names):
+    LC.corpus()   # CorpusError (a ValueError) names the install command
+
+
+def _adapters(plan: "Plan", task: Any = None) -> dict[str, Any]:
+  """Each task of the plan -> its adapter (``task``: one adapter for every split, as tests give
+  a fake task)."""
+  return {n: task if task is not None else TASKS[n]() for n in task_names(plan)}
+
+
+def _material(adapter: Any, split: Split, seed: int) -> dict:
+  m = getattr(adapter, "material", None)
+  return m(split, seed) if m is not None else {"task": adapter.name}
 
 
 # --- cells ----------------------------------------------------------------------------------------
@@ -379,7 +574,7 @@ class Cell:
 
   @property
   def label(self) -> str:
-    b = "" if self.method.method in ("full", "int4") and self.budget == 1 else \
+    b = "" if self.method.method in UNBUDGETED and self.budget == 1 else \
         f" B={self.budget:g}"
     return f"{self.model.label} {self.method.label}{b} {self.slice_label}"
 
@@ -483,12 +678,13 @@ def _resolved(method: Method, model: Model, budget: float, max_tokens: int):
 
 
 def cells(plan: Plan, task: Any = None) -> list[Cell]:
-  """Every cell of the plan, in plan order (model, split, slice, method, budget)."""
-  task = task or TASKS[plan.task]()
+  """Every cell of the plan, in plan order (model, split, slice, method, budget).  ``task``: the
+  adapter of every split (default: each split's task in :data:`TASKS`)."""
+  adapters = _adapters(plan, task)
   split_cases: dict[str, list[list]] = {}
   for sp in plan.splits:
     try:
-      every = task.cases(sp.split, sp.categories, plan.seed)
+      every = adapters[sp.task].cases(sp.split, sp.categories, plan.seed)
     except ValueError as e:
       raise PlanError(f"splits.{sp.label}: {e}") from None
     split_cases[sp.label] = select(sp, every, plan.seed)
@@ -496,17 +692,19 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
   for mo in plan.models:
     path = model_path(mo)
     model_fp = {"sha256": fingerprint(path), "dtype": mo.dtype, "key_center": mo.key_center}
-    # once per method and budget, not per case chunk (a policy's digest reads its arrays)
-    resolved = {(me.label, b): _resolved(me, mo, b, plan.max_tokens)
-                for me in plan.methods for b in me.budgets}
+    # once per method, budget and max_tokens, not per case chunk (a policy's digest reads its
+    # arrays)
+    resolved = {(me.label, b, n): _resolved(me, mo, b, n) for me in plan.methods
+                for b in me.budgets for n in dict.fromkeys(sp.max_tokens for sp in plan.splits)}
     for sp in plan.splits:
       parts = split_cases[sp.label]
+      task_m = _material(adapters[sp.task], sp, plan.seed)
       for i, cs in enumerate(parts):
         ids = sorted(f"{c.category}/{c.id}" for c in cs)
         for me in plan.methods:
           for b in me.budgets:
-            knobs, policy, settings = resolved[me.label, b]
-            material = {"task": task.name, "model": model_fp, "method": me.method, "budget": b,
+            knobs, policy, settings = resolved[me.label, b, sp.max_tokens]
+            material = {**task_m, "model": model_fp, "method": me.method, "budget": b,
                         "settings": settings, "split": E.SPLIT_NAMES[sp.split], "cases": ids}
             key = cell_key(material)
             out.append(Cell(key, material, mo, me, b, sp, i if sp.chunk else None, tuple(cs),
@@ -523,7 +721,8 @@ def read_cell(d: str) -> dict:
 
 class Estimator:
   """Expected seconds of a cell: its cases times the per-case time of finished cells of the same
-  model and method (else of the same model, else the plan's ``case_seconds``), plus the model's
+  model, task (a workload with its length) and method (else of the same model and task, else
+  the split's ``case_seconds``, the plan's unless the split gives its own), plus the model's
   load time when it is not loaded yet (measured before, else the plan's ``load_seconds``)."""
 
   def __init__(self, plan: Plan, done: Sequence[dict]):
@@ -535,8 +734,9 @@ class Estimator:
 
   def add(self, c: dict) -> None:
     fp = canonical(c["material"]["model"])
+    task = canonical(c["material"]["task"])
     t = c["timings"]
-    for k in ((fp, c["method"]), (fp,)):
+    for k in ((fp, task, c["method"]), (fp, task)):
       r = self.rate.setdefault(k, [0.0, 0])
       r[0] += t["cell_s"]
       r[1] += c["n"]
@@ -545,8 +745,9 @@ class Estimator:
 
   def seconds(self, cell: Cell, loaded: bool) -> float:
     fp = canonical(cell.material["model"])
-    per = self.plan.case_seconds
-    for k in ((fp, cell.method.method), (fp,)):
+    task = canonical(cell.material["task"])
+    per = cell.split.case_seconds
+    for k in ((fp, task, cell.method.method), (fp, task)):
       if self.rate.get(k, [0, 0])[1]:
         per = self.rate[k][0] / self.rate[k][1]
         break
@@ -577,33 +778,49 @@ def _stamp() -> str:
   return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _split_rule(task: str, seed: int) -> str:
+  if task in ("bfcl", "w3"):
+    return f"calibrate.bfcl.assign_splits, seed {seed}"
+  if task in LC.TASKS:
+    return f"calibrate.longctx seeded generators, seed {seed}"
+  return task
+
+
 def run_cell(session: E.Session, cell: Cell, plan: Plan, *, load_s: float | None = None,
-             progress: Any = False, clock: Callable[[], float] = time.monotonic) -> dict:
+             progress: Any = False, clock: Callable[[], float] = time.monotonic,
+             cases: Sequence | None = None) -> dict:
   """Evaluate one cell and write its folder (``cell.json`` + ``cases.jsonl``), atomically: the
   run writes ``.partial-<key>/``, renamed to ``<key>/`` once complete; on any exception the
-  partial folder is removed and the exception goes on."""
+  partial folder is removed and the exception goes on.  ``cases``: the cases to run, as the
+  task built them from the cell's (default: the cell's own)."""
   part = os.path.join(plan.folder, PARTIAL + cell.key)
   shutil.rmtree(part, ignore_errors=True)
   rc = E.RunConfig(cell.method.method, cell.budget, cell.split.split, cell.split.categories,
-                   max_tokens=plan.max_tokens, policy=cell.policy, knobs=cell.knobs)
+                   max_tokens=cell.split.max_tokens, policy=cell.policy, knobs=cell.knobs)
   try:
     started, t0 = _stamp(), clock()
-    meta = E.run(session, rc, part, progress=progress, cases=list(cell.cases))
+    meta = E.run(session, rc, part, progress=progress,
+                 cases=list(cell.cases if cases is None else cases))
     cell_s = clock() - t0
     c = meta["categories"]
     o, h = c["overall"], c.get("simple+multiple")
+    if E.is_lm(meta):   # W1: NLL per token of the scored tail, no accuracy
+      quality = {"n": o["n"], "accuracy": None, "se": None, "headline": None,
+                 "nll": o["nll"], "ppl": o["ppl"]}
+    else:
+      quality = {"n": o["n"], "accuracy": o["accuracy"],
+                 "se": E.binomial_se(o["accuracy"], o["n"]),
+                 "headline": None if h is None else {"n": h["n"], "accuracy": h["accuracy"],
+                                                     "se": E.binomial_se(h["accuracy"], h["n"])}}
     doc = {"key": cell.key, "plan": plan.name, "material": cell.material,
            "labels": {"model": cell.model.label, "method": cell.method.label,
                       "split": cell.split.label, "part": cell.part},
            **meta,
            "model_spec": cell.model.spec, "model_path": cell.model_path,
            "dtype": cell.model.dtype, "seed": plan.seed,
-           "split_rule": f"calibrate.bfcl.assign_splits, seed {plan.seed}"
-           if plan.task == "bfcl" else plan.task,
-           "policy": cell.policy, "knobs": cell.knobs, "plan_batch": plan.batch,
-           "n": o["n"], "accuracy": o["accuracy"], "se": E.binomial_se(o["accuracy"], o["n"]),
-           "headline": None if h is None else {"n": h["n"], "accuracy": h["accuracy"],
-                                               "se": E.binomial_se(h["accuracy"], h["n"])},
+           "split_rule": _split_rule(cell.split.task, plan.seed),
+           "policy": cell.policy, "knobs": cell.knobs, "plan_batch": cell.split.batch,
+           **quality,
            "measured_B": {k: o[k] for k in ("prefill_B", "decode_B", "total_B",
                                             "total_B_weighted")},
            "timings": {"cell_s": cell_s, "eval_wall_s": meta["wall_s"], "load_s": load_s,
@@ -667,7 +884,7 @@ def run(plan: Plan, *, time_limit: float | None = None, task: Any = None,
   also copy each finished cell to ``copy_to/<plan name>/<key>/`` as soon as it is written (a
   machine whose results come back from one folder)."""
   t0 = clock()
-  task = task or TASKS[plan.task]()
+  adapters = _adapters(plan, task)
   todo = cells(plan, task)
   out = Outcome()
   with _lock(plan.folder):
@@ -687,15 +904,22 @@ def run(plan: Plan, *, time_limit: float | None = None, task: Any = None,
         log(f"{tag}: left for later (expected {need:.0f} s, {time_limit - spent:.0f} s left)")
         continue
       load_s = None
+      adapter = adapters[cell.split.task]
       if not here:
         loaded = None   # the previous model's session goes before the next loads
         t = clock()
-        loaded = (cell.model.label, task.session(cell.model_path, cell.model.dtype, plan.batch,
-                                                 plan.seed, center_keys=cell.model.key_center))
+        loaded = (cell.model.label, adapter.session(cell.model_path, cell.model.dtype,
+                                                    cell.split.batch, plan.seed,
+                                                    center_keys=cell.model.key_center))
         load_s = clock() - t
       log(f"{tag}: {len(cell.cases)} cases, expected {need:.0f} s")
+      session = loaded[1]
+      session.batch = cell.split.batch
       try:
-        doc = run_cell(loaded[1], cell, plan, load_s=load_s, progress=progress, clock=clock)
+        bind = getattr(adapter, "bind", None)
+        run_cases = bind(session, cell.split, cell.cases, plan.seed) if bind else None
+        doc = run_cell(session, cell, plan, load_s=load_s, progress=progress, clock=clock,
+                       cases=run_cases)
       except ValueError as e:
         out.failed.append((cell, str(e)))
         log(f"{tag}: failed: {e}")
@@ -704,9 +928,13 @@ def run(plan: Plan, *, time_limit: float | None = None, task: Any = None,
         shutil.copytree(cell.dir, os.path.join(copy_to, plan.name, cell.key), dirs_exist_ok=True)
       est.add(doc)
       out.ran.append(cell)
-      hd = doc["headline"] or {"accuracy": doc["accuracy"], "se": doc["se"]}
-      log(f"{tag}: accuracy {100 * hd['accuracy']:.2f} ± {100 * hd['se']:.2f}%, measured B "
-          f"{doc['measured_B']['total_B']:.3f}, {doc['timings']['cell_s']:.1f} s -> {cell.dir}")
+      if doc["accuracy"] is None:   # W1
+        q = f"NLL {doc['nll']:.4f} (ppl {doc['ppl']:.3f})"
+      else:
+        hd = doc["headline"] or {"accuracy": doc["accuracy"], "se": doc["se"]}
+        q = f"accuracy {100 * hd['accuracy']:.2f} ± {100 * hd['se']:.2f}%"
+      log(f"{tag}: {q}, measured B {doc['measured_B']['total_B']:.3f}, "
+          f"{doc['timings']['cell_s']:.1f} s -> {cell.dir}")
   return out
 
 
@@ -768,8 +996,9 @@ def _current(plan: Plan) -> set[str]:
   """(method, budget, settings) of every cell the plan makes now (no model or data needed): a
   cell of the plan's folder outside it ran under settings since replaced (a recalibrated policy,
   retuned knobs)."""
-  return {canonical([me.method, b, _resolved(me, mo, b, plan.max_tokens)[2]])
-          for mo in plan.models for me in plan.methods for b in me.budgets}
+  return {canonical([me.method, b, _resolved(me, mo, b, n)[2]])
+          for mo in plan.models for me in plan.methods for b in me.budgets
+          for n in dict.fromkeys(sp.max_tokens for sp in plan.splits)}
 
 
 def collect(paths: Sequence[str], *, results: str | None = None,
@@ -813,9 +1042,11 @@ def collect(paths: Sequence[str], *, results: str | None = None,
           rows.append(r)
     first = cs[0]
     meta = {k: v for k, v in first.items() if k not in ("dir", "key", "labels")}
+    lm = bool(rows) and all("nll" in r for r in rows)   # W1: NLL, not accuracy
     meta.update(label=first["labels"]["method"], model_label=first["labels"]["model"],
                 group=g, cells=[c["key"] for c in cs], n_cases=len(rows),
-                categories=E.summarize(rows), dir=os.path.dirname(first["dir"]))
+                categories=E.summarize_lm(rows) if lm else E.summarize(rows),
+                dir=os.path.dirname(first["dir"]), case_rows=rows)
     runs.append(meta)
   if not runs:
     raise ValueError(f"no eval runs or campaign cells in {', '.join(paths)} (no summary.json or "
@@ -834,15 +1065,92 @@ def _section(r: dict) -> tuple[str, str]:
   return key, f"{r.get('model', '?')}, {r.get('task', '?')} {r.get('split', '?')}"
 
 
+def _task_of(rs: Sequence[dict]) -> str:
+  r = rs[0]
+  return str((r.get("material") or {}).get("task") or r.get("task") or "")
+
+
+def quality_note(rs: Sequence[dict]) -> str:
+  """What the quality column of a table of ``rs`` measures (one line; empty for BFCL)."""
+  task = _task_of(rs)
+  if task.startswith("w1:"):
+    return (f"Quality: mean NLL per token of the last {rs[0].get('tail', '?')} tokens of each "
+            "document, fed one by one through the method's cache (ppl = exp NLL; lower is "
+            "better).")
+  if task.startswith("w2:"):
+    return "Quality: exact match (EM) of the 6-digit code asked for, per hop and overall."
+  if task.startswith("w3:"):
+    return ("Quality: AST accuracy (BFCL's checker) of the unpadded case, simple_python + "
+            "multiple.")
+  return ""
+
+
+def _case_rows(r: dict) -> list[dict]:
+  return r["case_rows"] if "case_rows" in r else E.read_cases(r["dir"])
+
+
+def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
+  """The stability table (markdown) of one table's runs against its Full-KV run
+  (:func:`calibrate.stability.compare`; the Full-KV run with the most cases when there are
+  several), and its rows; W1 (teacher-forced: nothing generated) has none."""
+  if not rs or all(E.is_lm(r) for r in rs):
+    return "", []
+  dense = [r for r in rs if r.get("base_method", r["method"]) == "full"]
+  if not dense:
+    return ("\n**Stability**: no Full-KV run (method full) in this table: not computed.\n", [])
+  ref = _case_rows(max(dense, key=lambda r: r["n_cases"]))
+  calls = not _task_of(rs).startswith(("w1:", "w2:"))   # W2 answers are codes, not calls
+  order = lambda r: (BL.METHODS.index(r.get("base_method", r["method"]))
+                     if r.get("base_method", r["method"]) in BL.METHODS else 99,
+                     r["budget"] or 0.0, r["method"])
+  head = ["method", "target B", *ST.HEAD]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  out = []
+  for r in sorted(rs, key=order):
+    st = ST.compare(_case_rows(r), ref, calls=calls)
+    out.append({"method": r["method"], "budget": r["budget"],
+                **{k: (st or {}).get(k) for k in ST.FIELDS}})
+    b = "–" if r.get("base_method", r["method"]) == "full" else E.label(r["budget"])
+    lines.append("| " + " | ".join([r["method"], b, *ST.cells(st)]) + " |")
+  md = ("\n**Stability vs Full KV** (calibrate.stability; n: cases shared with the Full-KV run; "
+        "Δ_tok = (generated tokens − Full KV's) / Full KV's; disagreement: the greedy tokens "
+        "differ from Full KV's (text: rows without token ids), first divergence in tokens; "
+        f"looping, early stop (< {ST.EARLY:g} × Full KV's tokens) and malformed calls "
+        "counted):\n\n" + "\n".join(lines) + "\n")
+  return md, out
+
+
+def _write_section(rs: Sequence[dict], d: str) -> str:
+  """One table's report in folder ``d``: the quality table and plot (:func:`E.report`), the
+  quality note and the stability table (report.md, stability.csv); returns the markdown."""
+  md = E.report(None, d, runs=rs)
+  note = quality_note(rs)
+  stab, rows = stability(rs)
+  md = (f"{note}\n\n" if note else "") + md + stab
+  with open(os.path.join(d, "report.md"), "w") as f:
+    f.write(md)
+  if rows:
+    import csv
+    with open(os.path.join(d, "stability.csv"), "w", newline="") as f:
+      w = csv.DictWriter(f, ["method", "budget", *ST.FIELDS])
+      w.writeheader()
+      w.writerows(rows)
+  return md
+
+
 def report(paths: Sequence[str], out: str, *, results: str | None = None,
            log: Callable[[str], None] = _say) -> tuple[str, list[str]]:
-  """Tables (with n and binomial standard errors) and accuracy-vs-B plots (error bars) of every
-  run and cell under ``paths``: one table and plot per model and split; with one, ``out``/report.md
-  and ``out``/accuracy_vs_B.png as ``pask-jax report`` always wrote.  Returns the markdown and
-  the files written."""
+  """Tables (with n and binomial standard errors) and quality-vs-B plots (error bars) of every
+  run and cell under ``paths``: one table and plot per model, task (a workload with its
+  length) and split, each with its quality metric (:func:`quality_note`) and, for generating
+  tasks, the stability of every row against the table's Full-KV row (:func:`stability`; also
+  ``stability.csv``); with one table, ``out``/report.md and ``out``/accuracy_vs_B.png (W1:
+  nll_vs_B.png) as ``pask-jax report`` always wrote.  Returns the markdown and the files
+  written."""
   runs = collect(paths, results=results, log=log)
   sections: dict[str, tuple[str, list[dict]]] = {}
   for r in runs:
+    r.setdefault("base_method", r["method"])   # the method itself, before labels rename rows
     k, title = _section(r)
     sections.setdefault(k, (title, []))[1].append(r)
   for _, rs in sections.values():
@@ -857,12 +1165,12 @@ def report(paths: Sequence[str], out: str, *, results: str | None = None,
           r["method"] += f" [{(r.get('group') or r['dir'])[-6:]}]"
   if len(sections) == 1:
     (_, rs), = sections.values()
-    md = E.report(None, out, runs=rs)
+    md = _write_section(rs, out)
     return md, [os.path.join(out, "report.md"), os.path.join(out, E.plot_name(rs))]
   parts, files = [], []
   for i, (title, rs) in enumerate(sorted(sections.values(), key=lambda s: s[0])):
     slug = f"{i + 1:02d}-" + re.sub(r"[^\w.+-]+", "_", title).strip("_")[:60]
-    md = E.report(None, os.path.join(out, slug), runs=rs)
+    md = _write_section(rs, os.path.join(out, slug))
     png = E.plot_name(rs)
     files.append(os.path.join(out, slug, png))
     parts.append(f"## {title}\n\n{md}\n![{png[:-4].replace('_', ' ')}]({slug}/{png})\n")

@@ -8,7 +8,8 @@ runs of several methods and budgets in one process share compilations (the drive
 writes:
 
 * ``cases.jsonl`` — per case: id, category, split, text, calls, passed, per_call, error, finish,
-  prompt_len, gen_len, prefill_B, decode_B, total_B, prefill_s, decode_s;
+  prompt_len, gen_len, prefill_B, decode_B, total_B, prefill_s, decode_s, tokens (the generated
+  token ids: the stability metrics of :mod:`calibrate.stability` compare them);
 * ``summary.csv`` — per category, ``simple+multiple`` (the headline) and ``overall``: n,
   accuracy, per-call fraction, mean prefill/decode/total B, and the workload-weighted total B
   (Σ payload / Σ Full-KV payload);
@@ -507,7 +508,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
                  "passed": bool(sc["passed"]), "per_call": float(sc["per_call"]),
                  "error": sc["error"], "finish": r.finish, "prompt_len": r.prompt_len,
                  "gen_len": len(r.tokens), "kv_gen_len": int(n_gen), **b,
-                 "prefill_s": r.prefill_s, "decode_s": r.decode_s}
+                 "prefill_s": r.prefill_s, "decode_s": r.decode_s,
+                 "tokens": [int(t) for t in r.tokens]}
   if bar is not None:
     bar.close()
   wall = time.perf_counter() - t0
@@ -953,7 +955,8 @@ def load_runs(dirs: Sequence[str]) -> list[dict]:
 def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None = None) -> str:
   """Markdown table + PNG of headline (simple+multiple) accuracy against measured total B, of the
   run directories ``dirs`` or of ``runs`` already loaded (summary dicts, e.g. pooled cells of
-  :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n.  Runs of the
+  :mod:`calibrate.campaign`).  Accuracies carry ±1 binomial standard error and n; W2 runs
+  (:func:`is_em`) show exact match, overall and per hop, in place of the BFCL columns.  Runs of the
   LM task (W1: NLL, no accuracy) get their own table and NLL-vs-B plot (:func:`report_lm`); the
   two kinds do not share one report."""
   runs = load_runs(dirs) if runs is None else list(runs)
@@ -965,11 +968,13 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
                      "separately")
   runs.sort(key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS else 99,
                            r["budget"] or 0.0))
-  cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple")
-          if any(c in r["categories"] for r in runs)]
-  head = ["method", "target B", "measured B (prefill / decode / total)",
-          "simple+multiple ± s.e.", "overall ± s.e."] + cats + \
-      [f"{c} per-call" for c in cats if c.startswith("parallel")] + ["n (simple+multiple / all)"]
+  cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple", "hop1",
+                      "hop2") if any(c in r["categories"] for r in runs)]
+  em = is_em(runs)   # W2: exact match per hop and overall, no BFCL headline
+  head = ["method", "target B", "measured B (prefill / decode / total)"] + \
+      (["EM ± s.e."] if em else ["simple+multiple ± s.e.", "overall ± s.e."]) + cats + \
+      [f"{c} per-call" for c in cats if c.startswith("parallel")] + \
+      (["n"] if em else ["n (simple+multiple / all)"])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   over = 0
   pct = lambda d, k="accuracy": f"{100 * d[k]:.2f}" if d else "–"
@@ -983,9 +988,9 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
       spent += " **over**"
     row = [r["method"], "–" if r["method"] == "full" else
            "policy's own" if r["budget"] is None else f"{r['budget']:.2f}",
-           spent, se(h), se(o)] + [pct(c.get(k)) for k in cats]
+           spent] + ([se(o)] if em else [se(h), se(o)]) + [pct(c.get(k)) for k in cats]
     row += [pct(c.get(k), "per_call") for k in cats if k.startswith("parallel")]
-    row += [f"{h['n'] if h else '–'} / {o['n']}"]
+    row += [str(o["n"])] if em else [f"{h['n'] if h else '–'} / {o['n']}"]
     lines.append("| " + " | ".join(row) + " |")
   md = "\n".join(lines) + "\n"
   if over:
@@ -1002,6 +1007,11 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
 def is_lm(run: dict) -> bool:
   """Whether a loaded run (summary dict) is of the LM task (W1: NLL, not accuracy)."""
   return "nll" in run["categories"]["overall"]
+
+
+def is_em(runs: Sequence[dict]) -> bool:
+  """Whether runs are of W2 (needle retrieval: their accuracy is exact match of the code)."""
+  return bool(runs) and all(str(r.get("task", "")).startswith("w2:") for r in runs)
 
 
 def plot_name(runs: Sequence[dict]) -> str:
@@ -1118,7 +1128,8 @@ def plot_runs(runs: list[dict], path: str) -> dict | None:
     ax.set_ylim(*_fit(min(lo_y), max(hi_y), 0.06, 1.0, (0.0, 100.0)))
   drawn["xlim"], drawn["ylim"] = ax.get_xlim(), ax.get_ylim()
   ax.set_xlabel("measured relative total KV cost B")
-  ax.set_ylabel("accuracy, simple + multiple (%)")
+  ax.set_ylabel("exact match (%)" if is_em(runs) else "accuracy, simple + multiple (%)"
+                if any("simple+multiple" in r["categories"] for r in runs) else "accuracy (%)")
   ax.set_title("error bars: ±1 binomial standard error", fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)

@@ -64,6 +64,8 @@ DISTRACTORS = (0, 4, 16)
 HOPS = ("hop1", "hop2")
 W3_CATEGORIES = ("simple_python", "multiple")
 TASKS = ("w1", "w2", "w3")
+W1_DOCUMENTS = 64    # documents per split (§4: 64 per length)
+W2_PROMPTS = 300     # prompts per split and hop (§4: 300 per (length, hop) for frontiers)
 _SPLIT_ID = {"cal": 0, "calibration": 0, "dev": 1, "development": 1, "test": 2}
 
 
@@ -180,19 +182,24 @@ class LMSuite:
     if self.tail > self.length - 4:
       raise ValueError(f"--tail {tail} leaves no prompt in a document of {length} tokens "
                        f"(need tail <= length - 4)")
-    self.name = f"w1:L{self.length}:K{self.tail}"
+    self.name = name_of("w1", self.length, self.tail)
 
   def cases(self, split: str, categories: Sequence[str] | None = None,
             max_cases: int | None = None, skip: int = 0) -> list[LMCase]:
     if categories and set(categories) != {"w1"}:
       raise ValueError(f"W1 has the one category w1, got {list(categories)}")
     corpus()
-    n = (max_cases or 64) + skip
-    sid = _split_id(split)
-    out = [LMCase(f"w1_{split}_{i}", "w1",
-                  document(self.tok, self.length, np.random.default_rng([self.seed, sid, 1, i])))
-           for i in range(skip, n)]
-    return cap_per_category(out, max_cases)
+    n = (max_cases or W1_DOCUMENTS) + skip
+    return cap_per_category([self.case(split, i) for i in range(skip, n)], max_cases)
+
+  def case(self, split: str, i: int) -> LMCase:
+    """Document ``i`` of ``split`` (each seeded on its own: any subset can be rebuilt)."""
+    rng = np.random.default_rng([self.seed, _split_id(split), 1, i])
+    return LMCase(f"w1_{split}_{i}", "w1", document(self.tok, self.length, rng))
+
+  def materialize(self, stubs: Sequence["Stub"]) -> list[LMCase]:
+    """The documents of :func:`stubs` (a campaign's cells hold stubs, made without a model)."""
+    return [self.case(s.split, s.index) for s in stubs]
 
   def prompt_ids(self, case: LMCase) -> list[int]:
     return case.ids[:self.length - self.tail - 1]
@@ -267,9 +274,10 @@ class NeedleSuite:
     self.tok, self.seed = tokenizer, int(seed)
     self.length = _check_length(length, 64, "--length")
     self.max_answer = int(max_answer)
-    self.name = f"w2:L{self.length}"
+    self.name = name_of("w2", self.length)
 
-  def _case(self, split: str, category: str, i: int) -> NeedleCase:
+  def case(self, split: str, category: str, i: int) -> NeedleCase:
+    """Case ``i`` of ``category`` in ``split`` (seeded on its own; no tokenizer needed)."""
     rng = np.random.default_rng([self.seed, _split_id(split), 2, HOPS.index(category), i])
     pos = list(POSITIONS)[i % 3]
     kd = DISTRACTORS[(i // 3) % 3]
@@ -305,8 +313,11 @@ class NeedleSuite:
     if bad:
       raise ValueError(f"W2 categories are {', '.join(HOPS)}, got {', '.join(bad)}")
     corpus()
-    n = (max_cases or 300) + skip
-    return [self._case(split, c, i) for c in cats for i in range(skip, n)]
+    n = (max_cases or W2_PROMPTS) + skip
+    return [self.case(split, c, i) for c in cats for i in range(skip, n)]
+
+  def materialize(self, stubs: Sequence["Stub"]) -> list[NeedleCase]:
+    return [self.case(s.split, s.category, s.index) for s in stubs]
 
   def _render(self, case: NeedleCase, lines: list[str]) -> str:
     from pask_jax.prompt import render
@@ -378,7 +389,7 @@ class BFCLLongSuite:
     self.length = _check_length(length, 64, "--length")
     self.fmt, indent = bfcl.style_for(arch)
     self.grammars = bfcl.Grammars(compiler, self.fmt, indent) if compiler is not None else None
-    self.name = f"w3:L{self.length}"
+    self.name = name_of("w3", self.length)
     self.original: dict[str, Any] = {}
     self._cost: dict[str, int] = {}
 
@@ -458,6 +469,10 @@ class BFCLLongSuite:
     self.original[padded.id] = case
     return padded
 
+  def materialize(self, stubs: Sequence[Any]) -> list:
+    """The padded cases of BFCL cases (:func:`stubs` of W3 are the unpadded BFCL cases)."""
+    return [self.pad(c) for c in stubs]
+
   def prepare(self, cases, prompt_labels: bool):
     return self.bfcl.prepare(cases, self.tok, arch=self.arch, prompt_labels=prompt_labels,
                              grammars=self.grammars)
@@ -465,6 +480,52 @@ class BFCLLongSuite:
   def score(self, case, text: str, complete: bool) -> dict:
     return self.bfcl.score(self.original.get(case.id, case), text, complete=complete,
                            fmt=self.fmt)
+
+
+def name_of(task: str, length: int, tail: int | None = None) -> str:
+  """The name a workload's suite (and its summaries, and a campaign cell's key) goes by:
+  ``w1:L<length>:K<tail>``, ``w2:L<length>``, ``w3:L<length>``."""
+  if task not in TASKS:
+    raise ValueError(f"unknown long-context workload {task!r}; choose from {', '.join(TASKS)}")
+  return f"{task}:L{length}" + (f":K{tail}" if task == "w1" else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stub:
+  """A W1/W2 case named before any model or tokenizer is loaded: what a campaign cell keys and
+  slices; the suite's ``materialize`` builds the case itself."""
+  id: str
+  category: str
+  split: str
+  index: int
+
+
+def stubs(task: str, split: str, categories: Sequence[str] | None = None,
+          seed: int = 0) -> list:
+  """Every case of workload ``task`` in ``split``, named without a model (a campaign selects
+  and chunks them; :meth:`LMSuite.materialize` and its peers build them): W1 the
+  :data:`W1_DOCUMENTS` documents, W2 :data:`W2_PROMPTS` prompts per hop (§4's counts), W3 the
+  unpadded BFCL cases of ``split`` (``calibrate.bfcl.load`` with ``seed``) of its categories.
+  One-line ValueError for a category the workload lacks."""
+  _split_id(split)   # a one-line error for an unknown split
+  if task == "w1":
+    if categories and set(categories) != {"w1"}:
+      raise ValueError(f"W1 has the one category w1, got {list(categories)}")
+    return [Stub(f"w1_{split}_{i}", "w1", split, i) for i in range(W1_DOCUMENTS)]
+  if task == "w2":
+    cats = tuple(categories) if categories else HOPS
+    bad = [c for c in cats if c not in HOPS]
+    if bad:
+      raise ValueError(f"W2 categories are {', '.join(HOPS)}, got {', '.join(bad)}")
+    return [Stub(f"w2_{split}_{c}_{i}", c, split, i) for c in cats for i in range(W2_PROMPTS)]
+  if task == "w3":
+    from calibrate import bfcl
+    cats = tuple(categories) if categories else W3_CATEGORIES
+    bad = [c for c in cats if c not in W3_CATEGORIES]
+    if bad:
+      raise ValueError(f"W3 categories are {', '.join(W3_CATEGORIES)}, got {', '.join(bad)}")
+    return bfcl.load(cats, split=SPLIT_NAMES[split], seed=seed)
+  raise ValueError(f"unknown long-context workload {task!r}; choose from {', '.join(TASKS)}")
 
 
 def suite(task: str, loaded, compiler, *, length: int, tail: int = 1024, seed: int = 0,
@@ -489,4 +550,5 @@ def suite(task: str, loaded, compiler, *, length: int, tail: int = 1024, seed: i
 
 
 __all__ = ["BFCLLongSuite", "CORPUS_SHA256", "CorpusError", "DISTRACTORS", "LMSuite",
-           "NeedleSuite", "POSITIONS", "TASKS", "corpus", "document", "suite"]
+           "NeedleSuite", "POSITIONS", "Stub", "TASKS", "W1_DOCUMENTS", "W2_PROMPTS",
+           "W3_CATEGORIES", "corpus", "document", "name_of", "stubs", "suite"]

@@ -246,11 +246,10 @@ def cmd_report(args) -> int:
 
 def cmd_campaign(args) -> int:
   """``pask-jax campaign``: the plan's cells not yet done, as many as fit in --time-limit."""
-  from calibrate import bfcl, campaign as C
+  from calibrate import campaign as C
   try:
     plan = C.load_plan(args.plan, args.results)
-    if plan.task == "bfcl":
-      bfcl.need()
+    C.check_task_data(plan)   # the BFCL install, the W1/W2 corpus: before any model loads
     if args.dry_run:
       print(C.describe(plan, C.cells(plan)))
       return 0
@@ -605,8 +604,9 @@ def main(argv: list[str] | None = None) -> int:
   mg = sub.add_parser("merge", help="pool eval runs of one configuration over disjoint slices")
   mg.add_argument("runs", nargs="+", help="eval output directories (same method, budget, split)")
   mg.add_argument("--out", required=True)
-  r = sub.add_parser("report", help="markdown table + accuracy-vs-B plot of eval runs and "
-                                     "campaign cells")
+  r = sub.add_parser("report", help="markdown tables (quality beside measured B, stability vs "
+                                     "Full KV) + quality-vs-B plots of eval runs and campaign "
+                                     "cells, one per model, task and split")
   r.add_argument("runs", nargs="+",
                  help="eval output directories, campaign cells, folders of them (a plan's "
                       "results folder) or plan files; other folders are skipped")

@@ -1,10 +1,13 @@
 """The resumable campaign (calibrate.campaign) end to end on a tiny random model with a synthetic
 enum task (exact oracle) through the real evaluator (calibrate.evaluate.run): cells run, resume,
-fit a time limit, survive an interrupted cell, pool into the report; keys; bad plans; and the
-BFCL split selection against the evaluator's own."""
+fit a time limit, survive an interrupted cell, pool into the report; keys; bad plans (the
+long-context workloads' keys too); the BFCL split selection against the evaluator's own; the
+stability metrics against Full KV (calibrate.stability) from hand-built and committed cells; and
+the sizes of the Spherical KV frontier plan.  (W1/W2 plans end to end: tests/test_longctx.py.)"""
 import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -128,6 +131,18 @@ cases = 1
 """
 
 
+def table(md):
+  """The rows of a report's first table (the quality table; the stability table follows)."""
+  lines = md.splitlines()
+  start = next(i for i, l in enumerate(lines) if l.startswith("| "))
+  rows = []
+  for l in lines[start + 2:]:
+    if not l.startswith("| "):
+      break
+    rows.append(l)
+  return rows
+
+
 def write_plan(env, text=None, name="plan.toml", **fmt):
   p = env / name
   p.write_text((text or PLAN).format(model=env / "tiny.bin", **fmt))
@@ -192,7 +207,7 @@ def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
                    "--out", str(env / "rep")]) == 0
   cap = capsys.readouterr()
   assert "skipped" in cap.err and "tune" in cap.err
-  rows = [l for l in cap.out.splitlines() if l.startswith("| ") and "target B" not in l]
+  rows = table(cap.out)
   assert len(rows) == 3 and rows[0].startswith("| full ")
   doc = read_json(os.path.join(out.ran[0].dir, "cell.json"))
   h = doc["headline"]
@@ -299,7 +314,7 @@ def test_chunks_pool_into_one_row(env, task, capsys):
   assert {len(c.cases) for c in cs} == {3}
   C.run(plan, task=task, log=lambda s: None)
   md, _ = C.report([plan.folder], str(env / "rep"), log=lambda s: None)
-  rows = [l for l in md.splitlines() if l.startswith("| ") and "target B" not in l]
+  rows = table(md)
   assert len(rows) == 2 and all(r.rstrip(" |").endswith("4 / 6") for r in rows)
 
 
@@ -310,11 +325,10 @@ def test_report_of_a_plan_keeps_only_its_current_settings(env, task):
   retuned = write_plan(env, one.replace("recent = 8", "recent = 16"), name="retuned.toml")
   notes = []
   md, _ = C.report([retuned], str(env / "rep"), results=str(env / "results"), log=notes.append)
-  rows = [l for l in md.splitlines() if l.startswith("| ") and "target B" not in l]
-  assert [r.split(" | ")[0] for r in rows] == ["| full"]
+  assert [r.split(" | ")[0] for r in table(md)] == ["| full"]
   assert any("left out 1 cells" in n for n in notes)
   md, _ = C.report([plan.folder], str(env / "rep2"), log=notes.append)   # the folder: every cell
-  assert len([l for l in md.splitlines() if l.startswith("| h2o ")]) == 1
+  assert len([l for l in table(md) if l.startswith("| h2o ")]) == 1
 
 
 def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
@@ -346,6 +360,24 @@ def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
       (PLAN.replace("[methods.full]", "[methods.int4]\nknobs = \"none.json\""),
        "methods.int4.knobs: file not found"),
       (PLAN + "]]", "not valid TOML"),
+      # the long-context workloads: task, length and tail per split (or at the top)
+      (PLAN.replace('split = "test"', 'split = "test"\ntask = "w2"'),
+       "splits.test.length: missing (task w2 needs a prompt length"),
+      (PLAN.replace('split = "test"', 'split = "test"\ntask = "w2"\nlength = 128\ntail = 8'),
+       "splits.test.tail: only task w1 takes a tail"),
+      (PLAN.replace('split = "test"', 'split = "test"\nlength = 512'),
+       "splits.test.length: only tasks w1, w2, w3 take a length"),
+      (PLAN.replace("seed = 3", "seed = 3\nlength = 512"), "plan.length: no split takes it"),
+      (PLAN.replace('split = "test"', 'split = "test"\ntask = "w1"\nlength = 100\ntail = 99'),
+       "splits.test.tail: a tail of 99 leaves no prompt in a document of 100 tokens"),
+      (PLAN.replace('split = "test"', 'split = "test"\ntask = "w2"\nlength = 32'),
+       "splits.test.length: expected an integer >= 64, got 32"),
+      (PLAN.replace('split = "test"', 'split = "test"\ntask = "w4"'),
+       "splits.test.task: expected one of bfcl, "),
+      (PLAN.replace('split = "test"', 'split = "test"\nmax_tokens = 0'),
+       "splits.test.max_tokens: expected a positive integer"),
+      (PLAN.replace('split = "test"', 'split = "test"\ntask = "w2"\nlength = 128\n'
+                    'categories = ["hop3"]'), "splits.test: W2 categories are hop1, hop2"),
   ]
   for text, msg in cases:
     p = write_plan(env, text)
@@ -355,9 +387,11 @@ def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
     assert msg in got and "\n" not in got and got.startswith("error: "), (msg, got)
   # the Spherical KV hybrids run under a PASK policy as pask does: planned, one cell per budget
   ok = PLAN.replace("[methods.full]", "[methods.full]\n\n[methods.\"rdr+tags\"]\nbudgets = [0.5]"
-                    "\npolicy = \"demo\"")
+                    "\npolicy = \"demo\"\n\n[methods.sphkv-angle]")
   assert cli.main(["campaign", write_plan(env, ok), "--results", str(env / "r"), "--dry-run"]) == 0
-  assert "rdr+tags" in capsys.readouterr().out
+  listing = capsys.readouterr().out
+  assert "rdr+tags" in listing
+  assert "tiny sphkv-angle test" in listing   # fixed rate: no budget, one cell at B = 1
   with pytest.raises(SystemExit, match="not found"):
     cli.main(["campaign", str(env / "missing.toml"), "--dry-run"])
   with pytest.raises(SystemExit):
@@ -394,3 +428,146 @@ def test_bfcl_selection_is_the_evaluators_split():
   per = lambda cs, cat: [c.id for c in cs if c.category == cat]
   for cat in cats:   # chunk i: cases 2i, 2i+1 of each category of the selection
     assert per(chunked[0], cat) == per(want, cat)[:2] and per(chunked[1], cat) == per(want, cat)[2:]
+
+
+# ---- stability against Full KV (calibrate.stability), from hand-built cells ----------------------
+
+def case_row(i, tokens, text=None, finish="stop", calls=True, category="simple_python",
+             total_b=1.0):
+  return {"id": f"c{i}", "category": category, "split": "test",
+          "text": " ".join(map(str, tokens)) if text is None else text, "tokens": tokens,
+          "gen_len": len(tokens), "finish": finish, "calls": [{"f": {}}] if calls else None,
+          "passed": calls, "per_call": float(calls), "error": "", "prompt_len": 10,
+          "kv_gen_len": len(tokens), "prefill_B": total_b, "decode_B": total_b,
+          "total_B": total_b}
+
+
+DENSE = [case_row(0, [1, 2, 3, 4]), case_row(1, [5, 6, 7, 8, 9, 10]), case_row(2, [1] * 10),
+         case_row(3, [2] * 8)]
+# c0 the same; c1 diverges at 1 and stops at 2 of 6 tokens (early, no call); c2 runs past dense
+# (dense is its prefix: divergence at 10) into a loop; c3 diverges at 0; c9 has no dense twin
+METHOD = [case_row(0, [1, 2, 3, 4], total_b=0.3), case_row(1, [5, 9], calls=False, total_b=0.3),
+          case_row(2, [1] * 12, text="ab" * 12, finish="length", total_b=0.3),
+          case_row(3, [3] + [2] * 7, total_b=0.3), case_row(9, [4], total_b=0.3)]
+
+
+def test_stability_metrics_are_exact():
+  from calibrate import stability as ST
+  assert ST.compare(METHOD, DENSE, calls=True) == {
+      "n": 4, "dtok_abs_median": pytest.approx(0.1), "dtok_mean": pytest.approx(-7 / 60),
+      "disagree": 0.75, "diverge_median": 1.0, "by_tokens": True, "looping": 1,
+      "early_stop": 1, "malformed": 1}
+  same = ST.compare(DENSE, DENSE, calls=False)
+  assert same["disagree"] == 0 and same["diverge_median"] is None and same["malformed"] is None
+  assert same["dtok_abs_median"] == same["dtok_mean"] == 0 and same["looping"] == 0
+  old = [{k: v for k, v in r.items() if k != "tokens"} for r in METHOD]   # cells before tokens
+  o = ST.compare(old, DENSE, calls=True)
+  assert o["disagree"] == 0.75 and o["diverge_median"] is None and not o["by_tokens"]
+  assert ST.compare(METHOD[4:], DENSE, calls=True) is None
+  assert [ST.first_divergence(a, b) for a, b in (([1, 2], [1, 2]), ([1, 2], [1, 3]),
+                                                  ([1], [1, 2]), ([], [5]))] == [None, 1, 1, 0]
+  assert ST.periodic_tail("xyabcabcab", 3) == 8 and ST.periodic_tail("ab", 5) == 2
+  assert ST.looping("x" + "0123456789" * 4, "length")          # 4 periods of 10, 40 chars
+  assert not ST.looping("x" + "0123456789" * 3, "length")      # 3 periods only
+  assert not ST.looping("a" * 15, "length") and ST.looping("a" * 16, "length")   # 16 chars
+  assert not ST.looping("a" * 40, "stop")                      # it stopped by itself
+  with pytest.raises(ValueError, match="period must be >= 1"):
+    ST.periodic_tail("abc", 0)
+
+
+def hand_cell(root, method, budget, rows, task):
+  material = {"task": task, "seed": 0, "model": {"sha256": "0" * 64, "dtype": "auto",
+                                                  "key_center": True},
+              "method": method, "budget": budget, "settings": {"max_tokens": 16},
+              "split": "test", "cases": sorted(f"{r['category']}/{r['id']}" for r in rows)}
+  key = C.cell_key(material)
+  (root / key).mkdir(parents=True)
+  (root / key / "cell.json").write_text(json.dumps({
+      "key": key, "material": material, "method": method, "budget": budget, "task": task,
+      "split": "test", "n_cases": len(rows),
+      "labels": {"model": "m", "method": method, "split": "test", "part": None}}))
+  with open(root / key / "cases.jsonl", "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+
+
+def test_report_writes_stability_tables_from_stored_cells(tmp_path):
+  """Per workload a table with its quality metric and the stability of every row against the
+  Full-KV row of the same cases, from what the cells store: token ids where they have them,
+  texts for cells written before (the committed ones)."""
+  root = tmp_path / "cells"
+  hand_cell(root, "full", 1.0, DENSE, "w3:L64")
+  hand_cell(root, "spherical", 0.35, METHOD, "w3:L64")
+  hand_cell(root, "h2o", 0.35, [{k: v for k, v in r.items() if k != "tokens"}
+                                for r in METHOD[:2]], "w3:L64")
+  hop = lambda rows: [{**r, "category": "hop1", "calls": None} for r in rows]
+  hand_cell(root, "full", 1.0, hop(DENSE), "w2:L64")
+  hand_cell(root, "spherical", 0.35, hop(METHOD), "w2:L64")
+  md, files = C.report([str(root)], str(tmp_path / "rep"), log=lambda s: None)
+  w2, w3 = md.split("## ")[1:]
+  assert w2.startswith("m (auto), w2:L64 test") and "exact match (EM)" in w2
+  assert w3.startswith("m (auto), w3:L64 test") and "AST accuracy" in w3
+  assert "| spherical | 0.35 | 4 | 10.0% | -11.7% | 75.0% | 1 | 1 | 1 | 1 |" in w3
+  assert "| h2o | 0.35 | 2 | 33.3% | -33.3% | 50.0% (text) | – | 0 | 1 | 1 |" in w3
+  assert "| full | – | 4 | 0.0% | +0.0% | 0.0% | – | 0 | 0 | 0 |" in w3
+  assert "| spherical | 0.35 | 4 | 10.0% | -11.7% | 75.0% | 1 | 1 | 1 | – |" in w2   # no calls
+  assert "| measured B (prefill / decode / total) | EM ± s.e. | hop1 | n |" in w2
+  assert "| spherical | 0.35 | 0.300 / 0.300 / 0.300 | 80.00 ± 17.89 | 80.00 | 5 |" in w2
+  csv_ = (tmp_path / "rep" / "02-m_auto_w3_L64_test" / "stability.csv").read_text().splitlines()
+  assert csv_[0] == "method,budget,n,dtok_abs_median,dtok_mean,disagree,diverge_median,looping," \
+      "early_stop,malformed" and len(csv_) == 4
+  assert all(os.path.getsize(f) > 1000 for f in files if f.endswith(".png"))
+  only = C.report([str(root / next(p.name for p in root.iterdir()
+                                   if "spherical" in (p / "cell.json").read_text()))],
+                  str(tmp_path / "one"), log=lambda s: None)[0]
+  assert "no Full-KV run (method full) in this table" in only
+
+
+def test_the_frontier_plan_sizes_its_cells_for_an_8_minute_call(monkeypatch):
+  """examples/campaign_sph_frontier.toml (no model: its path and fingerprint stubbed): §4's
+  methods, budgets, lengths and case counts, every cell expected within 8 minutes with the
+  model's load."""
+  monkeypatch.setattr(C, "model_path", lambda m: "/weights")
+  monkeypatch.setattr(C, "fingerprint", lambda p: "0" * 64)
+  plan = C.load_plan(os.path.join(os.path.dirname(__file__), "..", "examples",
+                                  "campaign_sph_frontier.toml"), "/nonexistent")
+  assert [m.spec for m in plan.models] == ["qwen2.5-coder-1.5b-instruct"]
+  rho = (0.6, 0.45, 0.35, 0.25, 0.15)
+  got = {m.label: (m.method, m.budgets, m.policy) for m in plan.methods}
+  assert got == {"full": ("full", (1.0,), None), "paged-dense": ("pask", (1.0,), "all-high"),
+                 "int4": ("int4", (1.0,), None), "streaming": ("streaming", rho, None),
+                 "spherical": ("spherical", rho, None), "sphkv-rd": ("sphkv-rd", rho, None),
+                 "sphkv-angle": ("sphkv-angle", (1.0,), None),
+                 "sphkv-retain": ("sphkv-retain", rho, None),
+                 "sphkv-quant": ("sphkv-quant", (1.0,), None),
+                 "sphkv-gated": ("sphkv-gated", rho, None)}
+  cs = C.cells(plan)
+  assert len({c.key for c in cs}) == len(cs)
+  per: dict[str, set] = {}
+  for c in cs:
+    per.setdefault(c.material["task"], set()).update(x.id for x in c.cases)
+  assert {k: len(v) for k, v in per.items()} == {
+      "w1:L8192:K1024": 64, "w2:L8192": 600, "w3:L8192": 200,
+      "w1:L32768:K1024": 64, "w2:L32000": 600, "w3:L32000": 200}
+  est = C.Estimator(plan, [])
+  assert max(est.seconds(c, loaded=False) for c in cs) <= 8 * 60
+
+
+def test_committed_cells_still_report_with_stability(tmp_path):
+  """Cells committed before token ids were stored (results/campaign/qwen15-bfcl): a Full-KV cell
+  and a PASK cell of the same cases load and report, their disagreement compared by text."""
+  root = os.path.join(os.path.dirname(__file__), "..", "results", "campaign", "qwen15-bfcl")
+  docs = [read_json(os.path.join(root, k, "cell.json")) for k in sorted(os.listdir(root))
+          if os.path.isfile(os.path.join(root, k, "cell.json"))]
+  full = next(d for d in docs if d["material"]["method"] == "full")
+  pask = next(d for d in docs if d["material"]["method"] == "pask"
+              and d["material"]["cases"] == full["material"]["cases"])
+  for d in (full, pask):
+    shutil.copytree(os.path.join(root, d["key"]), tmp_path / "cells" / d["key"])
+  md, _ = C.report([str(tmp_path / "cells")], str(tmp_path / "rep"), log=lambda s: None)
+  n = len(full["material"]["cases"])
+  ref = {r["id"]: r["text"] for r in E.read_cases(os.path.join(root, full["key"]))}
+  differ = sum(r["text"] != ref[r["id"]] for r in E.read_cases(os.path.join(root, pask["key"])))
+  assert f"| full | – | {n} | 0.0% | +0.0% | 0.0% (text) | – |" in md
+  assert f"| pask | {pask['budget']:g} | {n} | " in md
+  assert f" | {100 * differ / n:.1f}% (text) | – |" in md

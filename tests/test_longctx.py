@@ -1,7 +1,8 @@
 """The long-context workloads W1–W3 (calibrate/longctx.py): the pinned corpus, the generators'
 determinism and shape, the teacher-forced NLL through the runners' forced-token path (equal to a
-whole-sequence forward under Full KV), W2's needles and exact match, W3's padding and checker, and
-the CLI's one-line errors."""
+whole-sequence forward under Full KV), W2's needles and exact match, W3's padding and checker,
+the CLI's one-line errors, and a W1 + W2 campaign plan end to end (run, resume, report)."""
+import json
 import os
 
 import numpy as np
@@ -152,6 +153,30 @@ def test_w3_pads_with_distractor_tools_and_scores_the_original(tok):
   assert s.score(cs[0], text, True) == bfcl.score(s.original[cs[0].id], text, fmt=s.fmt)
 
 
+def test_stubs_build_the_cases_eval_runs(tok):
+  """A campaign names a workload's cases without a model (LC.stubs) and builds them when the cell
+  runs (``materialize``): the very cases ``pask-jax eval --task w1|w2|w3`` runs."""
+  w1 = LC.LMSuite(tok, length=200, tail=16, seed=1)
+  st = LC.stubs("w1", "test", seed=1)
+  assert len(st) == LC.W1_DOCUMENTS and st[3].id == "w1_test_3"
+  assert [c.ids for c in w1.materialize(st[2:4])] == \
+      [c.ids for c in w1.cases("test", max_cases=2, skip=2)]
+  w2 = LC.NeedleSuite(tok, length=600, seed=1)
+  st = LC.stubs("w2", "dev", ["hop2"], seed=1)
+  assert len(st) == LC.W2_PROMPTS and {s.category for s in st} == {"hop2"}
+  assert w2.materialize(st[4:5]) == w2.cases("dev", ["hop2"], max_cases=1, skip=4)
+  w3 = LC.BFCLLongSuite(tok, "qwen2", None, length=1200, seed=0)
+  st = LC.stubs("w3", "test", seed=0)
+  want = w3.cases("test", max_cases=1)
+  got = w3.materialize([next(c for c in st if c.category == k) for k in LC.W3_CATEGORIES])
+  assert [(c.id, c.functions) for c in got] == [(c.id, c.functions) for c in want]
+  for bad, why in ((("w1", "test", ["x"]), "W1 has the one category w1"),
+                   (("w3", "test", ["parallel"]), "W3 categories are simple_python, multiple"),
+                   (("w2", "train"), "unknown split 'train'")):
+    with pytest.raises(ValueError, match=why):
+      LC.stubs(*bad)
+
+
 @pytest.mark.parametrize("argv,why", [
     (["--task", "bfcl", "--length", "512"], "--length and --tail apply to --task w1, w2, w3"),
     (["--task", "w1", "--length", "100", "--tail", "99"], "--tail 99 leaves no prompt"),
@@ -161,3 +186,95 @@ def test_cli_errors_are_one_line(argv, why):
   with pytest.raises(SystemExit) as e:
     cli.main(["eval", "--method", "full", "--out", "/nonexistent/x", *argv])
   assert why in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+# ---- the workloads in campaign plans -------------------------------------------------------------
+
+W_PLAN = """
+name = "w"
+seed = 0
+batch = 2
+
+[models]
+tiny = "{model}"
+
+[methods.full]
+
+[methods.h2o]
+budgets = [0.5]
+
+[splits.w1]
+task = "w1"
+length = 224
+tail = 12
+split = "test"
+cases = 2
+
+[splits.w2]
+task = "w2"
+length = 200
+max_tokens = 8
+split = "test"
+cases = 1
+"""
+
+
+def test_w1_w2_campaign_runs_resumes_and_reports(loaded, tmp_path, monkeypatch, capsys):
+  """A plan naming W1 and W2 (each with its length) runs end to end on the tiny model through the
+  campaign's own workload sessions; a rerun skips every cell; the report gives each workload its
+  table (NLL for W1, EM for W2, stability against Full KV for W2)."""
+  from calibrate import campaign as C
+
+  class Tiny(C.Workload):   # the real adapter, with the tiny model for the file's weights
+    def load(self, path, dtype, center_keys):
+      return loaded
+
+    def compiler(self, m):
+      return object()   # W1 and W2 build no grammar
+
+  monkeypatch.setenv("PASK_JAX_CACHE", str(tmp_path / "cache"))
+  for w in ("w1", "w2"):
+    monkeypatch.setitem(C.TASKS, w, lambda w=w: Tiny(w))
+  (tmp_path / "tiny.bin").write_bytes(b"tiny model weights")
+  path = tmp_path / "plan.toml"
+  path.write_text(W_PLAN.format(model=tmp_path / "tiny.bin"))
+  plan = C.load_plan(str(path), str(tmp_path / "results"))
+  assert [(s.task, s.length, s.tail, s.max_tokens) for s in plan.splits] == \
+      [("w1", 224, 12, 12), ("w2", 200, None, 8)]
+  out = C.run(plan, log=lambda s: None)
+  assert len(out.ran) == 4 and not out.failed and not out.left
+  docs = {(c.split.task, c.method.method): json.load(open(os.path.join(c.dir, "cell.json")))
+          for c in out.ran}
+  w1 = docs["w1", "full"]
+  assert w1["material"]["task"] == "w1:L224:K12" and w1["material"]["seed"] == 0
+  assert w1["material"]["cases"] == ["w1/w1_test_0", "w1/w1_test_1"]
+  assert w1["material"]["settings"]["max_tokens"] == 12 and w1["accuracy"] is None
+  rows = E.read_cases(out.ran[0].dir)
+  assert [r["prompt_len"] for r in rows] == [224 - 12 - 1] * 2
+  assert w1["nll"] == pytest.approx(np.mean([r["nll"] for r in rows]))
+  w2 = docs["w2", "h2o"]
+  assert w2["material"]["task"] == "w2:L200" and w2["n"] == 2
+  assert {r["id"] for r in E.read_cases(out.ran[3].dir)} == {"w2_test_hop1_0", "w2_test_hop2_0"}
+  assert all(len(r["tokens"]) == r["gen_len"] for r in E.read_cases(out.ran[3].dir))
+
+  again = C.run(plan, log=lambda s: None)
+  assert not again.ran and len(again.done_before) == 4
+  other = C.cells(C.load_plan(str(path), str(tmp_path / "results")))
+  assert all(c.done for c in other)
+  path.write_text(W_PLAN.format(model=tmp_path / "tiny.bin").replace("length = 200",
+                                                                     "length = 240"))
+  moved = C.cells(C.load_plan(str(path), str(tmp_path / "results")))
+  assert [c.done for c in moved] == [True, True, False, False]   # W2 at another length: new cells
+
+  assert cli.main(["report", plan.folder, "--out", str(tmp_path / "rep")]) == 0
+  md = capsys.readouterr().out
+  assert "w1:L224:K12 test" in md and "w2:L200 test" in md and "EM ± s.e." in md
+  assert f"| full | – | 1.000 / 1.000 / 1.000 | {w1['nll']:.4f} |" in md
+  stab = md[md.index("Stability vs Full KV"):]
+  assert "| full | – | 2 | 0.0% | +0.0% | 0.0% |" in stab and "| h2o | 0.5 | 2 |" in stab
+  sections = sorted(p.name for p in (tmp_path / "rep").iterdir() if p.is_dir())
+  assert len(sections) == 2
+  assert (tmp_path / "rep" / sections[0] / "nll_vs_B.png").stat().st_size > 1000
+  assert (tmp_path / "rep" / sections[1] / "accuracy_vs_B.png").stat().st_size > 1000
+  assert (tmp_path / "rep" / sections[1] / "stability.csv").read_text().startswith(
+      "method,budget,n,dtok_abs_median")

@@ -1,0 +1,124 @@
+"""Stability of a method's generations against the Full-KV (dense) run of the same cases: the G5
+metrics of docs/SPHERICAL_KV.md §4, from the per-case rows an evaluation stores
+(``cases.jsonl`` of ``pask-jax eval`` and of campaign cells).  Pure functions over rows.
+
+Cases are matched by (category, id); over the matched cases:
+
+* **length drift** Δ_tok = (generated tokens − dense's) / max(dense's, 1) per case: the median
+  of |Δ_tok| and the signed mean;
+* **greedy trajectory disagreement**: the fraction of cases whose generated tokens differ from
+  dense's, and the median first-divergence position (the first index where the two token lists
+  differ, or the shorter length when one is a prefix of the other) over the cases that differ.
+  Rows written before the token ids were stored (``tokens`` absent) compare their texts, and
+  give no divergence position;
+* **failure counts**: *looping* — the run did not stop by itself (``finish`` is not ``stop``)
+  and its text ends in one unit of at most :data:`LOOP_PERIOD` characters repeated: a periodic
+  tail at least :data:`LOOP_REPEATS` periods and :data:`LOOP_CHARS` characters long (the last
+  period may be cut); *early stop* — fewer than :data:`EARLY` × dense's generated tokens;
+  *malformed call* — where the task scores tool calls, an output that parses to no call
+  (unparseable, or cut off at max_tokens: ``calls`` is null).
+
+Greedy decoding only (the harness's); the seeded-sampling disagreement of §4 is not measured.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+LOOP_PERIOD = 64    # longest repeated unit, in characters
+LOOP_REPEATS = 4    # a looping tail spans at least this many periods ...
+LOOP_CHARS = 16     # ... and at least this many characters
+EARLY = 0.5         # early stop: fewer than this fraction of dense's generated tokens
+
+
+def periodic_tail(text: str, period: int) -> int:
+  """Length of the longest suffix of ``text`` with period ``period`` (every character equal to
+  the one ``period`` places after it, within the suffix)."""
+  if period < 1:
+    raise ValueError(f"period must be >= 1, got {period}")
+  n = len(text)
+  if n <= period:
+    return n
+  j = n - period - 1
+  while j >= 0 and text[j] == text[j + period]:
+    j -= 1
+  return n - 1 - j
+
+
+def looping(text: str, finish: str | None = None) -> bool:
+  """Whether an output is stuck in a loop (module docstring): not stopped by itself, and its
+  text ends in a unit of 1..:data:`LOOP_PERIOD` characters repeated over at least
+  :data:`LOOP_REPEATS` periods and :data:`LOOP_CHARS` characters."""
+  if finish == "stop":
+    return False
+  for p in range(1, min(LOOP_PERIOD, len(text) // LOOP_REPEATS) + 1):
+    if periodic_tail(text, p) >= max(LOOP_REPEATS * p, LOOP_CHARS):
+      return True
+  return False
+
+
+def first_divergence(a: Sequence, b: Sequence) -> int | None:
+  """The first index where ``a`` and ``b`` differ (the shorter length when one is a prefix of
+  the other); None when they are equal."""
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(rows: Sequence[dict], dense: Sequence[dict], *, calls: bool) -> dict | None:
+  """The stability of ``rows`` (one run's per-case rows) against ``dense`` (the Full-KV run's)
+  over the cases both hold; ``calls``: the task scores tool calls (malformed calls counted).
+  None when no case is shared.  Keys: n, dtok_abs_median, dtok_mean, disagree (fraction),
+  diverge_median (tokens; None without token ids or without a differing case), by_tokens
+  (every pair compared by token ids), looping, early_stop, malformed (None when ``calls`` is
+  off)."""
+  ref = {(d["category"], d["id"]): d for d in dense}
+  pairs = [(r, ref[(r["category"], r["id"])]) for r in rows if (r["category"], r["id"]) in ref]
+  if not pairs:
+    return None
+  drift = [(r["gen_len"] - d["gen_len"]) / max(d["gen_len"], 1) for r, d in pairs]
+  differ, where = 0, []
+  by_tokens = all("tokens" in r and "tokens" in d for r, d in pairs)
+  for r, d in pairs:
+    if "tokens" in r and "tokens" in d:
+      i = first_divergence(r["tokens"], d["tokens"])
+      if i is not None:
+        differ += 1
+        where.append(i)
+    elif r["text"] != d["text"]:
+      differ += 1
+  return {"n": len(pairs),
+          "dtok_abs_median": float(np.median(np.abs(drift))),
+          "dtok_mean": float(np.mean(drift)),
+          "disagree": differ / len(pairs),
+          "diverge_median": float(np.median(where)) if where else None,
+          "by_tokens": by_tokens,
+          "looping": sum(looping(r["text"], r.get("finish")) for r, _ in pairs),
+          "early_stop": sum(r["gen_len"] < EARLY * d["gen_len"] for r, d in pairs),
+          "malformed": sum(r.get("calls") is None for r, _ in pairs) if calls else None}
+
+
+FIELDS = ("n", "dtok_abs_median", "dtok_mean", "disagree", "diverge_median", "looping",
+          "early_stop", "malformed")
+HEAD = ("n", "median \\|Δ_tok\\|", "mean Δ_tok", "disagreement", "median first divergence",
+        "looping", "early stop", "malformed")
+
+
+def cells(s: dict | None) -> list[str]:
+  """One row's stability as markdown table cells (:data:`HEAD`; – where not measured)."""
+  if s is None:
+    return ["–"] * len(HEAD)
+  pct = lambda x, sign="": f"{100 * x:{sign}.1f}%"
+  div = s["diverge_median"]
+  return [str(s["n"]), pct(s["dtok_abs_median"]), pct(s["dtok_mean"], "+"),
+          pct(s["disagree"]) + ("" if s["by_tokens"] else " (text)"),
+          "–" if div is None or (isinstance(div, float) and math.isnan(div)) else f"{div:g}",
+          str(s["looping"]), str(s["early_stop"]),
+          "–" if s["malformed"] is None else str(s["malformed"])]
+
+
+__all__ = ["EARLY", "FIELDS", "HEAD", "LOOP_CHARS", "LOOP_PERIOD", "LOOP_REPEATS", "cells",
+           "compare", "first_divergence", "looping", "periodic_tail"]
