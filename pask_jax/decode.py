@@ -282,14 +282,8 @@ class PaskRunner:
     """The cache's shardings (mesh runs): every K/V pool and the window by KV head, the page
     tables, lengths and positions replicated.  ``shapes``: of another cache of this runner's
     layout (the engine's paged one; default: :meth:`new_cache`'s)."""
-    axis = 3 if self.lo_format == "bytes" else 2   # the INT4 pool's layouts (pask_jax.cache)
     shapes = jax.eval_shape(self._new_cache) if shapes is None else shapes
-    per = lambda name, x: tp.by_kv_head(self.tp_mesh, x.ndim, 3 if name in (
-        "win_k", "win_v", "hi_k", "hi_v") else axis)
-    layers = type(shapes.layers)(**{f: per(f, getattr(shapes.layers, f))
-                                    for f in shapes.layers.__dataclass_fields__})
-    rep = tp.replicated(self.tp_mesh)
-    return jax.tree.map(lambda _: rep, shapes).replace(layers=layers)
+    return tp.pask_cache_sharding(self.tp_mesh, shapes, lo_format=self.lo_format)
 
   def _new_cache(self) -> pcache.Cache:
     return pcache.init_for(self.cfg, self.batch, self.policy, capacity=self.capacity,

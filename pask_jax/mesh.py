@@ -179,32 +179,83 @@ def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True, layout: str = 
 
 
 def attention_per_shard(attn, mesh: Mesh):
-  """``attn(q, window, hi, lo, maps, *, layer)`` (``pallas_kernels.decode_attention`` with its
-  backend and knobs bound) run per device of ``mesh``'s ``model`` axis by ``jax.shard_map``: q
-  [B, Hq, D] and the output by query head, the window and both pools (either INT4 storage format,
-  with or without the leading layer axis) by KV head, ``maps`` and ``layer`` replicated."""
+  """``attn(q, window, hi, lo, maps, *, layer, sph=None, return_lse=False)``
+  (``pallas_kernels.decode_attention`` with its backend and knobs bound) run per device of
+  ``mesh``'s ``model`` axis by ``jax.shard_map``: q [B, Hq, D] and the output (and the LSE
+  [B, Hq]) by query head, the window and both pools (either INT4 storage format, with or without
+  the leading layer axis) by KV head, ``maps`` and ``layer`` replicated.
+
+  ``sph`` (Spherical KV's tier partitions, ``pallas_kernels.sph_types.SphInputs``): each tier
+  pool split on its page axis, the page tables and lengths and the centering means by KV head,
+  the rotation signs replicated.  A page holds one KV head's rows, and the tables of device i's
+  heads name pages of block i of the pool only (:func:`pask_jax.spherical.cache.init` with
+  ``shards``), so in the body a global page id minus i·(pages per device) is the local one."""
   def kv(x, axis):   # ``axis`` counted from the end, so a leading layer axis changes nothing
     return P(*[AXIS if i == x.ndim + axis else None for i in range(x.ndim)])
 
-  def run(q, window, hi, lo, maps, *, layer=None):
+  def run(q, window, hi, lo, maps, *, layer=None, sph=None, return_lse=False):
     head = -2 if lo.format == "bytes" else -3    # pallas_kernels.types.LowPool's two layouts
     specs = (P(None, AXIS, None),
              type(window)(kv(window.k, -2), kv(window.v, -2), P()),
              type(hi)(kv(hi.k, -2), kv(hi.v, -2)),
              type(lo)(kv(lo.k, head), kv(lo.v, head), kv(lo.scale, head)),
              type(maps)(*(P() for _ in maps)))
-    if layer is None:
-      body = lambda *a: attn(*a)
-    else:
+    args = [q, window, hi, lo, maps]
+    if sph is not None:
+      page_axis = 0 if layer is None else 1      # [(L,) P, page, ...]
+      by_page = lambda x: P(*[AXIS if i == page_axis else None for i in range(x.ndim)])
+      pools = tuple(type(p)(*(by_page(a) for a in p)) for p in sph.pools)
+      maps_s = type(sph.maps)(tuple(kv(x, -2) for x in sph.maps.pages),
+                              tuple(kv(x, -1) for x in sph.maps.length))
+      specs += (type(sph)(pools, maps_s, type(sph.consts)(P(), kv(sph.consts.mu, -2)),
+                          sph.spec),)
+      args.append(sph)
+    if layer is not None:
       specs += (P(),)
-      body = lambda *a: attn(*a[:-1], layer=a[-1])
-      layer = jnp.asarray(layer, jnp.int32)
+      args.append(jnp.asarray(layer, jnp.int32))
+
+    def body(*a):
+      kw = dict(return_lse=True) if return_lse else {}
+      if sph is not None:
+        s = a[5]
+        base = [jax.lax.axis_index(AXIS) * p.ang.shape[-3] for p in s.pools]   # local pages
+        local = type(s.maps)(tuple(t - b for t, b in zip(s.maps.pages, base)), s.maps.length)
+        kw["sph"] = type(s)(s.pools, local, s.consts, s.spec)
+      if layer is not None:
+        kw["layer"] = a[-1]
+      return attn(*a[:5], **kw)
+    out = P(None, AXIS, None)
     # check_vma=False: a pallas_call's outputs carry no varying-axes type; every output here
     # varies over the axis (each device its own heads), as out_specs says
-    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, AXIS, None),
-                      check_vma=False)
-    return f(q, window, hi, lo, maps, *(() if layer is None else (layer,)))
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, check_vma=False,
+                      out_specs=(out, P(None, AXIS)) if return_lse else out)
+    return f(*args)
   return run
+
+
+def on_every_device(fn, mesh: Mesh):
+  """``fn`` run whole on every device of ``mesh`` (``jax.shard_map``, every input and output
+  replicated): a decision that reads every KV head (Spherical KV's routes, page tables) computed
+  the same on each device, where the SPMD partitioner would split it by head and gather the
+  pieces back (one small collective per map).  Inputs split over the mesh are gathered first."""
+  def run(*args):
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                         check_vma=False)(*args)
+  return run
+
+
+def pask_cache_sharding(mesh: Mesh, shapes, *, lo_format: str = "bytes"):
+  """The shardings of a PASK cache (``pask_jax.cache.Cache``; ``shapes``: it or its
+  ``jax.eval_shape``): every K/V pool and the window by KV head, the page tables, lengths and
+  positions replicated.  ``lo_format``: the INT4 pool's storage ("bytes": its head axis third,
+  else second)."""
+  axis = 3 if lo_format == "bytes" else 2
+  per = lambda name, x: by_kv_head(mesh, x.ndim, 3 if name in (
+      "win_k", "win_v", "hi_k", "hi_v") else axis)
+  layers = type(shapes.layers)(**{f: per(f, getattr(shapes.layers, f))
+                                  for f in shapes.layers.__dataclass_fields__})
+  rep = replicated(mesh)
+  return jax.tree.map(lambda _: rep, shapes).replace(layers=layers)
 
 
 def prepare(model, mesh: Mesh | None, *, shard_vocab: bool = True):

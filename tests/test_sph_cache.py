@@ -253,4 +253,22 @@ def test_bad_input_is_refused():
     C.prefill_rows(st, jnp.zeros((B, 5, G + 1, H), jnp.int8), 5)
   jax.tree.flatten(st)  # a pytree: static fields are not leaves
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(st))
+  with pytest.raises(ValueError, match=f"^{H} KV heads do not split over 3 devices$"):
+    C.init(L, B, H, D, tiers=TIERS, capacity=16, window=W, shards=3)
+  with pytest.raises(ValueError, match="pool_pages .shared free lists. cannot split over 2"):
+    C.init(L, B, H, D, tiers=TIERS, capacity=16, window=W, pool_pages=8, shards=2)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_pages_numbered_per_device_block(shards):
+  """``init(shards=N)`` (tensor parallelism): the KV heads of device i name only pages of block i
+  of every tier pool, so the pool splits on its page axis; N = 1 keeps ``(b·Hkv + h)·n``."""
+  st = C.init(L, B, H, D, tiers=TIERS[:2], capacity=20, window=W, n_groups=G, shards=shards)
+  for t in range(2):
+    pages, n_pool = np.asarray(st.pages[t]), st.pools[t].ang.shape[1]    # [G, B, H, n]
+    assert sorted(pages[0].ravel()) == list(range(n_pool)) and (pages == pages[:1]).all()
+    block = pages // (n_pool // shards)
+    assert (block == np.arange(H)[:, None] // (H // shards)).all(), block
+    if shards == 1:
+      assert (pages[0] == np.arange(n_pool).reshape(B, H, -1)).all()
 

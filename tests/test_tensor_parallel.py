@@ -1,13 +1,14 @@
-"""Tensor-parallel decode on a 1-D ``model`` mesh (pask_jax.mesh; issue 28, stage 1), on 4 CPU
-devices in a subprocess (the device-count flag must be set before JAX starts): greedy tokens (and
-PASK ledgers) of TP = 2 and 4 equal TP = 1 with and without a grammar, for the dense runner and
-the PASK runner (reference attention, and the GPU and TPU Pallas kernels per shard through
-shard_map, in interpret mode), in both layer layouts (TP = 1 stacked is every run's reference;
-the mesh runs alternate stacked and unrolled, whose fused q|k|v and gate|up columns are ordered
-for the mesh); the compiled step's collectives are the planned ones (no KV gathered); each device
-holds 1/N of the attention and MLP weights and of the KV cache / pools; the baselines' runners
-(masked H2O / SnapKV / MiKV, TriAxialKV) at TP = 2 equal TP = 1, and Spherical KV on a mesh is
-refused."""
+"""Tensor-parallel decode on a 1-D ``model`` mesh (pask_jax.mesh; issue 28), on CPU devices in a
+subprocess (the device-count flag must be set before JAX starts; a host of 8 devices for the
+runners, of 4 for the engine): greedy tokens (and ledgers) of TP = 2 and 4 equal TP = 1 with and
+without a grammar, for the dense runner (and TP = 8) and the PASK runner (reference attention,
+and the GPU and TPU Pallas kernels per shard through shard_map, in interpret mode, against the
+reference's TP = 1), in both layer layouts (TP = 1 stacked is every run's reference; the mesh
+runs alternate stacked and unrolled, whose fused q|k|v and gate|up columns are ordered for the
+mesh); the compiled step's collectives are the planned ones (no KV gathered); each device holds
+1/N of the attention and MLP weights and of the KV cache / pools; the baselines' runners (masked
+H2O / SnapKV / MiKV, TriAxialKV, Spherical KV with its gated decode rule) at TP = 2 equal
+TP = 1."""
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ if os.environ.get("PASK_TEST_CACHE_DIR", "off") != "off":
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 from pask_jax.testing import grammar_compiler, smollm2_tokenizer
-assert len(jax.devices()) == 4
+assert len(jax.devices()) == int(os.environ["PASK_TEST_DEVICES"])
 t0 = time.process_time()
 tok = smollm2_tokenizer()
 V = tok.vocab_size
@@ -38,7 +39,7 @@ grammar = grammar_compiler(tok, V).json_schema(
 """
 
 TP = PRELUDE + r"""
-import collections, dataclasses, json, re
+import collections, dataclasses, json, math, re
 import jax.numpy as jnp, numpy as np
 from models import ModelConfig, decoder, random_model
 from pask_jax import ledger, mesh as tp, policy as P
@@ -62,8 +63,10 @@ def collectives(hlo):
 def model(cfg, layout):
   return decoder.set_layout(random_model(cfg, seed=5), layout)   # an explicit choice: kept
 
-def check_step(name, r, n, args, kv, layout):
-  # the step's collectives, as planned, and 1/N of the sharded bytes on each device
+def check_step(name, r, n, args, kv, layout, decisions=0):
+  # the step's collectives, as planned, and 1/N of the sharded bytes on each device;
+  # ``decisions``: all-gathers of per-head decision features allowed besides (Spherical KV's gated
+  # rule), each smaller than one layer's keys of one token (no head-dim axis: no KV gathered)
   tc = time.process_time()
   comp = r.step.lower(*args).compile()
   tc = round(time.process_time() - tc, 2)   # ~0 where generate() compiled these arguments
@@ -77,14 +80,31 @@ def check_step(name, r, n, args, kv, layout):
   # for sampling (all-gather of [B, V], nothing else gathered: no KV)
   per_layer = {"stacked": 0, "unrolled": 2 * r.cfg.n_layers}[layout]
   assert dict(body) == ({"all-reduce": 2} if layout == "stacked" else {}), (name, n, comps)
-  assert dict(rest) == {"all-reduce": 1 + per_layer, "all-gather": 1}, (name, n, comps, bodies)
+  assert dict(rest) == {"all-reduce": 1 + per_layer, "all-gather": 1 + decisions}, (
+      name, n, comps, bodies)
   gathers = [l for l in hlo.splitlines() if re.search(r"= [^=]*? all-gather(?:-start)?\(", l)]
-  assert all(f"f32[{r.batch},{V}]" in l for l in gathers), gathers
+  small = [l for l in gathers if f"f32[{r.batch},{V}]" not in l]
+  elems = [math.prod(int(d) for d in re.search(r"= \S*?\[([\d,]*)\]", l).group(1).split(","))
+           for l in small]
+  assert len(small) == decisions and all(
+      e < r.batch * r.cfg.n_kv_heads * r.cfg.head_dim for e in elems), gathers
   fw, fc = tp.shard_fraction(tp.sharded_weights(r.params)), tp.shard_fraction(kv)
   assert abs(fw * n - 1) < 0.05 and abs(fc * n - 1) < 0.05, (fw, fc)
+  # the compiled step's memory analysis: its arguments on one device are the first device's
+  # shards of the placed inputs (an input off the mesh: whole, replicated)
+  dev0 = r.tp_mesh.devices.flat[0]
+  def on_dev0(x):
+    if not isinstance(x, jax.Array):
+      return np.asarray(x).nbytes
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return next((sh.data.nbytes for sh in x.addressable_shards if sh.device == dev0), x.nbytes)
+  mine = sum(on_dev0(x) for x in jax.tree.leaves(args))
+  arg_bytes = comp.memory_analysis().argument_size_in_bytes
+  assert abs(arg_bytes / mine - 1) < 0.05, (name, arg_bytes, mine)
   report[f"{name} {layout} TP={n}"] = {
       "layer_loop": dict(body), "outside": dict(rest), "weights": fw, "kv": fc,
-      "arg_bytes": comp.memory_analysis().argument_size_in_bytes, "compile_cpu_s": tc}
+      "arg_bytes": arg_bytes, "compile_cpu_s": tc}
 
 def placed(r, *xs):
   # replicated on the runner's mesh, as the step's own outputs are: the arguments of the calls
@@ -95,12 +115,12 @@ report = {}
 B = 2
 bits0 = jnp.zeros((B, -(-V // 32)), jnp.int32)
 samp = (jax.random.key(0), jnp.zeros(B), jnp.ones(B))
-# dense: qwen2 (q/k/v biases, an lm_head of its own); PASK below: llama (the embedding table is
-# the lm_head)
-cfg = ModelConfig(arch="qwen2", vocab_size=V, hidden=64, intermediate=128, n_layers=2, n_heads=8,
-                  n_kv_heads=4, head_dim=16, rope_theta=1e6)
+# dense: qwen2 (q/k/v biases, an lm_head of its own), 8 KV heads (GQA groups of 2) so that it
+# splits over all 8 devices too; PASK below: llama (the embedding table is the lm_head)
+cfg = ModelConfig(arch="qwen2", vocab_size=V, hidden=64, intermediate=128, n_layers=2,
+                  n_heads=16, n_kv_heads=8, head_dim=16, rope_theta=1e6)
 ref = None
-for n, layout in ((1, "stacked"), (2, "unrolled"), (4, "stacked")):
+for n, layout in ((1, "stacked"), (2, "unrolled"), (4, "stacked"), (8, "unrolled")):
   r = Runner(model(cfg, layout), batch=B, capacity=64, mesh=tp.model_mesh(n))
   out = [(x.tokens, x.finish) for x in generate(r, tok, prompts, grammars=[grammar, None],
                                                 sampling=Sampling(max_tokens=6))]
@@ -134,30 +154,28 @@ assert ref[0][2]["measured_B"] < 1   # the demo policy compressed something
 report["cpu_s"] = {"reference": round(time.process_time() - t0, 1)}
 
 # PASK with the Pallas kernels per shard (shard_map over the KV heads; interpret mode on the CPU)
-# (one KV head per device on the GPU kernel's mesh of 4, two per device on the TPU kernel's of 2;
-# the dense and reference runs above cover both sizes)
-for backend, sizes in (("gpu", (1, 4)), ("tpu", (1, 2))):
-  t1, ref = time.process_time(), None
-  for n in sizes:
-    layout = "stacked" if n == 1 else "unrolled"
-    r = PaskRunner(model(cfg, layout), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
-                   backend=backend, kernel_knobs=dict(interpret=True))
-    out = [(x.tokens, x.finish, x.ledger) for x in generate(
-        r, tok, prompts, grammars=[grammar, None], sampling=Sampling(max_tokens=6))]
-    ref = ref or out
-    assert out == ref, (backend, n, out, ref)
-    if n == 4 and backend == "gpu":   # the kernel's inputs are the local shards: nothing gathered
-      c = r.new_cache()
-      state = (c,) + placed(r, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
-      args = (r.params, pol, state, jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32),
-              jnp.zeros(B, jnp.int32), jnp.ones(B, bool), bits0) + samp
-      check_step(f"pask {backend}", r, n, args, c.layers, layout)
-  assert ref[0][2]["measured_B"] < 1
+# against the reference attention's TP = 1 above: the same tokens, finishes and ledgers (one KV
+# head per device on the GPU kernel's mesh of 4, two per device on the TPU kernel's of 2)
+for backend, n in (("gpu", 4), ("tpu", 2)):
+  t1, layout = time.process_time(), "unrolled"
+  r = PaskRunner(model(cfg, layout), pol, batch=B, capacity=64, mesh=tp.model_mesh(n),
+                 backend=backend, kernel_knobs=dict(interpret=True))
+  out = [(x.tokens, x.finish, x.ledger) for x in generate(
+      r, tok, prompts, grammars=[grammar, None], sampling=Sampling(max_tokens=6))]
+  assert out == ref, (backend, n, out, ref)
+  if backend == "gpu":   # the kernel's inputs are the local shards: nothing gathered
+    c = r.new_cache()
+    state = (c,) + placed(r, jnp.zeros(B, jnp.float32), ledger.init(B, pol.n_groups))
+    args = (r.params, pol, state, jnp.zeros(B, jnp.int32), jnp.zeros((B, 4), jnp.int32),
+            jnp.zeros(B, jnp.int32), jnp.ones(B, bool), bits0) + samp
+    check_step(f"pask {backend}", r, n, args, c.layers, layout)
   report["cpu_s"][backend] = round(time.process_time() - t1, 1)
 
-# The baselines' runners: H2O / SnapKV / MiKV (one masked runner, knobs traced) and TriAxialKV,
-# their state by KV head; StreamingLLM and INT4 are PaskRunner policies (above); Spherical KV is
-# refused.  Longer prompts so that every method compresses something.
+# The baselines' runners: H2O / SnapKV / MiKV (one masked runner, knobs traced), TriAxialKV and
+# Spherical KV (the gated rule: RDR's plan and the gate rank every head's items), their state by
+# KV head (Spherical KV's tier pools by page, each device's block its KV heads' pages);
+# StreamingLLM and INT4 are PaskRunner policies (above).  Longer prompts so that every method
+# compresses something.
 from pask_jax import tags as T
 from pask_jax.baselines import triaxial as TX
 from pask_jax.baselines.masked import Config, MaskedRunner
@@ -176,7 +194,8 @@ methods = (Config("h2o", ratio=0.5, sink=2, recent=4), Config("mikv", ratio=0.4,
 step_args = lambda r, st, *extra: (r.params, st, jnp.zeros(B, jnp.int32)) + extra + (
     jnp.ones(B, bool), bits0) + samp
 for n in (1, 2):
-  mr = MaskedRunner(random_model(cfg, seed=5), batch=B, capacity=64, mesh=tp.model_mesh(n))
+  m = random_model(cfg, seed=5)
+  mr = MaskedRunner(m, batch=B, capacity=64, mesh=tp.model_mesh(n))
   for c in methods:
     out = [(x.tokens, x.ledger) for x in generate(mr.configure(c), tok, long,
                                                    sampling=Sampling(max_tokens=8))]
@@ -197,11 +216,31 @@ for n in (1, 2):
     st = tx.new_state(ptags, np.array([len(p) for p in long]))
     check_step("triaxial", tx, n, step_args(tx, st, jnp.zeros((B, 4), jnp.int32)),
                (st.cache.k, st.cache.v), "unrolled")
-try:
-  SphRunner(random_model(cfg), batch=B, capacity=64, mesh=tp.model_mesh(2))
-  raise AssertionError("Spherical KV on a mesh was not refused")
-except ValueError as e:
-  assert "SphRunner" in str(e) and "2 devices" in str(e), e
+  # Spherical KV on the masked runner's model, its prefill shared (the statistics runner)
+  sr = SphRunner(m, batch=B, capacity=64, window=4, sink=2, obs=8, decode="gated", stats=mr,
+                 mesh=tp.model_mesh(n)).configure(0.3)
+  out = [(x.tokens, x.ledger) for x in generate(sr, tok, long, sampling=Sampling(max_tokens=8))]
+  ref.setdefault("sphkv", out)
+  assert out == ref["sphkv"], (n, out, ref["sphkv"])
+  items = out[0][1]["items"]
+  assert items["drop"] and items["A2"] and items["A42"] and items["A4"] and items["bf16"], items
+  assert sr.traces == {"commit": 1, "step": 1}, sr.traces
+  if n > 1:   # three small gathers of the gated rule's per-head features, no KV
+    cache, sph = jax.jit(sr._new_states, out_shardings=sr.state_sharding())()
+    st = (cache, sph) + placed(sr, jnp.zeros(B, jnp.float32), jnp.zeros(B, jnp.int32),
+                               jnp.zeros((B, sr.n_groups), jnp.float32))
+    check_step("sphkv", sr, n, (sr.params, None, st, jnp.zeros(B, jnp.int32), None, None,
+                                jnp.ones(B, bool), bits0) + samp,
+               (cache.layers, sph.pools), "stacked", decisions=3)
+    for kw, msg in ((dict(read="reconstruct"), "read 'reconstruct' (ablation A1) does not run on "
+                     "a mesh of 2 devices"), (dict(stats=mr1), "the statistics runner runs on "
+                                              "another mesh than this runner")):
+      try:
+        SphRunner(m, batch=B, capacity=64, mesh=tp.model_mesh(n), **kw)
+        raise AssertionError(f"SphRunner({kw}) on a mesh was not refused")
+      except ValueError as e:
+        assert msg in str(e) and "\n" not in str(e), e
+  mr1 = mr
 report["cpu_s"]["baselines"] = round(time.process_time() - t1, 1)
 print("TP-OK", json.dumps(report), round(time.process_time() - t0, 1))
 """
@@ -285,13 +324,14 @@ print("ENGINE-OK", round(time.process_time() - t0, 1), "per TP size:", cpu_s)
 """
 
 
-def _on_four_cpu_devices(script: str, ok: str) -> str:
-  """Run ``script`` in a Python with 4 CPU devices (the device-count flag must be set before JAX
-  starts) and this process's compile settings -> its stdout."""
+def _on_cpu_devices(script: str, ok: str, devices: int) -> str:
+  """Run ``script`` in a Python with ``devices`` CPU devices (the device-count flag must be set
+  before JAX starts) and this process's compile settings -> its stdout."""
   import jax
   fast = jax.config.values["jax_disable_most_optimizations"]
-  env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
-             JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS=str(int(fast)),
+             XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
+             PASK_TEST_DEVICES=str(devices))
   r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -301,8 +341,10 @@ def _on_four_cpu_devices(script: str, ok: str) -> str:
 
 
 @pytest.mark.fast_compile   # tiny random models (tests/conftest.py); the subprocess inherits it
-def test_tensor_parallel_decode_on_four_cpu_devices():
-  _on_four_cpu_devices(TP, "TP-OK")
+def test_tensor_parallel_decode_on_eight_cpu_devices():
+  """Every runner at TP = 2 and 4 (the dense one at 8 too) on a host of 8 CPU devices, each mesh
+  its first N (the engine's test below runs on a host of 4)."""
+  _on_cpu_devices(TP, "TP-OK", 8)
 
 
 @pytest.mark.fast_compile
@@ -312,7 +354,7 @@ def test_engine_on_two_and_four_cpu_devices_with_preemption():
   split by KV head and sized per device (``gpu_memory_utilization``: from the mesh device with
   the least free memory); a tensor-parallel size over the device count or the KV heads refused
   in one line."""
-  _on_four_cpu_devices(ENGINE, "ENGINE-OK")
+  _on_cpu_devices(ENGINE, "ENGINE-OK", 4)
 
 
 def test_tensor_parallel_size_refused_before_loading_a_model():

@@ -33,6 +33,16 @@ layer of the group, so groups (disjoint layer sets) can reuse ids: one free list
 group).  Pools are append-only; an open page has ``length`` below a page boundary.  Pages are
 taken on demand (:func:`assign_pages`) from the free list, or pre-assigned (the dense default of
 :func:`init`: (b, h) owns pages ``(b·Hkv + h)·n_t …`` of every tier and group).
+
+Tensor parallelism (``pask_jax.mesh``, ``shards`` = N devices, N dividing Hkv): device i holds
+the KV heads ``[i·Hkv/N, (i+1)·Hkv/N)`` and block i of every tier pool's page axis, and the
+dense default numbers pages shard-major (``((i·B + b)·Hkv/N + h')·n_t …`` for head
+``h = i·Hkv/N + h'``; N = 1 is the order above), so every page a device's heads name is in its
+own block: the pools split on the page axis with nothing gathered, the writes (``mesh=`` of
+:func:`write_prefill`, :func:`evict_step`) and the attention
+(``pask_jax.mesh.attention_per_shard``) run per device on local page ids.  The maps, routes and
+balances stay replicated (small; the decisions read every head).  Free lists (``pool_pages``)
+are one per (tier, group) over the whole pool: refused with N > 1.
 """
 from __future__ import annotations
 
@@ -42,11 +52,13 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import int4
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool, TierSpec
 from pask_jax import actions as Act
+from pask_jax import mesh as tp
 from pask_jax import tags as T
 
 
@@ -96,12 +108,13 @@ def dense_route(state: SphState) -> int:
 
 def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, tiers, capacity,
          window: int, n_groups: int = 3, page: int = 16, sink: int = 0, mu=None, seed: int = 0,
-         pool_pages=None) -> SphState:
+         pool_pages=None, shards: int = 1) -> SphState:
   """An empty state.  ``tiers``: :class:`TierSpec` per tier (head dim ``head_dim``);
   ``capacity``: entries per (group, sequence, KV head) table, an int or one per tier (rounded up
   to pages); ``mu [L, Hkv, D]``: centering means (default 0); rotation signs from ``seed``.
   ``pool_pages`` (an int or one per tier): pools of that many pages with empty tables and full
-  free lists; None: the dense default (every table pre-assigned, free lists empty)."""
+  free lists; None: the dense default (every table pre-assigned, free lists empty).
+  ``shards``: the pages numbered for that many devices' blocks (see the module's text)."""
   tiers = tuple(tiers)
   if not tiers:
     raise ValueError("Spherical KV needs at least one tier")
@@ -113,12 +126,18 @@ def init(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, tiers, ca
   per = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,) * len(tiers)
   caps, npool = per(capacity), per(pool_pages)
   L, B, H, D, G = n_layers, batch, n_kv_heads, head_dim, n_groups
+  if shards < 1 or H % shards:
+    raise ValueError(f"{H} KV heads do not split over {shards} devices")
+  if shards > 1 and any(x is not None for x in npool):
+    raise ValueError(f"pool_pages (shared free lists) cannot split over {shards} devices: use "
+                     "the dense default")
   pools, pages, length, pos, flags, free, free_n = [], [], [], [], [], [], []
   for ts, cap, npp in zip(tiers, caps, npool):
     n = max(1, math.ceil(cap / page))
     if npp is None:
       p_t = B * H * n
-      tbl = jnp.arange(p_t, dtype=jnp.int32).reshape(1, B, H, n)
+      tbl = jnp.arange(p_t, dtype=jnp.int32).reshape(shards, B, H // shards, n)
+      tbl = jnp.transpose(tbl, (1, 0, 2, 3)).reshape(1, B, H, n)   # device-major (see above)
       fr, fn = jnp.zeros((G, p_t), jnp.int32), jnp.zeros((G,), jnp.int32)
     else:
       if npp < 1:
@@ -211,11 +230,34 @@ def _scatter(x, li, rows, val):
   return flat.at[li, rows].set(val, mode="drop").reshape(x.shape)
 
 
-def _append(state: SphState, t: int, sel, pos_val, prot):
-  """Append the selected items ``sel [G, B, H, T]`` (in T order) to tier t's tables: pages taken
-  as needed, positions ``pos_val`` and protection bits written.  Returns (new tier maps,
-  destination rows [G, B, H, T], lost [B])."""
-  page, n_pool = state.page, state.pools[t].ang.shape[1]
+def _scatter_pool(pool: SphPool, li, rows, ang, side, val, mesh=None) -> SphPool:
+  """:func:`_scatter` of one tier's three arrays; on a ``mesh`` (``pask_jax.mesh``) per device:
+  the pool by its page axis, ``rows`` and the values by KV head (the last axis of ``rows``),
+  global rows made local (another device's rows, and the dropped ones, fall outside)."""
+  if mesh is None:
+    return SphPool(_scatter(pool.ang, li, rows, ang), _scatter(pool.side, li, rows, side),
+                   _scatter(pool.v, li, rows, val))
+  A = tp.AXIS
+  head = rows.ndim - 1
+  by_head = lambda x: P(*[A if i == head else None for i in range(x.ndim)])
+  by_page = P(None, A)
+
+  def body(pool, li, rows, ang, side, val):
+    start = jax.lax.axis_index(A) * pool.ang.shape[1] * pool.ang.shape[2]
+    local = rows - start
+    local = jnp.where(local < 0, pool.ang.shape[1] * pool.ang.shape[2], local)
+    return _scatter_pool(pool, li, local, ang, side, val)
+  f = jax.shard_map(body, mesh=mesh, out_specs=SphPool(by_page, by_page, by_page),
+                    in_specs=(SphPool(by_page, by_page, by_page), P(), by_head(rows),
+                              by_head(ang), by_head(side), by_head(val)))
+  return f(pool, li, rows, ang, side, val)
+
+
+def _append(state: SphState, t: int, sel, pos_val, prot, n_pool: int):
+  """Append the selected items ``sel [G, B, H, T]`` (in T order) to tier t's tables (of a pool
+  of ``n_pool`` pages): pages taken as needed, positions ``pos_val`` and protection bits
+  written.  Returns (new tier maps, destination rows [G, B, H, T], lost [B])."""
+  page = state.page
   length = state.length[t]
   j = length[..., None] + jnp.cumsum(sel, axis=-1) - 1
   pages, free_n = _take_pages(state.pages[t], state.free[t], state.free_n[t],
@@ -265,16 +307,40 @@ def base_actions(state: SphState, route) -> jax.Array:
 
 # ---- prefill ----------------------------------------------------------------------------------
 
-def prefill_rows(state: SphState, route, n_tokens: int, lengths=None, prot=None):
+def prefill_rows(state: SphState, route, n_tokens: int, lengths=None, prot=None, *, mesh=None):
   """Every map, position and pending route of a prefill into a fresh state -> (state, SphRows).
 
   route: int ``[B, T, G, Hkv]`` (0 drop, k tier k, K + 1 BF16 pool); prot: bool, same shape
   (default none).  The last min(n, W) real tokens of each prompt stay in the window with their
-  route pending; earlier ones are appended to their tier (in position order)."""
+  route pending; earlier ones are appended to their tier (in position order).  ``mesh``: the
+  maps computed replicated on its devices (:func:`_maps_update`)."""
+  B, W, G, H = state.route.shape
+  if route.shape != (B, n_tokens, G, H):
+    raise ValueError(f"route must be [B, T, G, Hkv] = {(B, n_tokens, G, H)}, got {route.shape}")
+  maps = lambda st, *a, n_pools: _prefill_maps(st, *a, n_tokens=n_tokens, n_pools=n_pools)
+  state, dests = _maps_update(maps, state, mesh, route, lengths, prot)
+  return state, SphRows(dests)
+
+
+def _maps_update(fn, state: SphState, mesh, *args):
+  """``fn(state, *args, n_pools=) -> (state, extra)``, an update of the maps only (it reads
+  the pools' page counts, never a pool) -> ``(state, extra)``.  On a ``mesh``
+  (``pask_jax.mesh.on_every_device``) computed whole on every device from replicated inputs:
+  the decisions are the same everywhere, and the SPMD partitioner does not split the maps by
+  head only to gather them back (one small collective per map and tier)."""
+  n_pools = tuple(p.ang.shape[1] for p in state.pools)
+  f = lambda st, *a: fn(st, *a, n_pools=n_pools)
+  if mesh is None:
+    return f(state, *args)
+  bare = state.replace(pools=(), consts=SphConsts(None, None))
+  new, extra = tp.on_every_device(f, mesh)(bare, *args)
+  return new.replace(pools=state.pools, consts=state.consts), extra
+
+
+def _prefill_maps(state: SphState, route, lengths, prot, *, n_tokens: int, n_pools):
+  """:func:`prefill_rows`' maps -> (state, per tier the destination rows)."""
   B, W, G, H = state.route.shape
   Tn = n_tokens
-  if route.shape != (B, Tn, G, H):
-    raise ValueError(f"route must be [B, T, G, Hkv] = {(B, Tn, G, H)}, got {route.shape}")
   n = jnp.full((B,), Tn, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
   prot = jnp.zeros(route.shape, bool) if prot is None else jnp.asarray(prot, bool)
   t = jnp.arange(Tn, dtype=jnp.int32)[None, :]
@@ -287,7 +353,7 @@ def prefill_rows(state: SphState, route, n_tokens: int, lengths=None, prot=None)
   dests, lost = [], jnp.zeros((B,), bool)
   for ti in range(state.n_tiers):
     sel = to_gbht(done[..., None, None] & (route == ti + 1))
-    new, dest, lt = _append(state, ti, sel, pos_val, to_gbht(prot))
+    new, dest, lt = _append(state, ti, sel, pos_val, to_gbht(prot), n_pools[ti])
     state = state.replace(**_with_tier(state, ti, new))
     dests.append(dest)
     lost = lost | lt
@@ -296,13 +362,15 @@ def prefill_rows(state: SphState, route, n_tokens: int, lengths=None, prot=None)
   state = state.replace(route=state.route.at[bj, slot].set(route, mode="drop"),
                         prot=state.prot.at[bj, slot].set(prot, mode="drop"),
                         overflow=state.overflow | lost)
-  return state, SphRows(tuple(dests))
+  return state, tuple(dests)
 
 
-def write_prefill(state: SphState, rows: SphRows, k, v, start: int = 0) -> SphState:
+def write_prefill(state: SphState, rows: SphRows, k, v, start: int = 0, *,
+                  mesh=None) -> SphState:
   """Encode and write the K/V of layers ``[start, start + Lc)`` (k, v ``[Lc, B, T, Hkv, D]``,
   post-RoPE) of a prefill placed by :func:`prefill_rows` into every tier's pools (bounded
-  temporaries: call it per chunk of layers).  ``start`` is static."""
+  temporaries: call it per chunk of layers).  ``start`` is static.  ``mesh``: the pools split
+  over its devices (a state of ``init(shards=mesh.size)``): written per device."""
   Lc = k.shape[0]
   if v.shape != k.shape:
     raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
@@ -313,20 +381,36 @@ def write_prefill(state: SphState, rows: SphRows, k, v, start: int = 0) -> SphSt
   for ts, pool, dest in zip(state.spec, state.pools, rows.dest):
     d = jnp.transpose(dest[gl], (0, 1, 3, 2))                        # [Lc, B, T, H]
     ang, side, val = _encode_rows(state, ts, k, v, layers)
-    pools.append(SphPool(_scatter(pool.ang, li, d, ang), _scatter(pool.side, li, d, side),
-                         _scatter(pool.v, li, d, val)))
+    pools.append(_scatter_pool(pool, li, d, ang, side, val, mesh))
   return state.replace(pools=tuple(pools))
 
 
 # ---- decode -----------------------------------------------------------------------------------
 
-def evict_step(state: SphState, slot, pos, k, v, new_route=None, new_prot=None) -> SphState:
+def evict_step(state: SphState, slot, pos, k, v, new_route=None, new_prot=None, *,
+               mesh=None) -> SphState:
   """The token leaving window slot ``slot [B]`` (W: none this step) at position ``pos [B]``
   (-1: the slot was empty), with its K/V of every layer ``k, v [L, B, Hkv, D]`` (read from the
   window before it is overwritten), is appended to the tier its pending route names and encoded
   for all layers at once (one scatter per tier array).  Then the slot takes the new token's
   ``new_route [B, G, Hkv]`` and ``new_prot``, normalized at the new token's position (``pos + W``,
-  or ``slot`` when the slot was empty: the window fills in order)."""
+  or ``slot`` when the slot was empty: the window fills in order).  ``mesh``: as for
+  :func:`write_prefill`; the maps are updated replicated (:func:`_maps_update`), the pools per
+  device."""
+  new, dests = _maps_update(_evict_maps, state, mesh, slot, pos, new_route, new_prot)
+  gl = jnp.asarray(state.group_of, jnp.int32)
+  L = len(state.group_of)
+  li = jnp.arange(L)[:, None, None]
+  pools = []
+  for ts, pool, dest in zip(state.spec, state.pools, dests):
+    ang, side, val = _encode_rows(state, ts, k, v, jnp.arange(L))
+    pools.append(_scatter_pool(pool, li, dest[..., 0][gl], ang, side, val, mesh))   # [L, B, H]
+  return new.replace(pools=tuple(pools))
+
+
+def _evict_maps(state: SphState, slot, pos, new_route, new_prot, *, n_pools):
+  """:func:`evict_step`'s maps (no pool read or written) -> (state, per tier the destination
+  rows ``[G, B, H, 1]``)."""
   B, W, G, H = state.route.shape
   slot = jnp.asarray(slot, jnp.int32)
   pos = jnp.asarray(pos, jnp.int32)
@@ -336,28 +420,21 @@ def evict_step(state: SphState, slot, pos, k, v, new_route=None, new_prot=None) 
   route, prot = state.route[bi, read], state.prot[bi, read]              # [B, G, H]
   to_gbh = lambda x: jnp.transpose(x, (1, 0, 2))[..., None]             # -> [G, B, H, 1]
   pos_val = jnp.broadcast_to(pos[None, :, None, None], (G, B, H, 1))
-  gl = jnp.asarray(state.group_of, jnp.int32)
-  L = len(state.group_of)
-  li = jnp.arange(L)[:, None, None]
-  pools, lost = [], jnp.zeros((B,), bool)
-  for ti, ts in enumerate(state.spec):
+  dests, lost = [], jnp.zeros((B,), bool)
+  for ti in range(state.n_tiers):
     sel = to_gbh(evict[:, None, None] & (route == ti + 1))
-    new, dest, lt = _append(state, ti, sel, pos_val, to_gbh(prot))
+    new, dest, lt = _append(state, ti, sel, pos_val, to_gbh(prot), n_pools[ti])
     state = state.replace(**_with_tier(state, ti, new))
     lost = lost | lt
-    d = dest[..., 0][gl]                                                # [L, B, H]
-    ang, side, val = _encode_rows(state, ts, k, v, jnp.arange(L))
-    pool = state.pools[ti]
-    pools.append(SphPool(_scatter(pool.ang, li, d, ang), _scatter(pool.side, li, d, side),
-                         _scatter(pool.v, li, d, val)))
-  state = state.replace(pools=tuple(pools), overflow=state.overflow | lost)
+    dests.append(dest)
+  state = state.replace(overflow=state.overflow | lost)
   if new_route is None:
-    return state
+    return state, tuple(dests)
   wslot = jnp.where(slot < W, slot, W)
   r = normalize_route(state, jnp.asarray(new_route), jnp.where(pos >= 0, pos + W, slot))
   p = jnp.zeros(r.shape, bool) if new_prot is None else jnp.asarray(new_prot, bool)
   return state.replace(route=state.route.at[bi, wslot].set(r, mode="drop"),
-                       prot=state.prot.at[bi, wslot].set(p, mode="drop"))
+                       prot=state.prot.at[bi, wslot].set(p, mode="drop")), tuple(dests)
 
 
 def assign_pages(state: SphState, new_len) -> SphState:

@@ -53,6 +53,7 @@ same tokens.  ``resident_B`` adds what is really held at the end: whole pages (s
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -61,12 +62,12 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from models import decoder
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import TierSpec
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pask_jax import cache as pcache
 from pask_jax import controller
+from pask_jax import mesh as tp
 from pask_jax import policy as P
 from pask_jax import tags as T
 from pask_jax.baselines import budget as BU
@@ -95,12 +96,6 @@ def _fp16(x):
 _select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
 
 
-# Why SphRunner is not tensor parallel (issue 28): its state does not split by KV head.
-NOT_SHARDED = ("its RDR prefill plan ranks the (token, group, KV head) items of all heads "
-               "together under one byte budget, and its tier pools' per-KV-head page tables "
-               "have no sharding rule yet; run it with mesh=None")
-
-
 class SphRunner:
   """Spherical KV over the tiny-to-small models (the reference attention by default).
 
@@ -127,23 +122,30 @@ class SphRunner:
                tags: bool = False, decode: str = "fixed", stats: MaskedRunner | None = None,
                mesh: jax.sharding.Mesh | None = None, backend: str = "reference",
                kernel_knobs: dict | None = None):
-    """``mesh``: refused beyond one device (see :data:`NOT_SHARDED`).  ``backend``: the attention
+    """``mesh``: tensor parallelism over a 1-D ``model`` mesh (:mod:`pask_jax.mesh`; see
+    :meth:`state_sharding`): the weights, the window and BF16 pool (by KV head) as
+    :class:`~pask_jax.decode.PaskRunner`'s, each tier pool split on its page axis (device i
+    holds its KV heads' pages: :func:`pask_jax.spherical.cache.init` with ``shards``); the tier
+    writes and the attention (any backend) per device (``shard_map``); the RDR plan, the gated
+    rule, the routes, balances and page tables computed whole on every device
+    (:func:`pask_jax.mesh.on_every_device`: the per-head features they read gathered first),
+    so every device takes the same decisions.  ``read="reconstruct"`` (ablation A1) is refused
+    on a mesh.  ``backend``: the attention
     backend of :func:`pallas_kernels.decode_attention` ("reference", "gpu", "tpu" or "auto"; the
     tier partitions through the backend's tier kernel), ``kernel_knobs`` its knobs (e.g.
     ``interpret=True`` to run a Pallas backend on the CPU, ``sph_knobs={...}``)."""
     if backend not in ("reference", "gpu", "tpu", "auto"):
       raise ValueError(f"backend must be one of reference, gpu, tpu, auto; got {backend!r}")
     self.backend, self.kernel_knobs = backend, dict(kernel_knobs or {})
-    if mesh is not None and mesh.size > 1:
-      raise ValueError(f"Spherical KV (SphRunner) does not run on a mesh of {mesh.size} devices: "
-                       f"{NOT_SHARDED}")
     if plan not in V.PLANS or read not in V.READS:
       raise ValueError(f"plan must be one of {V.PLANS} and read one of {V.READS}, got "
                        f"{plan!r}, {read!r}")
+    if mesh is not None and mesh.size > 1 and read == "reconstruct":
+      raise ValueError(f"read 'reconstruct' (ablation A1) does not run on a mesh of {mesh.size} "
+                       "devices: its dense rebuild of the tiers reads global page ids")
     self.plan, self.read, self.tags = plan, read, bool(tags)
     self.cfg = c = model.cfg
-    decoder.prepare(model)
-    self.graphdef, self.params = nnx.split(model)
+    self.tp_mesh, self.graphdef, self.params = tp.prepare(model, mesh)
     self.batch, self.capacity = batch, capacity
     self.window, self.sink, self.page = int(window), int(sink), int(page)
     self.n_groups = min(int(n_groups), c.n_layers)
@@ -168,15 +170,31 @@ class SphRunner:
     self.tag_policy = None
     self.traces = Traces()
     if stats is None:
-      stats = MaskedRunner(model, batch=batch, capacity=capacity)
+      stats = MaskedRunner(model, batch=batch, capacity=capacity, mesh=self.tp_mesh)
     elif stats.batch != batch or stats.capacity != capacity:
       raise ValueError(f"the statistics runner has batch {stats.batch} and capacity "
                        f"{stats.capacity}, this runner {batch} and {capacity}")
+    elif stats.tp_mesh != self.tp_mesh:
+      raise ValueError("the statistics runner runs on another mesh than this runner: make it "
+                       "with MaskedRunner(..., mesh=) of this runner's mesh")
     self._stats = stats.configure(Config("snapkv", obs=self.obs))
     self._stats.params = self.params
-    self.commit = jax.jit(self._commit)
-    self.step = jax.jit(self._step, donate_argnums=(2,))
-    self.select = _select
+    if self.tp_mesh is None:
+      self.commit = jax.jit(self._commit)
+      self.step = jax.jit(self._step, donate_argnums=(2,))
+      self.select = _select
+    else:
+      m = self.tp_mesh
+      ps, rep = jax.tree.map(lambda x: x.sharding, self.params), tp.replicated(m)
+      cs, ss = self.state_sharding()
+      kv, score = tp.by_kv_head(m, 5, 3), tp.by_kv_head(m, 4, 2)
+      state = (cs, ss, rep, rep, rep)
+      self.commit = jax.jit(self._commit, in_shardings=(kv, kv, score) + (rep,) * 4,
+                            out_shardings=(cs, ss, rep))
+      self.step = jax.jit(self._step, donate_argnums=(2,),
+                          in_shardings=(ps, rep, state) + (rep,) * 8,
+                          out_shardings=(rep, tp.logits_sharding(m), state))
+      self.select = self._stats.select   # the mask per vocabulary shard, then one gather
 
   @classmethod
   def for_method(cls, model: nnx.Module, method: str, **kw) -> "SphRunner":
@@ -265,7 +283,8 @@ class SphRunner:
     eps_r = jnp.stack([to_g(e) for e in rr], -1) * a
     dist = OMEGA[2] * (eps_t + eps_r)                                         # recent, û=1, ŝ=0
     dist = dist.at[..., 0].multiply(self.kappa_drop)
-    route, _, bal = rdr.gate(dist, cost, sph.lam, bal, elig)
+    route, _, bal = self._everywhere(lambda d, lam, b, e: rdr.gate(d, cost, lam, b, e))(
+        dist, sph.lam, bal, elig)
     route = jnp.where(elig[..., None], route, pending).astype(jnp.int8)
     return sph.replace(route=sph.route.at[bi, slot].set(route), balance=bal)
 
@@ -298,7 +317,7 @@ class SphRunner:
     prompt's tag candidates [B, T, N_CAND]) -> (plan, base cache, tier state)."""
     self.traces["commit"] += 1
     W, G = self.window, self.n_groups
-    L, B, Tn, H, D = k.shape
+    B, Tn, H = k.shape[1], k.shape[2], k.shape[3]
     n = lengths.astype(jnp.int32)
     if self.plan == "fixed":
       plan = rdr.fixed(self.cost, self.dense, n, rho, Tn, H, tier=1, sink=self.sink)
@@ -325,22 +344,46 @@ class SphRunner:
           a, r, m, sink=self.sink, window=W, top=self.protect_top))(att, radius, n)
       if self.tags:   # RDR+tags: floor-H (token, group)s join P on every head
         prot = prot | hybrid.floor_h(tpol, cands)[..., None]
-      plan = rdr.solve_batch(dist, self.cost, self.dense, n, rho, prot, window=W,
-                             sink=self.sink)
-    sph = scache.init(L, B, H, D, tiers=self.tiers, capacity=self.capacity, window=W,
-                      n_groups=G, page=self.page, sink=self.sink, mu=self.mu)
-    sph, rows = scache.prefill_rows(sph, plan.route, Tn, n, plan.prot)
-    sph = scache.write_prefill(sph, rows, k, v, 0)
+      solve = lambda d, p, n, r: rdr.solve_batch(d, self.cost, self.dense, n, r, p, window=W,
+                                                 sink=self.sink)
+      plan = self._everywhere(solve)(dist, prot, n, rho)   # ranks every head's items
+    cache, sph = self._new_states()
+    sph, rows = scache.prefill_rows(sph, plan.route, Tn, n, plan.prot, mesh=self.tp_mesh)
+    sph = scache.write_prefill(sph, rows, k, v, 0, mesh=self.tp_mesh)
     pos = jnp.broadcast_to(jnp.arange(Tn, dtype=jnp.int32), (B, Tn))
     actions = scache.base_actions(sph, scache.normalize_route(sph, plan.route, pos))
-    cache = pcache.init(L, B, H, D, capacity=self.capacity, window=W, sink=self.sink,
-                        n_groups=G, page=self.page, lo_capacity=self.page)
     cache = pcache.materialize_prefill(cache, k, v, actions, n)
     sph = sph.replace(lam=plan.lam)
     if self.plan == "pask":   # R_1 = b = B_D·C_full (bits), in every group's column
       sph = sph.replace(balance=jnp.broadcast_to(controller.initial_balance(tpol),
                                                  (B, G)).astype(jnp.float32))
     return cache, sph, plan
+
+  def _new_states(self):
+    """An empty base cache (window, BF16 pool for the sinks and H routes, an unused INT4 pool of
+    one page) and an empty tier state, its pages numbered for the mesh's devices."""
+    c = self.cfg
+    L, H, D = c.n_layers, c.n_kv_heads, c.head_dim
+    sph = scache.init(L, self.batch, H, D, tiers=self.tiers, capacity=self.capacity,
+                      window=self.window, n_groups=self.n_groups, page=self.page, sink=self.sink,
+                      mu=self.mu, shards=1 if self.tp_mesh is None else self.tp_mesh.size)
+    cache = pcache.init(L, self.batch, H, D, capacity=self.capacity, window=self.window,
+                        sink=self.sink, n_groups=self.n_groups, page=self.page,
+                        lo_capacity=self.page)
+    return cache, sph
+
+  def state_sharding(self):
+    """(base cache, tier state) shardings on the mesh: the base cache as PaskRunner's (window
+    and pools by KV head, maps replicated); every tier pool on its page axis (block i: device
+    i's KV heads' pages) and the centering means by KV head; page tables, positions, routes,
+    balances and the rest replicated."""
+    m = self.tp_mesh
+    cache, sph = jax.eval_shape(self._new_states)
+    rep, page = tp.replicated(m), lambda x: tp.by_kv_head(m, x.ndim, 1)
+    ss = jax.tree.map(lambda _: rep, sph).replace(
+        pools=tuple(type(p)(*(page(a) for a in p)) for p in sph.pools),
+        consts=type(sph.consts)(rep, tp.by_kv_head(m, 3, 1)))
+    return tp.pask_cache_sharding(m, cache), ss
 
   def prefill(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     """Prefill and commit -> (logits, base cache, tier state, plan, rho [B]).  ``prompt_tags``:
@@ -351,7 +394,7 @@ class SphRunner:
     st = self._stats.new_state(lengths)
     logits, st = Runner.prefill_all(self._stats, st, tokens, lengths)
     Tn = tokens.shape[1]
-    rho = jnp.full((self.batch,), self.rho, jnp.float32)
+    rho = self._put(np.full((self.batch,), self.rho, np.float32))
     tpol = cands = None
     if self.needs_policy:
       cands = jnp.asarray(prompt_candidates(prompt_tags, lengths, Tn))
@@ -362,8 +405,20 @@ class SphRunner:
 
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     logits, cache, sph, plan, rho = self.prefill(tokens, lengths, prompt_tags)
-    n_prompt = jnp.asarray(lengths, jnp.int32)
+    n_prompt = self._put(np.asarray(lengths, np.int32))
     return logits, (cache, sph, rho, n_prompt, plan.deficit)
+
+  def _everywhere(self, fn):
+    """``fn``, a decision that reads every KV head's features; on a mesh computed whole on every
+    device (:func:`pask_jax.mesh.on_every_device`: the features gathered once, the decision
+    the same on each device)."""
+    return fn if self.tp_mesh is None else tp.on_every_device(fn, self.tp_mesh)
+
+  def _put(self, x):
+    """A host array where the step keeps it (on a mesh: replicated, as the step returns it, so
+    the first step compiles the program every later one runs)."""
+    return jnp.asarray(x) if self.tp_mesh is None else jax.device_put(x, tp.replicated(
+        self.tp_mesh))
 
   # --- decode ----------------------------------------------------------------------------------
 
@@ -414,7 +469,7 @@ class SphRunner:
       sph = self._gate_leaving(sph, slot, old_pos, old_k, n_prompt, active, p >= W)
     sph = scache.evict_step(sph, jnp.where(active, slot, W),
                             jnp.where(active & (p >= W), old_pos, -1), old_k, old_v, route,
-                            new_prot)
+                            new_prot, mesh=self.tp_mesh)
     if gated:   # the slot's new token starts with no attention received
       sph = sph.replace(win_att=sph.win_att.at[bi, slot].set(
           jnp.where(active[:, None, None], 0.0, sph.win_att[bi, slot])))
@@ -430,9 +485,12 @@ class SphRunner:
       g = gl[layer]
       window, hi, lo, maps = pcache.kernel_inputs(cache.layers, cache, g)
       if self.read == "angles":
-        res = pallas_kernels.decode_attention(q[:, 0], window, hi, lo, maps, layer=layer,
-                                              sph=scache.sph_inputs(sph, g), backend=self.backend,
-                                              return_lse=gated, **self.kernel_knobs)
+        attn = functools.partial(pallas_kernels.decode_attention, backend=self.backend,
+                                 **self.kernel_knobs)
+        if self.tp_mesh is not None:   # per device: its KV heads, their pages (local ids)
+          attn = tp.attention_per_shard(attn, self.tp_mesh)
+        res = attn(q[:, 0], window, hi, lo, maps, layer=layer, sph=scache.sph_inputs(sph, g),
+                   return_lse=gated)
       else:
         res = self.attend_reconstructed(q[:, 0], window, hi, lo, maps, layer, sph, g,
                                         return_lse=gated)
@@ -446,7 +504,10 @@ class SphRunner:
     if gated:
       sph = sph.replace(win_att=jnp.where(active[:, None, None, None], att, sph.win_att))
     logits = logits[:, 0]
-    nxt = sample(apply_bitmask(logits, bits), key, temperature, top_p)
+    masked = apply_bitmask(logits, bits)
+    if self.tp_mesh is not None:   # the mask on each vocabulary shard, then one gather to sample
+      masked = jax.lax.with_sharding_constraint(masked, tp.replicated(self.tp_mesh))
+    nxt = sample(masked, key, temperature, top_p)
     return nxt, logits, (cache, sph, rho, n_prompt, deficit)
 
   def _window_mass(self, q, window, layer, lse):
