@@ -77,7 +77,8 @@ if _CACHE_DIR != "off":
 # optimization level 0, no expensive LLVM passes).  For files and tests whose time is compiling
 # many small programs (tiny random models, kernel references and interpret-mode kernels on small
 # shapes); never for one that executes the real SmolLM2 model (its O0 code runs slower than it
-# compiles faster), checks compiled memory, or compiles for a GPU/TPU to check its resources.
+# compiles faster) or compiles for a GPU/TPU to check its resources.  CPU memory analysis is the
+# same at either level (buffer assignment precedes LLVM: tests/test_masked_memory.py).
 # The flag is read at compile time and is not part of the jit cache key: the programs a file
 # compiled are dropped at its end (_drop_compiled_programs), so no other file runs them (a test
 # marked alone shares its file's jit caches), and the persistent cache keys programs by their
