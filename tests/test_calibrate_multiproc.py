@@ -54,10 +54,22 @@ def tail(text: str, n: int = 2500) -> str:
   return "\n".join(lines)[-n:]
 
 
+def cache_env() -> dict:
+  """The session's persistent compilation cache (tests/conftest.py) for a subprocess: process 0
+  writes the programs it compiles (jax writes from process 0 only), so the resumed pair loads
+  them instead of compiling again.  Nothing when the cache is off."""
+  d = os.environ.get("PASK_TEST_CACHE_DIR")
+  if not d or d == "off":
+    return {}
+  return {"JAX_COMPILATION_CACHE_DIR": d, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
 def launch(args, devices: int):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
-             JAX_DISABLE_MOST_OPTIMIZATIONS="1")   # compiles dominate; results are the same
+             JAX_DISABLE_MOST_OPTIMIZATIONS="1",   # compiles dominate; results are the same
+             **cache_env())
   env.pop("JAX_COORDINATOR_ADDRESS", None)
   return subprocess.Popen([sys.executable, "-c", DRIVER] + args, cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -87,20 +99,52 @@ def report(results: dict) -> str:
                    results.items())
 
 
-def test_two_processes_select_the_one_process_policy(tmp_path):
+def one_process(argv, monkeypatch, capsys) -> tuple:
+  """The DRIVER's run in this process (one CPU device): the same CLI, model and tokenizer, at
+  the same optimization level (the test's fast_compile mark: JAX_DISABLE_MOST_OPTIMIZATIONS
+  as the subprocesses).  -> (exit status, stdout, stderr), as ``finish`` gives."""
+  from models.loaders import Loaded
+  from pask_jax import cli, platform
+  from pask_jax.testing import smollm2_tokenizer, tiny_llama
+  tok = smollm2_tokenizer()
+
+  def load(*a, **k):
+    m = tiny_llama(tok.vocab_size)
+    return Loaded(m.cfg, m, tok)
+  monkeypatch.setattr(platform, "load_model", load)
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  capsys.readouterr()
+  rc = cli.main(["calibrate", "--task", "jsonl", "--rows", "4", "--max-tokens", "6"] + argv)
+  so, se = capsys.readouterr()
+  return rc, so, se
+
+
+# The one-process reference runs in this process (no second JAX start-up, model build and
+# tokenizer load), at the subprocesses' optimization level; the pair are subprocesses.
+@pytest.mark.fast_compile
+def test_two_processes_select_the_one_process_policy(tmp_path, monkeypatch, capsys):
+  import jax
   from pask_jax import policy as P
+  assert len(jax.devices()) == 1     # the reference is a one-device run
   data = tmp_path / "t.jsonl"
   data.write_text("".join(json.dumps(c) + "\n" for c in CASES))
   port = free_port()
   join = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--join-timeout", "120"]
   t0 = time.monotonic()
-  procs = {   # all three at once: the one-process reference runs while the pair waits on itself
+  procs = {   # the pair starts first: the one-process reference runs while they join and run
       "process 0": launch(["--data", str(data), "--out", str(tmp_path / "p0")] + join +
                           ["--process-id", "0"], 2),
       "process 1": launch(["--data", str(data), "--out", str(tmp_path / "p1")] + join +
-                          ["--process-id", "1"], 2),
-      "one process": launch(["--data", str(data), "--out", str(tmp_path / "one")], 1)}
-  pair = finish({k: procs.pop(k) for k in ("process 0", "process 1")})
+                          ["--process-id", "1"], 2)}
+  try:
+    ref = {"one process": one_process(["--data", str(data), "--out", str(tmp_path / "one")],
+                                      monkeypatch, capsys)}
+  except BaseException:
+    for p in procs.values():
+      p.kill()
+      p.communicate()
+    raise
+  pair = finish(procs)
   assert all(rc == 0 for rc, _, _ in pair.values()), report(pair)
   first = json.load(open(tmp_path / "p0" / "calibration.json"))
   # The same command again resumes from process 0's saved stages, handed to process 1 (which has
@@ -109,7 +153,7 @@ def test_two_processes_select_the_one_process_policy(tmp_path):
   again = {f"{k} (resumed)": launch(["--data", str(data), "--out", str(tmp_path / f"p{i}")] +
                                     join + ["--process-id", str(i)], 2)
            for i, k in enumerate(("process 0", "process 1"))}
-  res = {**pair, **finish({**procs, **again})}
+  res = {**pair, **ref, **finish(again)}
   wall = time.monotonic() - t0
   assert all(rc == 0 for rc, _, _ in res.values()), report(res)
   said = {k: so for k, (_, so, _) in res.items()}

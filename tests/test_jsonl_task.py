@@ -241,6 +241,19 @@ def test_readme_calibrate_then_eval_at_the_budget_on_the_embedded_model(tmp_path
   out = cal[cal.index("--out") + 1]
   assert pask[pask.index("--policy") + 1] == f"{out}/policy"     # eval reads what calibrate wrote
   runs = {}
+  # Both commands load the embedded GGUF with the same arguments: the second gets the first's
+  # model (parsing the file's 98k metadata strings and dequantizing its weights cost ~7 s of CPU
+  # a time; loading itself is tests/test_loaders.py's subject).  Each command still reads the
+  # model through platform.load_model and runs it for real.
+  from pask_jax import platform
+  real, loaded = platform.load_model, {}
+
+  def load_once(*a, **k):
+    key = repr((a, sorted(k.items())))
+    if key not in loaded:
+      loaded[key] = real(*a, **k)
+    return loaded[key]
+  monkeypatch.setattr(platform, "load_model", load_once)
 
   def here(argv, extra):
     argv = list(argv)
@@ -275,3 +288,4 @@ def test_readme_calibrate_then_eval_at_the_budget_on_the_embedded_model(tmp_path
   monkeypatch.setattr(cli, "cmd_eval", lambda a: seen.append(a) or 0)
   assert cli.main(here(full, ["--max-tokens", "4"])) == 0
   assert [(a.cmd, a.method, a.policy, a.data) for a in seen] == [("eval", "full", None, data)]
+  assert len(loaded) == 1                              # one model, the same for both commands
