@@ -33,8 +33,9 @@ def setup():
                                                  {"role": "user", "content": q}]))
              for q in QUESTIONS]
   cap = 320
+  # Full KV's tokens are compared for the first AGREE only: it decodes no further
   full = generate(Runner(m.model, batch=2, capacity=cap), tok, prompts,
-                  sampling=Sampling(max_tokens=MAX_TOKENS))
+                  sampling=Sampling(max_tokens=AGREE))
   runner = SphRunner(m.model, batch=2, capacity=cap)
   runs = {b: generate(runner.configure(b), tok, prompts, sampling=Sampling(max_tokens=MAX_TOKENS))
           for b in (1.0, 0.3)}
