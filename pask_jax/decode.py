@@ -35,6 +35,7 @@ from models import decoder
 from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
 from pask_jax import mesh as tp
+from pask_jax import policy as P
 from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax import actions as Act
@@ -399,8 +400,8 @@ class PaskRunner:
     dense = self._dense.new_cache(batch=B, capacity=Tn)
     logits, dense = self._dense.prefill_all(dense, tokens, lengths)
     cands = prompt_candidates(prompt_tags, lengths, Tn)
-    state = self.commit(self.policy, self.new_cache(), dense.k, dense.v, jnp.asarray(cands),
-                        jnp.asarray(lengths))
+    state = self.commit(P.lean(self.policy), self.new_cache(), dense.k, dense.v,
+                        jnp.asarray(cands), jnp.asarray(lengths))
     return logits, state
 
   def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
@@ -412,8 +413,8 @@ class PaskRunner:
                      top_p):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
     the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
-    return self.step(self.params, self.policy, state, tokens, tag_ids, state_ids, active, bits,
-                     key, temperature, top_p)
+    return self.step(self.params, P.lean(self.policy), state, tokens, tag_ids, state_ids, active,
+                     bits, key, temperature, top_p)
 
   def report(self, state) -> list[dict]:
     return ledger.summary(state[2], self.policy)

@@ -193,6 +193,13 @@ def _check_ablated(tag_id: int, e: Entry, ablation: str | None):
                      f"groups: action {list(e.action)}, floor {list(e.floor)}")
 
 
+def lean(pol: "FrozenPolicy") -> "FrozenPolicy":
+  """``pol`` without its readable record (a static pytree field: name, budgets' provenance,
+  thresholds), so that every policy of one shape, sink and window shares one compilation of the
+  jitted functions that take a policy as an input; nothing traced reads the record."""
+  return pol.replace(record_json="{}")
+
+
 def ablation_of(pol: "FrozenPolicy") -> str | None:
   """The ablation a policy was calibrated under (None: the full method)."""
   return pol.record.get("ablation")

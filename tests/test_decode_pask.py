@@ -89,6 +89,27 @@ def test_all_high_equals_full_kv_random_model(window):
   assert errs.max() < 2e-3 and np.median(errs) < 1e-6, errs
 
 
+@pytest.mark.fast_compile
+def test_policies_of_one_shape_share_one_compile():
+  """A runner whose policy is switched (the API's cached runner: all-high, demo, ...) compiles its
+  commit and step once: the policy's record (static pytree data) stays out of the jitted calls
+  (policy.lean), and each policy still decides its own tokens (ledgers differ)."""
+  cfg = TINY["qwen2"]
+  m = random_model(cfg, seed=5)
+  pols = [P.all_high(cfg), P.demo(cfg), P.all_high(cfg)]
+  assert pols[0].record != pols[1].record
+  runner = PaskRunner(m, pols[0], batch=1, capacity=64)
+  seq = np.random.default_rng(5).integers(0, cfg.vocab_size, 24).tolist()
+  no_stop = type("Tok", (), {"stop_ids": (), "decode": lambda self, ids: ""})()
+  reports = []
+  for pol in pols:
+    runner.policy = pol
+    res = generate(runner, no_stop, [seq], sampling=Sampling(max_tokens=6))
+    reports.append(res[0].ledger)
+  assert dict(runner.traces) == {"commit": 1, "step": 1}, dict(runner.traces)
+  assert reports[0] == reports[2] and reports[0] != reports[1]
+
+
 def _run_cache(k, v, actions, window, sink=0):
   """Append K/V [N, L, B, Hkv, D] step by step with actions [N, B, G]."""
   N, L, B, Hkv, D = k.shape

@@ -22,12 +22,6 @@ from pask_jax import actions as Act
 from pask_jax import controller
 
 
-def lean(policy):
-  """``policy`` without its readable record (a static field), so that policies of one shape
-  share a compilation of the jitted functions that take them as inputs."""
-  return policy.replace(record_json="{}")
-
-
 def floor_h(policy, cands) -> jax.Array:
   """Tag candidates ``int32 [..., N_CAND]`` -> bool ``[..., G]``: PASK's resolved floor is H.
   Rows whose candidates are all ``PAD`` (padding) resolve to H like PASK's; callers mask them."""
@@ -57,4 +51,4 @@ def routes(actions, n_kv_heads: int, tier: int = 1) -> jax.Array:
   return jnp.broadcast_to(r[..., None], r.shape + (n_kv_heads,))
 
 
-__all__ = ["floor_h", "lean", "routes", "with_tier_cost"]
+__all__ = ["floor_h", "routes", "with_tier_cost"]

@@ -223,7 +223,7 @@ class SphRunner:
       if P.position_bins(policy) is not None:
         raise ValueError("a no-transition policy (position bins, not tags) cannot drive "
                          "Spherical KV")
-      pol = hybrid.lean(policy)
+      pol = P.lean(policy)
       if self.plan == "pask":
         pol = hybrid.with_tier_cost(pol, self.tiers[0], self.layers_per_group,
                                     self.cfg.n_kv_heads)
