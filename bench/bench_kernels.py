@@ -186,6 +186,9 @@ def main(argv=None):
   ap.add_argument("--fused-variants", default="[{}]",
                   help="JSON list of knob dicts (splits_lo, splits_hi, tile_hi, stages_lo, "
                        "stages_hi): each 'fused' row runs each")
+  ap.add_argument("--mosaic-variants", default="[{}]",
+                  help="JSON list of knob dicts (splits_lo, wgs_lo): each 'mosaic' row runs each; "
+                       "wgs_lo > 1 (warp-specialized) on the int4 format only")
   ap.add_argument("--shapes", default="", help="comma list of shape indices (default: all)")
   ap.add_argument("--cupti", action="store_true",
                   help="also each variant's kernels one by one under CUPTI (device time per "
@@ -253,7 +256,8 @@ def main(argv=None):
       variants = [knobs]
       kernels = args.int4_kernels.split(",") if args.int4_kernels else []
       if kernels and lo_len:
-        variants = [{**knobs, "int4_kernel": k} for k in kernels if k != "fused"]
+        variants = [{**knobs, "int4_kernel": k, **v} for k in kernels if k != "fused"
+                    for v in (json.loads(args.mosaic_variants) if k == "mosaic" else [{}])]
       if "fused" in kernels:     # one Mosaic GPU launch for both pools, each knob variant
         variants = (variants if lo_len else [knobs]) + [
             {**knobs, "int4_kernel": "fused", **v} for v in json.loads(args.fused_variants)]
@@ -268,7 +272,8 @@ def main(argv=None):
                      dict(chunk_lo=2048), dict(int4_dequant="cvt"),
                      dict(int4_dequant="cvt", num_warps=8, num_stages=4, block_hi=64)]
       is_fused = lambda v: v.get("int4_kernel") == "fused"
-      runs = [("bytes", arg_sets, [v for v in variants if not is_fused(v)])]
+      runs = [("bytes", arg_sets, [v for v in variants
+                                   if not is_fused(v) and v.get("wgs_lo", 1) == 1])]
       for fmt in args.lo_formats.split(","):
         if fmt != "bytes" and (lo_len or "fused" in kernels):
           # the same codes in another format, read by the Mosaic GPU kernels (each variant but

@@ -12,7 +12,8 @@ compute warpgroups and a TMA warpgroup; 3 runs at 24K keys, a multiple of its 3-
 ``--paged``: ``mgpu_paged.partition_paged`` reading the cache's paged uint8 pool (shuffled page
 tables, pages of 64 and 128 rows) beside the committed contiguous kernel, same bytes counted.
 ``--pool``: ``mgpu_int4.partition`` over a pool of head-major int4 pages (page = tile = 128,
-shuffled tables; V dim- and token-major) beside the contiguous kernel on the same codes, then
+shuffled tables; V dim- and token-major) and the warp-specialized ``partition_ws`` over the same
+pool (2 and 3 compute warpgroups) beside the contiguous kernel on the same codes, then
 what one decode step's cache write costs XLA on such a pool: a row scatter into int4 (K
 token-major), a column scatter into int4 (dim-major V) and the same rows into uint8 bytes.
 """
@@ -278,6 +279,25 @@ def pool(a) -> None:
           sec = kernel_time(f, (q, k, ks, vv[v_major], vs, full, tbl), a.iters)
           row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
+          failed(row, e)
+        emit(fo, row)
+      # The warp-specialized kernel over the pool (V dim-major): the table padded to splits x
+      # warpgroups with page 0 (past every length), the bytes counted those of the keys alone.
+      for wgs, splits in ((2, 4), (2, 8), (3, 3), (3, 4)) if name == "4b" else (
+          (2, 8), (2, 16), (3, 8), (3, 11)):
+        row = dict(shape=name, how="pool_ws", tile=tile, n=a.n, v_major="dim", wgs=wgs,
+                   splits=splits, **fast)
+        try:
+          kn = dict(tile=tile, splits=splits, wgs=wgs, qk_scale=sm * mgpu_int4.LOG2E, **fast)
+          tp = jnp.pad(tbl, ((0, 0), (0, (-tbl.shape[1]) % (splits * wgs))))
+          f = jax.jit(lambda q, k, ks, v, vs, lens, tbl, kn=tuple(kn.items()):
+                      mgpu_int4.partition_ws(q, k, ks, v, vs, lens, tbl, **dict(kn)))
+          out = mgpu_int4.merge(*f(q, k, ks, vv["dim"], vs, lens, tp))[:, :g]
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          sec = kernel_time(f, (q, k, ks, vv["dim"], vs, full, tp), a.iters)
+          row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12,
+                     padded_pages=int(tp.shape[1] - tbl.shape[1]))
+        except Exception as e:  # noqa: BLE001
           failed(row, e)
         emit(fo, row)
       writes(fo, name, k, vv["dim"], tbl, a.iters)

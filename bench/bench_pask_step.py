@@ -47,6 +47,9 @@ def main(argv=None) -> int:
   ap.add_argument("--profile", default=None)
   ap.add_argument("--time-limit", type=float, default=1e9)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--kernel-knobs", default="{}",
+                  help="JSON dict of decode_attention knobs for the PASK runner (e.g. "
+                       "'{\"wgs_lo\": 2}': the warp-specialized INT4 kernel)")
   ap.add_argument("--lo-format", default="bytes", choices=["bytes", "int4"],
                   help="the INT4 pool's storage format (int4: read by the Mosaic GPU kernel)")
   ap.add_argument("--lo-page", type=int, default=None,
@@ -153,7 +156,8 @@ def main(argv=None) -> int:
         for mix in list(mixes) + [(0.0, 0.0, 1.0)]:
           if over():
             break
-          runner = PaskRunner(model, pol, batch=B, capacity=C + S + 1)
+          runner = PaskRunner(model, pol, batch=B, capacity=C + S + 1,
+                              kernel_knobs=json.loads(a.kernel_knobs))
           cache = pask_cache(runner, B, C, mix, seed=len(res) + 1)
           live_b = float(np.asarray(ledger.live_payload(cache, pol.cost, pol.c_full)).mean()) / (
               C * float(pol.c_full))

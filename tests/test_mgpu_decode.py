@@ -123,6 +123,52 @@ def test_int4_format_glue_matches_reference(case):
   assert synth.rel_err(got, want) < 6e-3
 
 
+@pytest.mark.parametrize("wgs,splits", [(2, None), (3, 1), (2, 2)])
+@pytest.mark.parametrize("case_index", [0, 3, 4])
+def test_warp_specialized_int4_glue_matches_reference(case_index, wgs, splits):
+  """``wgs_lo`` > 1 (the warp-specialized kernel's reference in its place): partials per (split,
+  warpgroup), the table padded to splits x warpgroups, the same merge; ragged, empty and full
+  INT4 partitions at GQA 1, 7 and 8 against the float32 reference; one partial per (split,
+  warpgroup)."""
+  case = CASES[case_index]
+  args = case.make(seed=40 + case_index, lo_format="int4")
+  want = synth.reference_f32(*args)
+  got = merged(args, case.shape.g, int4_kernel="mosaic_reference", wgs_lo=wgs, splits_lo=splits)
+  assert bool(jnp.isfinite(got).all())
+  assert synth.rel_err(got, want) < 6e-3
+  qp, lo, maps, layer = _glue_inputs(args)
+  o, m, l = mgpu_decode.int4_partials(qp, lo, maps, layer, c=0.1, g=case.shape.g, splits=splits,
+                                      wgs=wgs, reference=True)
+  bh, n_pages = qp.shape[0] * qp.shape[1], maps.lo_pages.shape[1]
+  assert o.shape[2] == wgs * (splits or max(1, mgpu_decode.splits_for(bh, n_pages) // wgs))
+  assert m.shape == l.shape == o.shape[:4]
+
+
+def _glue_inputs(args):
+  """(qp [B, Hkv, 16, D], lo, maps, layer) as ``partials_gpu`` hands them to ``int4_partials``."""
+  q, window, hi, lo, maps = args[:5]
+  b, hq, d = q.shape
+  hkv = window.k.shape[-2]
+  qp = jnp.pad(q.reshape(b, hkv, hq // hkv, d), ((0, 0), (0, 0), (0, 16 - hq // hkv), (0, 0)))
+  add = lambda t: type(t)(*(x[None] for x in t))
+  return qp, add(lo), maps, jnp.int32(0)
+
+
+def test_warp_specialized_knob_is_checked():
+  args = CASES[0].make(seed=9, lo_format="int4")
+  with pytest.raises(ValueError, match="^wgs .compute warpgroups. must be 1, 2 or 3, got 4"):
+    partials_gpu(*args, interpret=True, int4_kernel="mosaic_reference", wgs_lo=4, **SMALL)
+  with pytest.raises(ValueError, match="^wgs_lo=2 is the warp-specialized Mosaic GPU kernel of "
+                                       "the int4 storage format; this call reads a 'bytes'"):
+    partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="mosaic_reference",
+                 wgs_lo=2, **SMALL)
+
+
+def test_warp_specialized_whole_call_lowers_for_cuda():
+  text = _lower_int4(int4_kernel="mosaic", wgs_lo=2)
+  assert "mosaic_gpu" in text and "triton" in text and text != _lower_int4(int4_kernel="mosaic")
+
+
 def test_int4_format_goes_to_mosaic_and_never_to_triton():
   case = CASES[0]
   args = case.make(seed=8, lo_format="int4")

@@ -212,3 +212,67 @@ def test_scale_planes_read_like_separate_scales_at_the_codes_layer():
                 splits=3)
   with pytest.raises(ValueError, match="^vs=None .* needs tbl"):
     M.partition(q, k[0], planes[0, 0], v[0], None, lens, tile=64, splits=1)
+
+
+# ---- the warp-specialized kernel over the pool (partition_ws with a page table) ---------------
+
+@pytest.mark.parametrize("hkv,g,d,wgs,splits", [
+    (2, 1, 64, 2, 1), (1, 2, 128, 3, 1), (2, 4, 128, 2, 2), (2, 7, 64, 3, 1), (1, 8, 64, 2, 1)])
+def test_warp_specialized_pool_algorithm_matches_float32_attention(hkv, g, d, wgs, splits):
+  """One partial per (split, warpgroup), merged to float32 attention: ragged, empty and full
+  rows, every GQA ratio. (Which pages a partial reads is the kernel's index maps: checked on the
+  GPU against this reference, ``bench/bench_mgpu_int4.py --paged``.)"""
+  tile, b = 64, 3
+  n_pages = 2 * wgs * splits
+  lens = [n_pages * tile, tile * wgs + 5, 0]
+  q, k, ks, v, vs, lens, tbl = pool(b, hkv, g, d, tile, n_pages, lens, seed=7 * wgs + g)
+  sm = d ** -0.5
+  o, m, l = M.pool_reference(q, k, ks, v, vs, lens, tbl, splits=splits, wgs=wgs,
+                             qk_scale=sm * M.LOG2E)
+  assert o.shape == (b * hkv, splits * wgs, d, M.N_PAD)
+  got = M.merge(o, m, l)[:, :g]
+  kc, ksc, vc, vsc = M.pool_gather(k, ks, v, vs, tbl)
+  ref = M.attend_reference(q, kc, ksc, jnp.swapaxes(vc, 1, 2), vsc, lens, sm_scale=sm)[:, :g]
+  live = np.asarray(lens) > 0
+  err = float(jnp.linalg.norm(got[live] - ref[live]) / jnp.linalg.norm(ref[live]))
+  assert err < 4e-3, err
+  assert float(jnp.abs(got[~live]).max()) == 0.0
+
+
+def _lower_ws(d, wgs, planes, cols=M.N_PAD):
+  S = jax.ShapeDtypeStruct
+  b, hkv, tile, n_pages, n_l = 2, 2, 128, 4 * wgs, 3
+  p = b * n_pages + 3
+  sh = M.pool_shapes(p, hkv, tile, d)
+  stack = lambda shape, dt: S((n_l * shape[0],) + shape[1:], dt)
+  if planes:    # the cache's stacked fp16 K/V planes, offset by base like the codes
+    sc = (stack(sh["s"], jnp.float16), stack(sh["v"], jnp.int4), None)
+  else:
+    sc = (S(sh["ks"], jnp.float32), stack(sh["v"], jnp.int4), S(sh["vs"], jnp.float32))
+  args = (S((b * hkv, M.N_PAD, d), jnp.bfloat16), stack(sh["k"], jnp.int4), *sc,
+          S((b * hkv,), jnp.int32), S((b, n_pages), jnp.int32), S((1,), jnp.int32))
+  return M.partition_ws.trace(*args, tile=tile, splits=2, wgs=wgs, qk_scale=0.1, cols=cols,
+                              approx_math=True, no_auto_barriers=True).lower(
+                                  lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("d,wgs,planes", [(128, 2, True), (64, 3, False), (64, 2, True)])
+def test_warp_specialized_pool_kernel_lowers_to_mosaic_gpu(d, wgs, planes):
+  assert "mosaic_gpu" in _lower_ws(d, wgs, planes)
+
+
+def test_warp_specialized_narrow_columns_lower_or_name_what_they_need():
+  assert_narrow_lowers(lambda cols=M.N_PAD, **kw: _lower_ws(128, 2, True, cols=cols))
+
+
+def test_warp_specialized_pool_input_is_checked():
+  q, k, ks, v, vs, lens, tbl = pool(2, 2, 4, 64, 64, 4, [256, 10], seed=3)
+  ws = lambda **kw: M.partition_ws(q, k, ks, v, vs, lens, tbl, **{"tile": 64, **kw})
+  with pytest.raises(ValueError, match="must divide into 6 splits"):
+    ws(splits=3, wgs=2)
+  with pytest.raises(ValueError, match=r"^wgs \(compute warpgroups\) must be 1, 2 or 3, got 4"):
+    ws(splits=1, wgs=4)
+  with pytest.raises(ValueError, match="^the pool's pages hold 64 tokens but tile is 128"):
+    ws(tile=128, splits=1)
+  with pytest.raises(ValueError, match="^base and vs=None .* need tbl"):
+    M.partition_ws(q, k[0], ks[0], v[0], None, lens, None, tile=64, splits=1)

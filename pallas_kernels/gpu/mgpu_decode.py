@@ -64,12 +64,16 @@ def splits_for(bh: int, n_pages: int) -> int:
 
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
-                  g: int, splits: int | None = None, reference: bool = False):
+                  g: int, splits: int | None = None, wgs: int = 1, reference: bool = False):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
   D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
   D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
   Hkv, S, 16, D]`` f32, ``m, l [B, Hkv, S, 16]``
-  (``c`` = softmax scale x log2 e)."""
+  (``c`` = softmax scale x log2 e).
+
+  ``wgs`` > 1 (the int4 pool only): the warp-specialized kernel (``mgpu_int4.partition_ws``,
+  ``wgs`` compute warpgroups, each a partial), ``splits`` then counting context splits per
+  warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``."""
   b, hkv, rows, d = qp.shape
   n_l, p_lo, page = lo.scale.shape[0], lo.scale.shape[1], lo.page
   if rows != C.N_PAD or not supported(page, d, g):
@@ -82,8 +86,11 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   n_pages = tbl.shape[1]
   used = (maps.lo_len.astype(jnp.int32) + page - 1) // page
   tbl = jnp.where(jnp.arange(n_pages)[None, :] < used[:, None], tbl, 0)
-  s = splits or splits_for(bh, n_pages)
-  tbl = jnp.pad(tbl, ((0, 0), (0, (-n_pages) % s)))
+  if wgs != 1 and lo.format != "int4":
+    raise ValueError(f"wgs={wgs} (the warp-specialized kernel) reads the int4 storage format "
+                     f"only; this pool is {lo.format!r}")
+  s = splits or max(1, splits_for(bh, n_pages) // wgs)
+  tbl = jnp.pad(tbl, ((0, 0), (0, (-n_pages) % (s * wgs))))
   base = (jnp.asarray(layer, jnp.int32) * p_lo).reshape(1)
   lens = maps.lo_len.astype(jnp.int32)
   cols = 8 if g <= 8 and C.HAS_CONCAT else C.N_PAD
@@ -98,12 +105,16 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
     lens = jnp.repeat(lens, hkv)
     if reference:
       o, m, l = MI.pool_reference(q, k, sc, v, None, lens, tbl, base, v_major="dim", splits=s,
-                                  qk_scale=c)
+                                  wgs=wgs, qk_scale=c)
+    elif wgs > 1:
+      o, m, l = MI.partition_ws(q, k, sc, v, None, lens, tbl, base, tile=page, splits=s,
+                                wgs=wgs, qk_scale=c, cols=cols, approx_math=True,
+                                no_auto_barriers=True)
     else:
       o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,
                              no_auto_barriers=True)
-    return _layout(o, m, l, b, hkv, s, d)
+    return _layout(o, m, l, b, hkv, s * wgs, d)
   # The bytes pool: this layer's scales [P, page, Hkv, 2] -> head-major f32 [Hkv, P, page];
   # non-finite scales of unused rows become 0 (garbage there must not reach the output).
   sc = lax.dynamic_index_in_dim(lo.scale, layer, 0, keepdims=False).astype(jnp.float32)

@@ -248,25 +248,48 @@ def block_v(v: jax.Array, tile: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "wgs", "qk_scale",
                                              "approx_math", "no_auto_barriers",
                                              "memory_registers", "cols"))
-def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, splits: int = 8,
-                 wgs: int = 2, qk_scale: float = 1.0, approx_math: bool = False,
-                 no_auto_barriers: bool = False, memory_registers: int = 40,
-                 cols: int = N_PAD):
+def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128, stages: int = 2,
+                 splits: int = 8, wgs: int = 2, qk_scale: float = 1.0,
+                 approx_math: bool = False, no_auto_barriers: bool = False,
+                 memory_registers: int = 40, cols: int = N_PAD):
   """Warp-specialized :func:`partition`: ``wgs`` compute warpgroups and one TMA warpgroup.
 
-  Each pipeline step brings ``wgs`` consecutive tiles; compute warpgroup ``w`` takes tile ``w``
-  of every step with its own online softmax, so while one warpgroup waits on its MMAs,
-  another's instructions issue, and the loads never wait on compute. The cross-warp reductions
-  (the running max, the final row sums) take turns round the warpgroups (``exclusive``).
-  Every (split, warpgroup) writes its own partial: outputs are ``[BH, splits * wgs, D, 16]``,
-  combined by :func:`merge` like any splits.
+  Each pipeline step brings ``wgs`` tiles; compute warpgroup ``w`` takes tile ``w`` of every
+  step with its own online softmax, so while one warpgroup waits on its MMAs, another's
+  instructions issue, and the loads never wait on compute. The cross-warp reductions (the
+  running max, the final row sums) take turns round the warpgroups (``exclusive``). Every
+  (split, warpgroup) writes its own partial: outputs are ``[BH, splits * wgs, D, 16]``, combined
+  by :func:`merge` like any splits; partial ``sp * wgs + w`` reads tiles ``(sp * steps + i) *
+  wgs + w``.
 
-  ``vb[BH, N / tile, D, tile]`` is V blocked dim-major (:func:`block_v`); the rest (``cols``
-  included) as :func:`partition` with bf16 upcasts of K and V into the A operand.
+  Contiguous: ``vb[BH, N / tile, D, tile]`` is V blocked dim-major (:func:`block_v`), one TMA box
+  per step brings the step's ``wgs`` consecutive tiles. Paged (``tbl``, ``base`` as in
+  :func:`partition`, V dim-major pages ``[P, Hkv, D, tile]``): the ``wgs`` tiles of a step are
+  pages anywhere in the pool, so each is its own TMA box and each warpgroup picks its own
+  buffers' registers through a switch on its index (the other branches are never taken).
+  The rest (``cols`` included) as :func:`partition` with bf16 upcasts of K and V into the A
+  operand.
   """
-  bh, n, d = k.shape
-  _check(q, k, ks, vb, vs, lens, tile=tile, splits=splits * wgs, v_major="block",
-         stages=stages, wgs=wgs)
+  planes = vs is None
+  paged = tbl is not None
+  if not paged:
+    if base is not None or planes:
+      raise ValueError("base and vs=None (scale planes) are for a paged pool: they need tbl")
+    bh, n, d = k.shape
+    hkv = 1
+    _check(q, k, ks, vb, vs, lens, tile=tile, splits=splits * wgs, v_major="block",
+           stages=stages, wgs=wgs)
+  else:
+    _check_pool(q, k, ks, vb, vs, lens, tbl, tile=tile, splits=splits * wgs, v_major="dim",
+                stages=stages, k_upcast="bf16", v_upcast="bf16", stacked=base is not None)
+    if wgs not in (1, 2, 3):
+      raise ValueError(f"wgs (compute warpgroups) must be 1, 2 or 3, got {wgs}")
+    bh, (_, hkv, _, d), n = q.shape[0], k.shape, tbl.shape[1] * tile
+    need = smem_bytes(d, tile, stages, "block", wgs)
+    if need > SM90_SMEM:
+      raise ValueError(f"tile {tile} x {stages} stages x {wgs} warpgroups needs {need} bytes of "
+                       f"shared memory, over the {SM90_SMEM} a Hopper block has")
+  base = jnp.zeros((1,), jnp.int32) if base is None else jnp.asarray(base, jnp.int32).reshape(1)
   narrow = _check_cols(cols)
   nt = n // tile
   steps = nt // wgs // splits
@@ -279,8 +302,8 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
   col = plgpu.Layout.WGMMA.reduce(0)
   cast = plgpu.layout_cast
 
-  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, o_gmem, m_gmem, l_gmem,
-           q_smem, p_smem, o_smem, qbar, turn):
+  def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, tbl_gmem, base_gmem, o_gmem,
+           m_gmem, l_gmem, q_smem, p_smem, o_smem, qbar, turn):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
     wg = lax.axis_index("wg")
@@ -296,13 +319,23 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
       plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, wgs)])
       return out
 
-    def step(idx, k_smem, ks_smem, v_smem, vs_smem, carry):
-      # k_smem [wgs, T, D] int4, ks_smem / vs_smem [wgs, T] f32, v_smem [wgs, D, T] int4
-      m, l, acc = carry
-      kt, vt, qt, pt = k_smem.at[wg], v_smem.at[wg], q_smem.at[wg], p_smem.at[wg]
+    def mine(load):
+      """``load(w)`` (registers from warpgroup ``w``'s buffers) for this warpgroup."""
+      if not paged:
+        return load(wg)
+      return lax.switch(wg, [functools.partial(load, w) for w in range(wgs)])
+
+    def step(idx, *refs):
+      # Contiguous: refs = (k [wgs, T, D] int4, ks [wgs, T] f32, v [wgs, D, T] int4, vs, carry).
+      # Paged: four refs per warpgroup (k [T, D], ks [T] (a plane: f16), v [D, T], vs), carry.
+      *refs, (m, l, acc) = refs
+      at = ((lambda w, j: refs[j].at[w]) if not paged else (lambda w, j: refs[4 * w + j]))
+      qt, pt = q_smem.at[wg], p_smem.at[wg]
+      kr, kscale, vscale = mine(lambda w: (at(w, 0)[...].astype(jnp.bfloat16),
+                                           _load(at(w, 1), row).astype(jnp.float32),
+                                           _load(at(w, 3), row).astype(jnp.float32)))
 
       def scores(acc_ref):
-        kr = kt[...].astype(jnp.bfloat16)
         for j in range(d // kslice):
           sl = slice(j * kslice, (j + 1) * kslice)
           plgpu.wgmma(acc_ref, kr[:, sl], qt.at[:, sl].T)
@@ -312,16 +345,16 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
       if narrow:
         s = s[:, :cols]
       p, alpha, m_new, l = _softmax_tile(
-          s, _load(ks_smem.at[wg], row) * qk_scale, _load(vs_smem.at[wg], row),
-          ((sp * steps + idx[0]) * wgs + wg) * tile, lens_gmem[b], m, l,
-          col_max=lambda x: exclusive(lambda: x.max(axis=0), first_turn=idx[0] == 0))
+          s, kscale * qk_scale, vscale, ((sp * steps + idx[0]) * wgs + wg) * tile, lens_gmem[b],
+          m, l, col_max=lambda x: exclusive(lambda: x.max(axis=0), first_turn=idx[0] == 0))
       if narrow:
         p = jnp.concatenate([p, _zeros((tile, N_PAD - cols))], axis=1)
       pt[...] = p.astype(jnp.bfloat16)
       plgpu.commit_smem()
+      vr = mine(lambda w: at(w, 2)[...].astype(jnp.bfloat16))
 
       def pv(acc_ref):
-        plgpu.wgmma(acc_ref, vt[...].astype(jnp.bfloat16), pt)
+        plgpu.wgmma(acc_ref, vr, pt)
         return acc_ref[...]
 
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
@@ -339,24 +372,48 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
       _store_partials(o_smem.at[wg], (o_gmem.at[b, part], m_gmem.at[b, part],
                                       l_gmem.at[b, part]), acc, m, l, pad=N_PAD - cols)
 
-    blk = lambda i: (sp * steps + i, 0, 0)
-    blk1 = lambda i: (sp * steps + i, 0)
+    if paged:     # one box per (tile, tensor): tile (sp * steps + i) * wgs + w is a page
+      seq, hd = b // hkv, lax.rem(b, hkv)
+      specs, refs = [], []
+      for w in range(wgs):
+        pg = lambda i, w=w: tbl_gmem[seq, (sp * steps + i) * wgs + w]
+        code = lambda i, pg=pg: pg(i) + base_gmem[0]      # the codes' layer offset
+        if planes:    # [P, Hkv, 2, tile]: plane 0 K, plane 1 V, at the codes' pages
+          sc = plgpu.BlockSpec((None, None, None, tile), lambda i, c=code: (c(i), hd, 0, 0))
+          sc_v = plgpu.BlockSpec((None, None, None, tile), lambda i, c=code: (c(i), hd, 1, 0))
+        else:
+          sc = sc_v = plgpu.BlockSpec((None, None, tile), lambda i, pg=pg: (pg(i), hd, 0))
+        specs += [plgpu.BlockSpec((None, None, tile, d), lambda i, c=code: (c(i), hd, 0, 0),
+                                  transforms=k_tr),
+                  sc,
+                  plgpu.BlockSpec((None, None, d, tile), lambda i, c=code: (c(i), hd, 0, 0),
+                                  transforms=vt_tr),
+                  sc_v]
+        refs += [k_gmem, ks_gmem, v_gmem, vs_gmem]
+    else:
+      blk = lambda i: (sp * steps + i, 0, 0)
+      blk1 = lambda i: (sp * steps + i, 0)
+      specs = [plgpu.BlockSpec((wgs, tile, d), blk, transforms=k_tr),
+               plgpu.BlockSpec((wgs, tile), blk1),
+               plgpu.BlockSpec((wgs, d, tile), blk, transforms=vt_tr),
+               plgpu.BlockSpec((wgs, tile), blk1)]
+      refs = [k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b]]
     plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(steps,),
         memory_registers=memory_registers,
-        in_specs=[
-            plgpu.BlockSpec((wgs, tile, d), blk, transforms=k_tr),
-            plgpu.BlockSpec((wgs, tile), blk1),
-            plgpu.BlockSpec((wgs, d, tile), blk, transforms=vt_tr),
-            plgpu.BlockSpec((wgs, tile), blk1),
-        ],
+        in_specs=specs,
         max_concurrent_steps=stages,
         wg_axis="wg",
         num_compute_wgs=wgs,
         compute_context=compute,
-    )(k_gmem.at[b], ks_gmem.at[b], v_gmem.at[b], vs_gmem.at[b])
+    )(*refs)
 
+  if paged:
+    args = (q, k, ks, vb, ks if planes else vs, lens, tbl, base)
+  else:
+    args = (q, k.reshape(bh, nt, tile, d), ks.reshape(bh, nt, tile), vb,
+            vs.reshape(bh, nt, tile), lens, jnp.zeros((1, 1), jnp.int32), base)
   f32 = jax.ShapeDtypeStruct((bh, splits * wgs, d, N_PAD), jnp.float32)
   return plgpu.kernel(
       body,
@@ -373,7 +430,7 @@ def partition_ws(q, k, ks, vb, vs, lens, *, tile: int = 128, stages: int = 2, sp
           qbar=plgpu.Barrier(num_barriers=wgs),
           turn=plgpu.Barrier(num_barriers=wgs),
       ),
-  )(q, k.reshape(bh, nt, tile, d), ks.reshape(bh, nt, tile), vb, vs.reshape(bh, nt, tile), lens)
+  )(*args)
 
 
 def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="bf16",
