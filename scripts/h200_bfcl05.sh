@@ -1,0 +1,57 @@
+# Device (H200): Qwen2.5-Coder-0.5B with centered keys on BFCL (issue 23's 0.5B goals), in three
+# resumable stages on a warm machine (/tmp/cal05c, /tmp/tune05, /tmp/c05 survive between calls):
+#   1. Alg. 1 with total-B targets, the 1.5B's flags (scripts/h200_campaign15.sh);
+#   2. the baselines' knobs tuned on the 0.5B's dev split at B 0.33 / 0.20 / 0.15 (MiKV at 0.33);
+#   3. examples/campaign_05b.toml on the whole non-live test split of simple_python + multiple.
+# Each stage runs only when the one before it is complete; call again until it prints "campaign
+# done".   LIMIT=560 bash scripts/h200_bfcl05.sh   (carry .whl; the model uploaded to /tmp/m:
+# .chunks/q05_pNN, 13 pieces of 38 MB, sha256 1d961463...)
+# Back under $OUT: cal05c.tgz (policy + calibration.json), tune05.tgz, c05.tgz, the logs.
+# Commit: policy -> policies/qwen2.5-coder-0.5b-instruct-bfcl-centered/ (+ calibration.json),
+# tune -> results/tune/qwen05c-bfcl/, cells -> results/campaign/qwen05c-bfcl/.
+set -x
+. scripts/h200_env.sh
+limit=${LIMIT:-560}
+m=qwen2.5-coder-0.5b-instruct
+pol=policies/$m-bfcl-centered
+left() { echo $((limit - SECONDS - 40)); }
+if [ ! -f /tmp/cal05c/calibration.json ] && [ ! -f $pol/calibration.json ]; then
+  mkdir -p /tmp/cal05c
+  timeout $(left) python3 -m pask_jax.cli calibrate --model $m --out /tmp/cal05c \
+    ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 --window 16 \
+    --targets 0.15 0.20 0.25 0.33 >> $OUT/cal05.log 2>&1 || { tail -c 3000 $OUT/cal05.log; exit 0; }
+  tail -c 2500 $OUT/cal05.log
+  tar czf $OUT/cal05c.tgz -C /tmp cal05c/policy cal05c/calibration.json
+fi
+if [ -f /tmp/cal05c/calibration.json ]; then
+  rm -rf $pol && mkdir -p $pol && cp -r /tmp/cal05c/policy/. $pol/ && cp /tmp/cal05c/calibration.json $pol/
+fi
+tuned() { python3 - <<'PY'
+import glob, json, sys
+done = [json.load(open(f)).get("complete") for f in sorted(glob.glob("/tmp/tune05/B*/knobs.json"))]
+try:
+  mikv = "mikv" in {r["method"] for r in json.load(open("/tmp/tune05/B0.33/knobs.json"))["log"]}
+except (OSError, KeyError, ValueError):
+  mikv = False
+print("tune:", done, "mikv:", mikv)
+sys.exit(0 if len(done) == 3 and all(done) and mikv else 1)
+PY
+}
+if [ ! -d results/tune/qwen05c-bfcl ] && ! tuned; then
+  [ $(left) -gt 90 ] || exit 0
+  timeout $(left) python3 -m pask_jax.cli tune --model $m --methods triaxial snapkv h2o streaming \
+    --budget 0.33 0.20 0.15 --grid small --split dev --categories simple_python multiple \
+    --max-tokens 128 --batch 120 --key-center on --out /tmp/tune05 >> $OUT/tune05.log 2>&1
+  [ $(left) -gt 60 ] && timeout $(left) python3 -m pask_jax.cli tune --model $m --methods mikv \
+    --budget 0.33 --grid small --split dev --categories simple_python multiple --max-tokens 128 \
+    --batch 120 --key-center on --out /tmp/tune05/B0.33 >> $OUT/tune05.log 2>&1
+  tar czf $OUT/tune05.tgz -C /tmp tune05
+  tuned || exit 0
+fi
+[ -d results/tune/qwen05c-bfcl ] || { mkdir -p results/tune/qwen05c-bfcl && cp -r /tmp/tune05/. results/tune/qwen05c-bfcl/; }
+t=$(left); [ $t -gt 60 ] || exit 0
+mkdir -p /tmp/c05 && cp -rn results/campaign/qwen05c-bfcl /tmp/c05/ 2>/dev/null
+timeout $((t + 20)) python3 -m pask_jax.cli campaign examples/campaign_05b.toml --time-limit $t \
+  --results /tmp/c05 --no-progress >> $OUT/campaign05.log 2>&1 && echo "campaign done"
+grep -E "accuracy|campaign|failed" $OUT/campaign05.log | tail -40
+tar czf $OUT/c05.tgz -C /tmp c05
