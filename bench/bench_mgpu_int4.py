@@ -265,13 +265,15 @@ def pool(a) -> None:
       emit(fo, dict(shape=name, how="contiguous", **measure(
           (q, kc, ksc, jnp.swapaxes(vd, 1, 2), vsc, lens, g, d, ref),   # token-major in
           dict(tile=tile, stages=2, splits=best, v_major="dim", **fast), a.iters)))
-      for v_major, splits in itertools.product(("dim", "token"),
-                                               (4, 8) if name == "4b" else (8, 16, 32)):
+      for v_major, splits, table in [
+          (v, sp, "gmem") for v, sp in itertools.product(
+              ("dim", "token"), (4, 8) if name == "4b" else (8, 16, 32))] + [
+          ("dim", sp, "smem") for sp in ((4, 8) if name == "4b" else (16, 32))]:
         row = dict(shape=name, how="pool", tile=tile, n=a.n, v_major=v_major, splits=splits,
-                   **fast)
+                   table=table, **fast)
         try:
           kn = dict(tile=tile, splits=splits, v_major=v_major, qk_scale=sm * mgpu_int4.LOG2E,
-                    **fast)
+                    table=table, **fast)
           f = jax.jit(lambda q, k, ks, v, vs, lens, tbl, kn=tuple(kn.items()):
                       mgpu_int4.partition(q, k, ks, v, vs, lens, None, tbl, **dict(kn)))
           out = mgpu_int4.merge(*f(q, k, ks, vv[v_major], vs, lens, tbl))[:, :g]

@@ -20,7 +20,7 @@ timeout -s KILL 190 python3 bench/bench_mgpu_int4.py --pool --out $OUT/pool.json
 echo "pool rc $?"; grep -v '"how": "write"' $OUT/pool.jsonl | cut -c1-260
 timeout -s KILL $(( $(left) < 150 ? $(left) : 150 )) python3 bench/bench_kernels.py \
   --out $OUT/kern --lo-page 128 --lo-formats int4 --int4-kernels mosaic --shapes 0,3 --no-gqa \
-  --cupti --mosaic-variants '[{}, {"wgs_lo": 2}, {"wgs_lo": 2, "splits_lo": 4}, {"wgs_lo": 3}]' \
+  --cupti --mosaic-variants '[{}, {"table_lo": "smem"}, {"wgs_lo": 2}, {"wgs_lo": 2, "splits_lo": 4}, {"wgs_lo": 3}]' \
   > $OUT/kern.log 2>&1
 echo "kern rc $?"; tail -12 $OUT/kern.log
 for kn in '{}' '{"wgs_lo": 2}'; do

@@ -96,8 +96,8 @@ def _lower(d, tile, v_major="dim", b=2, hkv=2, n_pages=8, **kw):
   args = (S((b * hkv, M.N_PAD, d), jnp.bfloat16), S(sh["k"], jnp.int4),
           S(sh["ks"], jnp.float32), S(sh["v"], jnp.int4), S(sh["vs"], jnp.float32),
           S((b * hkv,), jnp.int32), None, S((b, n_pages), jnp.int32))
-  return M.partition.trace(*args, tile=tile, splits=4, v_major=v_major, qk_scale=0.1,
-                           **kw).lower(lowering_platforms=("cuda",)).as_text()
+  return M.partition.trace(*args, tile=tile, splits=kw.pop("splits", 4), v_major=v_major,
+                           qk_scale=0.1, **kw).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("d,tile,v_major", [(128, 128, "dim"), (64, 128, "dim"),
@@ -276,3 +276,16 @@ def test_warp_specialized_pool_input_is_checked():
     ws(tile=128, splits=1)
   with pytest.raises(ValueError, match="^base and vs=None .* need tbl"):
     M.partition_ws(q, k[0], ks[0], v[0], None, lens, None, tile=64, splits=1)
+
+
+@pytest.mark.parametrize("steps", [3, 40])
+def test_page_ids_in_shared_memory_lower_and_are_checked(steps):
+  """``table="smem"``: each block's page ids copied once into shared memory (padded to 128
+  bytes, the copy unit Mosaic GPU takes), fewer and more ids than one 32-id box."""
+  lower = lambda **kw: _lower(128, 128, n_pages=2 * steps, splits=2, approx_math=True,
+                             no_auto_barriers=True, **kw)
+  smem = lower(table="smem")
+  assert "mosaic_gpu" in smem and smem != lower()
+  q, k, ks, v, vs, lens, tbl = pool(2, 2, 4, 64, 64, 4, [256, 10], seed=3)
+  with pytest.raises(ValueError, match="^table must be 'gmem' or 'smem', got 'tmem'"):
+    M.partition(q, k, ks, v, vs, lens, None, tbl, tile=64, splits=2, table="tmem")

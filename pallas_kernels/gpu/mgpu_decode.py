@@ -64,7 +64,8 @@ def splits_for(bh: int, n_pages: int) -> int:
 
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
-                  g: int, splits: int | None = None, wgs: int = 1, reference: bool = False):
+                  g: int, splits: int | None = None, wgs: int = 1, table: str = "gmem",
+                  reference: bool = False):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
   D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
   D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
@@ -73,7 +74,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
 
   ``wgs`` > 1 (the int4 pool only): the warp-specialized kernel (``mgpu_int4.partition_ws``,
   ``wgs`` compute warpgroups, each a partial), ``splits`` then counting context splits per
-  warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``."""
+  warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``.
+  ``table`` (the int4 pool's one-warpgroup kernel): where its index maps read the page ids
+  (``mgpu_int4.partition``)."""
   b, hkv, rows, d = qp.shape
   n_l, p_lo, page = lo.scale.shape[0], lo.scale.shape[1], lo.page
   if rows != C.N_PAD or not supported(page, d, g):
@@ -113,7 +116,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
     else:
       o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,
-                             no_auto_barriers=True)
+                             no_auto_barriers=True, table=table)
     return _layout(o, m, l, b, hkv, s * wgs, d)
   # The bytes pool: this layer's scales [P, page, Hkv, 2] -> head-major f32 [Hkv, P, page];
   # non-finite scales of unused rows become 0 (garbage there must not reach the output).

@@ -47,11 +47,12 @@ Q_LO = 254.0        # q's int8 low half is in units of scale / Q_LO (split_q)
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
                                              "qk_scale", "k_upcast", "v_upcast", "approx_math",
-                                             "no_auto_barriers", "cols"))
+                                             "no_auto_barriers", "cols", "table"))
 def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: int = 128,
               stages: int = 2, splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
               qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16",
-              approx_math: bool = False, no_auto_barriers: bool = False, cols: int = N_PAD):
+              approx_math: bool = False, no_auto_barriers: bool = False, cols: int = N_PAD,
+              table: str = "gmem"):
   """-> (o[BH, splits, D, 16] f32 unnormalized O^T, m[BH, splits, D, 16], l[BH, splits, D, 16]).
 
   ``tbl[B, n_pages]`` int32 (paged): ``k``, ``v``, ``ks``, ``vs`` are a pool of head-major
@@ -79,7 +80,15 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   16 wide (the narrowest P^T tile Mosaic GPU can swizzle), but the softmax, the row sums and the
   output rescaling work on the first 8 columns only and P^T's other 8 are zeros; the outputs'
   columns 8-15 are zeros (``l = 0``, which :func:`merge` reads as empty).
+
+  ``table`` (paged only): where the TMA index maps read the page ids. ``"gmem"``: the table in
+  global memory, one scalar load per box per step, whose latency the computing warps wait out
+  before they can issue the step's copies; ``"smem"``: each block's ``steps`` page ids are
+  copied into shared memory once at the start (the table regrouped per (sequence, split) and
+  padded to 128 bytes in XLA), so a step's ids are shared-memory loads.
   """
+  if table not in ("gmem", "smem"):
+    raise ValueError(f"table must be 'gmem' or 'smem', got {table!r}")
   planes = vs is None
   if tbl is None:
     if base is not None:
@@ -104,6 +113,12 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   if qscale is None:
     qscale = jnp.ones((bh,), jnp.float32)
   steps = n // tile // splits
+  in_smem = paged and table == "smem"
+  # int32 ids per block, padded to 128 bytes: Mosaic GPU copies a multiple of the warpgroup's
+  # 128 threads' bytes
+  ids = -(-steps // 32) * 32
+  if in_smem:     # [B, splits, ids]: block (sequence, split)'s ids, contiguous
+    tbl = jnp.pad(tbl.reshape(tbl.shape[0], splits, steps), ((0, 0), (0, 0), (0, ids - steps)))
   k_elems, k_tr = _transforms(d, k.dtype, "keys")
   q_elems, q_tr = _transforms(d, q.dtype, "queries")
   # wgmma wants equal swizzles for its two shared-memory operands; P^T's rows are 32 bytes.
@@ -126,12 +141,15 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
     return ref[...].astype(jnp.bfloat16)
 
   def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, tbl_gmem, base_gmem,
-           o_gmem, m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, bar):
+           o_gmem, m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, tbl_smem, bar):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
     length = lens_gmem[b]
-    plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem, bar)
-    plgpu.barrier_wait(bar)
+    plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem, bar.at[0])
+    if in_smem:
+      plgpu.copy_gmem_to_smem(tbl_gmem.at[b // hkv, sp], tbl_smem, bar.at[1])
+      plgpu.barrier_wait(bar.at[1])
+    plgpu.barrier_wait(bar.at[0])
 
     def step(idx, k_smem, ks_smem, v_smem, vs_smem, carry):
       m, l, acc = carry
@@ -191,7 +209,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
     a0 = _zeros((d, cols))
     if paged:     # one page per step: its table entry picks the box, the head its row
       seq, hd = b // hkv, lax.rem(b, hkv)
-      pg = lambda i: tbl_gmem[seq, sp * steps + i]
+      pg = (lambda i: tbl_smem[i]) if in_smem else (lambda i: tbl_gmem[seq, sp * steps + i])
       code_pg = lambda i: pg(i) + base_gmem[0]        # the codes' layer offset (not the scales')
       rows = plgpu.BlockSpec((None, None, tile, d), lambda i: (code_pg(i), hd, 0, 0),
                              transforms=k_tr)
@@ -233,7 +251,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
                              transforms=vb_tr),   # unused (8 rows) when V is dim-major
           p_smem=plgpu.SMEM((tile, N_PAD), jnp.bfloat16, transforms=p_tr),
           o_smem=plgpu.SMEM((d, N_PAD), jnp.float32),
-          bar=plgpu.Barrier(),
+          tbl_smem=plgpu.SMEM((ids if in_smem else 4,), jnp.int32),
+          bar=plgpu.Barrier(num_barriers=2),
       ),
   )(q, k, ks, v, ks if planes else vs, lens, qscale, tbl, base)
 
