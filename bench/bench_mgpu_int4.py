@@ -285,12 +285,13 @@ def pool(a) -> None:
         emit(fo, row)
       # The warp-specialized kernel over the pool (V dim-major): the table padded to splits x
       # warpgroups with page 0 (past every length), the bytes counted those of the keys alone.
-      for wgs, splits in ((2, 4), (2, 8), (3, 3), (3, 4)) if name == "4b" else (
-          (2, 8), (2, 16), (3, 8), (3, 11)):
+      for (wgs, splits), table in itertools.product(
+          ((2, 4), (3, 4)) if name == "4b" else ((2, 8), (3, 8)), ("gmem", "smem")):
         row = dict(shape=name, how="pool_ws", tile=tile, n=a.n, v_major="dim", wgs=wgs,
-                   splits=splits, **fast)
+                   splits=splits, table=table, **fast)
         try:
-          kn = dict(tile=tile, splits=splits, wgs=wgs, qk_scale=sm * mgpu_int4.LOG2E, **fast)
+          kn = dict(tile=tile, splits=splits, wgs=wgs, qk_scale=sm * mgpu_int4.LOG2E,
+                    table=table, **fast)
           tp = jnp.pad(tbl, ((0, 0), (0, (-tbl.shape[1]) % (splits * wgs))))
           f = jax.jit(lambda q, k, ks, v, vs, lens, tbl, kn=tuple(kn.items()):
                       mgpu_int4.partition_ws(q, k, ks, v, vs, lens, tbl, **dict(kn)))

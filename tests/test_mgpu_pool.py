@@ -239,7 +239,7 @@ def test_warp_specialized_pool_algorithm_matches_float32_attention(hkv, g, d, wg
   assert float(jnp.abs(got[~live]).max()) == 0.0
 
 
-def _lower_ws(d, wgs, planes, cols=M.N_PAD):
+def _lower_ws(d, wgs, planes, cols=M.N_PAD, table="gmem"):
   S = jax.ShapeDtypeStruct
   b, hkv, tile, n_pages, n_l = 2, 2, 128, 4 * wgs, 3
   p = b * n_pages + 3
@@ -252,13 +252,14 @@ def _lower_ws(d, wgs, planes, cols=M.N_PAD):
   args = (S((b * hkv, M.N_PAD, d), jnp.bfloat16), stack(sh["k"], jnp.int4), *sc,
           S((b * hkv,), jnp.int32), S((b, n_pages), jnp.int32), S((1,), jnp.int32))
   return M.partition_ws.trace(*args, tile=tile, splits=2, wgs=wgs, qk_scale=0.1, cols=cols,
-                              approx_math=True, no_auto_barriers=True).lower(
+                              approx_math=True, no_auto_barriers=True, table=table).lower(
                                   lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("d,wgs,planes", [(128, 2, True), (64, 3, False), (64, 2, True)])
-def test_warp_specialized_pool_kernel_lowers_to_mosaic_gpu(d, wgs, planes):
-  assert "mosaic_gpu" in _lower_ws(d, wgs, planes)
+@pytest.mark.parametrize("d,wgs,planes,table", [(128, 2, True, "gmem"), (64, 3, False, "smem"),
+                                                (64, 2, True, "smem")])
+def test_warp_specialized_pool_kernel_lowers_to_mosaic_gpu(d, wgs, planes, table):
+  assert "mosaic_gpu" in _lower_ws(d, wgs, planes, table=table)
 
 
 def test_warp_specialized_narrow_columns_lower_or_name_what_they_need():

@@ -75,7 +75,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   ``wgs`` > 1 (the int4 pool only): the warp-specialized kernel (``mgpu_int4.partition_ws``,
   ``wgs`` compute warpgroups, each a partial), ``splits`` then counting context splits per
   warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``.
-  ``table`` (the int4 pool's one-warpgroup kernel): where its index maps read the page ids
+  ``table`` (the int4 pool): where the kernel's index maps read the page ids
   (``mgpu_int4.partition``)."""
   b, hkv, rows, d = qp.shape
   n_l, p_lo, page = lo.scale.shape[0], lo.scale.shape[1], lo.page
@@ -112,7 +112,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
     elif wgs > 1:
       o, m, l = MI.partition_ws(q, k, sc, v, None, lens, tbl, base, tile=page, splits=s,
                                 wgs=wgs, qk_scale=c, cols=cols, approx_math=True,
-                                no_auto_barriers=True)
+                                no_auto_barriers=True, table=table)
     else:
       o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,

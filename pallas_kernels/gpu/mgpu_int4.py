@@ -266,11 +266,11 @@ def block_v(v: jax.Array, tile: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "wgs", "qk_scale",
                                              "approx_math", "no_auto_barriers",
-                                             "memory_registers", "cols"))
+                                             "memory_registers", "cols", "table"))
 def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128, stages: int = 2,
                  splits: int = 8, wgs: int = 2, qk_scale: float = 1.0,
                  approx_math: bool = False, no_auto_barriers: bool = False,
-                 memory_registers: int = 40, cols: int = N_PAD):
+                 memory_registers: int = 40, cols: int = N_PAD, table: str = "gmem"):
   """Warp-specialized :func:`partition`: ``wgs`` compute warpgroups and one TMA warpgroup.
 
   Each pipeline step brings ``wgs`` tiles; compute warpgroup ``w`` takes tile ``w`` of every
@@ -286,9 +286,12 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
   :func:`partition`, V dim-major pages ``[P, Hkv, D, tile]``): the ``wgs`` tiles of a step are
   pages anywhere in the pool, so each is its own TMA box and each warpgroup picks its own
   buffers' registers through a switch on its index (the other branches are never taken).
-  The rest (``cols`` included) as :func:`partition` with bf16 upcasts of K and V into the A
-  operand.
+  The rest (``cols``, ``table`` included) as :func:`partition` with bf16 upcasts of K and V
+  into the A operand; with ``table="smem"`` the TMA warpgroup copies the block's ids into shared
+  memory before its first step.
   """
+  if table not in ("gmem", "smem"):
+    raise ValueError(f"table must be 'gmem' or 'smem', got {table!r}")
   planes = vs is None
   paged = tbl is not None
   if not paged:
@@ -312,6 +315,11 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
   narrow = _check_cols(cols)
   nt = n // tile
   steps = nt // wgs // splits
+  in_smem = paged and table == "smem"
+  ids = -(-steps * wgs // 32) * 32        # a block's ids, padded to 128 bytes (see partition)
+  if in_smem:     # [B, splits, ids]: block (sequence, split) reads tiles sp*steps*wgs + j
+    tbl = jnp.pad(tbl.reshape(tbl.shape[0], splits, steps * wgs),
+                  ((0, 0), (0, 0), (0, ids - steps * wgs)))
   k_elems, k_tr = _transforms(d, k.dtype, "keys")
   q_elems, q_tr = _transforms(d, q.dtype, "queries")
   _, p_tr = _transforms(N_PAD, jnp.bfloat16, "probabilities")
@@ -322,10 +330,15 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
   cast = plgpu.layout_cast
 
   def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, tbl_gmem, base_gmem, o_gmem,
-           m_gmem, l_gmem, q_smem, p_smem, o_smem, qbar, turn):
+           m_gmem, l_gmem, q_smem, p_smem, o_smem, tbl_smem, qbar, turn, tbar):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
     wg = lax.axis_index("wg")
+    if in_smem:   # the TMA warpgroup (the last) alone reads the ids: its index maps
+      @pl.when(wg == wgs)
+      def _():
+        plgpu.copy_gmem_to_smem(tbl_gmem.at[b // hkv, sp], tbl_smem, tbar)
+        plgpu.barrier_wait(tbar)
 
     def exclusive(reduce, first_turn):
       """``reduce()`` (a reduction across the warps of a warpgroup) with the kernel's one
@@ -395,7 +408,10 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
       seq, hd = b // hkv, lax.rem(b, hkv)
       specs, refs = [], []
       for w in range(wgs):
-        pg = lambda i, w=w: tbl_gmem[seq, (sp * steps + i) * wgs + w]
+        if in_smem:
+          pg = lambda i, w=w: tbl_smem[i * wgs + w]
+        else:
+          pg = lambda i, w=w: tbl_gmem[seq, (sp * steps + i) * wgs + w]
         code = lambda i, pg=pg: pg(i) + base_gmem[0]      # the codes' layer offset
         if planes:    # [P, Hkv, 2, tile]: plane 0 K, plane 1 V, at the codes' pages
           sc = plgpu.BlockSpec((None, None, None, tile), lambda i, c=code: (c(i), hd, 0, 0))
@@ -446,8 +462,10 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
           q_smem=plgpu.SMEM((wgs, N_PAD, d), q.dtype, transforms=q_tr),
           p_smem=plgpu.SMEM((wgs, tile, N_PAD), jnp.bfloat16, transforms=p_tr),
           o_smem=plgpu.SMEM((wgs, d, N_PAD), jnp.float32),
+          tbl_smem=plgpu.SMEM((ids if in_smem else 4,), jnp.int32),
           qbar=plgpu.Barrier(num_barriers=wgs),
           turn=plgpu.Barrier(num_barriers=wgs),
+          tbar=plgpu.Barrier(),
       ),
   )(*args)
 
