@@ -418,13 +418,18 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prompt],
   return s.runner("masked", batch).configure(conf), used
 
 
-def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | None) -> dict:
+def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | None,
+              hbm: dict | None = None) -> dict:
+  """A case's measured B fields, and with ``hbm`` (the runner's :meth:`hbm` row: methods with a
+  kernel path) its decode step's ``hbm_bytes_per_token`` and ``b_HBM``."""
+  extra = {} if hbm is None else {k: hbm[k] for k in ("hbm_bytes_per_token", "b_HBM")}
   if rc.method == "full":
-    return BL.full.measured(n_prompt, n_gen)
+    return {**BL.full.measured(n_prompt, n_gen), **extra}
   if rc.method == "streaming":
-    return BL.streaming.measured(led["n_prompt"], led["n_gen"], used["sink"], used["window"])
+    return {**BL.streaming.measured(led["n_prompt"], led["n_gen"], used["sink"], used["window"]),
+            **extra}
   out = {"prefill_B": led["prefill_B"], "decode_B": led["decode_B"],
-         "total_B": led["measured_B"]}
+         "total_B": led["measured_B"], **extra}
   if rc.method in SV.METHODS:   # where the items went (per route) and any floor deficit
     out.update(items=led["items"], deficit_bytes=led["deficit_bytes"])
   return out
@@ -501,7 +506,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
       bar.update(len(idx) - told[0])
     for i, p, r in zip(idx, ps, res):
       sc = s.task.score(p.case, r.text, r.finish == "stop")
-      b = _measured(rc, used, r.prompt_len, len(r.tokens), r.ledger)
+      b = _measured(rc, used, r.prompt_len, len(r.tokens), r.ledger, r.hbm)
       n_gen = r.ledger["n_gen"] if r.ledger else len(r.tokens)
       rows[i] = {"id": p.case.id, "category": p.case.category, "split": rc.split,
                  "method": rc.method, "budget": rc.budget, "text": r.text, "calls": sc["calls"],
@@ -605,11 +610,13 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
     scores = np.asarray(jnp.stack(scores))                           # [K, B]
     t3 = time.perf_counter()
     reports = runner.report(state) or [None] * n
+    hbm = getattr(runner, "hbm", None)
+    hbms = (hbm(state) if hbm is not None else None) or [None] * n
     for b, p in enumerate(ps):
       led = reports[b]
       if led is not None:
         led = {**led, "n_gen": led.get("n_gen", K)}
-      meas = _measured(rc, used, len(p.ids), K, led)
+      meas = _measured(rc, used, len(p.ids), K, led, hbms[b])
       v = scores[:, b].astype(np.float64)
       rows.append({"id": p.case.id, "category": "w1", "split": rc.split, "method": rc.method,
                    "budget": rc.budget, "nll": float(v.mean()), "nll_first_half":
@@ -648,7 +655,7 @@ def summarize_lm(rows: Sequence[dict]) -> dict[str, dict]:
               "nll_first_half": mean("nll_first_half"), "nll_last_half": mean("nll_last_half"),
               "prefill_B": mean("prefill_B"), "decode_B": mean("decode_B"),
               "total_B": mean("total_B"), "total_B_weighted": w, "gen_len": mean("gen_len"),
-              "prompt_len": mean("prompt_len")}
+              "prompt_len": mean("prompt_len"), **hbm_means(v)}
   return out
 
 
@@ -685,8 +692,24 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
     out[k] = {"n": len(v), "accuracy": mean("passed"), "per_call": mean("per_call"),
               "prefill_B": mean("prefill_B"), "decode_B": mean("decode_B"),
               "total_B": mean("total_B"), "total_B_weighted": w,
-              "gen_len": mean("gen_len"), "prompt_len": mean("prompt_len")}
+              "gen_len": mean("gen_len"), "prompt_len": mean("prompt_len"), **hbm_means(v)}
   return out
+
+
+def hbm_means(rows: Sequence[dict]) -> dict:
+  """Mean ``b_HBM`` and ``hbm_bytes_per_token`` over the rows that carry them (a method with
+  a kernel path: docs/SPHERICAL_KV.md §4); None where no row does (rows written before the
+  fields existed, methods without a kernel path)."""
+  out = {}
+  for k in ("b_HBM", "hbm_bytes_per_token"):
+    xs = [r[k] for r in rows if r.get(k) is not None]
+    out[k] = float(np.mean(xs)) if xs else None
+  return out
+
+
+def hbm_cell(d: dict) -> str:
+  """A report table's b_HBM cell of a summary ``d``: the mean, or a dash."""
+  return "–" if d.get("b_HBM") is None else f"{d['b_HBM']:.3f}"
 
 
 CSV_FIELDS = ("method", "budget", "split", "category", "n", "accuracy", "per_call", "prefill_B",
@@ -952,6 +975,12 @@ def load_runs(dirs: Sequence[str]) -> list[dict]:
   return out
 
 
+HBM_NOTE = ("\nb_HBM: HBM bytes one decode step reads per generated token (the weights "
+            "shared by the batch, every visible row, tables, A1's rebuild traffic) over paged "
+            "dense BF16's for the same tokens, mean over cases (docs/SPHERICAL_KV.md §4); – : "
+            "no kernel path (masked baselines) or cases written before it was recorded.\n")
+
+
 def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None = None) -> str:
   """Markdown table + PNG of headline (simple+multiple) accuracy against measured total B, of the
   run directories ``dirs`` or of ``runs`` already loaded (summary dicts, e.g. pooled cells of
@@ -974,7 +1003,7 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
   head = ["method", "target B", "measured B (prefill / decode / total)"] + \
       (["EM ± s.e."] if em else ["simple+multiple ± s.e.", "overall ± s.e."]) + cats + \
       [f"{c} per-call" for c in cats if c.startswith("parallel")] + \
-      (["n"] if em else ["n (simple+multiple / all)"])
+      (["n"] if em else ["n (simple+multiple / all)"]) + ["b_HBM"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   over = 0
   pct = lambda d, k="accuracy": f"{100 * d[k]:.2f}" if d else "–"
@@ -991,8 +1020,9 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
            spent] + ([se(o)] if em else [se(h), se(o)]) + [pct(c.get(k)) for k in cats]
     row += [pct(c.get(k), "per_call") for k in cats if k.startswith("parallel")]
     row += [str(o["n"])] if em else [f"{h['n'] if h else '–'} / {o['n']}"]
+    row += [hbm_cell(o)]
     lines.append("| " + " | ".join(row) + " |")
-  md = "\n".join(lines) + "\n"
+  md = "\n".join(lines) + "\n" + HBM_NOTE
   if over:
     md += (f"\n**over**: measured total B above the target by more than {B_SLACK} (the method "
            f"has no setting that reaches it on these cases); its accuracy is bought with bytes "
@@ -1025,15 +1055,16 @@ def report_lm(runs: Sequence[dict], out: str) -> str:
   runs = sorted(runs, key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS
                                      else 99, r["budget"] or 0.0))
   head = ["method", "target B", "measured B (prefill / decode / total)", "NLL / token", "ppl",
-          "length / tail", "n"]
+          "length / tail", "n", "b_HBM"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in runs:
     o = r["categories"]["overall"]
     lines.append("| " + " | ".join([
         r["method"], "–" if r["method"] == "full" else label(r["budget"]),
         f"{o['prefill_B']:.3f} / {o['decode_B']:.3f} / {o['total_B']:.3f}", f"{o['nll']:.4f}",
-        f"{o['ppl']:.3f}", f"{r.get('length', '?')} / {r.get('tail', '?')}", str(o["n"])]) + " |")
-  md = "\n".join(lines) + "\n"
+        f"{o['ppl']:.3f}", f"{r.get('length', '?')} / {r.get('tail', '?')}", str(o["n"]),
+        hbm_cell(o)]) + " |")
+  md = "\n".join(lines) + "\n" + HBM_NOTE
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(md)

@@ -68,6 +68,7 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pallas_kernels import int4
@@ -639,3 +640,100 @@ def assign_pages(cache: Cache, hi_new: jax.Array, lo_new: jax.Array) -> Cache:
   return cache.replace(
       hi_pages=put(cache.hi_pages, cache.hi_len, jnp.asarray(hi_new, jnp.int32), cache.page),
       lo_pages=put(cache.lo_pages, cache.lo_len, jnp.asarray(lo_new, jnp.int32), cache.lo_page))
+
+
+# ---- HBM bytes of a decode step (b_HBM: docs/SPHERICAL_KV.md §4 "b_HBM as built") --------------
+
+GRANULARITIES = ("row", "page")
+TABLE_ENTRY_BYTES = 4   # an int32 page-table entry
+
+
+def check_granularity(granularity: str) -> str:
+  """``granularity`` if it is one of :data:`GRANULARITIES`, else a one-line ValueError."""
+  if granularity not in GRANULARITIES:
+    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+  return granularity
+
+
+def granularity_of(backend: str) -> str:
+  """The access granularity of an attention backend (``pallas_kernels.resolve_backend``'s
+  names): "page" for the TPU kernels (a block is a whole page), "row" for the GPU kernels
+  (token-granular masked gathers) and for the reference, which is charged as the GPU kernels
+  read (the hardware the byte model is for)."""
+  return "page" if backend == "tpu" else "row"
+
+
+def paged_read_bytes(length, table_pages: int, page: int, row_bytes: float,
+                     granularity: str = "row") -> np.ndarray:
+  """HBM bytes one attention kernel reads from ONE paged partition of one layer, per table:
+  ``length`` (array) visible entries of ``row_bytes`` each, reached through a page table of
+  ``table_pages`` entries of ``page`` rows (float64, same shape as ``length``).
+
+  "row" (the Pallas-Triton kernels: masked token-granular loads): the visible rows and the table
+  entries they name, ``length·row_bytes + ceil(length/page)·4``.  "page" (the Pallas-TPU kernels:
+  one block is one page, the index maps clamp steps past the last visible page to it, and the
+  table travels whole as scalar prefetch): ``max(1, ceil(length/page))·page·row_bytes +
+  table_pages·4`` (an empty partition still fetches the page its first step names), nothing when
+  the table has no entries (the kernel leaves the partition out)."""
+  n = np.asarray(length, np.float64)
+  used = np.ceil(n / page)
+  if check_granularity(granularity) == "row":
+    return n * row_bytes + used * TABLE_ENTRY_BYTES
+  if table_pages <= 0:
+    return np.zeros_like(n)
+  return np.maximum(used, 1.0) * page * row_bytes + table_pages * TABLE_ENTRY_BYTES
+
+
+def _window_rows(count, window: int, granularity: str) -> np.ndarray:
+  """Window slots a kernel reads per sequence and layer: the visible ones (row) or the whole
+  ring (page: the TPU kernel's window block is every slot of every KV head)."""
+  count = np.asarray(count, np.float64)
+  if check_granularity(granularity) == "row":
+    return np.minimum(count, window)
+  return np.full_like(count, float(window))
+
+
+def hbm_bytes(cache: Cache, *, param_bytes: float = 0.0, batch: int | None = None,
+              granularity: str = "row") -> np.ndarray:
+  """HBM bytes per generated token of one decode step over ``cache`` as it stands, per sequence:
+  float64 ``[B]`` (host side; exact integers up to 2**53).
+
+  ``param_bytes / batch`` (the weights, read once per step for the whole batch; ``batch``
+  defaults to the cache's) plus, in every layer, what the attention kernels read of this
+  sequence: the window (BF16 K+V, ``4·D`` bytes per slot and KV head), the BF16 pool (``4·D``
+  per entry and KV head), the INT4 pool (``D/2 + D/2`` code bytes and two fp16 scales, ``D + 4``
+  per entry and KV head), and the two page tables (one per (group, sequence), shared by the KV
+  heads), at the ``granularity`` of :func:`paged_read_bytes`.  Layers of a group read the
+  group's maps each.  Not counted: queries, outputs and partials, lengths and other per-call
+  scalars, the step's own writes (the new token into the window, the evicted one into its pool),
+  activations and logits."""
+  lay = cache.layers
+  L, B, W, H, D = lay.win_k.shape
+  batch = B if batch is None else int(batch)
+  if batch < 1:
+    raise ValueError(f"batch must be >= 1, got {batch}")
+  per_layer = np.bincount(np.asarray(cache.group_of, np.int64), minlength=cache.n_groups)
+  n_hi = cache.hi_pages.shape[-1] if lay.hi_k.shape[1] else 0
+  n_lo = cache.lo_pages.shape[-1] if lay.lo_s.shape[1] else 0
+  hi = paged_read_bytes(np.asarray(cache.hi_len), n_hi, cache.page, H * 4 * D, granularity)
+  lo = paged_read_bytes(np.asarray(cache.lo_len), n_lo, cache.lo_page, H * (D + 4), granularity)
+  win = _window_rows(np.asarray(cache.count), W, granularity) * H * 4 * D
+  kv = L * win + np.sum(per_layer[:, None] * (hi + lo), axis=0)
+  return param_bytes / batch + kv
+
+
+def dense_hbm_bytes(n_tokens, *, n_layers: int, n_kv_heads: int, head_dim: int, window: int,
+                    page: int = 16, table_pages: int | None = None, param_bytes: float = 0.0,
+                    batch: int = 1, granularity: str = "row") -> np.ndarray:
+  """:func:`hbm_bytes` of paged dense BF16 holding ``n_tokens`` (array) per sequence: every
+  token past the ``window`` in the BF16 pool (PASK's all-high policy), no INT4 pool — the
+  reference b_HBM divides by.  ``table_pages``: the BF16 page table's length ("page" reads it
+  whole; default: the pages the tokens fill)."""
+  n = np.asarray(n_tokens, np.float64)
+  w = _window_rows(n, window, granularity)
+  pool = n - np.minimum(n, window)
+  if table_pages is None:
+    table_pages = int(np.max(np.ceil(pool / page), initial=0))
+  row = n_kv_heads * 4 * head_dim
+  kv = w * row + paged_read_bytes(pool, table_pages, page, row, granularity)
+  return param_bytes / batch + n_layers * kv

@@ -73,6 +73,9 @@ class Result:
   # PASK runs: the request's KV ledger (pask_jax.ledger.summary).  It counts the tokens whose KV
   # entered the cache; the last token of a generation cut at max_tokens never does.
   ledger: dict | None = None
+  # Runners with a kernel path (``runner.hbm``): the decode step's HBM bytes over the final
+  # cache (:func:`hbm_rows`' fields: hbm_bytes_per_token, hbm_kv_bytes, b_HBM, hbm_granularity).
+  hbm: dict | None = dataclasses.field(default=None, compare=False)
 
   @property
   def tokens_per_s(self) -> float:
@@ -104,6 +107,7 @@ class Runner:
     else:
       self.graphdef, self.params = tp.prepare_model(model, self.tp_mesh, shard_vocab=shard_vocab)
     self.batch, self.capacity = batch, capacity
+    self.param_bytes = param_bytes(self.params)
     self.cache_dtype = cache_dtype or jax.tree.leaves(self.params)[0].dtype
     self.traces = Traces()   # trace (= compile) counts
     if self.tp_mesh is None:
@@ -220,6 +224,18 @@ class Runner:
   def report(self, state) -> list[dict] | None:
     return None
 
+  def hbm(self, state: kv_dense.DenseCache) -> list[dict]:
+    """Per sequence the decode step's HBM bytes (:func:`hbm_rows`): the weights' share and the
+    whole dense cache (:func:`pask_jax.kv_dense.hbm_bytes`: XLA reads every slot), against
+    paged dense BF16 over the tokens the cache holds (default window, pages of 16, at the
+    granularity of this host's kernels)."""
+    L, B, S, H, D = state.k.shape
+    gran = pcache.granularity_of(pallas_kernels.resolve_backend("auto"))
+    kv = np.full((B,), kv_dense.hbm_bytes(L, S, H, D, itemsize=state.k.dtype.itemsize))
+    dense = pcache.dense_hbm_bytes(np.asarray(state.length), n_layers=L, n_kv_heads=H,
+                                   head_dim=D, window=P.DEFAULT_WINDOW, granularity=gran)
+    return hbm_rows(kv, dense, self.param_bytes, self.batch, gran)
+
 
 
 class PaskRunner:
@@ -278,6 +294,7 @@ class PaskRunner:
                           in_shardings=(ps, rep, (cs, rep, rep)) + (rep,) * 8,
                           out_shardings=(rep, lg, (cs, rep, rep)))
     self.select = self._dense.select
+    self.param_bytes = self._dense.param_bytes
 
   def cache_sharding(self, shapes: pcache.Cache | None = None) -> pcache.Cache:
     """The cache's shardings (mesh runs): every K/V pool and the window by KV head, the page
@@ -419,6 +436,21 @@ class PaskRunner:
   def report(self, state) -> list[dict]:
     return ledger.summary(state[2], self.policy)
 
+  def hbm(self, state) -> list[dict]:
+    """Per sequence the decode step's HBM bytes over the cache as it stands
+    (:func:`pask_jax.cache.hbm_bytes`: window, BF16 pool, INT4 pool with its scales, tables;
+    the weights shared by the batch) and b_HBM against paged dense BF16 over the same tokens
+    (:func:`hbm_rows`), at this runner's kernels' granularity."""
+    cache = state[0]
+    gran = pcache.granularity_of(pallas_kernels.resolve_backend(self.backend))
+    c = self.cfg
+    kv = pcache.hbm_bytes(cache, granularity=gran)
+    dense = pcache.dense_hbm_bytes(np.asarray(cache.count), n_layers=c.n_layers,
+                                   n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                   window=cache.window, page=cache.page,
+                                   table_pages=cache.hi_pages.shape[-1], granularity=gran)
+    return hbm_rows(kv, dense, self.param_bytes, self.batch, gran)
+
 
 def prompt_candidates(prompt_tags, lengths: np.ndarray, Tn: int) -> np.ndarray:
   """Per prompt label candidates ``int32[B, Tn, N_CAND]`` for the prefill plan: each prompt's
@@ -465,6 +497,25 @@ def pad_prompts(prompts: Sequence[Sequence[int]], batch: int, capacity: int,
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   return tokens, lengths
+
+
+def param_bytes(params) -> int:
+  """Bytes of every array in ``params`` (an nnx state or any pytree): b_HBM's weights term, read
+  once per decode step for the whole batch."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def hbm_rows(kv, dense, weights: float, batch: int, granularity: str) -> list[dict]:
+  """Per sequence the b_HBM fields (docs/SPHERICAL_KV.md §4) from the KV bytes a decode step
+  reads ``kv [B]``, those of paged dense BF16 over the same tokens ``dense [B]``
+  (:func:`pask_jax.cache.dense_hbm_bytes`), the weights' bytes and the batch they are shared by:
+  ``hbm_bytes_per_token = weights / batch + kv``, ``hbm_kv_bytes = kv``, ``b_HBM`` = the first
+  over ``weights / batch + dense`` (NaN when that is 0), and the ``hbm_granularity`` counted."""
+  w = weights / batch
+  ratio = lambda x, y: float(x / y) if y else float("nan")
+  return [{"hbm_bytes_per_token": float(w + k), "hbm_kv_bytes": float(k),
+           "b_HBM": ratio(w + k, w + d), "hbm_granularity": granularity}
+          for k, d in zip(np.asarray(kv, np.float64), np.asarray(dense, np.float64))]
 
 
 def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
@@ -549,5 +600,7 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     nxt = np.asarray(nxt_dev)
   t2 = time.perf_counter()
   reports = runner.report(state) or [None] * n
+  hbm = getattr(runner, "hbm", None)
+  hbms = (hbm(state) if hbm is not None else None) or [None] * n
   return [Result(out[b], tokenizer.decode(out[b]), len(prompts[b]), finish[b], t1 - t0, t2 - t1,
-                 reports[b]) for b in range(n)]
+                 reports[b], hbms[b]) for b in range(n)]

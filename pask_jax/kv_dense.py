@@ -66,3 +66,14 @@ def attend(cache: DenseCache, layer: jax.Array, q, k, v, positions):
   with jax.named_scope("attention"):
     o = attention(q, kc[layer], vc[layer], positions, cache.length)
   return o.astype(q.dtype), cache._replace(k=kc, v=vc)
+
+
+def hbm_bytes(n_layers: int, capacity: int, n_kv_heads: int, head_dim: int, *,
+              param_bytes: float = 0.0, batch: int = 1, itemsize: int = 2) -> float:
+  """HBM bytes per generated token of one Full-KV decode step (b_HBM's numerator; docs/
+  SPHERICAL_KV.md §4): ``param_bytes / batch`` plus, per sequence and layer, the WHOLE dense
+  cache's K and V (:func:`attention` masks after the multiply, so XLA reads every one of the
+  ``capacity`` slots, visible or not), ``capacity · Hkv · 2 · D · itemsize`` bytes."""
+  if batch < 1:
+    raise ValueError(f"batch must be >= 1, got {batch}")
+  return param_bytes / batch + float(n_layers * capacity * n_kv_heads * 2 * head_dim * itemsize)

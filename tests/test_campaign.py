@@ -212,7 +212,8 @@ def test_cells_run_resume_and_report(env, task, monkeypatch, capsys):
   doc = read_json(os.path.join(out.ran[0].dir, "cell.json"))
   h = doc["headline"]
   assert f"{100 * h['accuracy']:.2f} ± {100 * h['se']:.2f}" in rows[0]
-  assert rows[0].rstrip(" |").endswith("2 / 3")
+  assert rows[0].split(" | ")[-2] == "2 / 3"     # n; b_HBM follows (Full KV: XLA's reads)
+  assert float(rows[0].rstrip(" |").split(" | ")[-1]) >= 1.0
   assert (env / "rep" / "accuracy_vs_B.png").stat().st_size > 1000
 
 
@@ -315,7 +316,8 @@ def test_chunks_pool_into_one_row(env, task, capsys):
   C.run(plan, task=task, log=lambda s: None)
   md, _ = C.report([plan.folder], str(env / "rep"), log=lambda s: None)
   rows = table(md)
-  assert len(rows) == 2 and all(r.rstrip(" |").endswith("4 / 6") for r in rows)
+  assert len(rows) == 2 and all(r.split(" | ")[-2] == "4 / 6" for r in rows)
+  assert rows[1].startswith("| h2o ") and rows[1].endswith(" | – |")   # masked: no kernel path
 
 
 def test_report_of_a_plan_keeps_only_its_current_settings(env, task):
@@ -521,6 +523,35 @@ def test_report_writes_stability_tables_from_stored_cells(tmp_path):
                                    if "spherical" in (p / "cell.json").read_text()))],
                   str(tmp_path / "one"), log=lambda s: None)[0]
   assert "no Full-KV run (method full) in this table" in only
+
+
+def test_report_tables_show_b_hbm_where_a_method_has_a_kernel_path(tmp_path):
+  """The quality tables' last column, b_HBM: the mean over a row's cases for methods with a
+  kernel path (Spherical KV, PASK, Full KV), a dash for the masked baselines and for cells
+  written before it was recorded; W1's table has it too."""
+  root = tmp_path / "cells"
+  hbm = lambda rows, xs: [{**r, "b_HBM": x, "hbm_bytes_per_token": 1e6 * x}
+                          for r, x in zip(rows, xs)]
+  hand_cell(root, "full", 1.0, hbm(DENSE, [1.25, 1.5, 1.25, 1.0]), "w3:L64")
+  hand_cell(root, "spherical", 0.35, hbm(METHOD, [0.5, 0.6, 0.7, 0.8, 0.9]), "w3:L64")
+  hand_cell(root, "pask", 0.35, hbm(METHOD[:2], [0.4, 0.65]), "w3:L64")
+  hand_cell(root, "h2o", 0.35, METHOD[:2], "w3:L64")
+  md, _ = C.report([str(root)], str(tmp_path / "rep"), log=lambda s: None)
+  assert "| n (simple+multiple / all) | b_HBM |" in md and "b_HBM: HBM bytes" in md
+  rows = {r.split(" | ")[0][2:]: r for r in table(md)}
+  assert rows["full"].endswith(" | 1.250 |") and rows["spherical"].endswith(" | 0.700 |")
+  assert rows["pask"].endswith(" | 0.525 |") and rows["h2o"].endswith(" | – |")
+  lm = [{"id": f"d{i}", "category": "w1", "nll": 2.0, "nll_first_half": 2.0,
+         "nll_last_half": 2.0, "prompt_len": 50, "gen_len": 8, "kv_gen_len": 8, "prefill_B": 0.3,
+         "decode_B": 0.3, "total_B": 0.3, "b_HBM": x} for i, x in enumerate((0.25, 0.35))]
+  run = {"method": "spherical", "budget": 0.35, "categories": E.summarize_lm(lm),
+         "length": 64, "tail": 8}
+  assert run["categories"]["overall"]["b_HBM"] == pytest.approx(0.3)
+  bare = [{k: v for k, v in lm[0].items() if k != "b_HBM"}]
+  md = E.report(None, str(tmp_path / "lm"),
+                runs=[run, {**run, "method": "h2o", "categories": E.summarize_lm(bare)}])
+  assert "| length / tail | n | b_HBM |" in md
+  assert "| 64 / 8 | 2 | 0.300 |" in md and "| 64 / 8 | 1 | – |" in md
 
 
 def test_the_frontier_plan_sizes_its_cells_for_an_8_minute_call(monkeypatch):

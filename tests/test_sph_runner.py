@@ -89,6 +89,22 @@ def test_b03_tracks_the_budget_with_one_compile(setup):
   assert runner.traces["commit"] == 1 and runner.traces["step"] == 1
 
 
+def test_reports_carry_the_decode_steps_hbm_bytes(setup):
+  """Each request's report (and ``Result.hbm``) holds b_HBM's fields: the weights split over
+  the batch plus the KV reads, below paged dense BF16 at B = 1.0 (the top tier's 164 of 256 bytes
+  per item) and lower again at B = 0.3 (fewer, cheaper rows)."""
+  m, prompts, full, runner, runs = setup
+  for r03, r1 in zip(runs[0.3], runs[1.0]):
+    for r in (r03, r1):
+      led = r.ledger
+      assert {k: led[k] for k in r.hbm} == r.hbm and led["hbm_granularity"] == "row"
+      assert led["hbm_bytes_per_token"] == pytest.approx(
+          runner.param_bytes / runner.batch + led["hbm_kv_bytes"])
+      assert 0 < led["hbm_kv_bytes"] and 0 < led["b_HBM"] < 1
+    assert r03.ledger["hbm_kv_bytes"] < r1.ledger["hbm_kv_bytes"]
+    assert r03.ledger["b_HBM"] < r1.ledger["b_HBM"]
+
+
 @pytest.mark.parametrize("bad", [0.0, -0.2, 1.5, float("nan"), "0.3"])
 def test_bad_budgets_are_refused(setup, bad):
   runner = setup[3]
@@ -119,13 +135,18 @@ def test_a_pallas_backend_decodes_as_the_reference():
                     n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64, tie_embeddings=True)
   rng = np.random.default_rng(11)
   prompts = [[int(x) for x in rng.integers(1, tok.vocab_size, k)] for k in (45, 29)]
-  out = {}
+  out, hbm = {}, {}
   for b in ("reference", backend):
     r = SphRunner(random_model(cfg, seed=4), batch=2, capacity=96, window=4, sink=2, obs=8,
                   backend=b, kernel_knobs=None if b == "reference" else dict(interpret=True))
-    out[b] = [(x.tokens, x.ledger) for x in generate(r.configure(0.3), tok, prompts,
-                                                      sampling=Sampling(max_tokens=6))]
+    res = generate(r.configure(0.3), tok, prompts, sampling=Sampling(max_tokens=6))
+    out[b] = [(x.tokens, {k: v for k, v in x.ledger.items() if k not in x.hbm}) for x in res]
+    hbm[b] = [x.hbm for x in res]
   assert out[backend] == out["reference"]
+  # the step's HBM bytes follow each backend's access pattern: the TPU kernels read whole pages
+  for ref, tpu in zip(hbm["reference"], hbm[backend]):
+    assert (ref["hbm_granularity"], tpu["hbm_granularity"]) == ("row", "page")
+    assert tpu["hbm_kv_bytes"] > ref["hbm_kv_bytes"]
   items = out["reference"][0][1]["items"]
   assert items["drop"] > 0 and items["A2"] + items["A42"] + items["A4"] > 0
 

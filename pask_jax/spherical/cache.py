@@ -52,14 +52,17 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import int4
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool, TierSpec
 from pask_jax import actions as Act
+from pask_jax import cache as pcache
 from pask_jax import mesh as tp
 from pask_jax import tags as T
+from pask_jax.spherical import variants as V
 
 
 @flax.struct.dataclass
@@ -504,6 +507,53 @@ def resident_bytes(state: SphState) -> jax.Array:
   return total
 
 
-__all__ = ["SphRows", "SphState", "assign_pages", "base_actions", "dense_route", "evict_step",
-           "init", "normalize_route", "prefill_rows", "rebuild_tier", "resident_bytes",
-           "sph_inputs", "write_prefill"]
+def tier_hbm_bytes(state: SphState, *, granularity: str = "row",
+                   read: str = "angles") -> np.ndarray:
+  """HBM bytes the tier partitions of one decode step read (and, for ``read="reconstruct"``,
+  write) per sequence, float64 ``[B]``: over every layer, tier and KV head (each (group,
+  sequence, KV head) has its own page table, read by each layer of the group).
+
+  ``read="angles"`` (the method's own path, the tier kernels): per visible entry the packed
+  codes, the u32 side word and the values (``TierSpec.bytes``), plus the table entries, at the
+  ``granularity`` of :func:`pask_jax.cache.paged_read_bytes`.  ``read="reconstruct"`` (ablation
+  A1 as built: :func:`rebuild_tier` in XLA, then a BF16 partition): the rebuild gathers the
+  WHOLE table (``n_t·page`` rows of codes, side words and values, and its ``n_t`` entries) and
+  writes dense BF16 K and V for every one of those rows (``4·D`` bytes each, zeros past the
+  length), then the BF16 partition reads the visible rebuilt rows (``4·D`` each) through a table
+  of ``n_t`` entries, plus, at "page", its empty one-slot window block (``4·D``).  Positions and
+  flags are never read by a decode step's attention (keys carry RoPE already), so neither path
+  counts them."""
+  pcache.check_granularity(granularity)
+  if read not in V.READS:
+    raise ValueError(f"read must be one of {V.READS}, got {read!r}")
+  per_layer = np.bincount(np.asarray(state.group_of, np.int64), minlength=state.n_groups)
+  total = np.zeros(state.route.shape[:1], np.float64)
+  page = state.page
+  for ts, pages, length, pool in zip(state.spec, state.pages, state.length, state.pools):
+    n_t = pages.shape[-1] if pool.ang.shape[1] else 0
+    n = np.asarray(length, np.float64)                                   # [G, B, H]
+    if read == "angles":
+      b = pcache.paged_read_bytes(n, n_t, page, ts.bytes, granularity)
+    else:
+      dense_row = 4 * ts.d
+      rebuild = n_t * page * (ts.bytes + dense_row) + n_t * pcache.TABLE_ENTRY_BYTES
+      attend = pcache.paged_read_bytes(n, n_t, page, dense_row, granularity)
+      b = rebuild + attend + (dense_row if granularity == "page" else 0.0)
+    total += np.sum(per_layer[:, None, None] * b, axis=(0, 2))
+  return total
+
+
+def hbm_bytes(state: SphState, cache, *, param_bytes: float = 0.0, batch: int | None = None,
+              granularity: str = "row", read: str = "angles") -> np.ndarray:
+  """HBM bytes per generated token of one Spherical KV decode step over (``cache``, ``state``)
+  as they stand, per sequence, float64 ``[B]`` (host side): the weights' share and the base
+  cache's reads (:func:`pask_jax.cache.hbm_bytes`: window, BF16 pool for sinks and protected
+  tokens, the INT4 pool, their tables) plus the tiers' (:func:`tier_hbm_bytes`).  Divide by
+  :func:`pask_jax.cache.dense_hbm_bytes` of the same tokens for b_HBM."""
+  base = pcache.hbm_bytes(cache, param_bytes=param_bytes, batch=batch, granularity=granularity)
+  return base + tier_hbm_bytes(state, granularity=granularity, read=read)
+
+
+__all__ = ["SphRows", "SphState", "assign_pages", "base_actions", "dense_route",
+           "evict_step", "hbm_bytes", "init", "normalize_route", "prefill_rows", "rebuild_tier",
+           "resident_bytes", "sph_inputs", "tier_hbm_bytes", "write_prefill"]

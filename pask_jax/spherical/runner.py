@@ -49,7 +49,10 @@ charged by where it is scheduled to live — a tier at its item cost C(t) of the
 position, a flag bit, a page-table entry per page), the BF16 pool at dense K+V plus a position and
 a table share, a drop at 0; window tokens by their pending route — over dense BF16 K+V of the
 same tokens.  ``resident_B`` adds what is really held at the end: whole pages (slack included,
-:func:`pask_jax.spherical.cache.resident_bytes`) and the window at dense.
+:func:`pask_jax.spherical.cache.resident_bytes`) and the window at dense.  ``b_HBM``
+(:meth:`SphRunner.hbm`): the HBM bytes one decode step reads over the final cache per generated
+token (weights shared by the batch, window, BF16 pool, tiers, tables, A1's rebuild traffic) over
+paged dense BF16's for the same tokens (docs/SPHERICAL_KV.md §4 "b_HBM as built").
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ from pask_jax import tags as T
 from pask_jax.baselines import budget as BU
 from pask_jax.baselines import snapkv
 from pask_jax.baselines.masked import Config, MaskedRunner
-from pask_jax.decode import Runner, prompt_candidates
+from pask_jax.decode import Runner, hbm_rows, param_bytes, prompt_candidates
 from pask_jax.sample import apply_bitmask, sample
 from pask_jax.spherical import cache as scache
 from pask_jax.spherical import hybrid, rdr
@@ -146,6 +149,7 @@ class SphRunner:
     self.plan, self.read, self.tags = plan, read, bool(tags)
     self.cfg = c = model.cfg
     self.tp_mesh, self.graphdef, self.params = tp.prepare(model, mesh)
+    self.param_bytes = param_bytes(self.params)
     self.batch, self.capacity = batch, capacity
     self.window, self.sink, self.page = int(window), int(sink), int(page)
     self.n_groups = min(int(n_groups), c.n_layers)
@@ -580,9 +584,27 @@ class SphRunner:
 
   # --- accounting ------------------------------------------------------------------------------
 
+  def hbm(self, state) -> list[dict]:
+    """Per request the decode step's HBM bytes over the cache as it stands
+    (:func:`pask_jax.spherical.cache.hbm_bytes`: the weights' share, window, BF16 pool, tiers by
+    this runner's read path — A1's rebuild traffic included —, tables) and b_HBM against paged
+    dense BF16 over the same tokens (:func:`pask_jax.decode.hbm_rows`), at the granularity of
+    this runner's attention backend (:func:`pask_jax.cache.granularity_of`)."""
+    cache, sph = state[0], state[1]
+    gran = pcache.granularity_of(pallas_kernels.resolve_backend(self.backend))
+    c = self.cfg
+    kv = scache.hbm_bytes(sph, cache, granularity=gran, read=self.read)
+    dense = pcache.dense_hbm_bytes(np.asarray(cache.count), n_layers=c.n_layers,
+                                   n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                   window=self.window, page=self.page,
+                                   table_pages=cache.hi_pages.shape[-1], granularity=gran)
+    return hbm_rows(kv, dense, self.param_bytes, self.batch, gran)
+
   def report(self, state) -> list[dict]:
     """Per request: measured B (scheduled, metadata counted), prefill / decode split,
-    resident_B, tokens per route, the prefill plan's deficit and overflow."""
+    resident_B, tokens per route, the prefill plan's deficit and overflow, and the decode
+    step's HBM bytes (:meth:`hbm`: ``hbm_bytes_per_token``, ``hbm_kv_bytes``, ``b_HBM``,
+    ``hbm_granularity``)."""
     cache, sph, rho, n_prompt, deficit = state
     H, G, K = self.cfg.n_kv_heads, self.n_groups, len(self.tiers)
     cost, dense = np.asarray(self.cost, np.float64), np.asarray(self.dense, np.float64)
@@ -595,6 +617,7 @@ class SphRunner:
     resident = np.asarray(scache.resident_bytes(sph), np.float64)
     deficit, overflow = np.asarray(deficit), np.asarray(sph.overflow | cache.overflow)
     full_tok = float(np.sum(dense) * H)
+    hbm = self.hbm(state)
     out = []
     for b in range(self.batch):
       n0, n = int(npr[b]), int(count[b])
@@ -640,7 +663,8 @@ class SphRunner:
                   "decode": self.decode,
                   "items": {"drop": int(counts[0]),
                             **{self.tiers[t].layout: int(counts[t + 1]) for t in range(K)},
-                            "bf16": int(counts[K + 1])}})
+                            "bf16": int(counts[K + 1])},
+                  **hbm[b]})
     return out
 
 
