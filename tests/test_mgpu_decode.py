@@ -14,7 +14,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_kernels.gpu import mgpu_decode, partials_gpu  # noqa: E402
+from pallas_kernels.gpu import decode as gpu_decode  # noqa: E402
+from pallas_kernels.gpu import decode_attention_gpu, mgpu_decode, partials_gpu  # noqa: E402
 from pallas_kernels.testing import synth  # noqa: E402
 
 pytestmark = pytest.mark.fast_compile
@@ -195,3 +196,44 @@ def _lower_int4(**kw):
 def test_int4_format_whole_call_lowers_for_cuda_with_both_kernels(kernel):
   text = _lower_int4(int4_kernel=kernel)
   assert "mosaic_gpu" in text and "triton" in text
+
+
+# ---- the merge over partial sets read in place (decode_attention_gpu) ---------------------------
+
+@pytest.mark.parametrize("case_index,lo_format,knobs", [
+    (0, "int4", {}), (3, "int4", dict(wgs_lo=2)), (4, "int4", {}), (1, "bytes", {}),
+    (2, "bytes", dict(int4_kernel="triton", fuse=False))])
+def test_merge_in_place_equals_merging_the_concatenated_partials(case_index, lo_format, knobs):
+  """``merge_sets`` over the Mosaic GPU kernel's O^T and the Triton partials, each in its own
+  layout, equals ``common.merge`` over ``partials_gpu``'s concatenation to float32 rounding
+  (every GQA ratio of the cases, ragged, empty and poisoned partitions)."""
+  case = CASES[case_index]
+  args = case.make(seed=60 + case_index, lo_format=lo_format)
+  kn = dict(interpret=True, **SMALL, **({"int4_kernel": "mosaic_reference"} | knobs))
+  g, hq = case.shape.g, args[0].shape[1]
+  want = synth.merged_f32(*partials_gpu(*args, **kn), axis=2, hq=hq, g=g)
+  sets = gpu_decode._partial_sets(*args, **kn)
+  assert [k for _, k in sets] == ([True, False] if kn["int4_kernel"] == "mosaic_reference"
+                                  else [False] * len(sets))
+  got = gpu_decode.merge_sets(sets, g).reshape(want.shape)
+  assert bool(jnp.isfinite(got).all())
+  assert synth.rel_err(got, want) < 1e-6
+  out = decode_attention_gpu(*args, **kn)
+  assert synth.rel_err(out.astype(jnp.float32), synth.reference_f32(*args)) < 6e-3
+
+
+def test_merge_in_place_has_no_concatenation_or_big_transpose():
+  """The lowered call (CUDA) merges without concatenating the (f32) partials or transposing the
+  kernel's O^T: its only transposes are of the [B, Hkv, D, g] result."""
+  case = CASES[2]
+  args = synth.stack_layers(case.make(poison=False, lo_format="int4")) + (jnp.int32(1),)
+  sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype), args)
+  text = decode_attention_gpu.trace(*sds, int4_kernel="mosaic").lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "triton" in text
+  s = case.shape
+  for line in text.splitlines():
+    if "stablehlo.concatenate" in line:   # the Triton kernel's int32 lengths only
+      assert "f32" not in line, line
+    if "stablehlo.transpose" in line:
+      assert f"tensor<{s.b}x{s.hkv}x{s.d}x{s.g}xf32>" in line, line

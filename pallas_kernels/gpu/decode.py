@@ -337,7 +337,47 @@ def stack_inputs(window: Window, hi: HighPool, lo: LowPool, layer):
 
 
 @functools.partial(jax.jit, static_argnames=_KNOBS)
-def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
+def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None,
+                 **knobs):
+  """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten):
+  every partition's partials in the Triton kernel's layout, concatenated along NS (knobs:
+  :func:`_partial_sets`)."""
+  sets = _partial_sets(q, window, hi, lo, maps, layer, **knobs)
+  sets = [x if not kernel_layout else mgpu_decode.triton_layout(*x)
+          for x, kernel_layout in sets]
+  if len(sets) == 1:
+    return sets[0]
+  return tuple(jnp.concatenate(x, axis=2) for x in zip(*sets))
+
+
+def merge_sets(sets, g: int) -> jax.Array:
+  """Eq. 15 over several partial sets read in place -> out [B, Hkv, g, D] f32.
+
+  ``sets``: ``[((o, m, l), kernel_layout), ...]``: the Triton layout (``o [B, Hkv, S, M, D]``,
+  ``m, l [B, Hkv, S, M]``) or the Mosaic GPU kernel's (``kernel_layout``: ``o [B, Hkv, S, D,
+  16]``). The same rule as ``common.merge`` over their concatenation (empty partials contribute
+  nothing, all empty gives 0), without materializing the concatenation or transposing O^T: the
+  sums run over each set's own layout and only the [B, Hkv, D, g] result is transposed."""
+  live, mm = [], []
+  for (o, m, l), _ in sets:
+    lv = l[..., :g] > 0
+    live.append(lv)
+    mm.append(jnp.where(lv, m[..., :g], -jnp.inf))
+  v = functools.reduce(jnp.maximum, [x.max(axis=2) for x in mm])           # [B, Hkv, g]
+  v = jnp.where(jnp.isfinite(v), v, 0.0)
+  num = den = 0.0
+  for ((o, m, l), kernel_layout), lv, x in zip(sets, live, mm):
+    w = jnp.where(lv, jnp.exp2(x - v[:, :, None]), 0.0)                    # [B, Hkv, S, g]
+    den = den + jnp.sum(w * jnp.where(lv, l[..., :g], 0.0), axis=2)
+    if kernel_layout:      # O^T [B, Hkv, S, D, 16]: sum to [B, Hkv, D, g], then transpose
+      t = jnp.sum(jnp.where(lv[:, :, :, None], o[..., :g], 0.0) * w[:, :, :, None], axis=2)
+      num = num + jnp.swapaxes(t, 2, 3)
+    else:
+      num = num + jnp.sum(jnp.where(lv[..., None], o[..., :g, :], 0.0) * w[..., None], axis=2)
+  return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def _partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
                  num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
@@ -346,7 +386,9 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False, int4_kernel: str = "auto",
                  splits_lo: int | None = None, wgs_lo: int = 1, table_lo: str = "gmem"):
-  """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten).
+  """The partial sets ``[((o, m, l), kernel_layout), ...]`` (see :func:`merge_sets`): the
+  Triton kernel's (o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M], rows >= g unwritten) and,
+  where the Mosaic GPU kernel reads the INT4 pool, its own in its layout.
 
   ``int4_kernel``: which kernel reads the INT4 pool. ``"mosaic"``: the Mosaic GPU kernel
   (:mod:`pallas_kernels.gpu.mgpu_decode`; Hopper, INT4 pages of a multiple of 64 tokens, head dim
@@ -491,19 +533,18 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
 
   if n_lo and int4_kernel != "triton":
     lo_part = mgpu_decode.int4_partials(qp, lo, maps, layer, c=c, g=g, splits=splits_lo,
-                                        wgs=wgs_lo, table=table_lo,
+                                        wgs=wgs_lo, table=table_lo, layout="kernel",
                                         reference=int4_kernel == "mosaic_reference")
     rest = call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,
                 "pask_decode_attention")
-    return tuple(jnp.concatenate(x, axis=2) for x in zip(lo_part, rest))
+    return [(lo_part, True), (rest, False)]
   if fuse or not n_lo:
-    return call(n_lo, n_hi, n_w, lo_args + hi_args + w_args, lo_specs + hi_specs + w_specs,
-                num_warps, num_stages, "pask_decode_attention")
-  parts = [call(n_lo, 0, 0, lo_args, lo_specs, num_warps_lo, num_stages_lo,
-                "pask_decode_attention_int4"),
-           call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,
-                "pask_decode_attention")]
-  return tuple(jnp.concatenate(x, axis=2) for x in zip(*parts))
+    return [(call(n_lo, n_hi, n_w, lo_args + hi_args + w_args, lo_specs + hi_specs + w_specs,
+                  num_warps, num_stages, "pask_decode_attention"), False)]
+  return [(call(n_lo, 0, 0, lo_args, lo_specs, num_warps_lo, num_stages_lo,
+                "pask_decode_attention_int4"), False),
+          (call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,
+                "pask_decode_attention"), False)]
 
 
 @functools.partial(jax.jit, static_argnames=_KNOBS + _FUSED_KNOBS)
@@ -525,9 +566,9 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
     raise ValueError(f"{sorted(fused)} are knobs of int4_kernel='fused' only")
   b, hq, d = q.shape
   g = hq // window.k.shape[-2]
-  o, m, l = partials_gpu(q, window, hi, lo, maps, layer, **kw)
-  o, m, l = o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g]   # drop padded query rows
-  out, _ = common.merge(o, m, l, axis=2)
+  # Each set merged where it lies (no concatenation of the partials, no transpose of the Mosaic
+  # GPU kernel's O^T): fewer XLA fusions per layer than merging partials_gpu's output.
+  out = merge_sets(_partial_sets(q, window, hi, lo, maps, layer, **kw), g)
   return out.reshape(b, hq, d).astype(jnp.bfloat16)
 
 

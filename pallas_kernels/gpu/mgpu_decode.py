@@ -65,7 +65,7 @@ def splits_for(bh: int, n_pages: int) -> int:
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
                   g: int, splits: int | None = None, wgs: int = 1, table: str = "gmem",
-                  reference: bool = False):
+                  reference: bool = False, layout: str = "triton"):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
   D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
   D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
@@ -76,7 +76,12 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   ``wgs`` compute warpgroups, each a partial), ``splits`` then counting context splits per
   warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``.
   ``table`` (the int4 pool): where the kernel's index maps read the page ids
-  (``mgpu_int4.partition``)."""
+  (``mgpu_int4.partition``).
+  ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose):
+  ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l [B, Hkv, S, 16]``, for a merge that reads them in
+  place (``decode.merge_sets``)."""
+  if layout not in ("triton", "kernel"):
+    raise ValueError(f"layout must be 'triton' or 'kernel', got {layout!r}")
   b, hkv, rows, d = qp.shape
   n_l, p_lo, page = lo.scale.shape[0], lo.scale.shape[1], lo.page
   if rows != C.N_PAD or not supported(page, d, g):
@@ -117,7 +122,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
       o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,
                              no_auto_barriers=True, table=table)
-    return _layout(o, m, l, b, hkv, s * wgs, d)
+    return _layout(o, m, l, b, hkv, s * wgs, d, layout)
   # The bytes pool: this layer's scales [P, page, Hkv, 2] -> head-major f32 [Hkv, P, page];
   # non-finite scales of unused rows become 0 (garbage there must not reach the output).
   sc = lax.dynamic_index_in_dim(lo.scale, layer, 0, keepdims=False).astype(jnp.float32)
@@ -134,13 +139,20 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
     o, m, l = MP.partition_paged(qn, bias, k, ks, v, vs, tbl, lens, base, splits=s,
                                  qk_scale=c, cols=cols, approx_math=True,
                                  no_auto_barriers=True)
-  return _layout(o, m, l, b, hkv, s, d)
+  return _layout(o, m, l, b, hkv, s, d, layout)
 
 
-def _layout(o, m, l, b, hkv, s, d):
+def triton_layout(o, m, l):
+  """Partials of ``layout="kernel"`` -> the Triton kernel's layout (``o [B, Hkv, S, 16, D]``)."""
+  return jnp.swapaxes(o, 3, 4), m, l
+
+
+def _layout(o, m, l, b, hkv, s, d, layout="triton"):
   """The kernels' ``[BH, S, D, 16]`` partials -> ``o [B, Hkv, S, 16, D]``, ``m, l [B, Hkv, S,
-  16]`` (the Triton kernel's layout)."""
-  o = jnp.swapaxes(o.reshape(b, hkv, s, d, C.N_PAD), 3, 4)
+  16]`` (the Triton kernel's layout); ``layout="kernel"``: ``o [B, Hkv, S, D, 16]`` as written."""
+  o = o.reshape(b, hkv, s, d, C.N_PAD)
+  if layout == "triton":
+    o = jnp.swapaxes(o, 3, 4)
   m = m[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)
   l = l[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)
   return o, m, l
