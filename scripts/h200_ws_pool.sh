@@ -19,9 +19,9 @@ left() { echo $((limit - SECONDS - 15)); }
 timeout -s KILL 190 python3 bench/bench_mgpu_int4.py --pool --out $OUT/pool.jsonl \
   > $OUT/pool.log 2>&1
 echo "pool rc $?"; grep -v '"how": "write"' $OUT/pool.jsonl | cut -c1-260
-timeout -s KILL $(( $(left) < 170 ? $(left) : 170 )) python3 bench/bench_kernels.py \
+timeout -s KILL $(( $(left) < 200 ? $(left) : 200 )) python3 bench/bench_kernels.py \
   --out $OUT/kern --lo-page 128 --lo-formats int4 --int4-kernels mosaic --shapes 0,3 --no-gqa \
-  --cupti --mosaic-variants '[{}, {"table_lo": "smem"}, {"wgs_lo": 2}, {"wgs_lo": 2, "table_lo": "smem"}, {"wgs_lo": 2, "splits_lo": 4, "table_lo": "smem"}, {"wgs_lo": 3, "table_lo": "smem"}]' \
+  --cupti --mosaic-variants '[{}, {"merge": "concat"}, {"table_lo": "smem"}, {"wgs_lo": 2}, {"wgs_lo": 2, "table_lo": "smem"}, {"wgs_lo": 2, "splits_lo": 4, "table_lo": "smem"}, {"wgs_lo": 3, "table_lo": "smem"}]' \
   > $OUT/kern.log 2>&1
 echo "kern rc $?"; tail -16 $OUT/kern.log
 for kn in '{}' '{"table_lo": "smem"}' '{"wgs_lo": 2, "table_lo": "smem"}'; do

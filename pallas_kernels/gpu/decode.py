@@ -324,6 +324,9 @@ _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "n
           "table_lo")
 # Knobs of int4_kernel="fused" alone (mgpu_mixed: one Mosaic GPU launch for both pools).
 _FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers")
+# decode_attention_gpu's own: how the partials are merged ("sets": in place, the default;
+# "concat": concatenated first, as partials_gpu returns them; for same-run comparisons).
+_MERGE_KNOBS = ("merge",)
 _FUSED = ("fused", "fused_reference")
 
 
@@ -547,7 +550,7 @@ def _partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, 
                 "pask_decode_attention"), False)]
 
 
-@functools.partial(jax.jit, static_argnames=_KNOBS + _FUSED_KNOBS)
+@functools.partial(jax.jit, static_argnames=_KNOBS + _FUSED_KNOBS + _MERGE_KNOBS)
 def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None,
                          **kw):
   """q [B, Hq, D] bf16 -> out [B, Hq, D] bf16 (see module doc).
@@ -566,6 +569,13 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
     raise ValueError(f"{sorted(fused)} are knobs of int4_kernel='fused' only")
   b, hq, d = q.shape
   g = hq // window.k.shape[-2]
+  merge = kw.pop("merge", "sets")
+  if merge == "concat":     # the partials concatenated first (partials_gpu), then merged
+    o, m, l = partials_gpu(q, window, hi, lo, maps, layer, **kw)
+    out, _ = common.merge(o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g], axis=2)
+    return out.reshape(b, hq, d).astype(jnp.bfloat16)
+  if merge != "sets":
+    raise ValueError(f"merge must be 'sets' or 'concat', got {merge!r}")
   # Each set merged where it lies (no concatenation of the partials, no transpose of the Mosaic
   # GPU kernel's O^T): fewer XLA fusions per layer than merging partials_gpu's output.
   out = merge_sets(_partial_sets(q, window, hi, lo, maps, layer, **kw), g)
