@@ -111,7 +111,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
     raise ValueError(f"cols={cols} needs lazy_sum=True")
   narrow = _check_cols(cols)
   if qscale is None:
-    qscale = jnp.ones((bh,), jnp.float32)
+    qscale = jnp.ones((1,), jnp.float32)      # unread (k_upcast "s8" alone reads it): no [BH] fill
   steps = n // tile // splits
   in_smem = paged and table == "smem"
   # int32 ids per block, padded to 128 bytes: Mosaic GPU copies a multiple of the warpgroup's
