@@ -162,11 +162,29 @@ def test_aligned_host_arrays_are_used_in_place_by_jax_on_the_cpu():
   import jax
   if jax.default_backend() != "cpu":
     pytest.skip("the CPU backend's zero-copy placement")
-  for dtype in (np.float32, BF16):
-    a = gguf_io.empty((3, 1000), dtype)
-    assert a.ctypes.data % 64 == 0 and a.shape == (3, 1000) and a.dtype == dtype
-    a[...] = 1
-    assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
+  import gc
+  import mmap
+  big = (3, gguf_io._MAP_BYTES // 2 // 3 + 1)    # a memory map of its own (no huge pages)
+
+  def owner(a):
+    while isinstance(a, np.ndarray):
+      a = a.base
+    return a.obj if isinstance(a, memoryview) else a
+
+  for shape in ((3, 1000), big):
+    for dtype in (np.float32, BF16):
+      a = gguf_io.empty(shape, dtype)
+      assert a.ctypes.data % 64 == 0 and a.shape == shape and a.dtype == dtype
+      assert a.flags.c_contiguous and a.flags.writeable
+      assert isinstance(owner(a), mmap.mmap) == (shape == big)
+      a[...] = 1
+      a[-1, -1] = 2
+      x = jax.device_put(a)
+      assert x.unsafe_buffer_pointer() == a.ctypes.data
+      del a
+      gc.collect()      # the array gone, JAX's buffer keeps the memory
+      got = np.asarray(x)
+      assert got[-1, -1] == 2 and got.sum(dtype=np.float64) == got.size + 1
 
 
 def test_gguf_bf16_tensor_read_as_bfloat16_is_a_view_of_the_file(tmp_path):
