@@ -37,7 +37,7 @@ def main(argv=None) -> int:
   from pask_jax.grammar.fc_adapter import FCAdapter
   from pask_jax.grammar.frontier import StateVocab
 
-  tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
+  tok = Tokenizer.from_gguf_metadata(gguf_io.read(registry.smollm2_path()).meta)
   tools = json.load(open(os.path.join(os.path.dirname(__file__), "..", "examples",
                                       "weather_tools.json")))
   gc = GrammarCompiler(tok, tok.vocab_size)

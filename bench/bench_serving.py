@@ -348,7 +348,7 @@ def load_tokenizer(gguf: str | None, path: str | None = None):
   path = cands[0]
   if not os.path.exists(path):
     raise SystemExit(f"error: GGUF not found: {path}")
-  return Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(path))), path
+  return Tokenizer.from_gguf_metadata(gguf_io.read(path).meta), path
 
 
 def export_tokenizer(tok, out: str) -> None:

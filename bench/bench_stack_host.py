@@ -89,9 +89,8 @@ def main(argv=None) -> int:
   from pask_jax import decode as dec
   from pask_jax.grammar import GrammarCompiler
 
-  reader = gguf_io.open_gguf(registry.resolve(a.model))
-  meta = gguf_io.metadata(reader)
-  cfg = ModelConfig.from_gguf_fields(meta, {t.name for t in reader.tensors})
+  meta, tensors = gguf_io.read(registry.resolve(a.model))
+  cfg = ModelConfig.from_gguf_fields(meta, {t.name for t in tensors})
   tok = Tokenizer.from_gguf_metadata(meta)
   cases = bfcl.load(a.categories, split="calibration", seed=0)
   by: dict[str, list] = {}

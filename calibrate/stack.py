@@ -366,16 +366,18 @@ def _chunks(n: int, size: int) -> list[range]:
   return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Sequence,
+def run_stack(runner_for: Callable[..., StackRunner], task, policies: Sequence,
               *, rows: int = 256, max_tokens: int = 128, progress=None, share: bool = True,
               on_chunk: Callable[[list[int], list[list[Outcome]]], None] | None = None,
               timers: dict | None = None) -> list[list[Outcome]]:
   """Generate every request of ``task`` under every policy -> ``out[policy][request]``.
 
-  ``runner_for(V, N)`` returns a (cached) :class:`StackRunner`; chunks have fixed ``(V, N)`` with
-  ``V·N <= rows`` (the last chunk is padded by repeating its last policy / request, whose rows
-  are dropped), so the step compiles once.  ``task``: see :mod:`calibrate.tasks` (``requests``,
-  ``tracker(i)``, ``score(i, text, complete)``).  ``on_chunk(policy_indices, outcomes)`` is called
+  ``runner_for(V, N, most=rows // N)`` returns a (cached) :class:`StackRunner` of ``V`` policies
+  or more (:func:`runner_factory`: an already compiled one of at most ``min(2·V, most)``);
+  chunks have that runner's fixed ``(V, N)`` with ``V·N <= rows`` (the last chunk is padded by
+  repeating its last policy / request, whose rows are dropped), so the step compiles once.
+  ``task``: see :mod:`calibrate.tasks` (``requests``, ``tracker(i)``, ``score(i, text,
+  complete)``).  ``on_chunk(policy_indices, outcomes)`` is called
   as each chunk of policies completes (resumable calibration saves there).  ``share``: rows of
   one request with the same prefix share one parser (:mod:`calibrate.shared`; same results).
   ``timers``: host seconds per kind, summed over chunks (see :func:`generate_overlapped`).
@@ -385,8 +387,8 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
   n_req, n_pol = len(reqs), len(policies)
   N = min(n_req, rows)
   V = max(1, min(n_pol, rows // N))
-  runner = runner_for(V, N)
-  V = runner.V                                    # the factory may round it (devices)
+  runner = runner_for(V, N, most=max(1, rows // N))
+  V = runner.V                      # the factory may round it (devices) or give a larger one
   out: list[list[Outcome | None]] = [[None] * n_req for _ in range(n_pol)]
   order = sorted(range(n_req), key=lambda i: len(reqs[i].ids))     # similar lengths together
   sampling = dec.Sampling(max_tokens=max_tokens)
@@ -423,20 +425,28 @@ def run_stack(runner_for: Callable[[int, int], StackRunner], task, policies: Seq
   return out
 
 
-def run_sequential(runner_for: Callable[[int, int], StackRunner], task, policies: Sequence,
+def run_sequential(runner_for: Callable[..., StackRunner], task, policies: Sequence,
                    *, rows: int = 256, max_tokens: int = 128, progress=None):
-  """The same as :func:`run_stack`, one policy at a time (``V = 1``, a parser per row): the
-  baseline loop."""
+  """The same as :func:`run_stack`, one policy at a time (``V = 1`` exactly: no larger runner
+  stands in; a parser per row): the baseline loop."""
+  one = lambda V, N, most=None: runner_for(V, N)
   out = []
   for p in policies:
-    out += run_stack(runner_for, task, [p], rows=rows, max_tokens=max_tokens, progress=progress,
+    out += run_stack(one, task, [p], rows=rows, max_tokens=max_tokens, progress=progress,
                      share=False)
   return out
 
 
 def runner_factory(model, template: P.FrozenPolicy, capacity: int, *, page: int = 16,
                    backend: str = "auto", devices: Sequence | None = None):
-  """A ``runner_for(V, N)`` that builds each shape's :class:`StackRunner` once.
+  """A ``runner_for(V, N, most=None)`` that builds each shape's :class:`StackRunner` once.
+
+  A runner of ``V' > V`` policies (and ``N`` requests) built already serves a call for ``V`` when
+  ``V' <= min(2·V, most)``, the smallest such: its extra rows repeat the chunk's last policy
+  (:func:`run_stack`'s padding; the same outcomes), at most twice a chunk's rows per step in
+  place of a compile of another shape (~6 s of CPU for SmolLM2's stack on a CPU host, where a
+  step costs milliseconds).  A calibration's stages ask for 1, then ``rows // N``, then fewer
+  policies (the README's: 1, 8, 7): two compiles instead of three.  ``most=None``: ``V`` exactly.
 
   ``devices``: shard the policy axis over these devices (a 1-D mesh named ``rows``); the
   policies per chunk are rounded down to a multiple of their number.
@@ -446,9 +456,13 @@ def runner_factory(model, template: P.FrozenPolicy, capacity: int, *, page: int 
   if devices is not None and len(devices) > 1:
     mesh = jax.sharding.Mesh(np.asarray(devices), ("rows",))
 
-  def get(V: int, N: int) -> StackRunner:
+  def get(V: int, N: int, most: int | None = None) -> StackRunner:
     if mesh is not None and V % mesh.size:
       V = max(mesh.size, V - V % mesh.size)
+    if (V, N) not in cache and most is not None:
+      spare = [v for v, n in cache if n == N and V < v <= min(2 * V, most)]
+      if spare:
+        return cache[(min(spare), N)]
     if (V, N) not in cache:
       cache[(V, N)] = StackRunner(model, template, n_policies=V, n_requests=N, capacity=capacity,
                                   page=page, backend=backend, mesh=mesh)

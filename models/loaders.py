@@ -7,8 +7,9 @@ checkpoint is never widened — safetensors' ``safe_open`` gives numpy bfloat16,
 is a view of the memory-mapped file — and a quantized GGUF tensor is dequantized in row chunks,
 each rounded to bfloat16 at once), float32 otherwise.  Each parameter is one 64-byte aligned host
 array, filled in place (a GGUF tensor is dequantized straight into its layer's slice) and handed
-to ``jax.device_put``, which on a CPU host uses it as it is; the GGUF reader's parsed metadata is
-freed before any weight is read.  Host memory while loading is the model plus one tensor's
+to ``jax.device_put``, which on a CPU host uses it as it is; a GGUF's metadata is decoded straight
+into Python values (:func:`models.gguf_io.read`: no numpy view per vocabulary string) and freed
+before any weight is read.  Host memory while loading is the model plus one tensor's
 scratch and the file's mapped pages, not twice the model.
 
 Everything that can be wrong with a checkpoint is reported, by name, before any weight is read:
@@ -148,13 +149,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype=jnp.float32) -> Loaded:
-  reader = gguf_io.open_gguf(path)
-  meta = gguf_io.metadata(reader)
-  # The tensors (views of the memory-mapped file) are all that is kept of the reader: its parsed
-  # key/value fields (a numpy view per vocabulary string, ~150 MB for a 49k vocabulary) are
-  # freed before any weight is read.
-  tensors = {t.name: t for t in reader.tensors}
-  del reader
+  meta, tensors = gguf_io.read(path)
+  tensors = {t.name: t for t in tensors}    # views of the memory-mapped file
   cfg = ModelConfig.from_gguf_fields(meta, set(tensors))
   tok = Tokenizer.from_gguf_metadata(meta)   # before the weights: a bad tokenizer fails fast
   del meta

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -175,6 +176,10 @@ def test_stacked_interventions_equal_sequential(setup):
   C, *_ = setup
   keys = C.interventions()[::max(1, len(C.interventions()) // 6)][:6]
   pols = [C.ref_policy] + [C.intervention_policy(*k) for k in keys]
+  # The setup compiled a stack of 11 (dev): it runs these 7, padded with the last (a runner of
+  # up to twice the policies stands in for a compile), against one policy at a time (V = 1).
+  N = len(C.cal.requests)
+  assert C.runner_for(len(pols), N, most=CFG.rows // N).V == 11
   a = S.run_stack(C.runner_for, C.cal, pols, rows=CFG.rows, max_tokens=CFG.max_tokens)
   b = S.run_sequential(C.runner_for, C.cal, pols, rows=CFG.rows, max_tokens=CFG.max_tokens)
   for ra, rb in zip(a, b):
@@ -186,6 +191,36 @@ def test_stacked_interventions_equal_sequential(setup):
   ref_err = 1 - np.mean([o.passed for o in b[0]])
   for k, r in zip(keys, b[1:]):
     assert C.V[k] == pytest.approx((1 - np.mean([o.passed for o in r])) - ref_err)
+
+
+def test_a_built_stack_of_up_to_twice_the_policies_serves_fewer():
+  """runner_factory: a runner of V' > V policies built already serves V when V' <= min(2·V,
+  most), the smallest such (no compile of another shape); otherwise, for another N or without
+  ``most`` (run_sequential: V = 1 exactly), the shape asked for."""
+  model = tiny_llama(97)
+  get = S.runner_factory(model, P.all_high(model.cfg, sink=2, window=4), 64)
+  r8 = get(8, 1)
+  assert r8.V == 8 and get(8, 1) is r8 and get(8, 1, most=8) is r8
+  assert get(7, 1, most=8) is r8 and get(4, 1, most=8) is r8 and get(5, 1, most=9) is r8
+  r3 = get(3, 1, most=8)                   # 8 > 2·3
+  assert r3.V == 3 and get(2, 1, most=8) is r3
+  r5 = get(5, 1, most=7)                   # 8 > most
+  assert r5.V == 5 and get(4, 1, most=8) is r5 and get(6, 1, most=8) is r8
+  assert (get(3, 2, most=8).V, get(3, 2, most=8).N) == (3, 2)    # another N: its own
+  r7 = get(7, 1)                           # most not given: exactly V
+  assert r7.V == 7 and get(7, 1, most=8) is r7
+  # What run_stack and run_sequential ask for (a task of 2 requests, rows 8)
+  class Asked(Exception):
+    pass
+
+  def runner_for(V, N, most=None):
+    raise Asked(V, N, most)
+  task = types.SimpleNamespace(requests=[None, None])
+  for run, n_pol, want in ((S.run_stack, 3, (3, 2, 4)), (S.run_stack, 9, (4, 2, 4)),
+                           (S.run_sequential, 3, (1, 2, None))):   # V = 1 exactly
+    with pytest.raises(Asked) as e:
+      run(runner_for, task, [None] * n_pol, rows=8)
+    assert e.value.args == want, run
 
 
 SHARDED = r"""

@@ -34,7 +34,7 @@ def teacher_forced(full, pask, policy, prompt, continuation):
   for tok in continuation:
     tok = jnp.array([tok], jnp.int32)
     _, lf, cf = full.step(full.params, cf, tok, bits, key, zero, one)
-    lp, cache, bud, led, _ = pask.decode_step(pask.params, policy, cache, bud, led, tok,
+    lp, cache, bud, led, _ = pask.decode_step(pask.params, P.lean(policy), cache, bud, led, tok,
                                               jnp.asarray(FREE_TAG)[None], jnp.array([-1]),
                                               jnp.array([True]))
     errs.append(relerr(lp, lf))
@@ -69,9 +69,10 @@ def test_all_high_equals_full_kv_on_smollm2():
   assert errs.max() < 5e-3, errs
   assert same.all()
   demo = P.demo(m.cfg)
-  errs_demo, _, _ = teacher_forced(full, PaskRunner(m.model, demo, batch=1, capacity=192), demo,
-                                   prompt, cont)
+  pask.policy = demo    # the same runner, its policy switched (one compile: policy.lean)
+  errs_demo, _, _ = teacher_forced(full, pask, demo, prompt, cont)
   assert errs_demo.max() > 5e-2  # a compressing policy is visibly different (the test can fail)
+  assert dict(pask.traces) == {"commit": 1, "step": 1}, dict(pask.traces)
   assert int(cache.hi_len[0, 0]) == len(prompt) + len(cont) - policy.window
 
 
@@ -185,9 +186,10 @@ def test_generation_compiles_once_and_ledger_adds_up():
   tok = m.tokenizer
   prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
              for q in ("Name three colors.", "What is two plus two?")]
+  # one runner, its policy switched (policy.lean: still one compile)
+  runner = PaskRunner(m.model, P.resolve("all-high", m.cfg), batch=2, capacity=128)
   for name, want_b in (("all-high", 1.0), ("demo", None)):
-    pol = P.resolve(name, m.cfg)
-    runner = PaskRunner(m.model, pol, batch=2, capacity=128)
+    runner.policy = P.resolve(name, m.cfg)
     for seed in (0, 1):
       res = generate(runner, tok, prompts, sampling=Sampling(max_tokens=12, temperature=0.7,
                                                              seed=seed))

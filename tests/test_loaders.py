@@ -38,9 +38,8 @@ def test_host_dtype():
 
 
 def test_gguf_tensors_read_as_bfloat16_equal_float32_rounded(monkeypatch):
-  reader = gguf_io.open_gguf(registry.smollm2_path())
   kinds = {}
-  for t in reader.tensors:
+  for t in gguf_io.read(registry.smollm2_path()).tensors:
     kinds.setdefault(t.tensor_type.name, t)
   assert {"F32", "Q4_1", "Q8_0"} <= set(kinds)
   for kind, t in kinds.items():
@@ -59,8 +58,8 @@ def test_gguf_tensors_read_as_bfloat16_equal_float32_rounded(monkeypatch):
 
 def test_gguf_quantized_tensors_dequantize_in_chunks_into_their_destination(monkeypatch):
   import gguf
-  reader = gguf_io.open_gguf(registry.smollm2_path())
-  q = next(t for t in reader.tensors if t.tensor_type.name == "Q4_1")
+  q = next(t for t in gguf_io.read(registry.smollm2_path()).tensors
+           if t.tensor_type.name == "Q4_1")
   shape = tuple(reversed([int(x) for x in q.shape]))
   whole = np.asarray(gguf.quants.dequantize(q.data, q.tensor_type), np.float32).reshape(shape)
   for dtype in (np.dtype(np.float32), BF16):
@@ -78,16 +77,114 @@ def test_gguf_quantized_tensors_dequantize_in_chunks_into_their_destination(monk
     gguf_io.tensor(q, BF16, out=np.zeros(shape, np.float32))
 
 
+def _same_as_the_gguf_reader(path):
+  """gguf_io.read gives what gguf.GGUFReader gives: the metadata as gguf_io.metadata decodes it
+  (keys in file order, the same Python types), and the same tensors (views of the file)."""
+  got, reader = gguf_io.read(path), gguf_io.open_gguf(path)
+  want = gguf_io.metadata(reader)
+  assert list(got.meta) == list(want) and got.meta == want
+  assert [type(v) for v in got.meta.values()] == [type(v) for v in want.values()]
+  for k, v in want.items():
+    if isinstance(v, list):
+      assert [type(x) for x in got.meta[k]] == [type(x) for x in v], k
+  assert len(got.tensors) == len(reader.tensors)
+  for a, b in zip(got.tensors, reader.tensors):
+    assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
+        (b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)
+    assert list(a.shape) == list(b.shape)
+    assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+    assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
+    assert isinstance(a.data.base, np.memmap) or isinstance(a.data, np.memmap), a.name
+  return got
+
+
+def test_gguf_read_is_the_gguf_readers_metadata_and_tensors(tmp_path):
+  import gguf
+  got = _same_as_the_gguf_reader(registry.smollm2_path())      # 98k vocabulary strings, 272 tensors
+  assert len(got.meta["tokenizer.ggml.tokens"]) == 49152 and len(got.tensors) == 272
+  # Every value type, arrays of each, a custom alignment, plain and quantized tensors.
+  w = gguf.GGUFWriter(str(tmp_path / "all.gguf"), "llama")
+  w.add_custom_alignment(64)
+  for i, (add, v) in enumerate([(w.add_uint8, 200), (w.add_int8, -100), (w.add_uint16, 60000),
+                                (w.add_int16, -30000), (w.add_uint32, 4_000_000_000),
+                                (w.add_int32, -2_000_000_000), (w.add_float32, 0.1),
+                                (w.add_uint64, 2**63 + 5), (w.add_int64, -2**62),
+                                (w.add_float64, 0.1), (w.add_bool, True), (w.add_bool, False),
+                                (w.add_string, "héllo \u2603")]):
+    add(f"k.{i}", v)
+  w.add_array("a.int", [1, -2, 3])
+  w.add_array("a.float", [0.5, 0.1])
+  w.add_array("a.bool", [True, False, True])
+  w.add_array("a.str", ["x", "", "ü\n"])
+  w.add_key_value("a.u8", [1, 2, 255], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8)
+  w.add_key_value("bad.utf8", b"\xff\xfeok", gguf.GGUFValueType.STRING)
+  rng = np.random.default_rng(0)
+  w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+  w.add_tensor("f16", rng.standard_normal((2, 7)).astype(np.float16))
+  w.add_tensor("i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+  q8 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32),
+                            gguf.GGMLQuantizationType.Q8_0)
+  w.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  got = all_types = _same_as_the_gguf_reader(tmp_path / "all.gguf")
+  assert got.meta["k.6"] == float(np.float32(0.1)) and got.meta["bad.utf8"] == "\ufffd\ufffdok"
+  assert [t.data.shape for t in got.tensors] == [(3, 5), (2, 7), (2, 3), (4, 68)]
+  assert all(t.data_offset % 64 == 0 for t in got.tensors)
+  # What the parser leaves to gguf.GGUFReader: arrays of arrays, a big-endian file.
+  for name, kw, key, val in (("nested", {}, "a.nested", [[1, 2], [3, 4]]),
+                             ("big", {"endianess": gguf.GGUFEndian.BIG}, "k", 7)):
+    w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama", **kw)
+    w.add_array(key, val) if isinstance(val, list) else w.add_uint32(key, val)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert _same_as_the_gguf_reader(tmp_path / f"{name}.gguf").meta["GGUF.kv_count"] == 2
+  # A missing file, a foreign one and a truncated one: named.
+  with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+    gguf_io.read(tmp_path / "none.gguf")
+  (tmp_path / "foreign.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+  raw = (tmp_path / "all.gguf").read_bytes()
+  end = max(t.data_offset + t.data.nbytes for t in all_types.tensors)    # then the padding
+  for n in (10, 30, 200, end - 1):
+    (tmp_path / "cut.gguf").write_bytes(raw[:n])
+    with pytest.raises(ValueError, match=r"cut.gguf is not a readable GGUF file: .*truncated"):
+      gguf_io.read(tmp_path / "cut.gguf")
+  with pytest.raises(ValueError, match=r"foreign.gguf is not a readable GGUF file: .*magic"):
+    gguf_io.read(tmp_path / "foreign.gguf")
+
+
 def test_aligned_host_arrays_are_used_in_place_by_jax_on_the_cpu():
   """What the loaders rely on for no second copy of a weight on a CPU host."""
   import jax
   if jax.default_backend() != "cpu":
     pytest.skip("the CPU backend's zero-copy placement")
-  for dtype in (np.float32, BF16):
-    a = gguf_io.empty((3, 1000), dtype)
-    assert a.ctypes.data % 64 == 0 and a.shape == (3, 1000) and a.dtype == dtype
-    a[...] = 1
-    assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
+  import gc
+  import mmap
+  big = (3, gguf_io._MAP_BYTES // 2 // 3 + 1)    # a memory map of its own (no huge pages)
+
+  def owner(a):
+    while isinstance(a, np.ndarray):
+      a = a.base
+    return a.obj if isinstance(a, memoryview) else a
+
+  for shape in ((3, 1000), big):
+    for dtype in (np.float32, BF16):
+      a = gguf_io.empty(shape, dtype)
+      assert a.ctypes.data % 64 == 0 and a.shape == shape and a.dtype == dtype
+      assert a.flags.c_contiguous and a.flags.writeable
+      assert isinstance(owner(a), mmap.mmap) == (shape == big)
+      a[...] = 1
+      a[-1, -1] = 2
+      x = jax.device_put(a)
+      assert x.unsafe_buffer_pointer() == a.ctypes.data
+      del a
+      gc.collect()      # the array gone, JAX's buffer keeps the memory
+      got = np.asarray(x)
+      assert got[-1, -1] == 2 and got.sum(dtype=np.float64) == got.size + 1
 
 
 def test_gguf_bf16_tensor_read_as_bfloat16_is_a_view_of_the_file(tmp_path):

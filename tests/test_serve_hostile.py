@@ -266,7 +266,7 @@ def test_compile_time_limit_kills_the_worker():
   from models import gguf_io, registry
   from models.tokenizer import Tokenizer
   from serve.grammars import CompileError, GrammarPool
-  tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
+  tok = Tokenizer.from_gguf_metadata(gguf_io.read(registry.smollm2_path()).meta)
   pool = GrammarPool(tok, tok.vocab_size, timeout_s=1.0)
   wide = {"type": "object", "properties": {f"r{i}": {"type": "string"} for i in range(1500)}}
 

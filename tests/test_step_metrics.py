@@ -21,7 +21,7 @@ PARTS = ("launch", "wait", "host")
 
 @functools.lru_cache(maxsize=None)
 def engine(overlap: bool):
-  tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
+  tok = Tokenizer.from_gguf_metadata(gguf_io.read(registry.smollm2_path()).meta)
   pol = P.build(P.demo_entries(3), CFG, b_d=0.5, b_p=0.5, window=8, sink=2)
   return Engine(random_model(CFG, seed=0), tok, pol, slots=2, context=128, page=4,
                 overlap=overlap), tok

@@ -168,7 +168,7 @@ def assert_same_as_transformers(ours, hf, *, with_tools=True):
 @pytest.fixture(scope="module")
 def smollm2_pair():
   path = registry.smollm2_path()
-  ours = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(path)))
+  ours = Tokenizer.from_gguf_metadata(gguf_io.read(path).meta)
   hf = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                   gguf_file=os.path.basename(path))
   return ours, hf
@@ -203,7 +203,7 @@ def test_qwen25_gguf_template():
 @pytest.fixture(scope="module")
 def base_tok():
   path = registry.smollm2_path()
-  return Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(path)))
+  return Tokenizer.from_gguf_metadata(gguf_io.read(path).meta)
 
 
 def _hf_dir(tmp_path, base_tok, template, special):

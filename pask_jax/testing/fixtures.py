@@ -37,7 +37,7 @@ def smollm2_tokenizer():
   """SmolLM2's tokenizer from the GGUF metadata alone (no weights loaded)."""
   from models import gguf_io, registry
   from models.tokenizer import Tokenizer
-  return Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(registry.smollm2_path())))
+  return Tokenizer.from_gguf_metadata(gguf_io.read(registry.smollm2_path()).meta)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +103,7 @@ def export_tokenizer(gguf_path: str, out: str) -> dict:
   because CI has no Qwen GGUF)."""
   from models import gguf_io
   from models.tokenizer import Tokenizer
-  tok = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(gguf_path)))
+  tok = Tokenizer.from_gguf_metadata(gguf_io.read(gguf_path).meta)
   rec = {"tokenizer": json.loads(tok.tok.to_str()), "chat_template": tok.chat_template,
          "stop_ids": list(tok.stop_ids), "bos_id": tok.bos_id, "add_bos": tok.add_bos,
          "vocab_size": tok.vocab_size, "special_tokens": tok.special_tokens, "hash": tok.hash(),

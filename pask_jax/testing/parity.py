@@ -8,6 +8,8 @@ prompt token on: the top-``topk`` token ids and log-probabilities, and the greed
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -23,13 +25,43 @@ PROMPTS = [
 ]
 
 
+@contextlib.contextmanager
+def _parsed_once():
+  """transformers reads a GGUF three times (tokenizer, config, weights), each time with a new
+  ``gguf.GGUFReader`` (~3 s of CPU apiece for SmolLM2's 98k vocabulary strings), and builds gguf's
+  tensor-name map once per module of the model (~4 s): inside, each is made once per arguments
+  and shared, the same gguf objects (transformers imports both names from gguf when it calls)."""
+  import gguf
+  reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+  readers: dict = {}
+
+  class Reader(reader):
+    def __new__(cls, path, *a, **k):
+      key = (os.path.realpath(path), a, tuple(sorted(k.items())))
+      if key not in readers:
+        readers[key] = reader(path, *a, **k)
+      return readers[key]
+
+    def __init__(self, *a, **k):   # made by reader(...) above
+      pass
+
+  gguf.GGUFReader, gguf.get_tensor_name_map = Reader, functools.lru_cache(None)(name_map)
+  try:
+    yield readers
+  finally:
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def reference(gguf_path: str, new: int, topk: int) -> dict:
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer
   d = tempfile.mkdtemp()
   os.symlink(os.path.abspath(gguf_path), os.path.join(d, "m.gguf"))
-  tok = AutoTokenizer.from_pretrained(d, gguf_file="m.gguf")
-  model = AutoModelForCausalLM.from_pretrained(d, gguf_file="m.gguf", dtype=torch.float32).eval()
+  with _parsed_once() as readers:
+    tok = AutoTokenizer.from_pretrained(d, gguf_file="m.gguf")
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file="m.gguf",
+                                                 dtype=torch.float32).eval()
+  assert len(readers) == 1, readers      # the one file, parsed once
   out = {"prompts": json.dumps(PROMPTS), "new": new, "topk": topk}
   for i, msgs in enumerate(PROMPTS):
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
