@@ -212,7 +212,7 @@ def test_merge_in_place_equals_merging_the_concatenated_partials(case_index, lo_
   kn = dict(interpret=True, **SMALL, **({"int4_kernel": "mosaic_reference"} | knobs))
   g, hq = case.shape.g, args[0].shape[1]
   want = synth.merged_f32(*partials_gpu(*args, **kn), axis=2, hq=hq, g=g)
-  sets = gpu_decode._partial_sets(*args, **kn)
+  sets = gpu_decode.partial_sets(*args, **kn)
   assert [k for _, k in sets] == ([True, False] if kn["int4_kernel"] == "mosaic_reference"
                                   else [False] * len(sets))
   got = gpu_decode.merge_sets(sets, g).reshape(want.shape)

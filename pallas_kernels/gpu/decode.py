@@ -344,8 +344,8 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  **knobs):
   """Unmerged partials: o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M] (rows >= g unwritten):
   every partition's partials in the Triton kernel's layout, concatenated along NS (knobs:
-  :func:`_partial_sets`)."""
-  sets = _partial_sets(q, window, hi, lo, maps, layer, **knobs)
+  :func:`partial_sets`)."""
+  sets = partial_sets(q, window, hi, lo, maps, layer, **knobs)
   sets = [x if not kernel_layout else mgpu_decode.triton_layout(*x)
           for x, kernel_layout in sets]
   if len(sets) == 1:
@@ -380,7 +380,7 @@ def merge_sets(sets, g: int) -> jax.Array:
   return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def _partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
+def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
                  num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
@@ -578,7 +578,7 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
     raise ValueError(f"merge must be 'sets' or 'concat', got {merge!r}")
   # Each set merged where it lies (no concatenation of the partials, no transpose of the Mosaic
   # GPU kernel's O^T): fewer XLA fusions per layer than merging partials_gpu's output.
-  out = merge_sets(_partial_sets(q, window, hi, lo, maps, layer, **kw), g)
+  out = merge_sets(partial_sets(q, window, hi, lo, maps, layer, **kw), g)
   return out.reshape(b, hq, d).astype(jnp.bfloat16)
 
 
