@@ -11,6 +11,13 @@ import pytest
 # the CPU unless the caller chose a platform.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch (XGrammar imports it; the live transformers parity test runs a model on it) uses OpenMP,
+# whose idle threads spin after each parallel region: on 2 cores beside a second worker that
+# spinning took a third of the parity test's CPU (perf: libgomp) and doubled its wall time.
+# Passive waiting changes no result.  Set before libgomp loads (the xgrammar import below), so
+# this process, the xdist workers and every subprocess wait passively.  Measured (2026-12-05):
+# test_live_against_transformers 33-37 -> 14-16 s of CPU.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # XLA:CPU's fusion emitters (the MLIR code generator for loops and fusions, its default) cost
 # about 25 ms of compile per small program, the legacy elemental emitter 15 ms; the suite
