@@ -204,18 +204,18 @@ _ALIGN = 64
 # touch of each 2 MB page may stall in direct compaction.  Filling SmolLM2's float32 weights took
 # 3.7-4.2 s of CPU that way against 1.3 s in plain pages (2-core VM, 2026-12-05); decoding with
 # either ran at the same speed.
-_MAP_BYTES = 1 << 22
+MAP_BYTES = 1 << 22
 
 
 def empty(shape, dtype) -> np.ndarray:
   """An uninitialized C-contiguous array whose data starts on a 64-byte boundary: on the CPU
   backend ``jax.device_put`` then uses the buffer in place instead of copying it.  From
-  :data:`_MAP_BYTES` on, a writable view of an anonymous memory map (zeros until written; freed
+  :data:`MAP_BYTES` on, a writable view of an anonymous memory map (zeros until written; freed
   with the last array or JAX buffer that uses it)."""
   dtype = np.dtype(dtype)
   count = int(np.prod(shape, dtype=np.int64))
   n = count * dtype.itemsize
-  if n >= _MAP_BYTES:
+  if n >= MAP_BYTES:
     return np.frombuffer(mmap.mmap(-1, n), dtype, count).reshape(shape)
   raw = np.empty(n + _ALIGN, np.uint8)
   off = (-raw.ctypes.data) % _ALIGN

@@ -164,7 +164,7 @@ def test_aligned_host_arrays_are_used_in_place_by_jax_on_the_cpu():
     pytest.skip("the CPU backend's zero-copy placement")
   import gc
   import mmap
-  big = (3, gguf_io._MAP_BYTES // 2 // 3 + 1)    # a memory map of its own (no huge pages)
+  big = (3, gguf_io.MAP_BYTES // 2 // 3 + 1)    # a memory map of its own (no huge pages)
 
   def owner(a):
     while isinstance(a, np.ndarray):
