@@ -377,8 +377,8 @@ def run_stack(runner_for: Callable[..., StackRunner], task, policies: Sequence,
   chunks have that runner's fixed ``(V, N)`` with ``V·N <= rows`` (the last chunk is padded by
   repeating its last policy / request, whose rows are dropped), so the step compiles once.
   ``task``: see :mod:`calibrate.tasks` (``requests``, ``tracker(i)``, ``score(i, text,
-  complete)``).  ``on_chunk(policy_indices, outcomes)`` is called
-  as each chunk of policies completes (resumable calibration saves there).  ``share``: rows of
+  complete)``).  ``on_chunk(policy_indices, outcomes)`` is called as each chunk of policies
+  completes (resumable calibration saves there).  ``share``: rows of
   one request with the same prefix share one parser (:mod:`calibrate.shared`; same results).
   ``timers``: host seconds per kind, summed over chunks (see :func:`generate_overlapped`).
   """

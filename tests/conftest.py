@@ -11,6 +11,13 @@ import pytest
 # the CPU unless the caller chose a platform.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch (XGrammar imports it; the live transformers parity test runs a model on it) uses OpenMP,
+# whose idle threads spin after each parallel region: on 2 cores beside a second worker that
+# spinning took a third of the parity test's CPU (perf: libgomp) and doubled its wall time.
+# Passive waiting changes no result.  Set before libgomp loads (the xgrammar import below), so
+# this process, the xdist workers and every subprocess wait passively.  Measured (2026-12-05):
+# test_live_against_transformers 33-37 -> 14-16 s of CPU.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # XLA:CPU's fusion emitters (the MLIR code generator for loops and fusions, its default) cost
 # about 25 ms of compile per small program, the legacy elemental emitter 15 ms; the suite
@@ -44,6 +51,17 @@ else:
 # xgrammar first, here: its SIGSEGV handler is replaced by faulthandler's (import_xgrammar), so a
 # crash ends the run with a traceback instead of hanging it.
 import_xgrammar()
+
+# Python's full (generation 2) garbage collections walk every tracked object: in a test process
+# that holds JAX, XLA's jit caches, models and tracers that is a few million, ~250 ms a time, and
+# the default thresholds ran one every ~9 s of CPU: 7.1 s of 225 s on tests/test_api.py +
+# test_engine.py + test_spherical_format.py + test_calibrate_overlap.py (gc.callbacks,
+# 2026-12-05).  The objects imported so far are frozen (never garbage: modules, classes,
+# functions; a full collection skips them) and a full collection waits for 50 collections of
+# generation 1 instead of 10: 2.9 s, peak RSS 3.7 -> 4.0 GB.  Each test file still ends with a
+# full collection (_drop_compiled_programs).
+gc.freeze()
+gc.set_threshold(*gc.get_threshold()[:2], 50)
 
 # Each compiled XLA:CPU program holds about three memory mappings for as long as a jit cache
 # keeps it.  The whole suite compiles over 20,000 programs; kept, they reached Linux's
