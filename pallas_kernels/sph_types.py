@@ -66,6 +66,12 @@ class TierSpec:
     return self.d if self.values == "bf16" else self.d // 2
 
   @property
+  def name(self) -> str:
+    """The tier's name in reports: its layout, with ``/int4`` when its values are INT4 (a
+    ladder may hold one layout twice, e.g. the compact ladder's A4 with INT4 and BF16 values)."""
+    return self.layout if self.values == "bf16" else f"{self.layout}/int4"
+
+  @property
   def bytes(self) -> int:
     """Bytes per (token, layer, KV head): §2.3's table."""
     return spherical.tier_bytes(self.layout, self.d, self.values)

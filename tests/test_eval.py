@@ -515,7 +515,8 @@ def test_a_jsonl_task_runs_in_the_harness_at_a_requested_budget(session, runs, t
 # --- Spherical KV ablations and hybrids (pask_jax.spherical.variants) --------------------------
 
 SPH_KNOBS = {m: {"sink": 2, "window": 8} for m in ("sphkv-rd", "sphkv-angle", "sphkv-retain",
-                                                    "sphkv-quant", "rdr+tags", "pask+ada")}
+                                                    "sphkv-quant", "rdr+tags", "pask+ada",
+                                                    "sphkv-shared", "sphkv-compact")}
 
 
 @pytest.fixture(scope="module")
@@ -529,7 +530,7 @@ def sph_runs(session, tmp_path_factory):
   # dense: A42 measures 0.86, A2 0.83); RDR+tags where the demo policy's floors fit (its
   # protection mask is checked at a binding budget below)
   budgets = {"sphkv-rd": 0.5, "sphkv-angle": 0.9, "sphkv-retain": 0.5, "sphkv-quant": 0.9,
-             "rdr+tags": 0.95, "pask+ada": 0.5}
+             "rdr+tags": 0.95, "pask+ada": 0.5, "sphkv-shared": 0.5, "sphkv-compact": 0.5}
   out = {}
   for m, b in budgets.items():
     rc = E.RunConfig(m, b, "test", max_tokens=6, max_cases=1, knobs=SPH_KNOBS,
@@ -577,13 +578,24 @@ def test_sph_variants_run_in_the_harness_and_report_measured_b(session, sph_runs
       elif m == "sphkv-retain":
         assert set(it) == {"drop", "A4", "bf16"} and it["drop"] > 0 and it["A4"] > 0
       elif m == "pask+ada":   # H in the BF16 pool, L at the tier, R dropped
-        assert set(it) == {"drop", "A4", "bf16"} and it["A4"] > 0 and it["bf16"] > sink * G * H
+        assert set(it) == {"drop", "A4/int4", "bf16"} and it["A4/int4"] > 0
+        assert it["bf16"] > sink * G * H
+      elif m == "sphkv-compact":   # INT4 values below the top tier; the budget binds
+        assert set(it) == {"drop", "A42/int4", "A4/int4", "A4", "bf16"} and it["drop"] > 0
+        assert it["A42/int4"] + it["A4/int4"] > 0
       elif m == "sphkv-rd":   # the paper ladder under RDR: the budget binds: down-tier, drop
         assert set(it) == {"drop", "A2", "A42", "A4", "bf16"} and it["drop"] > 0
         assert it["A2"] + it["A42"] > 0
       else:
         assert set(it) == {"drop", "A2", "A42", "A4", "bf16"}
   assert _sph_runner(session, "sphkv-rd").read == "reconstruct"
+  # shared tiers: one route per (token, group), within the budget
+  r_ = _sph_runner(session, "sphkv-shared")
+  assert r_.heads == "shared" and _sph_runner(session, "sphkv-rd").heads == "own"
+  (_, _, _, plan, _), _ = _sph_state(session, r_, 0.5)
+  route = np.asarray(plan.route)
+  assert np.all(route == route[..., :1]) and np.any(route[..., 0] == 0)
+  assert np.all(np.asarray(plan.bytes) <= np.asarray(plan.budget) * (1 + 1e-6))
   # below their rate the fixed-rate ablations still drop nothing (no RD allocation: RDR would
   # drop to fit) and report what the rate spends beyond the budget
   for m in ("sphkv-angle", "sphkv-quant"):
@@ -600,6 +612,10 @@ def test_sph_variants_run_in_the_harness_and_report_measured_b(session, sph_runs
   bad = [(lambda: _sph_runner(session, "rdr+tags").configure(0.5), "need a PASK policy"),
          (lambda: _sph_runner(session, "sphkv-angle").configure(0.5, pol), "only configures"),
          (lambda: SV.Variant("x", layouts=("A2", "A4"), plan="fixed"), "one tier"),
+         (lambda: SV.Variant("x", layouts=("A2", "A4"), values=("int4",)), "one value format"),
+         (lambda: SV.Variant("x", layouts=("A4",), plan="fixed", heads="shared"),
+          "need plan 'rdr'"),
+         (lambda: SV.Variant("x", heads="all"), "heads must be one of"),
          (lambda: SV.variant("sphkv"), "unknown Spherical KV method")]
   for f, msg in bad:
     with pytest.raises(ValueError, match=msg) as e:

@@ -302,6 +302,70 @@ def test_batch_equals_rows_and_compiles_once():
   assert len(_traces) - before == 1   # budgets and lengths are traced: one trace in all
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_shared_tiers_route_all_heads_alike(seed):
+  """``shared``: every head of a (token, group) takes the route the oracle gives the summed
+  problem (one item per (token, group): distortions summed, H times the cost, protected if any
+  head is); bytes and budget in the per-head problem's units, so the budget holds."""
+  rng = np.random.default_rng(300 + seed)
+  Tn = 16
+  dist = _dist(rng, (Tn, G, H, K + 1), monotone=seed % 2 == 0)
+  protect = rng.random((Tn, G, H)) < 0.08
+  n = int(rng.integers(10, Tn + 1))
+  d1, p1 = dist.sum(2, keepdims=True), protect.any(2, keepdims=True)
+  pb = np.broadcast_to(p1, protect.shape)
+  shared = jax.jit(functools.partial(rdr.solve, window=W, sink=SINK, shared=True))
+  for frac in (0.4, 0.8, 0.95, 1.0):
+    rho = _rho(n, pb, frac + rng.uniform(-0.01, 0.01), g=seed % G)
+    plan = jax.device_get(shared(dist, COST, DENSE, n, rho, protect))
+    assert plan.route.shape == (Tn, G, H)
+    assert np.all(plan.route == plan.route[..., :1]) and np.all(plan.prot == plan.prot[..., :1])
+    want, lam = _oracle(d1, COST * H, DENSE * H, n, rho, p1)
+    np.testing.assert_array_equal(np.where(_free(n, p1), plan.route[..., :1], 0), want)
+    np.testing.assert_allclose(plan.lam, lam, rtol=1e-5)
+    np.testing.assert_allclose(plan.bytes, _bytes(plan.route, COST, DENSE, n), rtol=1e-6)
+    np.testing.assert_allclose(plan.budget, rho * n * H * DENSE, rtol=1e-6)
+    assert np.all(plan.bytes <= plan.budget * (1 + 1e-6)) or np.any(plan.deficit > 0)
+    np.testing.assert_array_equal(plan.prot, pb & _free(n, np.zeros_like(pb)))
+  with pytest.raises(ValueError, match="protect"):
+    rdr.solve(dist, COST, DENSE, 10, 0.5, np.zeros((Tn, G), bool), window=W, shared=True)
+
+
+def test_shared_gate_routes_all_heads_alike():
+  rng = np.random.default_rng(8)
+  B = 4
+  dist = _dist(rng, (B, G, H, K + 1))
+  lam = rng.uniform(0, 1e-3, (B, G)).astype(np.float32)
+  bal = (rng.uniform(0.3, 1.2, (B, G)) * H * COST[:, K]).astype(np.float32)
+  elig = np.asarray([True, True, False, True])
+  route, want, left = jax.device_get(rdr.gate(dist, COST, lam, bal, elig, shared=True))
+  r1, w1, l1 = jax.device_get(rdr.gate(dist.sum(2, keepdims=True), COST * H, lam, bal, elig))
+  np.testing.assert_array_equal(route, np.broadcast_to(r1, route.shape))
+  np.testing.assert_array_equal(want, np.broadcast_to(w1, want.shape))
+  np.testing.assert_array_equal(left, l1)
+  paid = np.take_along_axis(np.broadcast_to(COST[None, :, None], route.shape[:3] + (K + 1,)),
+                            route[..., None].astype(int), -1)[..., 0].sum(-1)
+  np.testing.assert_allclose(bal - left, np.where(elig[:, None], paid, 0.0), rtol=1e-6)
+  assert np.all(left >= 0)
+
+
+def test_compact_ladder_keeps_bf16_values_for_protected_items():
+  """The compact ladder (A42/int4 < A4/int4 < A4/bf16): A4's two tiers distort keys alike, so
+  a free item starts at the cheaper one (the BF16-value tier is never worth its bytes to RDR's
+  key distortion) and only protected items reach the top tier."""
+  tiers = (TierSpec("A42", "int4", D), TierSpec("A4", "int4", D), TierSpec("A4", "bf16", D))
+  cost, dense = rdr.costs(tiers, LAYERS, page=16)
+  assert [t.name for t in tiers] == ["A42/int4", "A4/int4", "A4"]
+  rng = np.random.default_rng(9)
+  dist = _dist(rng, (T, G, H, 4))
+  dist[..., 3] = dist[..., 2]                      # same key code: same distortion
+  protect = rng.random((T, G, H)) < 0.1
+  n = T
+  plan = jax.device_get(rdr.solve(dist, cost, dense, n, 1.0, protect, window=W, sink=SINK))
+  free = _free(n, protect)
+  assert np.all(plan.route[free] == 2) and np.all(plan.route[_prot(n, protect)] == 3)
+
+
 def test_distortion_formula():
   rng = np.random.default_rng(5)
   et = rng.uniform(0.1, 1, (T, G, H, K + 1)).astype(np.float32)

@@ -207,14 +207,36 @@ def _allocate(d, c, free, avail):
   return route, lam
 
 
+def _share(dist, cost, dense, protect):
+  """The shared-tier problem: one item per (token, group) standing for its H heads — their
+  distortions summed, costs and dense bytes times H, protected if any head is."""
+  H = dist.shape[-2]
+  prot = None if protect is None else jnp.any(jnp.asarray(protect, bool), axis=-1,
+                                               keepdims=True)
+  return (jnp.sum(dist, axis=-2, keepdims=True), jnp.asarray(cost, jnp.float32) * H,
+          jnp.asarray(dense, jnp.float32) * H, prot)
+
+
 def solve(dist, cost, dense, n, rho, protect=None, *, window: int, sink: int = 0,
-          protect_dense: bool = False) -> Plan:
+          protect_dense: bool = False, shared: bool = False) -> Plan:
   """The RDR prefill plan of one sequence (module docstring); ``window`` and ``sink`` are
   static token counts, ``n`` and ``rho`` may be traced, ``protect`` is an optional bool
-  ``[T, G, H]`` of extra protected items."""
+  ``[T, G, H]`` of extra protected items.  ``shared`` (static; the per-head vs shared tiers
+  ablation of §4): every KV head of a (token, group) takes one route, chosen for the sum of the
+  heads' distortions at H times the item cost (protected if any head is); the budget, the bytes
+  and λ are those of the per-head problem's units."""
   dist = jnp.asarray(dist, jnp.float32)
   if dist.ndim != 4 or dist.shape[-1] < 2:
     raise ValueError(f"dist must be [T, G, H, K+1] with K >= 1, got {dist.shape}")
+  if shared:
+    T, G, H, _ = dist.shape
+    if protect is not None and jnp.shape(protect) != (T, G, H):
+      raise ValueError(f"protect must be [T, G, H] = {(T, G, H)}, got {jnp.shape(protect)}")
+    d1, c1, dense1, p1 = _share(dist, cost, dense, protect)
+    plan = solve(d1, c1, dense1, n, rho, p1, window=window, sink=sink,
+                 protect_dense=protect_dense)
+    wide = lambda x: jnp.broadcast_to(x, (T, G, H))
+    return plan._replace(route=wide(plan.route), prot=wide(plan.prot))
   T, G, H, K1 = dist.shape
   K = K1 - 1
   cost = jnp.asarray(cost, jnp.float32)
@@ -266,17 +288,18 @@ def solve(dist, cost, dense, n, rho, protect=None, *, window: int, sink: int = 0
 
 
 def solve_batch(dist, cost, dense, n, rho, protect=None, *, window: int, sink: int = 0,
-                protect_dense: bool = False) -> Plan:
+                protect_dense: bool = False, shared: bool = False) -> Plan:
   """:func:`solve` vmapped over the batch: dist ``[B, T, G, H, K+1]``, n and rho ``[B]``,
-  protect ``[B, T, G, H]`` or None; cost and dense shared.  Jit it with ``window``, ``sink`` and
-  ``protect_dense`` static; budgets and lengths stay traced."""
-  f = functools.partial(solve, window=window, sink=sink, protect_dense=protect_dense)
+  protect ``[B, T, G, H]`` or None; cost and dense shared.  Jit it with ``window``, ``sink``,
+  ``protect_dense`` and ``shared`` static; budgets and lengths stay traced."""
+  f = functools.partial(solve, window=window, sink=sink, protect_dense=protect_dense,
+                        shared=shared)
   if protect is None:
     return jax.vmap(lambda d, m, r: f(d, cost, dense, m, r))(dist, n, rho)
   return jax.vmap(lambda d, m, r, p: f(d, cost, dense, m, r, p))(dist, n, rho, protect)
 
 
-def gate(dist, cost, lam, balance, eligible):
+def gate(dist, cost, lam, balance, eligible, *, shared: bool = False):
   """The gated decode rule for one leaving token per sequence (module docstring).
 
   dist ``[B, G, H, K+1]`` (D_i(t), column 0 drop, κ_drop applied), cost ``[G, K+1]`` (per item,
@@ -284,11 +307,17 @@ def gate(dist, cost, lam, balance, eligible):
   spend, its provisional reservation refunded), eligible bool ``[B]`` or ``[B, G]`` (the
   (token, group)s gated).  Returns (route ``[B, G, H]`` int32 in 0..K, the rule's unconstrained
   choice ``[B, G, H]``, balance after paying); what is not eligible gets route 0 and pays
-  nothing.
+  nothing.  ``shared`` (static): one route for all KV heads of a (token, group), chosen for
+  the sum of their distortions at H times the item cost (as :func:`solve`'s).
   Jittable, every input may be traced."""
   dist = jnp.asarray(dist, jnp.float32)
   cost = jnp.asarray(cost, jnp.float32)
   B, G, H, K1 = dist.shape
+  if shared:
+    route, want, bal = gate(jnp.sum(dist, axis=2, keepdims=True), cost * H, lam, balance,
+                            eligible)
+    wide = lambda x: jnp.broadcast_to(x, (B, G, H))
+    return wide(route), wide(want), bal
   score = dist + jnp.asarray(lam, jnp.float32)[:, :, None, None] * cost[None, :, None, :]
   want = jnp.argmin(score, axis=-1).astype(jnp.int32)                     # [B, G, H]
   caps = jnp.arange(K1)                                                    # cap c: min(want, c)

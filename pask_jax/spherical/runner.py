@@ -88,8 +88,13 @@ RECENT = 64                          # prompt tokens of the "recent" segment (§
 OMEGA = (1.0, 1.0, 2.0)
 
 
-def ladder(head_dim: int, layouts=PAPER_LADDER, values: str = "bf16") -> tuple[TierSpec, ...]:
-  return tuple(TierSpec(lay, values, head_dim) for lay in layouts)
+def ladder(head_dim: int, layouts=PAPER_LADDER, values="bf16") -> tuple[TierSpec, ...]:
+  """The tiers of ``layouts`` at ``head_dim``; ``values`` one value format for every tier or one
+  per tier."""
+  vals = (values,) * len(layouts) if isinstance(values, str) else tuple(values)
+  if len(vals) != len(layouts):
+    raise ValueError(f"one value format per tier: {len(layouts)} layouts, {len(vals)} formats")
+  return tuple(TierSpec(lay, v, head_dim) for lay, v in zip(layouts, vals))
 
 
 def _fp16(x):
@@ -113,7 +118,9 @@ class SphRunner:
   "reconstruct" (each step the tiers' visible keys decoded to a transient dense BF16 K, then a
   BF16 partition: A1); ``tags`` (RDR+tags: a (token, group) whose PASK floor is H joins P on
   every head, at prefill from the prompt's labels and at decode from the tracker's tags, charged
-  like any protected item).
+  like any protected item); ``heads`` "own" (each KV head's items routed on their own) or
+  "shared" (every head of a (token, group) takes one route: RDR on the heads' summed
+  distortion at H times the item cost, prefill and gate alike; storage and tables unchanged).
   ``stats``: the full-precision prefill with observation statistics, a
   :class:`~pask_jax.baselines.masked.MaskedRunner` of this batch and capacity that several
   runners of one model may share (one compile); configured here as SnapKV with ``obs``."""
@@ -122,7 +129,8 @@ class SphRunner:
                window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
                protect_top: float = 0.02, plan: str = "rdr", read: str = "angles",
-               tags: bool = False, decode: str = "fixed", stats: MaskedRunner | None = None,
+               tags: bool = False, decode: str = "fixed", heads: str = "own",
+               stats: MaskedRunner | None = None,
                mesh: jax.sharding.Mesh | None = None, backend: str = "reference",
                kernel_knobs: dict | None = None):
     """``mesh``: tensor parallelism over a 1-D ``model`` mesh (:mod:`pask_jax.mesh`; see
@@ -163,7 +171,11 @@ class SphRunner:
       raise ValueError(f"decode must be one of {V.DECODES}, got {decode!r}")
     if decode == "gated" and plan != "rdr":
       raise ValueError("the gated decode rule prices tiers with RDR's λ: it needs plan 'rdr'")
-    self.decode = decode
+    if heads not in V.HEADS:
+      raise ValueError(f"heads must be one of {V.HEADS}, got {heads!r}")
+    if heads == "shared" and plan != "rdr":
+      raise ValueError("shared tiers are an RDR decision: they need plan 'rdr'")
+    self.decode, self.heads = decode, heads
     self.mu = mu
     self.obs, self.kappa_drop, self.protect_top = int(obs), float(kappa_drop), float(protect_top)
     self.group_of = T.group_of_layer(c.n_layers, self.n_groups)
@@ -206,7 +218,7 @@ class SphRunner:
     ``kw`` as for the constructor (batch, capacity, sink, window, ...)."""
     v = V.variant(method)
     return cls(model, tiers=ladder(model.cfg.head_dim, v.layouts, v.values), plan=v.plan,
-               read=v.read, tags=v.tags, decode=v.decode, **kw)
+               read=v.read, tags=v.tags, decode=v.decode, heads=v.heads, **kw)
 
   @property
   def needs_policy(self) -> bool:
@@ -287,7 +299,9 @@ class SphRunner:
     eps_r = jnp.stack([to_g(e) for e in rr], -1) * a
     dist = OMEGA[2] * (eps_t + eps_r)                                         # recent, û=1, ŝ=0
     dist = dist.at[..., 0].multiply(self.kappa_drop)
-    route, _, bal = self._everywhere(lambda d, lam, b, e: rdr.gate(d, cost, lam, b, e))(
+    shared = self.heads == "shared"
+    route, _, bal = self._everywhere(
+        lambda d, lam, b, e: rdr.gate(d, cost, lam, b, e, shared=shared))(
         dist, sph.lam, bal, elig)
     route = jnp.where(elig[..., None], route, pending).astype(jnp.int8)
     return sph.replace(route=sph.route.at[bi, slot].set(route), balance=bal)
@@ -349,7 +363,8 @@ class SphRunner:
       if self.tags:   # RDR+tags: floor-H (token, group)s join P on every head
         prot = prot | hybrid.floor_h(tpol, cands)[..., None]
       solve = lambda d, p, n, r: rdr.solve_batch(d, self.cost, self.dense, n, r, p, window=W,
-                                                 sink=self.sink)
+                                                 sink=self.sink,
+                                                 shared=self.heads == "shared")
       plan = self._everywhere(solve)(dist, prot, n, rho)   # ranks every head's items
     cache, sph = self._new_states()
     sph, rows = scache.prefill_rows(sph, plan.route, Tn, n, plan.prot, mesh=self.tp_mesh)
@@ -660,9 +675,9 @@ class SphRunner:
                   "resident_B": ratio(held, n), "budget": float(np.asarray(rho)[b]),
                   "deficit_bytes": float(np.sum(deficit[b])), "overflow": bool(overflow[b]),
                   "plan": self.plan, "read": self.read, "tags": self.tags,
-                  "decode": self.decode,
+                  "decode": self.decode, "heads": self.heads,
                   "items": {"drop": int(counts[0]),
-                            **{self.tiers[t].layout: int(counts[t + 1]) for t in range(K)},
+                            **{self.tiers[t].name: int(counts[t + 1]) for t in range(K)},
                             "bf16": int(counts[K + 1])},
                   **hbm[b]})
     return out

@@ -23,6 +23,11 @@ sphkv-gated     A5     A0 with the ``gated`` decode rule: a generated token's it
                        gate (vs A0's fixed rule)
 rdr+tags        ext.   A0 with PASK's floor-H tags in RDR's protected set P (a PASK policy's
                        floors, the grammar tracker's tags) — isolates what parser tags add to RDR
+sphkv-shared    A0s    A0 with one route for every KV head of a (token, group): RDR on the heads'
+                       summed distortion — isolates per-head tiers (vs shared)
+sphkv-compact   ext.   A0 on the compact ladder (§2.3 [ours]): A42 and A4 keys with INT4 values
+                       below the top tier, A4 keys with BF16 values on top (protected items) —
+                       the low-residency curve, at PASK's INT4 bytes per item
 pask+ada        ext.   PASK's policy and controller (R/L/H from tags, PASK's budget) with its L
                        items stored at tier A4 keys + INT4 values (the compact ladder's t2, the
                        bytes of PASK's INT4 L) instead of INT4 K+V — isolates the key format
@@ -39,26 +44,30 @@ import dataclasses
 PLANS = ("rdr", "fixed", "pask")
 READS = ("angles", "reconstruct")
 DECODES = ("fixed", "gated")
+HEADS = ("own", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """One harness method as SphRunner settings: ``layouts`` the ladder (ascending cost) with
-  ``values`` its value format; ``plan`` "rdr" (the RDR controller under the budget), "fixed"
-  (every item at the ladder's only tier, no drop) or "pask" (PASK's controller and policy: H to
-  the BF16 pool, L to the ladder's only tier, R dropped); ``read`` "angles" (logits from the
+  ``values`` its value format (one for every tier, or one per tier); ``plan`` "rdr" (the RDR
+  controller under the budget), "fixed" (every item at the ladder's only tier, no drop) or
+  "pask" (PASK's controller and policy: H to the BF16 pool, L to the ladder's only tier, R
+  dropped); ``read`` "angles" (logits from the
   codes) or "reconstruct" (dense BF16 K rebuilt per step, then attention); ``tags``: PASK
   floor-H tags join P; ``decode`` "fixed" (§2.4's fixed rule) or "gated" (the tier of a
   generated token chosen when it leaves the window, from the attention it received there;
+  plan "rdr" only); ``heads`` "own" (per-head routes) or "shared" (one route per (token, group),
   plan "rdr" only).  ``needs_policy``: the run takes a PASK policy and the parser's tags."""
 
   label: str
   layouts: tuple[str, ...] = ("A2", "A42", "A4")
-  values: str = "bf16"
+  values: str | tuple[str, ...] = "bf16"
   plan: str = "rdr"
   read: str = "angles"
   tags: bool = False
   decode: str = "fixed"
+  heads: str = "own"
   isolates: str = ""
 
   def __post_init__(self):
@@ -77,6 +86,13 @@ class Variant:
       raise ValueError(f"decode must be one of {DECODES}, got {self.decode!r}")
     if self.decode == "gated" and self.plan != "rdr":
       raise ValueError("the gated decode rule prices tiers with RDR's λ: it needs plan 'rdr'")
+    if not isinstance(self.values, str) and len(self.values) != len(self.layouts):
+      raise ValueError(f"one value format per tier: {len(self.layouts)} layouts, "
+                       f"{len(self.values)} formats")
+    if self.heads not in HEADS:
+      raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
+    if self.heads == "shared" and self.plan != "rdr":
+      raise ValueError("shared tiers are an RDR decision: they need plan 'rdr'")
 
   @property
   def needs_policy(self) -> bool:
@@ -99,6 +115,12 @@ VARIANTS: dict[str, Variant] = {
                                     "it received in the window, not the fixed rule"),
     "rdr+tags": Variant("ext", tags=True,
                         isolates="parser tags: PASK's floor-H tags join RDR's protected set"),
+    "sphkv-shared": Variant("A0s", heads="shared",
+                            isolates="per-head tiers: one route for every KV head of a "
+                                     "(token, group)"),
+    "sphkv-compact": Variant("ext", layouts=("A42", "A4", "A4"),
+                             values=("int4", "int4", "bf16"),
+                             isolates="compact ladder: INT4 values below the top tier"),
     "pask+ada": Variant("ext", layouts=("A4",), values="int4", plan="pask",
                         isolates="key format under PASK: L items angle-coded, not INT4"),
 }
@@ -115,4 +137,5 @@ def variant(name: str) -> Variant:
                      f"{', '.join(VARIANTS)}") from None
 
 
-__all__ = ["DECODES", "METHODS", "PLANS", "READS", "TAGGED", "VARIANTS", "Variant", "variant"]
+__all__ = ["DECODES", "HEADS", "METHODS", "PLANS", "READS", "TAGGED", "VARIANTS", "Variant",
+           "variant"]
