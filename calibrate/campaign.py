@@ -66,6 +66,20 @@ W1 scores the last ``tail`` tokens (its cells' max_tokens is the tail); W2 is ex
 AST checker on the unpadded case.  A workload's cases are named without a model (W1/W2
 :class:`calibrate.longctx.Stub`, W3 the BFCL split of ``seed``) and built when the cell runs.
 
+A generating split may sample instead of decoding greedily (§4's seeded trajectory
+disagreement, G5)::
+
+    [splits.w3-8k-sampled]
+    task = "w3"
+    length = 8192
+    split = "test"
+    cases = 50
+    sampling = { temperature = 0.7, top_p = 0.95, seeds = [0, 1, 2] }   # one cell per seed
+
+Its cells carry the sampling in their key (greedy cells keep theirs); the report gives them a
+table of their own (one row per seed), compares each seed's run with Full KV's of the same seed,
+and adds the seed disagreement of every method and budget beside Full KV's.
+
 A cell is identified by the sha256 (first :data:`KEY_LEN` hex digits) of the canonical JSON of its
 key material: the task, the model fingerprint (sha256 of the weights file, or of every file of a
 checkpoint directory, computed once and cached by path, size and mtime) and dtype, the method, the
@@ -87,7 +101,8 @@ leaves no ``cell.json`` and runs again next time.
 quality metric (BFCL and W3: AST accuracy; W2: exact match; W1: NLL per token and perplexity)
 beside the measured B, a quality-vs-measured-B plot, and — for the generating tasks — the
 stability of every row against the Full-KV row of the same table
-(:mod:`calibrate.stability`: length drift, greedy trajectory disagreement, failure counts).
+(:mod:`calibrate.stability`: length drift, trajectory disagreement, failure counts; for sampled
+splits the seed disagreement too).
 """
 from __future__ import annotations
 
@@ -129,7 +144,8 @@ POLICY_METHODS = ("pask",) + SV.TAGGED
 # fixed-rate Spherical KV ablations, whose rate is their tier's).
 UNBUDGETED = ("full", "int4") + tuple(n for n, v in SV.VARIANTS.items() if v.plan == "fixed")
 _SPLIT = {"split", "categories", "skip", "cases", "chunk", "ids", "task", "length", "tail",
-          "max_tokens", "batch", "case_seconds"}
+          "max_tokens", "batch", "case_seconds", "sampling"}
+_SAMPLING = {"temperature", "top_p", "seeds"}
 _MODEL = {"model", "dtype", "key_center"}
 
 
@@ -171,6 +187,7 @@ class Split:
   max_tokens: int = 128          # w1: the tail
   batch: int = 64                # most sequences per generation batch (not in the key)
   case_seconds: float = 2.0      # per case, until a cell of this workload ran
+  sampling: tuple | None = None  # (temperature, top_p, seeds): one cell per seed; None greedy
 
   @property
   def workload(self) -> str:
@@ -319,7 +336,8 @@ def load_plan(path: str, results: str | None = None) -> Plan:
                         *wl,
                         _get(v, "batch", where, int, batch, ok=pos, rule="a positive integer"),
                         _get(v, "case_seconds", where, float, case_s, ok=lambda x: x >= 0,
-                             rule="seconds >= 0")))
+                             rule="seconds >= 0"),
+                        _sampling(v, where, wl[0])))
   if not splits:
     raise PlanError("splits: the plan has no splits (add e.g. [splits.test] split = \"test\")")
   long = [s for s in splits if s.task in LC.TASKS]
@@ -331,6 +349,26 @@ def load_plan(path: str, results: str | None = None) -> Plan:
   folder = os.path.join(results or RESULTS, name)
   return Plan(name, path, folder, task, seed, batch, max_tokens, case_s, load_s, tuple(models),
               tuple(methods), tuple(splits))
+
+
+def _sampling(v: dict, where: str, task: str) -> tuple | None:
+  """A split entry's ``sampling = {temperature, top_p, seeds}`` -> (temperature, top_p, seeds)
+  or None (greedy)."""
+  t = _get(v, "sampling", where, dict)
+  if t is None:
+    return None
+  where = f"{where}.sampling"
+  if task == "w1":
+    raise PlanError(f"{where}: task w1 feeds the document's own tokens and samples nothing")
+  _check_keys(t, _SAMPLING, where)
+  temp = _get(t, "temperature", where, float, ok=lambda x: x > 0, rule="a number > 0")
+  if temp is None:
+    raise PlanError(f"{where}.temperature: missing (e.g. 0.7)")
+  top_p = _get(t, "top_p", where, float, 1.0, ok=lambda x: 0 < x <= 1, rule="a number in (0, 1]")
+  seeds = _get(t, "seeds", where, list, [0, 1, 2],
+               ok=lambda x: x and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+               and len(set(x)) == len(x), rule="a non-empty list of distinct integers")
+  return temp, top_p, tuple(seeds)
 
 
 def _workload(v: dict, where: str, task: str, length: int | None, tail: int | None,
@@ -563,6 +601,7 @@ class Cell:
   policy: str | None     # the resolved policy (pask)
   knobs: dict | None     # the knobs the run gets
   dir: str
+  sample_seed: int | None = None   # the sampling seed of a split with ``sampling``
 
   @property
   def done(self) -> bool:
@@ -570,7 +609,8 @@ class Cell:
 
   @property
   def slice_label(self) -> str:
-    return self.split.label + ("" if self.part is None else f"#{self.part}")
+    return (self.split.label + ("" if self.part is None else f"#{self.part}")
+            + ("" if self.sample_seed is None else f" seed {self.sample_seed}"))
 
   @property
   def label(self) -> str:
@@ -706,9 +746,12 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
             knobs, policy, settings = resolved[me.label, b, sp.max_tokens]
             material = {**task_m, "model": model_fp, "method": me.method, "budget": b,
                         "settings": settings, "split": E.SPLIT_NAMES[sp.split], "cases": ids}
-            key = cell_key(material)
-            out.append(Cell(key, material, mo, me, b, sp, i if sp.chunk else None, tuple(cs),
-                            path, policy, knobs, os.path.join(plan.folder, key)))
+            for seed in (None,) if sp.sampling is None else sp.sampling[2]:
+              m = material if seed is None else {**material, "sampling": {
+                  "temperature": sp.sampling[0], "top_p": sp.sampling[1], "seed": seed}}
+              key = cell_key(m)
+              out.append(Cell(key, m, mo, me, b, sp, i if sp.chunk else None, tuple(cs),
+                              path, policy, knobs, os.path.join(plan.folder, key), seed))
   return out
 
 
@@ -795,8 +838,11 @@ def run_cell(session: E.Session, cell: Cell, plan: Plan, *, load_s: float | None
   task built them from the cell's (default: the cell's own)."""
   part = os.path.join(plan.folder, PARTIAL + cell.key)
   shutil.rmtree(part, ignore_errors=True)
+  smp = cell.material.get("sampling") or {}
   rc = E.RunConfig(cell.method.method, cell.budget, cell.split.split, cell.split.categories,
-                   max_tokens=cell.split.max_tokens, policy=cell.policy, knobs=cell.knobs)
+                   max_tokens=cell.split.max_tokens, policy=cell.policy, knobs=cell.knobs,
+                   temperature=smp.get("temperature", 0.0), top_p=smp.get("top_p", 1.0),
+                   sample_seed=smp.get("seed", 0))
   try:
     started, t0 = _stamp(), clock()
     meta = E.run(session, rc, part, progress=progress,
@@ -1054,15 +1100,24 @@ def collect(paths: Sequence[str], *, results: str | None = None,
   return runs
 
 
+def sampling_of(r: dict) -> dict | None:
+  """A run's or cell's sampling (temperature, top_p, seed), None when it decoded greedily."""
+  return (r.get("material") or {}).get("sampling") or r.get("sampling")
+
+
 def _section(r: dict) -> tuple[str, str]:
-  """(key, title) of the table a run goes in: one per model and split."""
+  """(key, title) of the table a run goes in: one per model and split (and sampling
+  temperature / top-p: the seeds of one sampling share a table)."""
+  smp = sampling_of(r)
+  how = [] if smp is None else [[smp["temperature"], smp["top_p"]]]
+  tag = "" if smp is None else f", sampled T={smp['temperature']:g} top-p {smp['top_p']:g}"
   if "material" in r:
     m = r["material"]
-    key = canonical([m["model"], m["task"], m["split"]])
-    return key, f"{r['model_label']} ({m['model']['dtype']}), {m['task']} {m['split']}"
+    key = canonical([m["model"], m["task"], m["split"], *how])
+    return key, f"{r['model_label']} ({m['model']['dtype']}), {m['task']} {m['split']}{tag}"
   ident = r.get("model_identity") or {"model": r.get("model")}
-  key = canonical([ident, r.get("task"), r.get("split")])
-  return key, f"{r.get('model', '?')}, {r.get('task', '?')} {r.get('split', '?')}"
+  key = canonical([ident, r.get("task"), r.get("split"), *how])
+  return key, f"{r.get('model', '?')}, {r.get('task', '?')} {r.get('split', '?')}{tag}"
 
 
 def _task_of(rs: Sequence[dict]) -> str:
@@ -1098,7 +1153,10 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
   dense = [r for r in rs if r.get("base_method", r["method"]) == "full"]
   if not dense:
     return ("\n**Stability**: no Full-KV run (method full) in this table: not computed.\n", [])
-  ref = _case_rows(max(dense, key=lambda r: r["n_cases"]))
+  seed = lambda r: (sampling_of(r) or {}).get("seed")
+  refs = {}   # per sampling seed (None: greedy), the Full-KV run with the most cases
+  for d in sorted(dense, key=lambda r: r["n_cases"]):
+    refs[seed(d)] = _case_rows(d)
   calls = not _task_of(rs).startswith(("w1:", "w2:"))   # W2 answers are codes, not calls
   order = lambda r: (BL.METHODS.index(r.get("base_method", r["method"]))
                      if r.get("base_method", r["method"]) in BL.METHODS else 99,
@@ -1107,7 +1165,8 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   out = []
   for r in sorted(rs, key=order):
-    st = ST.compare(_case_rows(r), ref, calls=calls)
+    ref = refs.get(seed(r))
+    st = None if ref is None else ST.compare(_case_rows(r), ref, calls=calls)
     out.append({"method": r["method"], "budget": r["budget"],
                 **{k: (st or {}).get(k) for k in ST.FIELDS}})
     b = "–" if r.get("base_method", r["method"]) == "full" else E.label(r["budget"])
@@ -1116,8 +1175,40 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
         "Δ_tok = (generated tokens − Full KV's) / Full KV's; disagreement: the greedy tokens "
         "differ from Full KV's (text: rows without token ids), first divergence in tokens; "
         f"looping, early stop (< {ST.EARLY:g} × Full KV's tokens) and malformed calls "
-        "counted):\n\n" + "\n".join(lines) + "\n")
-  return md, out
+        "counted" + ("; sampled runs against Full KV's run of the same seed"
+                     if any(seed(r) is not None for r in rs) else "") + "):\n\n"
+        + "\n".join(lines) + "\n")
+  return md + seed_table(rs), out
+
+
+def seed_table(rs: Sequence[dict]) -> str:
+  """The seed disagreement (:func:`calibrate.stability.seed_disagreement`) of every (method,
+  budget) of a sampled table with runs at two or more seeds, beside Full KV's (markdown; empty
+  for a greedy table)."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in rs:
+    smp = sampling_of(r)
+    if smp is not None:
+      groups.setdefault((r.get("series", r["method"]), r["budget"],
+                         r.get("base_method", r["method"])), []).append(r)
+  got = {k: ST.seed_disagreement([_case_rows(r) for r in v]) for k, v in groups.items()}
+  got = {k: v for k, v in got.items() if v is not None}
+  if not got:
+    return ""
+  dense = [v for k, v in got.items() if k[2] == "full"]
+  ref = dense[0]["disagree"] if dense else None
+  lines = ["| method | target B | seeds | n | seed disagreement | − Full KV's |",
+           "|---|---|---|---|---|---|"]
+  order = lambda k: (BL.METHODS.index(k[2]) if k[2] in BL.METHODS else 99, k[1] or 0.0, k[0])
+  for k in sorted(got, key=order):
+    v = got[k]
+    b = "–" if k[2] == "full" else E.label(k[1])
+    diff = "–" if ref is None or k[2] == "full" else f"{100 * (v['disagree'] - ref):+.1f} pts"
+    lines.append(f"| {k[0]} | {b} | {v['seeds']} | {v['n']} | {100 * v['disagree']:.1f}% | "
+                 f"{diff} |")
+  return ("\n**Seed disagreement** (calibrate.stability.seed_disagreement: the cases whose "
+          "generated tokens are not the same under every sampling seed; G5: at most Full KV's "
+          "+ 5 points):\n\n" + "\n".join(lines) + "\n")
 
 
 def _write_section(rs: Sequence[dict], d: str) -> str:
@@ -1158,6 +1249,10 @@ def report(paths: Sequence[str], out: str, *, results: str | None = None,
     for r in rs:
       if "label" in r:
         r["method"] = r["label"]   # the plan's label names the row and the plot's series
+      smp = sampling_of(r)
+      if smp is not None:   # one row per seed; the seeds of a method and budget form a series
+        r["series"] = r["method"]
+        r["method"] += f" seed {smp['seed']}"
       named.setdefault((r["method"], r["budget"]), []).append(r)
     for same in named.values():
       if len(same) > 1:   # one label, several settings: tell them apart

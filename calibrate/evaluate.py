@@ -166,6 +166,9 @@ class RunConfig:
   policy: str | None = None          # pask: a policy directory (or all-high / demo)
   knobs: dict | None = None           # see DEFAULT_KNOBS; merged over it
   skip_cases: int = 0                 # per category: leave out the first N (run a later slice)
+  temperature: float = 0.0           # > 0: nucleus sampling (G5's seeded disagreement); 0 greedy
+  top_p: float = 1.0
+  sample_seed: int = 0               # the sampling key's seed (rows share a key per step)
 
 
 _VARIANT = re.compile(r"B(\d+(?:\.\d+)?)")
@@ -247,6 +250,10 @@ def check_config(rc: RunConfig) -> None:
     raise ValueError("max_tokens must be positive")
   if rc.skip_cases < 0:
     raise ValueError("skip_cases must be >= 0")
+  if not rc.temperature >= 0:
+    raise ValueError(f"temperature must be >= 0 (0: greedy), got {rc.temperature}")
+  if not 0 < rc.top_p <= 1:
+    raise ValueError(f"top_p must be in (0, 1], got {rc.top_p}")
 
 
 def merged_knobs(knobs: dict | None) -> dict:
@@ -476,7 +483,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
                          Tracker(p.grammar, FCAdapter(p.grammar, s.tok)))
   else:
     tracker = lambda p: Tracker(p.grammar)
-  sampling = Sampling(max_tokens=rc.max_tokens)
+  sampling = Sampling(max_tokens=rc.max_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                      seed=rc.sample_seed)
   order = sorted(range(len(preps)), key=lambda i: len(preps[i].ids))
   rows: list[dict | None] = [None] * len(preps)
   bar = None
@@ -524,6 +532,9 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
           "model_identity": _ident(s), "task": s.task.name, "n_cases": len(rows),
           "max_tokens": rc.max_tokens, "batch": batch, "capacity": s.capacity,
           "settings": used, "wall_s": wall, "categories": summ}
+  if rc.temperature > 0:
+    meta["sampling"] = {"temperature": rc.temperature, "top_p": rc.top_p,
+                        "seed": rc.sample_seed}
   if out:
     write(out, rows, meta)
   return meta
@@ -557,6 +568,9 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
 
   from pask_jax import tags as T
   from pask_jax.decode import pad_prompts
+  if rc.temperature > 0:
+    raise ValueError("W1 feeds the document's own tokens (teacher forcing): it samples nothing; "
+                     "leave the temperature at 0")
   from pask_jax.grammar.matcher import new_bitmask
   from pask_jax.prompt import Prompt
   from pask_jax.tracker import FREE_TAG

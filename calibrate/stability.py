@@ -18,7 +18,12 @@ Cases are matched by (category, id); over the matched cases:
   *malformed call* — where the task scores tool calls, an output that parses to no call
   (unparseable, or cut off at max_tokens: ``calls`` is null).
 
-Greedy decoding only (the harness's); the seeded-sampling disagreement of §4 is not measured.
+Runs that sample (``pask-jax eval --temperature``, a campaign split's ``sampling``) compare
+each seed's run with Full KV's run of the same seed (the sampling key is the same, so the two
+draw the same noise where their distributions agree), and :func:`seed_disagreement` measures
+§4's **seed disagreement**: the fraction of cases whose generated tokens are not the same
+under every seed — a method's own trajectory instability, compared in the report with Full
+KV's (G5: at most Full KV's + 5 points).
 """
 from __future__ import annotations
 
@@ -101,6 +106,22 @@ def compare(rows: Sequence[dict], dense: Sequence[dict], *, calls: bool) -> dict
           "malformed": sum(r.get("calls") is None for r, _ in pairs) if calls else None}
 
 
+def seed_disagreement(runs: Sequence[Sequence[dict]]) -> dict | None:
+  """Over the cases every run of ``runs`` holds (one run per sampling seed of one method and
+  budget: its per-case rows), the fraction whose generated tokens (texts for rows without
+  token ids) differ between at least two seeds.  None for fewer than two runs or no shared
+  case.  Keys: seeds, n, disagree."""
+  if len(runs) < 2:
+    return None
+  by = [{(r["category"], r["id"]): r for r in rs} for rs in runs]
+  shared = set(by[0]).intersection(*by[1:])
+  if not shared:
+    return None
+  out = lambda r: tuple(r["tokens"]) if "tokens" in r else r["text"]
+  differ = sum(len({out(b[k]) for b in by}) > 1 for k in shared)
+  return {"seeds": len(runs), "n": len(shared), "disagree": differ / len(shared)}
+
+
 FIELDS = ("n", "dtok_abs_median", "dtok_mean", "disagree", "diverge_median", "looping",
           "early_stop", "malformed")
 HEAD = ("n", "median \\|Δ_tok\\|", "mean Δ_tok", "disagreement", "median first divergence",
@@ -121,4 +142,4 @@ def cells(s: dict | None) -> list[str]:
 
 
 __all__ = ["EARLY", "FIELDS", "HEAD", "LOOP_CHARS", "LOOP_PERIOD", "LOOP_REPEATS", "cells",
-           "compare", "first_divergence", "looping", "periodic_tail"]
+           "compare", "first_divergence", "looping", "periodic_tail", "seed_disagreement"]

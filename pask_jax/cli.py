@@ -172,7 +172,8 @@ def cmd_eval(args) -> int:
   rc = E.RunConfig(args.method, budget, args.split,
                    tuple(args.categories) if args.categories else None, args.max_cases,
                    args.max_tokens, args.policy,
-                   E.read_knobs(args.knobs) if args.knobs else None, args.skip_cases)
+                   E.read_knobs(args.knobs) if args.knobs else None, args.skip_cases,
+                   args.temperature, args.top_p, args.sample_seed)
   try:
     E.check_config(rc)
   except ValueError as e:
@@ -536,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
                  help="BFCL categories (default: the four non-live ones); --task jsonl: "
                       "categories of the file (default: all)")
   e.add_argument("--max-tokens", type=int, default=128)
+  e.add_argument("--temperature", type=float, default=0.0,
+                 help="> 0: nucleus sampling with --top-p and --sample-seed (default 0: greedy)")
+  e.add_argument("--top-p", type=float, default=1.0)
+  e.add_argument("--sample-seed", type=int, default=0)
   e.add_argument("--batch", type=int, default=64,
                  help="most sequences per generation batch (fewer cases: fewer rows, no padding)")
   e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")

@@ -333,8 +333,40 @@ def test_report_of_a_plan_keeps_only_its_current_settings(env, task):
   assert len([l for l in table(md) if l.startswith("| h2o ")]) == 1
 
 
+def test_sampled_split_makes_a_cell_per_seed_and_runs_it_sampled(env, task, monkeypatch):
+  """``sampling`` on a split: one cell per seed, the sampling in the key (greedy keys as
+  before), each cell run at its temperature, top-p and seed, which its cell.json records."""
+  one = PLAN.replace("budgets = [0.5, 0.4]", "budgets = [0.5]")
+  greedy = C.cells(C.load_plan(write_plan(env, one), str(env / "r")), task)
+  text = one + ("\n[splits.s]\nsplit = \"test\"\ncases = 1\n"
+                "sampling = {{ temperature = 0.7, top_p = 0.9, seeds = [4, 5] }}\n")
+  plan = C.load_plan(write_plan(env, text, name="s.toml"), str(env / "results"))
+  cs = C.cells(plan, task)
+  assert [c.key for c in cs[:2]] == [c.key for c in greedy]
+  sampled = cs[2:]
+  assert [(c.method.label, c.sample_seed) for c in sampled] == [
+      ("full", 4), ("full", 5), ("h2o", 4), ("h2o", 5)]
+  assert len({c.key for c in cs}) == 6 and sampled[0].slice_label == "s seed 4"
+  assert sampled[1].material["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+  calls = counting_run(monkeypatch)
+  C.run(plan, task=task, log=lambda s: None)
+  got = sorted((rc.method, rc.temperature, rc.top_p, rc.sample_seed) for rc in calls)
+  assert got == sorted([("full", 0.0, 1.0, 0), ("h2o", 0.0, 1.0, 0), ("full", 0.7, 0.9, 4),
+                        ("full", 0.7, 0.9, 5), ("h2o", 0.7, 0.9, 4), ("h2o", 0.7, 0.9, 5)])
+  doc = read_json(os.path.join(sampled[3].dir, "cell.json"))
+  assert doc["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+  md, _ = C.report([plan.folder], str(env / "rep"), log=lambda s: None)
+  assert ", sampled T=0.7 top-p 0.9" in md and "| h2o seed 5 | 0.50 |" in md
+
+
 def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
   cases = [
+      (PLAN.replace("cases = 1", "cases = 1\nsampling = {{ top_p = 0.9 }}"),
+       "splits.test.sampling.temperature: missing"),
+      (PLAN.replace("cases = 1", "cases = 1\nsampling = {{ temperature = 0.7, seeds = [1, 1] }}"),
+       "splits.test.sampling.seeds: expected a non-empty list of distinct integers"),
+      (PLAN.replace("cases = 1", "cases = 1\nsampling = {{ temperature = 0.7, top_k = 5 }}"),
+       "splits.test.sampling.top_k: unknown key"),
       (PLAN.replace("[methods.full]", "[methods.lru]"), "methods.lru.method: unknown method"),
       (PLAN.replace('tiny = "{model}"', 'tiny = "/nowhere/model.gguf"'),
        "models.tiny: model not found"),
@@ -477,11 +509,13 @@ def test_stability_metrics_are_exact():
     ST.periodic_tail("abc", 0)
 
 
-def hand_cell(root, method, budget, rows, task):
+def hand_cell(root, method, budget, rows, task, sampling=None):
   material = {"task": task, "seed": 0, "model": {"sha256": "0" * 64, "dtype": "auto",
                                                   "key_center": True},
               "method": method, "budget": budget, "settings": {"max_tokens": 16},
               "split": "test", "cases": sorted(f"{r['category']}/{r['id']}" for r in rows)}
+  if sampling is not None:
+    material["sampling"] = sampling
   key = C.cell_key(material)
   (root / key).mkdir(parents=True)
   (root / key / "cell.json").write_text(json.dumps({
@@ -523,6 +557,47 @@ def test_report_writes_stability_tables_from_stored_cells(tmp_path):
                                    if "spherical" in (p / "cell.json").read_text()))],
                   str(tmp_path / "one"), log=lambda s: None)[0]
   assert "no Full-KV run (method full) in this table" in only
+
+
+def test_seed_disagreement_is_exact():
+  from calibrate import stability as ST
+  s0 = [case_row(0, [1, 2]), case_row(1, [3]), case_row(2, [4, 4]), case_row(7, [9])]
+  s1 = [case_row(0, [1, 2]), case_row(1, [5]), case_row(2, [4, 4])]
+  s2 = [case_row(0, [1, 3]), case_row(1, [3]), case_row(2, [4, 4])]
+  # over c0..c2 (c7 is not in every run): c0 differs under seed 2, c1 under seed 1
+  assert ST.seed_disagreement([s0, s1, s2]) == {"seeds": 3, "n": 3, "disagree": 2 / 3}
+  assert ST.seed_disagreement([s0, s1]) == {"seeds": 2, "n": 3, "disagree": 1 / 3}
+  texts = [[{k: v for k, v in r.items() if k != "tokens"} for r in rs] for rs in (s0, s2)]
+  assert ST.seed_disagreement(texts)["disagree"] == 1 / 3        # by text without token ids
+  assert ST.seed_disagreement([s0]) is None and ST.seed_disagreement([s0, [case_row(5, [1])]]) \
+      is None
+
+
+def test_report_puts_sampled_cells_in_their_own_table_with_seed_disagreement(tmp_path):
+  """Cells of a split with ``sampling``: their own table (the greedy one untouched), one row per
+  seed, stability against Full KV's run of the same seed, and the seed disagreement of each
+  (method, budget) beside Full KV's."""
+  root = tmp_path / "cells"
+  hand_cell(root, "full", 1.0, DENSE, "w3:L64")
+  smp = lambda seed: {"temperature": 0.7, "top_p": 0.95, "seed": seed}
+  d1 = [DENSE[0], case_row(1, [5, 6, 7]), DENSE[2], DENSE[3]]          # c1 differs by seed
+  m0 = [DENSE[0], DENSE[1], DENSE[2], case_row(3, [7] * 8)]
+  m1 = [case_row(0, [1, 2]), DENSE[1], case_row(2, [9] * 10), case_row(3, [7] * 8)]
+  hand_cell(root, "full", 1.0, DENSE, "w3:L64", smp(0))
+  hand_cell(root, "full", 1.0, d1, "w3:L64", smp(1))
+  hand_cell(root, "spherical", 0.35, m0, "w3:L64", smp(0))
+  hand_cell(root, "spherical", 0.35, m1, "w3:L64", smp(1))
+  md, _ = C.report([str(root)], str(tmp_path / "rep"), log=lambda s: None)
+  greedy, sampled = md.split("## ")[1:]
+  assert greedy.startswith("m (auto), w3:L64 test\n") and "seed" not in greedy
+  assert sampled.startswith("m (auto), w3:L64 test, sampled T=0.7 top-p 0.95")
+  assert "| full seed 0 | – | 4 | 0.0% | +0.0% | 0.0% |" in sampled
+  assert "| full seed 1 | – | 4 | 0.0% | +0.0% | 0.0% |" in sampled
+  assert "| spherical seed 0 | 0.35 | 4 | 0.0% | +0.0% | 25.0% | 0 |" in sampled   # vs seed 0
+  assert "| spherical seed 1 | 0.35 | 4 | " in sampled and " | 100.0% | " in sampled
+  assert "**Seed disagreement**" in sampled and "**Seed disagreement**" not in greedy
+  assert "| full | – | 2 | 4 | 25.0% | – |" in sampled
+  assert "| spherical | 0.35 | 2 | 4 | 50.0% | +25.0 pts |" in sampled
 
 
 def test_report_tables_show_b_hbm_where_a_method_has_a_kernel_path(tmp_path):

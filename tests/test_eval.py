@@ -470,6 +470,13 @@ def test_spherical_runs_in_the_harness_and_reports_measured_b(session, tmp_path)
   for bad in (0.0, 1.5, float("nan")):
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
       E.check_config(E.RunConfig("spherical", bad, "test"))
+  for kw, msg in ((dict(temperature=-0.1), "temperature must be >= 0"),
+                  (dict(temperature=float("nan")), "temperature must be >= 0"),
+                  (dict(temperature=0.7, top_p=0.0), r"top_p must be in \(0, 1\]"),
+                  (dict(top_p=1.5), r"top_p must be in \(0, 1\]")):
+    with pytest.raises(ValueError, match=msg) as e:
+      E.check_config(E.RunConfig("full", 1.0, "test", **kw))
+    assert "\n" not in str(e.value)
 
 
 def test_a_jsonl_task_runs_in_the_harness_at_a_requested_budget(session, runs, tmp_path):
