@@ -1150,9 +1150,10 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
   several), and its rows; W1 (teacher-forced: nothing generated) has none."""
   if not rs or all(E.is_lm(r) for r in rs):
     return "", []
-  dense = [r for r in rs if r.get("base_method", r["method"]) == "full"]
+  dense = [r for r in rs if E.is_full(r)]
   if not dense:
-    return ("\n**Stability**: no Full-KV run (method full) in this table: not computed.\n", [])
+    return ("\n**Stability**: no Full-KV run (method full) in this table: not computed.\n"
+            + seed_table(rs), [])
   seed = lambda r: (sampling_of(r) or {}).get("seed")
   refs = {}   # per sampling seed (None: greedy), the Full-KV run with the most cases
   for d in sorted(dense, key=lambda r: r["n_cases"]):
@@ -1172,7 +1173,7 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
     b = "–" if r.get("base_method", r["method"]) == "full" else E.label(r["budget"])
     lines.append("| " + " | ".join([r["method"], b, *ST.cells(st)]) + " |")
   md = ("\n**Stability vs Full KV** (calibrate.stability; n: cases shared with the Full-KV run; "
-        "Δ_tok = (generated tokens − Full KV's) / Full KV's; disagreement: the greedy tokens "
+        "Δ_tok = (generated tokens − Full KV's) / Full KV's; disagreement: the generated tokens "
         "differ from Full KV's (text: rows without token ids), first divergence in tokens; "
         f"looping, early stop (< {ST.EARLY:g} × Full KV's tokens) and malformed calls "
         "counted" + ("; sampled runs against Full KV's run of the same seed"
@@ -1181,31 +1182,46 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
   return md + seed_table(rs), out
 
 
+def _config(r: dict) -> str:
+  """A run's configuration without its sampling seed: a cell's key material less the cases and
+  the seed; an eval run's method, budget, settings, task and split."""
+  m = r.get("material")
+  if m is not None:
+    m = {k: v for k, v in m.items() if k != "cases"}
+    m["sampling"] = {k: v for k, v in (m.get("sampling") or {}).items() if k != "seed"}
+    return canonical([m, r.get("series", r["method"])])
+  return canonical([r.get("base_method", r["method"]), r["budget"], r.get("settings"),
+                    r.get("task"), r.get("split"), r.get("series", r["method"])])
+
+
 def seed_table(rs: Sequence[dict]) -> str:
   """The seed disagreement (:func:`calibrate.stability.seed_disagreement`) of every (method,
   budget) of a sampled table with runs at two or more seeds, beside Full KV's (markdown; empty
   for a greedy table)."""
-  groups: dict[tuple, list[dict]] = {}
+  groups: dict[str, dict] = {}   # configuration (everything but the seed) -> seed -> run
   for r in rs:
     smp = sampling_of(r)
-    if smp is not None:
-      groups.setdefault((r.get("series", r["method"]), r["budget"],
-                         r.get("base_method", r["method"])), []).append(r)
-  got = {k: ST.seed_disagreement([_case_rows(r) for r in v]) for k, v in groups.items()}
-  got = {k: v for k, v in got.items() if v is not None}
+    if smp is None:
+      continue
+    g = groups.setdefault(_config(r), {"runs": {}, "row": r})
+    old = g["runs"].get(smp["seed"])
+    if old is None or r["n_cases"] > old["n_cases"]:   # one run per seed (the largest)
+      g["runs"][smp["seed"]] = r
+  got = [(g["row"], ST.seed_disagreement([_case_rows(x) for x in g["runs"].values()]))
+         for g in groups.values()]
+  got = [(r, v) for r, v in got if v is not None]
   if not got:
     return ""
-  dense = [v for k, v in got.items() if k[2] == "full"]
+  dense = [v for r, v in got if E.is_full(r)]
   ref = dense[0]["disagree"] if dense else None
   lines = ["| method | target B | seeds | n | seed disagreement | − Full KV's |",
            "|---|---|---|---|---|---|"]
-  order = lambda k: (BL.METHODS.index(k[2]) if k[2] in BL.METHODS else 99, k[1] or 0.0, k[0])
-  for k in sorted(got, key=order):
-    v = got[k]
-    b = "–" if k[2] == "full" else E.label(k[1])
-    diff = "–" if ref is None or k[2] == "full" else f"{100 * (v['disagree'] - ref):+.1f} pts"
-    lines.append(f"| {k[0]} | {b} | {v['seeds']} | {v['n']} | {100 * v['disagree']:.1f}% | "
-                 f"{diff} |")
+  for r, v in sorted(got, key=lambda x: E.row_order(x[0])):
+    full = E.is_full(r)
+    b = "–" if full else E.label(r["budget"])
+    diff = "–" if ref is None or full else f"{100 * (v['disagree'] - ref):+.1f} pts"
+    lines.append(f"| {r.get('series', r['method'])} | {b} | {v['seeds']} | {v['n']} | "
+                 f"{100 * v['disagree']:.1f}% | {diff} |")
   return ("\n**Seed disagreement** (calibrate.stability.seed_disagreement: the cases whose "
           "generated tokens are not the same under every sampling seed; G5: at most Full KV's "
           "+ 5 points):\n\n" + "\n".join(lines) + "\n")

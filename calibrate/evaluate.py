@@ -1009,8 +1009,7 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
   if any(lm):
     raise ValueError("W1 (NLL) runs and accuracy runs cannot share one report: report them "
                      "separately")
-  runs.sort(key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS else 99,
-                           r["budget"] or 0.0))
+  runs.sort(key=row_order)
   cats = [c for c in ("simple_python", "multiple", "parallel", "parallel_multiple", "hop1",
                       "hop2") if any(c in r["categories"] for r in runs)]
   em = is_em(runs)   # W2: exact match per hop and overall, no BFCL headline
@@ -1029,7 +1028,7 @@ def report(dirs: Sequence[str] | None, out: str, *, runs: Sequence[dict] | None 
     if over_budget(r):
       over += 1
       spent += " **over**"
-    row = [r["method"], "–" if r["method"] == "full" else
+    row = [r["method"], "–" if is_full(r) else
            "policy's own" if r["budget"] is None else f"{r['budget']:.2f}",
            spent] + ([se(o)] if em else [se(h), se(o)]) + [pct(c.get(k)) for k in cats]
     row += [pct(c.get(k), "per_call") for k in cats if k.startswith("parallel")]
@@ -1066,15 +1065,14 @@ def plot_name(runs: Sequence[dict]) -> str:
 def report_lm(runs: Sequence[dict], out: str) -> str:
   """W1's table (method, target and measured B, NLL per token, perplexity, n; per run the
   length and tail) and NLL against measured total B (``out``/report.md, ``out``/nll_vs_B.png)."""
-  runs = sorted(runs, key=lambda r: (BL.METHODS.index(r["method"]) if r["method"] in BL.METHODS
-                                     else 99, r["budget"] or 0.0))
+  runs = sorted(runs, key=row_order)
   head = ["method", "target B", "measured B (prefill / decode / total)", "NLL / token", "ppl",
           "length / tail", "n", "b_HBM"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in runs:
     o = r["categories"]["overall"]
     lines.append("| " + " | ".join([
-        r["method"], "–" if r["method"] == "full" else label(r["budget"]),
+        r["method"], "–" if is_full(r) else label(r["budget"]),
         f"{o['prefill_B']:.3f} / {o['decode_B']:.3f} / {o['total_B']:.3f}", f"{o['nll']:.4f}",
         f"{o['ppl']:.3f}", f"{r.get('length', '?')} / {r.get('tail', '?')}", str(o["n"]),
         hbm_cell(o)]) + " |")
@@ -1092,7 +1090,7 @@ def report_lm(runs: Sequence[dict], out: str) -> str:
   by: dict[str, list] = {}
   for r in runs:
     o = r["categories"]["overall"]
-    by.setdefault(r["method"], []).append((o["total_B"], o["nll"]))
+    by.setdefault("full" if is_full(r) else r["method"], []).append((o["total_B"], o["nll"]))
   for m, pts in by.items():
     pts.sort()
     if m == "full":
@@ -1109,12 +1107,23 @@ def report_lm(runs: Sequence[dict], out: str) -> str:
   return md
 
 
+def is_full(run: dict) -> bool:
+  """Whether a run is Full KV, whatever its row is called (a plan's label, a sampling seed)."""
+  return run.get("base_method", run.get("method")) == "full"
+
+
+def row_order(r: dict) -> tuple:
+  """A report row's place: by method (the registry's order), target budget, row name."""
+  m = r.get("base_method", r["method"])
+  return (BL.METHODS.index(m) if m in BL.METHODS else 99, r["budget"] or 0.0, r["method"])
+
+
 def over_budget(run: dict) -> bool:
   """Whether a run's measured total B lies above its target budget by more than ``B_SLACK`` (a
   method whose floor — a protected sink and recent window, prefill-only compression — exceeds
   the target).  Full KV and runs without a target never are."""
   b = run.get("budget")
-  return (run.get("method") != "full" and b is not None and b < 1.0
+  return (not is_full(run) and b is not None and b < 1.0
           and run["categories"]["overall"]["total_B"] > b + B_SLACK)
 
 
@@ -1143,18 +1152,18 @@ def plot_runs(runs: list[dict], path: str) -> dict | None:
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.4, 4.4))
   by: dict[str, list] = {}
-  for r in runs:
+  for r in runs:   # a sampled table's seeds of one method and budget: one series
     c = r["categories"]
     h = c.get("simple+multiple", c["overall"])
-    by.setdefault(r["method"], []).append(
+    by.setdefault("full" if is_full(r) else r.get("series", r["method"]), []).append(
         (c["overall"]["total_B"], 100 * h["accuracy"], 100 * binomial_se(h["accuracy"], h["n"])))
   drawn: dict[str, Any] = {"series": {}}
   xs_all, lo_y, hi_y = [], [], []
   for m, pts in by.items():
     pts.sort()
     xs, ys, es = (list(v) for v in zip(*pts))
-    if m == "full":
-      y, e = ys[0], es[0]
+    if m == "full":   # several (sampling seeds): their mean and largest s.e.
+      y, e = float(np.mean(ys)), max(es)
       ax.axhline(y, color="k", ls="--", lw=1, label="Full KV (±1 s.e.)")
       ax.axhspan(y - e, y + e, color="k", alpha=0.08, lw=0)
       lo_y.append(y - e)

@@ -178,6 +178,9 @@ def cmd_eval(args) -> int:
     E.check_config(rc)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  if args.task == "w1" and args.temperature > 0:
+    raise SystemExit("error: --task w1 feeds the document's own tokens (teacher forcing) and "
+                     "samples nothing: leave --temperature at 0")
   cases = _task_cases(args, args.split, args.skip_cases)
   m = platform.load_model_or_exit(args.model, args.dtype,
                                    center_keys=args.key_center == "on")

@@ -594,10 +594,16 @@ def test_report_puts_sampled_cells_in_their_own_table_with_seed_disagreement(tmp
   assert "| full seed 0 | – | 4 | 0.0% | +0.0% | 0.0% |" in sampled
   assert "| full seed 1 | – | 4 | 0.0% | +0.0% | 0.0% |" in sampled
   assert "| spherical seed 0 | 0.35 | 4 | 0.0% | +0.0% | 25.0% | 0 |" in sampled   # vs seed 0
-  assert "| spherical seed 1 | 0.35 | 4 | " in sampled and " | 100.0% | " in sampled
+  assert "| spherical seed 1 | 0.35 | 4 | 25.0% | +12.5% | 100.0% | 1 | 0 | 0 | 0 |" in sampled
   assert "**Seed disagreement**" in sampled and "**Seed disagreement**" not in greedy
   assert "| full | – | 2 | 4 | 25.0% | – |" in sampled
   assert "| spherical | 0.35 | 2 | 4 | 50.0% | +25.0 pts |" in sampled
+  # without a Full-KV run the seed disagreement still shows (it needs none)
+  alone = tmp_path / "alone"
+  hand_cell(alone, "spherical", 0.35, m0, "w3:L64", smp(0))
+  hand_cell(alone, "spherical", 0.35, m1, "w3:L64", smp(1))
+  md, _ = C.report([str(alone)], str(tmp_path / "rep2"), log=lambda s: None)
+  assert "no Full-KV run" in md and "| spherical | 0.35 | 2 | 4 | 50.0% | – |" in md
 
 
 def test_report_tables_show_b_hbm_where_a_method_has_a_kernel_path(tmp_path):

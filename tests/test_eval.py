@@ -599,9 +599,10 @@ def test_sph_variants_run_in_the_harness_and_report_measured_b(session, sph_runs
   # shared tiers: one route per (token, group), within the budget
   r_ = _sph_runner(session, "sphkv-shared")
   assert r_.heads == "shared" and _sph_runner(session, "sphkv-rd").heads == "own"
-  (_, _, _, plan, _), _ = _sph_state(session, r_, 0.5)
+  (_, _, _, plan, _), lengths = _sph_state(session, r_, 0.5)
   route = np.asarray(plan.route)
-  assert np.all(route == route[..., :1]) and np.any(route[..., 0] == 0)
+  assert np.all(route == route[..., :1])
+  assert np.any(route[0, sink:lengths[0] - 8, :, 0] == 0)   # the budget binds: whole tokens go
   assert np.all(np.asarray(plan.bytes) <= np.asarray(plan.budget) * (1 + 1e-6))
   # below their rate the fixed-rate ablations still drop nothing (no RD allocation: RDR would
   # drop to fit) and report what the rate spends beyond the budget
@@ -631,6 +632,19 @@ def test_sph_variants_run_in_the_harness_and_report_measured_b(session, sph_runs
   with pytest.raises(ValueError, match="needs --policy") as e:
     E.check_config(E.RunConfig("rdr+tags", 0.5, "test"))
   assert "\n" not in str(e.value)
+
+
+def test_sampled_runs_are_seeded_and_say_so(session, tmp_path):
+  """``temperature`` > 0: the run samples with its seed (the same seed, the same tokens) and its
+  summary records the sampling; a greedy run's has none."""
+  rc = lambda **kw: E.RunConfig("full", 1.0, "test", max_tokens=10, max_cases=1, **kw)
+  a = E.run(session, rc(temperature=1.0, top_p=0.9, sample_seed=3), str(tmp_path / "a"),
+            progress=False)
+  E.run(session, rc(temperature=1.0, top_p=0.9, sample_seed=3), str(tmp_path / "b"),
+        progress=False)
+  assert a["sampling"] == {"temperature": 1.0, "top_p": 0.9, "seed": 3}
+  assert [r["tokens"] for r in rows(tmp_path / "a")] == [r["tokens"] for r in rows(tmp_path / "b")]
+  assert "sampling" not in E.run(session, rc(), None, progress=False)
 
 
 def _sph_state(session, runner, budget, policy=None, tags=None):

@@ -343,6 +343,13 @@ def test_shared_gate_routes_all_heads_alike():
   np.testing.assert_array_equal(route, np.broadcast_to(r1, route.shape))
   np.testing.assert_array_equal(want, np.broadcast_to(w1, want.shape))
   np.testing.assert_array_equal(left, l1)
+  for b in range(B):   # brute force: the summed problem's argmin, then the highest cap that fits
+    for g in range(G):
+      score = dist[b, g].sum(0) + lam[b, g] * H * COST[g]
+      w = int(np.argmin(score))
+      fits = [c for c in range(K + 1) if H * COST[g, min(w, c)] <= bal[b, g]]
+      r = min(w, max(fits)) if elig[b] else 0
+      assert want[b, g].tolist() == [w] * H and route[b, g].tolist() == [r] * H
   paid = np.take_along_axis(np.broadcast_to(COST[None, :, None], route.shape[:3] + (K + 1,)),
                             route[..., None].astype(int), -1)[..., 0].sum(-1)
   np.testing.assert_allclose(bal - left, np.where(elig[:, None], paid, 0.0), rtol=1e-6)

@@ -228,8 +228,11 @@ def solve(dist, cost, dense, n, rho, protect=None, *, window: int, sink: int = 0
   dist = jnp.asarray(dist, jnp.float32)
   if dist.ndim != 4 or dist.shape[-1] < 2:
     raise ValueError(f"dist must be [T, G, H, K+1] with K >= 1, got {dist.shape}")
-  if shared:
-    T, G, H, _ = dist.shape
+  if shared:   # checked here, where the costs are still the per-head ones
+    T, G, H, K1 = dist.shape
+    if jnp.shape(cost) != (G, K1) or jnp.shape(dense) != (G,):
+      raise ValueError(f"cost must be [G, K+1] = {(G, K1)} and dense [G] = {(G,)}, "
+                       f"got {jnp.shape(cost)} and {jnp.shape(dense)}")
     if protect is not None and jnp.shape(protect) != (T, G, H):
       raise ValueError(f"protect must be [T, G, H] = {(T, G, H)}, got {jnp.shape(protect)}")
     d1, c1, dense1, p1 = _share(dist, cost, dense, protect)
