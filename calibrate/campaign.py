@@ -1175,8 +1175,8 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
   md = ("\n**Stability vs Full KV** (calibrate.stability; n: cases shared with the Full-KV run; "
         "Δ_tok = (generated tokens − Full KV's) / Full KV's; disagreement: the generated tokens "
         "differ from Full KV's (text: rows without token ids), first divergence in tokens; "
-        f"looping, early stop (< {ST.EARLY:g} × Full KV's tokens) and malformed calls "
-        "counted" + ("; sampled runs against Full KV's run of the same seed"
+        f"looping, early stop (< {ST.EARLY:g} × Full KV's tokens), malformed calls and "
+        "derailed ones (other functions called than Full KV's) counted" + ("; sampled runs against Full KV's run of the same seed"
                      if any(seed(r) is not None for r in rs) else "") + "):\n\n"
         + "\n".join(lines) + "\n")
   return md + seed_table(rs), out

@@ -16,7 +16,11 @@ Cases are matched by (category, id); over the matched cases:
   tail at least :data:`LOOP_REPEATS` periods and :data:`LOOP_CHARS` characters long (the last
   period may be cut); *early stop* — fewer than :data:`EARLY` × dense's generated tokens;
   *malformed call* — where the task scores tool calls, an output that parses to no call
-  (unparseable, or cut off at max_tokens: ``calls`` is null).
+  (unparseable, or cut off at max_tokens: ``calls`` is null); *derailed* — where both outputs
+  parse to calls, the method's call a different multiset of functions than dense's (another
+  tool, or another number of calls) **[ours: §4 names derailment without defining it; a
+  grammar-constrained call cannot leave the tool format, so derailment is choosing another
+  course of action than dense did]**.
 
 Runs that sample (``pask-jax eval --temperature``, a campaign split's ``sampling``) compare
 each seed's run with Full KV's run of the same seed (the sampling key is the same, so the two
@@ -78,8 +82,8 @@ def compare(rows: Sequence[dict], dense: Sequence[dict], *, calls: bool) -> dict
   over the cases both hold; ``calls``: the task scores tool calls (malformed calls counted).
   None when no case is shared.  Keys: n, dtok_abs_median, dtok_mean, disagree (fraction),
   diverge_median (tokens; None without token ids or without a differing case), by_tokens
-  (every pair compared by token ids), looping, early_stop, malformed (None when ``calls`` is
-  off)."""
+  (every pair compared by token ids), looping, early_stop, malformed and derailed (None when
+  ``calls`` is off)."""
   ref = {(d["category"], d["id"]): d for d in dense}
   pairs = [(r, ref[(r["category"], r["id"])]) for r in rows if (r["category"], r["id"]) in ref]
   if not pairs:
@@ -103,7 +107,18 @@ def compare(rows: Sequence[dict], dense: Sequence[dict], *, calls: bool) -> dict
           "by_tokens": by_tokens,
           "looping": sum(looping(r["text"], r.get("finish")) for r, _ in pairs),
           "early_stop": sum(r["gen_len"] < EARLY * d["gen_len"] for r, d in pairs),
-          "malformed": sum(r.get("calls") is None for r, _ in pairs) if calls else None}
+          "malformed": sum(r.get("calls") is None for r, _ in pairs) if calls else None,
+          "derailed": sum(_names(r) != _names(d) for r, d in pairs
+                          if r.get("calls") is not None and d.get("calls") is not None)
+          if calls else None}
+
+
+def _names(row: dict) -> list[str]:
+  """The functions a row's parsed calls name, sorted (a call is ``{name: arguments}``)."""
+  out = []
+  for c in row["calls"] if isinstance(row["calls"], list) else [row["calls"]]:
+    out += sorted(c) if isinstance(c, dict) else [repr(c)]
+  return sorted(out)
 
 
 def seed_disagreement(runs: Sequence[Sequence[dict]]) -> dict | None:
@@ -123,9 +138,9 @@ def seed_disagreement(runs: Sequence[Sequence[dict]]) -> dict | None:
 
 
 FIELDS = ("n", "dtok_abs_median", "dtok_mean", "disagree", "diverge_median", "looping",
-          "early_stop", "malformed")
+          "early_stop", "malformed", "derailed")
 HEAD = ("n", "median \\|Δ_tok\\|", "mean Δ_tok", "disagreement", "median first divergence",
-        "looping", "early stop", "malformed")
+        "looping", "early stop", "malformed", "derailed")
 
 
 def cells(s: dict | None) -> list[str]:
@@ -138,7 +153,8 @@ def cells(s: dict | None) -> list[str]:
           pct(s["disagree"]) + ("" if s["by_tokens"] else " (text)"),
           "–" if div is None or (isinstance(div, float) and math.isnan(div)) else f"{div:g}",
           str(s["looping"]), str(s["early_stop"]),
-          "–" if s["malformed"] is None else str(s["malformed"])]
+          "–" if s["malformed"] is None else str(s["malformed"]),
+          "–" if s.get("derailed") is None else str(s["derailed"])]
 
 
 __all__ = ["EARLY", "FIELDS", "HEAD", "LOOP_CHARS", "LOOP_PERIOD", "LOOP_REPEATS", "cells",

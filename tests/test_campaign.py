@@ -490,9 +490,13 @@ def test_stability_metrics_are_exact():
   assert ST.compare(METHOD, DENSE, calls=True) == {
       "n": 4, "dtok_abs_median": pytest.approx(0.1), "dtok_mean": pytest.approx(-7 / 60),
       "disagree": 0.75, "diverge_median": 1.0, "by_tokens": True, "looping": 1,
-      "early_stop": 1, "malformed": 1}
+      "early_stop": 1, "malformed": 1, "derailed": 0}
+  other = [{**r, "calls": [{"g": {}}, {"f": {}}]} if r["id"] == "c3" else r for r in METHOD]
+  assert ST.compare(other, DENSE, calls=True)["derailed"] == 1   # another course than dense's
+  assert ST.compare(other, DENSE, calls=False)["derailed"] is None
   same = ST.compare(DENSE, DENSE, calls=False)
   assert same["disagree"] == 0 and same["diverge_median"] is None and same["malformed"] is None
+  assert same["derailed"] is None
   assert same["dtok_abs_median"] == same["dtok_mean"] == 0 and same["looping"] == 0
   old = [{k: v for k, v in r.items() if k != "tokens"} for r in METHOD]   # cells before tokens
   o = ST.compare(old, DENSE, calls=True)
@@ -543,15 +547,15 @@ def test_report_writes_stability_tables_from_stored_cells(tmp_path):
   w2, w3 = md.split("## ")[1:]
   assert w2.startswith("m (auto), w2:L64 test") and "exact match (EM)" in w2
   assert w3.startswith("m (auto), w3:L64 test") and "AST accuracy" in w3
-  assert "| spherical | 0.35 | 4 | 10.0% | -11.7% | 75.0% | 1 | 1 | 1 | 1 |" in w3
-  assert "| h2o | 0.35 | 2 | 33.3% | -33.3% | 50.0% (text) | – | 0 | 1 | 1 |" in w3
-  assert "| full | – | 4 | 0.0% | +0.0% | 0.0% | – | 0 | 0 | 0 |" in w3
-  assert "| spherical | 0.35 | 4 | 10.0% | -11.7% | 75.0% | 1 | 1 | 1 | – |" in w2   # no calls
+  assert "| spherical | 0.35 | 4 | 10.0% | -11.7% | 75.0% | 1 | 1 | 1 | 1 | 0 |" in w3
+  assert "| h2o | 0.35 | 2 | 33.3% | -33.3% | 50.0% (text) | – | 0 | 1 | 1 | 0 |" in w3
+  assert "| full | – | 4 | 0.0% | +0.0% | 0.0% | – | 0 | 0 | 0 | 0 |" in w3
+  assert "| spherical | 0.35 | 4 | 10.0% | -11.7% | 75.0% | 1 | 1 | 1 | – | – |" in w2   # no calls
   assert "| measured B (prefill / decode / total) | EM ± s.e. | hop1 | n |" in w2
   assert "| spherical | 0.35 | 0.300 / 0.300 / 0.300 | 80.00 ± 17.89 | 80.00 | 5 |" in w2
   csv_ = (tmp_path / "rep" / "02-m_auto_w3_L64_test" / "stability.csv").read_text().splitlines()
   assert csv_[0] == "method,budget,n,dtok_abs_median,dtok_mean,disagree,diverge_median,looping," \
-      "early_stop,malformed" and len(csv_) == 4
+      "early_stop,malformed,derailed" and len(csv_) == 4
   assert all(os.path.getsize(f) > 1000 for f in files if f.endswith(".png"))
   only = C.report([str(root / next(p.name for p in root.iterdir()
                                    if "spherical" in (p / "cell.json").read_text()))],
@@ -594,7 +598,7 @@ def test_report_puts_sampled_cells_in_their_own_table_with_seed_disagreement(tmp
   assert "| full seed 0 | – | 4 | 0.0% | +0.0% | 0.0% |" in sampled
   assert "| full seed 1 | – | 4 | 0.0% | +0.0% | 0.0% |" in sampled
   assert "| spherical seed 0 | 0.35 | 4 | 0.0% | +0.0% | 25.0% | 0 |" in sampled   # vs seed 0
-  assert "| spherical seed 1 | 0.35 | 4 | 25.0% | +12.5% | 100.0% | 1 | 0 | 0 | 0 |" in sampled
+  assert "| spherical seed 1 | 0.35 | 4 | 25.0% | +12.5% | 100.0% | 1 | 0 | 0 | 0 | 0 |" in sampled
   assert "**Seed disagreement**" in sampled and "**Seed disagreement**" not in greedy
   assert "| full | – | 2 | 4 | 25.0% | – |" in sampled
   assert "| spherical | 0.35 | 2 | 4 | 50.0% | +25.0 pts |" in sampled
