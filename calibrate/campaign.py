@@ -1176,8 +1176,9 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
         "Δ_tok = (generated tokens − Full KV's) / Full KV's; disagreement: the generated tokens "
         "differ from Full KV's (text: rows without token ids), first divergence in tokens; "
         f"looping, early stop (< {ST.EARLY:g} × Full KV's tokens), malformed calls and "
-        "derailed ones (other functions called than Full KV's) counted" + ("; sampled runs against Full KV's run of the same seed"
-                     if any(seed(r) is not None for r in rs) else "") + "):\n\n"
+        "derailed ones (other functions called than Full KV's) counted"
+        + ("; sampled runs against Full KV's run of the same seed"
+           if any(seed(r) is not None for r in rs) else "") + "):\n\n"
         + "\n".join(lines) + "\n")
   return md + seed_table(rs), out
 
