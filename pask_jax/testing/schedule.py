@@ -11,7 +11,8 @@ Here the dead worker's finished units are dropped, the test it died on is marked
 (``handle_crashitem`` has reported it failed), and a node is topped up until it holds more than
 two pending tests or the queue is empty, and told to shut down once the queue is empty (a
 replacement worker that has not finished collecting waits for its own collection's end, where
-xdist schedules again).
+xdist schedules again).  A worker that dies while it is being topped up (its channel closed
+before xdist has reported the crash) keeps the unit it was sent; the crash report puts it back.
 """
 from __future__ import annotations
 
@@ -50,7 +51,13 @@ def grouped_files(config, log, unit: Callable[[str], str]):
       if node.shutting_down or node not in self.registered_collections:
         return
       while self.workqueue and self._pending_of(self.assigned_work.get(node, {})) <= 2:
-        self._assign_work_unit(node)
+        try:
+          self._assign_work_unit(node)
+        except OSError:
+          # The worker died after its last message (a crash in a test it already holds, while
+          # this loop tops it up: the initial schedule's second round).  The unit stays in its
+          # workload, which remove_node puts back on the queue when the crash is reported.
+          return
       if not self.workqueue:
         node.shutdown()
 
