@@ -124,7 +124,6 @@ from typing import Any
 from calibrate import evaluate as E
 from calibrate import longctx as LC
 from calibrate import stability as ST
-from pask_jax import baselines as BL
 from pask_jax.spherical import variants as SV
 
 RESULTS = os.path.join("results", "campaign")
@@ -1159,13 +1158,10 @@ def stability(rs: Sequence[dict]) -> tuple[str, list[dict]]:
   for d in sorted(dense, key=lambda r: r["n_cases"]):
     refs[seed(d)] = _case_rows(d)
   calls = not _task_of(rs).startswith(("w1:", "w2:"))   # W2 answers are codes, not calls
-  order = lambda r: (BL.METHODS.index(r.get("base_method", r["method"]))
-                     if r.get("base_method", r["method"]) in BL.METHODS else 99,
-                     r["budget"] or 0.0, r["method"])
   head = ["method", "target B", *ST.HEAD]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   out = []
-  for r in sorted(rs, key=order):
+  for r in sorted(rs, key=E.row_order):
     ref = refs.get(seed(r))
     st = None if ref is None else ST.compare(_case_rows(r), ref, calls=calls)
     out.append({"method": r["method"], "budget": r["budget"],

@@ -567,7 +567,7 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
   import jax.numpy as jnp
 
   from pask_jax import tags as T
-  from pask_jax.decode import pad_prompts
+  from pask_jax.decode import pad_prompts, runner_hbm
   if rc.temperature > 0:
     raise ValueError("W1 feeds the document's own tokens (teacher forcing): it samples nothing; "
                      "leave the temperature at 0")
@@ -624,8 +624,7 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
     scores = np.asarray(jnp.stack(scores))                           # [K, B]
     t3 = time.perf_counter()
     reports = runner.report(state) or [None] * n
-    hbm = getattr(runner, "hbm", None)
-    hbms = (hbm(state) if hbm is not None else None) or [None] * n
+    hbms = runner_hbm(runner, state, reports)
     for b, p in enumerate(ps):
       led = reports[b]
       if led is not None:

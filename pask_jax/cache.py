@@ -737,3 +737,12 @@ def dense_hbm_bytes(n_tokens, *, n_layers: int, n_kv_heads: int, head_dim: int, 
   row = n_kv_heads * 4 * head_dim
   kv = w * row + paged_read_bytes(pool, table_pages, page, row, granularity)
   return param_bytes / batch + n_layers * kv
+
+
+def dense_hbm_bytes_of(cache: Cache, *, granularity: str = "row") -> np.ndarray:
+  """:func:`dense_hbm_bytes` of paged dense BF16 holding the tokens ``cache`` holds, with its
+  shapes, window, page size and BF16 table length (b_HBM's reference for a runner over it)."""
+  L, _, W, H, D = cache.layers.win_k.shape
+  return dense_hbm_bytes(np.asarray(cache.count), n_layers=L, n_kv_heads=H, head_dim=D,
+                         window=W, page=cache.page, table_pages=cache.hi_pages.shape[-1],
+                         granularity=granularity)

@@ -443,13 +443,9 @@ class PaskRunner:
     (:func:`hbm_rows`), at this runner's kernels' granularity."""
     cache = state[0]
     gran = pcache.granularity_of(pallas_kernels.resolve_backend(self.backend))
-    c = self.cfg
-    kv = pcache.hbm_bytes(cache, granularity=gran)
-    dense = pcache.dense_hbm_bytes(np.asarray(cache.count), n_layers=c.n_layers,
-                                   n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                   window=cache.window, page=cache.page,
-                                   table_pages=cache.hi_pages.shape[-1], granularity=gran)
-    return hbm_rows(kv, dense, self.param_bytes, self.batch, gran)
+    return hbm_rows(pcache.hbm_bytes(cache, granularity=gran),
+                    pcache.dense_hbm_bytes_of(cache, granularity=gran), self.param_bytes,
+                    self.batch, gran)
 
 
 def prompt_candidates(prompt_tags, lengths: np.ndarray, Tn: int) -> np.ndarray:
@@ -516,6 +512,19 @@ def hbm_rows(kv, dense, weights: float, batch: int, granularity: str) -> list[di
   return [{"hbm_bytes_per_token": float(w + k), "hbm_kv_bytes": float(k),
            "b_HBM": ratio(w + k, w + d), "hbm_granularity": granularity}
           for k, d in zip(np.asarray(kv, np.float64), np.asarray(dense, np.float64))]
+
+
+HBM_FIELDS = ("hbm_bytes_per_token", "hbm_kv_bytes", "b_HBM", "hbm_granularity")
+
+
+def runner_hbm(runner, state, reports: Sequence[dict | None]) -> list[dict | None]:
+  """Per row the decode step's HBM fields (:func:`hbm_rows`) of a runner with a kernel path:
+  taken from its report rows where they carry them (SphRunner's), else ``runner.hbm(state)``;
+  None per row for a runner without ``hbm``."""
+  if all(r is not None and "b_HBM" in r for r in reports):
+    return [{k: r[k] for k in HBM_FIELDS} for r in reports]
+  hbm = getattr(runner, "hbm", None)
+  return (hbm(state) if hbm is not None else None) or [None] * len(reports)
 
 
 def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
@@ -600,7 +609,6 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     nxt = np.asarray(nxt_dev)
   t2 = time.perf_counter()
   reports = runner.report(state) or [None] * n
-  hbm = getattr(runner, "hbm", None)
-  hbms = (hbm(state) if hbm is not None else None) or [None] * n
+  hbms = runner_hbm(runner, state, reports)
   return [Result(out[b], tokenizer.decode(out[b]), len(prompts[b]), finish[b], t1 - t0, t2 - t1,
                  reports[b], hbms[b]) for b in range(n)]

@@ -151,8 +151,6 @@ def _layout(o, m, l, b, hkv, s, d, layout="triton"):
   """The kernels' ``[BH, S, D, 16]`` partials -> ``o [B, Hkv, S, 16, D]``, ``m, l [B, Hkv, S,
   16]`` (the Triton kernel's layout); ``layout="kernel"``: ``o [B, Hkv, S, D, 16]`` as written."""
   o = o.reshape(b, hkv, s, d, C.N_PAD)
-  if layout == "triton":
-    o = jnp.swapaxes(o, 3, 4)
   m = m[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)
   l = l[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)
-  return o, m, l
+  return triton_layout(o, m, l) if layout == "triton" else (o, m, l)

@@ -87,8 +87,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   copied into shared memory once at the start (the table regrouped per (sequence, split) and
   padded to 128 bytes in XLA), so a step's ids are shared-memory loads.
   """
-  if table not in ("gmem", "smem"):
-    raise ValueError(f"table must be 'gmem' or 'smem', got {table!r}")
+  _check_table(table)
   planes = vs is None
   if tbl is None:
     if base is not None:
@@ -114,11 +113,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
     qscale = jnp.ones((1,), jnp.float32)      # unread (k_upcast "s8" alone reads it): no [BH] fill
   steps = n // tile // splits
   in_smem = paged and table == "smem"
-  # int32 ids per block, padded to 128 bytes: Mosaic GPU copies a multiple of the warpgroup's
-  # 128 threads' bytes
-  ids = -(-steps // 32) * 32
-  if in_smem:     # [B, splits, ids]: block (sequence, split)'s ids, contiguous
-    tbl = jnp.pad(tbl.reshape(tbl.shape[0], splits, steps), ((0, 0), (0, 0), (0, ids - steps)))
+  if in_smem:
+    tbl, ids = _block_ids(tbl, splits, steps)
   k_elems, k_tr = _transforms(d, k.dtype, "keys")
   q_elems, q_tr = _transforms(d, q.dtype, "queries")
   # wgmma wants equal swizzles for its two shared-memory operands; P^T's rows are 32 bytes.
@@ -257,6 +253,21 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   )(q, k, ks, v, ks if planes else vs, lens, qscale, tbl, base)
 
 
+def _check_table(table: str) -> None:
+  if table not in ("gmem", "smem"):
+    raise ValueError(f"table must be 'gmem' or 'smem', got {table!r}")
+
+
+def _block_ids(tbl: jax.Array, splits: int, per_block: int) -> tuple[jax.Array, int]:
+  """A page table ``[B, splits * per_block]`` regrouped for ``table="smem"``: ``[B, splits,
+  ids]``, block (sequence, split)'s ``per_block`` ids contiguous and padded to ``ids``, a
+  multiple of 32 (128 bytes: Mosaic GPU copies a multiple of the warpgroup's 128 threads'
+  bytes)."""
+  ids = -(-per_block // 32) * 32
+  tbl = tbl.reshape(tbl.shape[0], splits, per_block)
+  return jnp.pad(tbl, ((0, 0), (0, 0), (0, ids - per_block))), ids
+
+
 def block_v(v: jax.Array, tile: int) -> jax.Array:
   """Dim-major ``v[BH, D, N]`` -> blocked ``[BH, N / tile, D, tile]``: each tile's values
   dim-major and contiguous, so one TMA box (and one leading index per warpgroup) reads it."""
@@ -290,8 +301,7 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
   into the A operand; with ``table="smem"`` the TMA warpgroup copies the block's ids into shared
   memory before its first step.
   """
-  if table not in ("gmem", "smem"):
-    raise ValueError(f"table must be 'gmem' or 'smem', got {table!r}")
+  _check_table(table)
   planes = vs is None
   paged = tbl is not None
   if not paged:
@@ -316,10 +326,8 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
   nt = n // tile
   steps = nt // wgs // splits
   in_smem = paged and table == "smem"
-  ids = -(-steps * wgs // 32) * 32        # a block's ids, padded to 128 bytes (see partition)
-  if in_smem:     # [B, splits, ids]: block (sequence, split) reads tiles sp*steps*wgs + j
-    tbl = jnp.pad(tbl.reshape(tbl.shape[0], splits, steps * wgs),
-                  ((0, 0), (0, 0), (0, ids - steps * wgs)))
+  if in_smem:     # block (sequence, split) reads tiles sp*steps*wgs + j
+    tbl, ids = _block_ids(tbl, splits, steps * wgs)
   k_elems, k_tr = _transforms(d, k.dtype, "keys")
   q_elems, q_tr = _transforms(d, q.dtype, "queries")
   _, p_tr = _transforms(N_PAD, jnp.bfloat16, "probabilities")

@@ -607,13 +607,9 @@ class SphRunner:
     this runner's attention backend (:func:`pask_jax.cache.granularity_of`)."""
     cache, sph = state[0], state[1]
     gran = pcache.granularity_of(pallas_kernels.resolve_backend(self.backend))
-    c = self.cfg
-    kv = scache.hbm_bytes(sph, cache, granularity=gran, read=self.read)
-    dense = pcache.dense_hbm_bytes(np.asarray(cache.count), n_layers=c.n_layers,
-                                   n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                   window=self.window, page=self.page,
-                                   table_pages=cache.hi_pages.shape[-1], granularity=gran)
-    return hbm_rows(kv, dense, self.param_bytes, self.batch, gran)
+    return hbm_rows(scache.hbm_bytes(sph, cache, granularity=gran, read=self.read),
+                    pcache.dense_hbm_bytes_of(cache, granularity=gran), self.param_bytes,
+                    self.batch, gran)
 
   def report(self, state) -> list[dict]:
     """Per request: measured B (scheduled, metadata counted), prefill / decode split,
