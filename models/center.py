@@ -17,6 +17,8 @@ stages, campaign cells) tell a centered model from an uncentered one.
 """
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -103,11 +105,16 @@ def apply(model, mu) -> None:
   if mu.shape != want:
     raise ValueError(f"key centering has shape {mu.shape}, the model needs {want}")
   model.k_center = nnx.Param(mu.astype(model.embed[...].dtype))
+  model.k_center_source = None   # values of unknown origin: the fingerprint digests them
 
 
 def center(loaded) -> jax.Array:
   """Estimate the key centering of a loaded model (:class:`models.Loaded`) from :data:`TEXT`
   and apply it; returns μ."""
-  mu = estimate(loaded.model, loaded.tokenizer.encode(TEXT))
+  ids = loaded.tokenizer.encode(TEXT)
+  mu = estimate(loaded.model, ids)
   apply(loaded.model, mu)
+  # what models.fingerprint digests instead of μ's values (see there)
+  loaded.model.k_center_source = "center.TEXT:" + hashlib.sha256(
+      f"{SINK}:{list(ids)}".encode()).hexdigest()[:16]
   return mu

@@ -304,7 +304,14 @@ def fingerprint(model) -> dict[str, Any]:
   """What identifies a model's numbers: its full config, the parameter dtype and a digest of the
   weights (every parameter's shape and dtype, a strided sample of up to 4096 values of each and
   its sum — cheap on a multi-GB model, and different for any two checkpoints that are not
-  copies), the same in either layer layout.  Calibration keys its saved stages on it."""
+  copies), the same in either layer layout.  Calibration keys its saved stages on it.
+
+  Everything digested must be the same in every process that loads the same checkpoint, or a
+  calibration cannot resume: the sums are taken on the host in float64 (a device reduction may
+  order its additions differently from run to run), and a key centering estimated by
+  :func:`models.center.center` is named by where it came from (``model.k_center_source``), not
+  by its values, which a GPU forward pass reproduces only to within a rounding (its GEMMs are
+  autotuned per process).  A centering applied by hand has no source and is digested by value."""
   import hashlib
 
   from models import decoder
@@ -318,15 +325,18 @@ def fingerprint(model) -> dict[str, Any]:
   h = hashlib.sha256()
   _, state = nnx.split(model)
   flat = sorted(nnx.to_pure_dict(state).items())
+  source = getattr(model, "k_center_source", None)
   dtype = None
   for name, x in flat:
     x = jnp.asarray(x)
     dtype = dtype or str(x.dtype)
+    h.update(f"{name}:{x.shape}:{x.dtype}:".encode())
+    if name == "k_center" and source is not None:
+      h.update(f"source:{source}".encode())
+      continue
     flat_x = x.reshape(-1)
     step = max(1, flat_x.size // 4096)
-    sample = np.asarray(flat_x[::step][:4096], np.float32)
-    h.update(f"{name}:{x.shape}:{x.dtype}:".encode())
-    h.update(sample.tobytes())
-    h.update(np.float64(jnp.sum(x.astype(jnp.float32))).tobytes())
+    h.update(np.asarray(flat_x[::step][:4096], np.float32).tobytes())
+    h.update(np.float64(np.sum(np.asarray(x, np.float64))).tobytes())
   return {"config": json.loads(model.cfg.to_json()), "dtype": dtype,
           "weights": h.hexdigest()[:20]}

@@ -17,9 +17,13 @@ pol=policies/$m-bfcl-centered
 left() { echo $((limit - SECONDS - 40)); }
 if [ ! -f /tmp/cal05c/calibration.json ] && [ ! -f $pol/calibration.json ]; then
   mkdir -p /tmp/cal05c
+  # a calibration cut short resumes from its saved stages, on this machine or (carry
+  # .cal05c_work.tgz, the tarball it left under $OUT) on the next one
+  [ -f .cal05c_work.tgz ] && [ ! -d /tmp/cal05c/work ] && tar xzf .cal05c_work.tgz -C /tmp
   timeout $(left) python3 -m pask_jax.cli calibrate --model $m --out /tmp/cal05c \
     ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 --window 16 \
-    --targets 0.15 0.20 0.25 0.33 >> $OUT/cal05.log 2>&1 || { tail -c 3000 $OUT/cal05.log; exit 0; }
+    --targets 0.15 0.20 0.25 0.33 >> $OUT/cal05.log 2>&1 || {
+      tail -c 3000 $OUT/cal05.log; tar czf $OUT/cal05c_work.tgz -C /tmp cal05c/work; exit 0; }
   tail -c 2500 $OUT/cal05.log
   tar czf $OUT/cal05c.tgz -C /tmp cal05c/policy cal05c/calibration.json
 fi

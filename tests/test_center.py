@@ -107,9 +107,30 @@ def test_load_centers_a_registered_model():
   mu = center.current(m.model)
   assert mu.shape == (m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim)
   assert float(jnp.abs(mu).sum()) > 0
+  # named by its source (models.fingerprint), and the attribute does not upset nnx.jit
+  assert m.model.k_center_source.startswith("center.TEXT:")
+  np.testing.assert_allclose(np.asarray(center.estimate(m.model, m.tokenizer.encode(center.TEXT))),
+                             np.asarray(mu, np.float32), rtol=2e-2, atol=2e-2)
   # Uncentered: the default load (pask_jax.testing.smollm2 is load(), kept once per process;
   # other files of this worker have usually loaded it already).
   from pask_jax.testing import smollm2
   plain = smollm2()
   assert plain.tokenizer is not None and not hasattr(plain.model, "k_center")
   assert jax.tree.leaves(center.current(plain.model))[0].sum() == 0
+
+
+def test_fingerprint_names_an_estimated_centering_by_its_source():
+  """A centering from center.center() is digested by where it came from, so a GPU process whose
+  autotuned GEMMs round μ differently still resumes the same calibration; one applied by hand is
+  digested by value."""
+  m = offset_model()
+  mu = center.estimate(m, tokens(6, 64))
+  center.apply(m, mu)
+  m.k_center_source = "text:abc"
+  a = fingerprint(m)
+  center.apply(m, mu * (1 + 1e-2))
+  assert m.k_center_source is None and fingerprint(m) != a
+  m.k_center_source = "text:abc"
+  assert fingerprint(m) == a
+  m.k_center_source = "text:other"
+  assert fingerprint(m) != a
