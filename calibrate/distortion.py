@@ -47,12 +47,19 @@ def _forward(graphdef, params, tokens, lengths):
   return qs, dense.k, dense.v
 
 
-def capture(model, seqs: list[list[int]], bucket: int = 64):
+def capture(model, seqs: list[list[int]], bucket: int = 64, length: int | None = None):
   """Teacher-forced forward of whole sequences -> per sequence (q [L, T, Hq, D], k, v [L, T, Hkv,
-  D]) in BF16 (what the cache stores), unpadded."""
+  D]) in BF16 (what the cache stores), unpadded.  ``length``: the padded length of the forward
+  (default: the longest sequence rounded up to ``bucket``); one length for every batch of a
+  calibration compiles the forward once."""
   from flax import nnx
   graphdef, params = nnx.split(model)
   Tn = -(-max(len(s) for s in seqs) // bucket) * bucket
+  if length is not None:
+    if length < max(len(s) for s in seqs):
+      raise ValueError(f"capture length {length} is shorter than a sequence of "
+                       f"{max(len(s) for s in seqs)} tokens")
+    Tn = length
   toks = np.zeros((len(seqs), Tn), np.int32)
   for i, s in enumerate(seqs):
     toks[i, :len(s)] = s
@@ -110,16 +117,30 @@ def _distortion(q, k, v, act, u_lo, u_hi, n, *, sink, window, group_of, n_groups
   return acc
 
 
+def size(requests, bucket: int = 64) -> tuple[int, int]:
+  """The padded ``(T, U)`` that :func:`distortion` needs for every ``(n, n_prompt, n_decode_q)``
+  of ``requests`` at once: one compiled kernel for a whole calibration set, where a size per
+  request compiled dozens (on the H100 they made Runtime-D of the Qwen 0.5B take 373 s)."""
+  requests = list(requests)
+  U = max(32, -(-max(d for _, _, d in requests) // 32) * 32)
+  Tn = -(-max(max(n, p + U) for n, p, _ in requests) // bucket) * bucket
+  return Tn, U
+
+
 def distortion(q, k, v, act: np.ndarray, n_prompt: int, n_decode_q: int, *, sink: int,
-               window: int, group_of: tuple[int, ...], n_groups: int, bucket: int = 64):
+               window: int, group_of: tuple[int, ...], n_groups: int, bucket: int = 64,
+               padded: tuple[int, int] | None = None):
   """Eq. 7 numerator for one request: ``D [A, G]``.
 
   ``act int [A, n, G]``: each intervention's action per token (prompt + generated) and group;
-  ``n_decode_q``: decode queries at positions ``n_prompt .. n_prompt + n_decode_q − 1``.
+  ``n_decode_q``: decode queries at positions ``n_prompt .. n_prompt + n_decode_q − 1``;
+  ``padded``: ``(T, U)`` from :func:`size` (default: this request's own).
   """
   n = q.shape[1]
-  U = max(32, -(-n_decode_q // 32) * 32)
-  Tn = -(-max(n, n_prompt + U) // bucket) * bucket
+  Tn, U = padded or size([(n, n_prompt, n_decode_q)], bucket)
+  if Tn < max(n, n_prompt + U) or U < n_decode_q:
+    raise ValueError(f"padded size {(Tn, U)} does not hold a request of {n} tokens "
+                     f"({n_prompt} prompt, {n_decode_q} decode queries)")
   pad = lambda x: jnp.pad(x, ((0, 0), (0, Tn - n)) + ((0, 0),) * (x.ndim - 2))
   a = np.full((act.shape[0], Tn, act.shape[2]), Act.H, np.int8)
   a[:, :n] = act

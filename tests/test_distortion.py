@@ -73,3 +73,26 @@ def test_runtime_d_matches_an_explicit_float64_computation():
   np.testing.assert_allclose(got[2], 0.0, atol=1e-9)                  # all-H: no distortion
   assert np.all(want[0] > want[1])                                     # releasing hurts more
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-7)
+
+
+def test_one_padded_size_for_a_calibration_set_gives_each_request_its_own_result():
+  """Runtime-D pads every request to one (T, U) from RD.size so it compiles once; the padding
+  (zero keys past n, decode queries past the request's own) must not change a request's D."""
+  rng = np.random.default_rng(7)
+  L, Hq, Hkv, D, G = 2, 4, 2, 16, 2
+  reqs = [(13, 9, 3), (40, 30, 9), (21, 5, 15)]                         # (n, prompt, decode q)
+  padded = RD.size(reqs, bucket=16)
+  assert padded[1] >= 15 and all(padded[0] >= max(n, p + padded[1]) for n, p, _ in reqs)
+  for n, n_prompt, n_dec in reqs:
+    q = rng.standard_normal((L, n, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((L, n, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((L, n, Hkv, D)).astype(np.float32)
+    act = rng.integers(0, 3, (4, n, G)).astype(np.int8)
+    kw = dict(sink=2, window=3, group_of=(0, 1), n_groups=G)
+    own = RD.distortion(q, k, v, act, n_prompt, n_dec, **kw)
+    got = RD.distortion(q, k, v, act, n_prompt, n_dec, padded=padded, **kw)
+    assert np.linalg.norm(got - own) <= 1e-5 * np.linalg.norm(own)
+  q, k, v = (rng.standard_normal((L, 40, h, D)).astype(np.float32) for h in (Hq, Hkv, Hkv))
+  act = rng.integers(0, 3, (4, 40, G)).astype(np.int8)
+  with np.testing.assert_raises_regex(ValueError, "does not hold a request of 40 tokens"):
+    RD.distortion(q, k, v, act, 30, 9, padded=(32, 32), **kw)
