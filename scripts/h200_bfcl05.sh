@@ -41,6 +41,9 @@ print("tune:", done, "mikv:", mikv)
 sys.exit(0 if len(done) == 3 and all(done) and mikv else 1)
 PY
 }
+# a tune cut short goes on where it stopped (tune measures only the points still missing), here
+# or from a carried .tune05.tgz (the tune05.tgz a call left under $OUT)
+[ -f .tune05.tgz ] && [ ! -d /tmp/tune05 ] && tar xzf .tune05.tgz -C /tmp
 if [ ! -d results/tune/qwen05c-bfcl ] && ! tuned; then
   [ $(left) -gt 90 ] || exit 0
   timeout $(left) python3 -m pask_jax.cli tune --model $m --methods triaxial snapkv h2o streaming \

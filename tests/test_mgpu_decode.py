@@ -222,7 +222,7 @@ def test_merge_in_place_equals_merging_the_concatenated_partials(case_index, lo_
   assert synth.rel_err(out.astype(jnp.float32), synth.reference_f32(*args)) < 6e-3
   old = decode_attention_gpu(*args, merge="concat", **kn)      # the concatenating merge
   assert synth.rel_err(out.astype(jnp.float32), old.astype(jnp.float32)) < 4e-3
-  with pytest.raises(ValueError, match="^merge must be 'sets' or 'concat', got 'both'"):
+  with pytest.raises(ValueError, match="^merge must be 'sets', 'concat' or 'kernel', got 'both'"):
     decode_attention_gpu(*args, merge="both", **kn)
 
 

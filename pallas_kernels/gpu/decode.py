@@ -3,8 +3,9 @@
 Grid (Hkv, NS, B).  The split axis NS is laid out as [INT4 splits | BF16-pool splits | window
 splits]; each program walks ``chunk`` logical entries of one partition of one (sequence, KV head)
 in blocks of ``block`` keys, with the GQA group's query heads (padded to 16 rows for the MMA) as
-the M dimension, and writes an unnormalized partial (o, m, l).  The partials are merged by
-``common.merge`` (Eq. 15) in one small XLA fusion.
+the M dimension, and writes an unnormalized partial (o, m, l).  The partials are merged (Eq. 15)
+by XLA where they lie (:func:`merge_sets`), or with ``merge="kernel"`` by one Pallas Triton launch
+(:mod:`pallas_kernels.gpu.merge`).
 
 Why this shape:
 * Token-granular gathers (``row = table[pos // page] * page + pos % page``) read pools in place for
@@ -37,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from pallas_kernels.gpu import merge as merge_lib
 from pallas_kernels.gpu import mgpu_decode, mgpu_mixed
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
@@ -324,9 +326,11 @@ _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "n
           "table_lo")
 # Knobs of int4_kernel="fused" alone (mgpu_mixed: one Mosaic GPU launch for both pools).
 _FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers")
-# decode_attention_gpu's own: how the partials are merged ("sets": in place, the default;
-# "concat": concatenated first, as partials_gpu returns them; for same-run comparisons).
+# decode_attention_gpu's own: how the partials are merged ("sets": in place by XLA, the default;
+# "concat": concatenated first, as partials_gpu returns them, for same-run comparisons;
+# "kernel": in place by one Pallas Triton launch, merge.merge_kernel, opt-in).
 _MERGE_KNOBS = ("merge",)
+_MERGES = ("sets", "concat", "kernel")
 _FUSED = ("fused", "fused_reference")
 
 
@@ -561,7 +565,13 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
   merge; knobs ``splits_lo``, ``splits_hi``, ``tile_hi``, ``stages_lo``, ``stages_hi``,
   ``auto_barriers``, ``scale``.
   ``"fused_reference"`` (or ``"fused"`` with ``interpret=True``): the kernel's jnp reference in
-  its place (CPU tests of the glue)."""
+  its place (CPU tests of the glue).
+
+  ``merge``: how the partial sets become the output. ``"sets"`` (default): :func:`merge_sets`,
+  each set read in place by XLA (~7 small fusions); ``"kernel"`` (opt-in): the same merge as one
+  Pallas Triton launch that writes the bf16 output (:func:`pallas_kernels.gpu.merge.merge_kernel`;
+  Pallas interpret mode with ``interpret=True``); ``"concat"``: ``common.merge`` over
+  :func:`partials_gpu`'s concatenation (same-run comparisons)."""
   fused = {k: kw.pop(k) for k in _FUSED_KNOBS if k in kw}
   if kw.get("int4_kernel") in _FUSED:
     return _fused(q, window, hi, lo, maps, layer, **kw, **fused)
@@ -574,11 +584,14 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
     o, m, l = partials_gpu(q, window, hi, lo, maps, layer, **kw)
     out, _ = common.merge(o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g], axis=2)
     return out.reshape(b, hq, d).astype(jnp.bfloat16)
-  if merge != "sets":
-    raise ValueError(f"merge must be 'sets' or 'concat', got {merge!r}")
+  if merge not in _MERGES:
+    raise ValueError(f"merge must be 'sets', 'concat' or 'kernel', got {merge!r}")
   # Each set merged where it lies (no concatenation of the partials, no transpose of the Mosaic
   # GPU kernel's O^T): fewer XLA fusions per layer than merging partials_gpu's output.
-  out = merge_sets(partial_sets(q, window, hi, lo, maps, layer, **kw), g)
+  sets = partial_sets(q, window, hi, lo, maps, layer, **kw)
+  if merge == "kernel":     # one launch instead of those fusions
+    return merge_lib.merge_kernel(sets, g, interpret=kw.get("interpret", False))
+  out = merge_sets(sets, g)
   return out.reshape(b, hq, d).astype(jnp.bfloat16)
 
 
