@@ -94,3 +94,43 @@ def test_gated_runner_accumulates_window_attention_and_keeps_the_budget():
     assert x["decode_B"] <= 0.4 + 1e-6
     assert x["measured_B"] <= 0.4 + 1e-3 or x["deficit_bytes"] > 0
   assert r.traces["step"] == 1
+
+
+def test_segment_weights_move_bytes_toward_the_heavier_segment():
+  """Ablation A4's ω sweep (``sphkv-flat`` ω = (1, 1, 1), A0's (1, 1, 2), ``sphkv-recent4``
+  (1, 1, 4)): at one binding budget, a heavier recent weight puts the last 64 prompt tokens'
+  items on higher tiers (and the prefix's on lower ones) — never the other way — and the plan's
+  bytes stay within the budget; bad weights are one-line errors."""
+  assert V.variant("sphkv-flat").omega == (1.0, 1.0, 1.0)
+  assert V.variant("sphkv-recent4").omega == (1.0, 1.0, 4.0)
+  assert V.variant("spherical").omega == V.OMEGA == (1.0, 1.0, 2.0)
+  for bad, msg in (((1, 1), "three positive"), ((1, 0, 2), "three positive"),
+                   ((1, 1, float("nan")), "three positive"), ("abc", "three")):
+    with pytest.raises(ValueError, match=f"^omega must be {msg}"):
+      V.Variant("x", omega=bad)
+  with pytest.raises(ValueError, match="need plan 'rdr'"):
+    V.Variant("x", layouts=("A42",), plan="fixed", omega=(1, 1, 1))
+  model = tiny_llama(61, seed=7)
+  rng = np.random.default_rng(3)
+  n = 160
+  tokens = rng.integers(1, 61, (2, n)).astype(np.int32)
+  lengths = np.asarray([n, n - 24], np.int32)
+  mean_tier = {}
+  for m in ("sphkv-flat", "spherical", "sphkv-recent4"):
+    r = SphRunner.for_method(model, m, batch=2, capacity=192, window=8, sink=2,
+                             n_groups=2).configure(0.3)
+    _, _, _, plan, _ = r.prefill(tokens, lengths)
+    route = np.asarray(plan.route).astype(np.int32)                       # [B, T, G, H]
+    prot = np.asarray(plan.prot)
+    assert np.all(np.asarray(plan.bytes) <= np.asarray(plan.budget) + 1e-3)
+    per = []
+    for b, ln in enumerate(lengths):
+      free = ~prot[b, :ln]
+      t = np.arange(ln)
+      seg = {"prefix": (t >= 2) & (t < ln - 64), "recent": (t >= ln - 64) & (t < ln - 8)}
+      per.append({k: route[b, :ln][free & s[:, None, None]].mean() for k, s in seg.items()})
+    mean_tier[m] = {k: np.mean([p[k] for p in per]) for k in ("prefix", "recent")}
+  flat, a0, r4 = mean_tier["sphkv-flat"], mean_tier["spherical"], mean_tier["sphkv-recent4"]
+  assert flat["recent"] <= a0["recent"] + 1e-6 <= r4["recent"] + 2e-6
+  assert flat["prefix"] + 1e-6 >= a0["prefix"] >= r4["prefix"] - 1e-6
+  assert r4["recent"] - r4["prefix"] > flat["recent"] - flat["prefix"]      # the sweep moves it

@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.gpu import merge as merge_lib
+from pallas_kernels.gpu.merge import merge_sets
 from pallas_kernels.gpu import mgpu_decode, mgpu_mixed
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
@@ -355,33 +356,6 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   if len(sets) == 1:
     return sets[0]
   return tuple(jnp.concatenate(x, axis=2) for x in zip(*sets))
-
-
-def merge_sets(sets, g: int) -> jax.Array:
-  """Eq. 15 over several partial sets read in place -> out [B, Hkv, g, D] f32.
-
-  ``sets``: ``[((o, m, l), kernel_layout), ...]``: the Triton layout (``o [B, Hkv, S, M, D]``,
-  ``m, l [B, Hkv, S, M]``) or the Mosaic GPU kernel's (``kernel_layout``: ``o [B, Hkv, S, D,
-  16]``). The same rule as ``common.merge`` over their concatenation (empty partials contribute
-  nothing, all empty gives 0), without materializing the concatenation or transposing O^T: the
-  sums run over each set's own layout and only the [B, Hkv, D, g] result is transposed."""
-  live, mm = [], []
-  for (o, m, l), _ in sets:
-    lv = l[..., :g] > 0
-    live.append(lv)
-    mm.append(jnp.where(lv, m[..., :g], -jnp.inf))
-  v = functools.reduce(jnp.maximum, [x.max(axis=2) for x in mm])           # [B, Hkv, g]
-  v = jnp.where(jnp.isfinite(v), v, 0.0)
-  num = den = 0.0
-  for ((o, m, l), kernel_layout), lv, x in zip(sets, live, mm):
-    w = jnp.where(lv, jnp.exp2(x - v[:, :, None]), 0.0)                    # [B, Hkv, S, g]
-    den = den + jnp.sum(w * jnp.where(lv, l[..., :g], 0.0), axis=2)
-    if kernel_layout:      # O^T [B, Hkv, S, D, 16]: sum to [B, Hkv, D, g], then transpose
-      t = jnp.sum(jnp.where(lv[:, :, :, None], o[..., :g], 0.0) * w[:, :, :, None], axis=2)
-      num = num + jnp.swapaxes(t, 2, 3)
-    else:
-      num = num + jnp.sum(jnp.where(lv[..., None], o[..., :g, :], 0.0) * w[..., None], axis=2)
-  return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,

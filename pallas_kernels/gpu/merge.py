@@ -2,9 +2,10 @@
 
 ``decode.partial_sets`` leaves per-split partials (o, m, l) in one or two sets (the Triton
 kernel's layout and, where the Mosaic GPU kernel reads the INT4 pool, its O^T layout).  XLA
-merges them (``decode.merge_sets``) in ~7 small fusions (select, reduce, select, reduce, ...):
-~13 us a layer on the H100 at a 0.5B shape against ~33 us of attention kernels.  This kernel
-reads every set in place and writes the bf16 output once.
+merges them (:func:`merge_sets`, here beside the kernel as its reference; decode's default) in
+~7 small fusions (select, reduce, select, reduce, ...): ~13 us a layer on the H100 at a 0.5B
+shape against ~33 us of attention kernels.  This kernel reads every set in place and writes the
+bf16 output once.
 
 Grid (D / bd, Hkv, B), D chunks fastest: the programs of one (sequence, KV head) run together
 and share that head's m, l (a few KB, L2-resident) while each reads its own slice of o.
@@ -46,15 +47,41 @@ _NUM_SMS = 132     # H100 / H200
 _PER_THREAD = 64   # o elements a thread holds at once (f32 registers): the default tile
 
 
+def merge_sets(sets, g: int) -> jax.Array:
+  """Eq. 15 over several partial sets read in place -> out [B, Hkv, g, D] f32.
+
+  ``sets``: ``[((o, m, l), kernel_layout), ...]``: the Triton layout (``o [B, Hkv, S, M, D]``,
+  ``m, l [B, Hkv, S, M]``) or the Mosaic GPU kernel's (``kernel_layout``: ``o [B, Hkv, S, D,
+  16]``). The same rule as ``common.merge`` over their concatenation (empty partials contribute
+  nothing, all empty gives 0), without materializing the concatenation or transposing O^T: the
+  sums run over each set's own layout and only the [B, Hkv, D, g] result is transposed."""
+  live, mm = [], []
+  for (o, m, l), _ in sets:
+    lv = l[..., :g] > 0
+    live.append(lv)
+    mm.append(jnp.where(lv, m[..., :g], -jnp.inf))
+  v = functools.reduce(jnp.maximum, [x.max(axis=2) for x in mm])           # [B, Hkv, g]
+  v = jnp.where(jnp.isfinite(v), v, 0.0)
+  num = den = 0.0
+  for ((o, m, l), kernel_layout), lv, x in zip(sets, live, mm):
+    w = jnp.where(lv, jnp.exp2(x - v[:, :, None]), 0.0)                    # [B, Hkv, S, g]
+    den = den + jnp.sum(w * jnp.where(lv, l[..., :g], 0.0), axis=2)
+    if kernel_layout:      # O^T [B, Hkv, S, D, 16]: sum to [B, Hkv, D, g], then transpose
+      t = jnp.sum(jnp.where(lv[:, :, :, None], o[..., :g], 0.0) * w[:, :, :, None], axis=2)
+      num = num + jnp.swapaxes(t, 2, 3)
+    else:
+      num = num + jnp.sum(jnp.where(lv[..., None], o[..., :g, :], 0.0) * w[..., None], axis=2)
+  return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
 def merge_reference(sets, g: int) -> jax.Array:
-  """The jnp merge (``decode.merge_sets``, the reference semantics) -> out [B, Hq, D] bf16."""
+  """The jnp merge (:func:`merge_sets`, the reference semantics) -> out [B, Hq, D] bf16."""
   return _reference(tuple(x for x, _ in sets), g=g, layouts=tuple(bool(k) for _, k in sets))
 
 
 @functools.partial(jax.jit, static_argnames=("g", "layouts"))
 def _reference(parts, *, g, layouts):
-  from pallas_kernels.gpu import decode     # decode imports this module
-  out = decode.merge_sets(list(zip(parts, layouts)), g)          # [B, Hkv, g, D] f32
+  out = merge_sets(list(zip(parts, layouts)), g)                 # [B, Hkv, g, D] f32
   b, hkv, _, d = out.shape
   return out.reshape(b, hkv * g, d).astype(jnp.bfloat16)
 
@@ -139,7 +166,7 @@ def default_block_d(b: int, hkv: int, d: int, per_d: int = 0,
 
 def merge_kernel(sets, g: int, *, block_d: int | None = None, tile: int | None = None,
                  num_warps: int = 4, num_stages: int = 1, interpret: bool = False) -> jax.Array:
-  """Eq. 15 over ``sets`` (``[((o, m, l), kernel_layout), ...]``, see ``decode.merge_sets``) ->
+  """Eq. 15 over ``sets`` (``[((o, m, l), kernel_layout), ...]``, see :func:`merge_sets`) ->
   out [B, Hq, D] bf16, Hq = Hkv * g: ``merge_reference(sets, g)`` in one ``pallas_call``.
 
   ``block_d``: the D chunk per program (default: :func:`default_block_d`); ``tile``: the most

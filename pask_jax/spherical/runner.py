@@ -85,7 +85,7 @@ from pask_jax.traces import Traces
 
 PAPER_LADDER = ("A2", "A42", "A4")   # §2.3's paper ladder, BF16 values, ascending cost
 RECENT = 64                          # prompt tokens of the "recent" segment (§2.4)
-OMEGA = (1.0, 1.0, 2.0)
+OMEGA = V.OMEGA
 
 
 def ladder(head_dim: int, layouts=PAPER_LADDER, values="bf16") -> tuple[TierSpec, ...]:
@@ -120,7 +120,9 @@ class SphRunner:
   every head, at prefill from the prompt's labels and at decode from the tracker's tags, charged
   like any protected item); ``heads`` "own" (each KV head's items routed on their own) or
   "shared" (every head of a (token, group) takes one route: RDR on the heads' summed
-  distortion at H times the item cost, prefill and gate alike; storage and tables unchanged).
+  distortion at H times the item cost, prefill and gate alike; storage and tables unchanged);
+  ``omega`` the segment weights ω (prefix, retrieved, recent) of §2.4's distortion (default
+  (1, 1, 2); the gate's generated tokens are "recent").
   ``stats``: the full-precision prefill with observation statistics, a
   :class:`~pask_jax.baselines.masked.MaskedRunner` of this batch and capacity that several
   runners of one model may share (one compile); configured here as SnapKV with ``obs``."""
@@ -130,7 +132,7 @@ class SphRunner:
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
                protect_top: float = 0.02, plan: str = "rdr", read: str = "angles",
                tags: bool = False, decode: str = "fixed", heads: str = "own",
-               stats: MaskedRunner | None = None,
+               omega=OMEGA, stats: MaskedRunner | None = None,
                mesh: jax.sharding.Mesh | None = None, backend: str = "reference",
                kernel_knobs: dict | None = None):
     """``mesh``: tensor parallelism over a 1-D ``model`` mesh (:mod:`pask_jax.mesh`; see
@@ -176,6 +178,7 @@ class SphRunner:
     if heads == "shared" and plan != "rdr":
       raise ValueError("shared tiers are an RDR decision: they need plan 'rdr'")
     self.decode, self.heads = decode, heads
+    self.omega = V.check_omega(omega)
     self.mu = mu
     self.obs, self.kappa_drop, self.protect_top = int(obs), float(kappa_drop), float(protect_top)
     self.group_of = T.group_of_layer(c.n_layers, self.n_groups)
@@ -218,7 +221,7 @@ class SphRunner:
     ``kw`` as for the constructor (batch, capacity, sink, window, ...)."""
     v = V.variant(method)
     return cls(model, tiers=ladder(model.cfg.head_dim, v.layouts, v.values), plan=v.plan,
-               read=v.read, tags=v.tags, decode=v.decode, heads=v.heads, **kw)
+               read=v.read, tags=v.tags, decode=v.decode, heads=v.heads, omega=v.omega, **kw)
 
   @property
   def needs_policy(self) -> bool:
@@ -297,7 +300,7 @@ class SphRunner:
     a = (sph.win_att[bi, slot] / W)[..., None]                                # [B, G, H, 1]
     eps_t = jnp.stack([to_g(e) for e in th], -1) * a
     eps_r = jnp.stack([to_g(e) for e in rr], -1) * a
-    dist = OMEGA[2] * (eps_t + eps_r)                                         # recent, û=1, ŝ=0
+    dist = self.omega[2] * (eps_t + eps_r)                                    # recent, û=1, ŝ=0
     dist = dist.at[..., 0].multiply(self.kappa_drop)
     shared = self.heads == "shared"
     route, _, bal = self._everywhere(
@@ -356,8 +359,8 @@ class SphRunner:
       seg = jnp.where(jnp.arange(Tn)[None, :] >= n[:, None] - RECENT, 2, 0)       # [B, T]
       one = jnp.ones((G, H), jnp.float32)
       dist = jax.vmap(lambda et, er, sg: rdr.distortion(
-          et, er, one, 0.0 * one, sg, omega=OMEGA, kappa_drop=self.kappa_drop))(eps_t, eps_r,
-                                                                                  seg)
+          et, er, one, 0.0 * one, sg, omega=self.omega, kappa_drop=self.kappa_drop))(
+              eps_t, eps_r, seg)
       prot = jax.vmap(lambda a, r, m: rdr.protect_mask(
           a, r, m, sink=self.sink, window=W, top=self.protect_top))(att, radius, n)
       if self.tags:   # RDR+tags: floor-H (token, group)s join P on every head

@@ -28,6 +28,11 @@ sphkv-shared    A0s    A0 with one route for every KV head of a (token, group): 
 sphkv-compact   ext.   A0 on the compact ladder (§2.3 [ours]): A42 and A4 keys with INT4 values
                        below the top tier, A4 keys with BF16 values on top (protected items) —
                        the low-residency curve, at PASK's INT4 bytes per item
+sphkv-flat      A4     A0 with the segment weights ω = (1, 1, 1): recent tokens (the last 64 of
+                       the prompt, every generated one) weigh no more than the rest — isolates
+                       the recency weight of §2.4's distortion
+sphkv-recent4   A4     A0 with ω = (1, 1, 4): recent tokens weigh twice A0's — the other side
+                       of the ω sweep
 pask+ada        ext.   PASK's policy and controller (R/L/H from tags, PASK's budget) with its L
                        items stored at tier A4 keys + INT4 values (the compact ladder's t2, the
                        bytes of PASK's INT4 L) instead of INT4 K+V — isolates the key format
@@ -45,6 +50,21 @@ PLANS = ("rdr", "fixed", "pask")
 READS = ("angles", "reconstruct")
 DECODES = ("fixed", "gated")
 HEADS = ("own", "shared")
+OMEGA = (1.0, 1.0, 2.0)     # §2.4's segment weights: prefix, retrieved, recent
+
+
+def check_omega(omega) -> tuple[float, float, float]:
+  """``omega`` as three positive finite floats (prefix, retrieved, recent), or a one-line error:
+  a weight of 0 would make a segment's items free to drop, a negative one rewards distortion."""
+  try:
+    om = tuple(float(x) for x in omega)
+  except (TypeError, ValueError):
+    raise ValueError(f"omega must be three numbers (prefix, retrieved, recent), got "
+                     f"{omega!r}") from None
+  if len(om) != 3 or not all(0 < x < float("inf") for x in om):
+    raise ValueError(f"omega must be three positive finite weights (prefix, retrieved, "
+                     f"recent), got {omega!r}")
+  return om
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +78,9 @@ class Variant:
   floor-H tags join P; ``decode`` "fixed" (§2.4's fixed rule) or "gated" (the tier of a
   generated token chosen when it leaves the window, from the attention it received there;
   plan "rdr" only); ``heads`` "own" (per-head routes) or "shared" (one route per (token, group),
-  plan "rdr" only).  ``needs_policy``: the run takes a PASK policy and the parser's tags."""
+  plan "rdr" only); ``omega`` the segment weights (prefix, retrieved, recent) of RDR's
+  distortion (plan "rdr" only).  ``needs_policy``: the run takes a PASK policy and the
+  parser's tags."""
 
   label: str
   layouts: tuple[str, ...] = ("A2", "A42", "A4")
@@ -68,6 +90,7 @@ class Variant:
   tags: bool = False
   decode: str = "fixed"
   heads: str = "own"
+  omega: tuple[float, float, float] = OMEGA
   isolates: str = ""
 
   def __post_init__(self):
@@ -93,6 +116,9 @@ class Variant:
       raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
     if self.heads == "shared" and self.plan != "rdr":
       raise ValueError("shared tiers are an RDR decision: they need plan 'rdr'")
+    object.__setattr__(self, "omega", check_omega(self.omega))
+    if self.omega != OMEGA and self.plan != "rdr":
+      raise ValueError("the segment weights ω price RDR's distortion: they need plan 'rdr'")
 
   @property
   def needs_policy(self) -> bool:
@@ -121,6 +147,12 @@ VARIANTS: dict[str, Variant] = {
     "sphkv-compact": Variant("ext", layouts=("A42", "A4", "A4"),
                              values=("int4", "int4", "bf16"),
                              isolates="compact ladder: INT4 values below the top tier"),
+    "sphkv-flat": Variant("A4", omega=(1.0, 1.0, 1.0),
+                          isolates="segment weights: recent tokens weigh as the rest "
+                                   "(ω = 1, 1, 1)"),
+    "sphkv-recent4": Variant("A4", omega=(1.0, 1.0, 4.0),
+                             isolates="segment weights: recent tokens weigh twice A0's "
+                                      "(ω = 1, 1, 4)"),
     "pask+ada": Variant("ext", layouts=("A4",), values="int4", plan="pask",
                         isolates="key format under PASK: L items angle-coded, not INT4"),
 }
@@ -137,5 +169,5 @@ def variant(name: str) -> Variant:
                      f"{', '.join(VARIANTS)}") from None
 
 
-__all__ = ["DECODES", "HEADS", "METHODS", "PLANS", "READS", "TAGGED", "VARIANTS", "Variant",
-           "variant"]
+__all__ = ["DECODES", "HEADS", "METHODS", "OMEGA", "PLANS", "READS", "TAGGED", "VARIANTS",
+           "Variant", "check_omega", "variant"]
