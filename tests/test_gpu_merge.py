@@ -45,7 +45,12 @@ def partial_set(rng, b, hkv, s, d, g, kernel_layout, dead=0.3):
   # Rows >= g are never written by the kernels: anything, live-looking included.
   m[..., g:], l[..., g:], o[..., g:, :] = 1e4, np.nan, np.inf
   if kernel_layout:
-    o = np.swapaxes(o, 3, 4)    # O^T [B, Hkv, S, D, 16]
+    # as the Mosaic GPU kernel writes them: O^T [B, Hkv, S, D, 16], m and l of the same shape
+    # with their values in row 0 of D (the other rows never written: poisoned here)
+    o = np.swapaxes(o, 3, 4)
+    spread = lambda x: np.concatenate(
+        [x[:, :, :, None], np.full((b, hkv, s, d - 1, ROWS), np.nan)], axis=3)
+    m, l = spread(m), spread(l)
   return tuple(jnp.asarray(x, jnp.float32) for x in (o, m, l)), kernel_layout
 
 
@@ -200,11 +205,37 @@ def test_kernel_compiles_for_sm90a_without_spills(b, hkv, d, g, splits, layouts)
   sds = []
   for s, kl in zip(splits, layouts):
     o = (b, hkv, s, d, ROWS) if kl else (b, hkv, s, ROWS, d)
-    sds += [jax.ShapeDtypeStruct(o, jnp.float32)] + [jax.ShapeDtypeStruct((b, hkv, s, ROWS),
-                                                                          jnp.float32)] * 2
+    ml = o if kl else (b, hkv, s, ROWS)               # the Mosaic set's m, l as written
+    sds += [jax.ShapeDtypeStruct(o, jnp.float32)] + [jax.ShapeDtypeStruct(ml, jnp.float32)] * 2
   reps = aot.report(fn, *sds)
   assert [r.name for r in reps] == ["pask_merge"]
   r = reps[0]
   assert ".target sm_90a" in r.ptx
   assert r.spill_stores == 0 and r.spill_loads == 0, r.summary()
   assert r.registers <= aot.SM90_MAX_REGS and r.ok(), r.summary()
+
+
+def test_step_kernel_count_reads_the_entry_computation():
+  """bench/count_step_kernels.count: thunks of the entry computation only (not of the fused
+  computations), tuple-typed custom calls included, bookkeeping ops left out."""
+  from bench.count_step_kernels import count
+  hlo = """HloModule m
+%fused_add.3 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %a = f32[4]{0} add(f32[4]{0} %p, f32[4]{0} %p)
+}
+
+ENTRY %main (x: f32[4]) -> (f32[4], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %f = f32[4]{0} fusion(f32[4]{0} %x), kind=kLoop, calls=%fused_add.3
+  %g = f32[4]{0} fusion(f32[4]{0} %f), kind=kCustom, calls=%gemm_fusion_dot.12_computation
+  %c = (f32[4]{0}, f32[4]{0}) custom-call(f32[4]{0} %g), custom_call_target="mosaic_gpu_v2"
+  %t = f32[4]{0} get-tuple-element((f32[4]{0}, f32[4]{0}) %c), index=0
+  %y = f32[4]{0} copy(f32[4]{0} %t)
+  ROOT %r = (f32[4]{0}, f32[4]{0}) tuple(f32[4]{0} %y, f32[4]{0} %t)
+}
+"""
+  got = count(hlo)
+  assert got["thunks"] == 4
+  assert got["by_op"] == {"fusion": 2, "custom-call": 1, "copy": 1}
+  assert got["by_name"] == {"fused_add": 1, "gemm_fusion": 1, "mosaic_gpu_v2": 1}

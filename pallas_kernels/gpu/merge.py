@@ -51,10 +51,12 @@ def merge_sets(sets, g: int) -> jax.Array:
   """Eq. 15 over several partial sets read in place -> out [B, Hkv, g, D] f32.
 
   ``sets``: ``[((o, m, l), kernel_layout), ...]``: the Triton layout (``o [B, Hkv, S, M, D]``,
-  ``m, l [B, Hkv, S, M]``) or the Mosaic GPU kernel's (``kernel_layout``: ``o [B, Hkv, S, D,
-  16]``). The same rule as ``common.merge`` over their concatenation (empty partials contribute
-  nothing, all empty gives 0), without materializing the concatenation or transposing O^T: the
+  ``m, l [B, Hkv, S, M]``) or the Mosaic GPU kernel's as it writes them (``kernel_layout``: ``o
+  [B, Hkv, S, D, 16]``, ``m, l`` of the same shape with the values in row 0 of D). The same
+  rule as ``common.merge`` over their concatenation (empty partials contribute nothing, all
+  empty gives 0), without materializing the concatenation or transposing O^T: the
   sums run over each set's own layout and only the [B, Hkv, D, g] result is transposed."""
+  sets = [((o, m[..., 0, :], l[..., 0, :]) if k else (o, m, l), k) for (o, m, l), k in sets]
   live, mm = [], []
   for (o, m, l), _ in sets:
     lv = l[..., :g] > 0
@@ -181,11 +183,12 @@ def merge_kernel(sets, g: int, *, block_d: int | None = None, tile: int | None =
   rows = common.next_pow2(g)
   tile = tile or _PER_THREAD * 32 * num_warps
   for (o, m, l), kernel_layout in sets:
-    n_s, m_rows = m.shape[2:]
+    n_s, m_rows = m.shape[2], m.shape[-1]
     want = (b, hkv, n_s, d, m_rows) if kernel_layout else (b, hkv, n_s, m_rows, d)
-    if o.shape != want or l.shape != m.shape or m.shape[:2] != (b, hkv) or rows > m_rows:
+    want_ml = want if kernel_layout else want[:4]
+    if o.shape != want or m.shape != want_ml or l.shape != m.shape or rows > m_rows:
       raise ValueError(f"a partial set must be o {want} (kernel_layout={kernel_layout}), m, l "
-                       f"{m.shape[:3]} x >= {rows} rows; got o {o.shape}, m {m.shape}, "
+                       f"{want_ml} with >= {rows} rows; got o {o.shape}, m {m.shape}, "
                        f"l {l.shape}")
   sp = [common.next_pow2(m.shape[2]) for (_, m, _), _ in sets]
   bd = block_d or default_block_d(b, hkv, d, sum(sp) * rows, tile)
@@ -198,9 +201,12 @@ def merge_kernel(sets, g: int, *, block_d: int | None = None, tile: int | None =
   for ((o, m, l), kernel_layout), s in zip(sets, sp):
     if kernel_layout:    # O^T: [B, Hkv, S, D, 16] -> [Sp, bd, G] blocks
       o_spec = pl.BlockSpec((None, None, s, bd, rows), lambda j, h, i: (i, h, 0, j, 0))
+      # m, l as the Mosaic GPU kernel writes them ([B, Hkv, S, D, 16], values in row 0 of D):
+      # read in place, where slicing row 0 first would be an XLA copy per array and layer
+      ml_spec = pl.BlockSpec((None, None, s, None, rows), lambda j, h, i: (i, h, 0, 0, 0))
     else:                # [B, Hkv, S, M, D] -> [Sp, G, bd] blocks
       o_spec = pl.BlockSpec((None, None, s, rows, bd), lambda j, h, i: (i, h, 0, 0, j))
-    ml_spec = pl.BlockSpec((None, None, s, rows), lambda j, h, i: (i, h, 0, 0))
+      ml_spec = pl.BlockSpec((None, None, s, rows), lambda j, h, i: (i, h, 0, 0))
     args += [o, m, l]
     specs += [o_spec, ml_spec, ml_spec]
   kernel = functools.partial(_kernel, g=g, layouts=tuple(bool(k) for _, k in sets),

@@ -77,9 +77,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``.
   ``table`` (the int4 pool): where the kernel's index maps read the page ids
   (``mgpu_int4.partition``).
-  ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose):
-  ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l [B, Hkv, S, 16]``, for a merge that reads them in
-  place (``decode.merge_sets``)."""
+  ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose, no
+  slice): ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l`` of the same shape with their values in row 0
+  of D, for a merge that reads them in place (``merge.merge_sets``, ``merge.merge_kernel``)."""
   if layout not in ("triton", "kernel"):
     raise ValueError(f"layout must be 'triton' or 'kernel', got {layout!r}")
   b, hkv, rows, d = qp.shape
@@ -143,14 +143,14 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
 
 
 def triton_layout(o, m, l):
-  """Partials of ``layout="kernel"`` -> the Triton kernel's layout (``o [B, Hkv, S, 16, D]``)."""
-  return jnp.swapaxes(o, 3, 4), m, l
+  """Partials of ``layout="kernel"`` -> the Triton kernel's layout (``o [B, Hkv, S, 16, D]``,
+  ``m, l [B, Hkv, S, 16]``)."""
+  return jnp.swapaxes(o, 3, 4), m[..., 0, :], l[..., 0, :]
 
 
 def _layout(o, m, l, b, hkv, s, d, layout="triton"):
-  """The kernels' ``[BH, S, D, 16]`` partials -> ``o [B, Hkv, S, 16, D]``, ``m, l [B, Hkv, S,
-  16]`` (the Triton kernel's layout); ``layout="kernel"``: ``o [B, Hkv, S, D, 16]`` as written."""
-  o = o.reshape(b, hkv, s, d, C.N_PAD)
-  m = m[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)
-  l = l[:, :, 0, :].reshape(b, hkv, s, C.N_PAD)
+  """The kernels' ``[BH, S, D, 16]`` partials (m, l in row 0 of D) -> ``o [B, Hkv, S, 16, D]``,
+  ``m, l [B, Hkv, S, 16]`` (the Triton kernel's layout); ``layout="kernel"``: all three ``[B,
+  Hkv, S, D, 16]`` as written (free reshapes: a consumer reads row 0 of m, l in place)."""
+  o, m, l = (x.reshape(b, hkv, s, d, C.N_PAD) for x in (o, m, l))
   return triton_layout(o, m, l) if layout == "triton" else (o, m, l)

@@ -1,0 +1,91 @@
+"""The kernels of one PASK decode step, compiled for sm_90 on any host (no GPU needed).
+
+XLA launches one thunk per op of the optimized entry computation (fusions, cuBLAS/Triton GEMM
+fusions, Pallas custom calls, copies); at small models each costs launch time comparable to its
+work (issue 24), so their number per step is a figure of merit beside device time.  This
+compiles the whole jitted step (``PaskRunner.decode_step``, the unrolled layer layout) for sm_90
+(``pallas_kernels.gpu.aot.compile_hlo``) and counts the entry computation's thunks by kind.
+
+  python bench/count_step_kernels.py --shape qwen2.5-0.5b --knobs '{"merge": "kernel"}'
+
+Prints one JSON line: thunks per step and per layer, by op and by fusion name.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.bench_decode import SHAPES  # noqa: E402
+from models import ModelConfig, decoder, random_model  # noqa: E402
+from pallas_kernels.gpu import aot as gpu_aot  # noqa: E402
+from pask_jax import cache as pc  # noqa: E402
+from pask_jax import ledger  # noqa: E402
+from pask_jax import policy as P  # noqa: E402
+from pask_jax.decode import PaskRunner  # noqa: E402
+from pask_jax.tracker import FREE_TAG  # noqa: E402
+
+_SKIP = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
+
+
+def count(hlo: str) -> dict:
+  """Thunks of an optimized HLO module's entry computation, by op and by fusion/target name."""
+  entry = hlo[hlo.index("\nENTRY "):]
+  ops, names = collections.Counter(), collections.Counter()
+  # results may be tuples ("(f32[..], f32[..]) custom-call(...)"): match them whole
+  for m in re.finditer(r"= (?:\([^=]*?\)|\S+) ([\w-]+)\((.*)", entry):
+    op = m.group(1)
+    if op in _SKIP:
+      continue
+    ops[op] += 1
+    if op == "fusion":
+      c = re.search(r"calls=%([\w.-]+)", m.group(2))
+      n = re.sub(r"[._]\d+$", "", c.group(1)) if c else "?"
+      names["gemm_fusion" if n.startswith("gemm_fusion") else n] += 1
+    elif op == "custom-call":
+      t = re.search(r'custom_call_target="([^"]+)"', m.group(2))
+      names[t.group(1) if t else "?"] += 1
+  return {"thunks": sum(ops.values()), "by_op": dict(ops.most_common()),
+          "by_name": dict(names.most_common())}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--context", type=int, default=8192)
+  ap.add_argument("--lo-format", default="int4", choices=["bytes", "int4"])
+  ap.add_argument("--knobs", default='{"int4_kernel": "mosaic"}',
+                  help="JSON kernel knobs (pallas_kernels.decode_attention)")
+  a = ap.parse_args(argv)
+  cfg = ModelConfig(**SHAPES[a.shape])
+  pol = P.demo(cfg)
+  B, C = a.batch, a.context + 17
+  model = random_model(cfg, dtype=jnp.bfloat16)
+  decoder.prepare(model, "unrolled")
+  r = PaskRunner(model, pol, batch=B, capacity=C, backend="gpu",
+                 kernel_knobs=json.loads(a.knobs))
+  cache = jax.eval_shape(lambda: pc.init_for(cfg, B, pol, capacity=C, page=r.page, lo_page=128,
+                                             lo_format=a.lo_format, hi_capacity=C // 4,
+                                             lo_capacity=C // 2))
+  z = jnp.zeros((B,), jnp.int32)
+  hlo = gpu_aot.compile_hlo(r.decode_step, r.params, pol, cache, jnp.zeros((B,), jnp.float32),
+                            ledger.init(B, pol.n_groups), z,
+                            jnp.broadcast_to(jnp.asarray(FREE_TAG), (B, 4)), z - 1,
+                            jnp.ones((B,), bool))
+  got = count(hlo)
+  print(json.dumps({"shape": a.shape, "batch": B, "context": a.context, "knobs": a.knobs,
+                    "layers": cfg.n_layers, "per_layer": round(got["thunks"] / cfg.n_layers, 2),
+                    **got}))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
