@@ -1,8 +1,9 @@
 """The kernels of one PASK decode step, compiled for sm_90 on any host (no GPU needed).
 
 XLA launches one thunk per op of the optimized entry computation (fusions, cuBLAS/Triton GEMM
-fusions, Pallas custom calls, copies); at small models each costs launch time comparable to its
-work (issue 24), so their number per step is a figure of merit beside device time.  This
+fusions, Pallas custom calls, copies; a ``while`` is counted once, its body's thunks are not);
+at small models each costs launch time comparable to its work (issue 24), so their number per
+step is a figure of merit beside device time.  This
 compiles the whole jitted step (``PaskRunner.decode_step``, the unrolled layer layout) for sm_90
 (``pallas_kernels.gpu.aot.compile_hlo``) and counts the entry computation's thunks by kind.
 
@@ -36,8 +37,10 @@ _SKIP = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant")
 
 
 def count(hlo: str) -> dict:
-  """Thunks of an optimized HLO module's entry computation, by op and by fusion/target name."""
+  """Thunks of an optimized HLO module's entry computation, by op and by fusion/target name.
+  A ``while`` counts as one: the thunks of its body (per iteration) are not counted."""
   entry = hlo[hlo.index("\nENTRY "):]
+  entry = re.sub(r"/\*index=\d+\*/", "", entry)   # XLA's markers inside long tuple types
   ops, names = collections.Counter(), collections.Counter()
   # results may be tuples ("(f32[..], f32[..]) custom-call(...)"): match them whole
   for m in re.finditer(r"= (?:\([^=]*?\)|\S+) ([\w-]+)\((.*)", entry):

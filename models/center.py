@@ -21,9 +21,11 @@ import hashlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 SINK = 4
+VERSION = 1   # of the estimator: part of a centering's recorded source (models.fingerprint)
 
 TEXT = """You are a helpful assistant with access to the following functions. Use them if \
 required.
@@ -114,7 +116,26 @@ def center(loaded) -> jax.Array:
   ids = loaded.tokenizer.encode(TEXT)
   mu = estimate(loaded.model, ids)
   apply(loaded.model, mu)
-  # what models.fingerprint digests instead of μ's values (see there)
-  loaded.model.k_center_source = "center.TEXT:" + hashlib.sha256(
-      f"{SINK}:{list(ids)}".encode()).hexdigest()[:16]
+  # What models.fingerprint digests instead of μ's values (see there): the estimator's version,
+  # its text and sink, and the exact values recorded (a later change to k_center voids it).
+  src = hashlib.sha256(f"{VERSION}:{SINK}:{list(ids)}".encode()).hexdigest()[:16]
+  mu_digest = values_digest(loaded.model.k_center[...])
+  loaded.model.k_center_source = f"center.TEXT:{src}|mu:{mu_digest}"
   return mu
+
+
+def source(model) -> str | None:
+  """Where ``model``'s key centering came from (recorded by :func:`center`), while ``k_center``
+  still holds the exact values recorded with it; else None (``models.fingerprint`` then digests
+  the values)."""
+  rec = getattr(model, "k_center_source", None)
+  if not rec or not hasattr(model, "k_center"):
+    return None
+  src, _, digest = rec.rpartition("|mu:")
+  return src if digest == values_digest(model.k_center[...]) else None
+
+
+def values_digest(x) -> str:
+  """sha256 (16 hex digits) of an array's exact bytes, shape and dtype."""
+  a = np.asarray(x)
+  return hashlib.sha256(f"{a.shape}:{a.dtype}:".encode() + a.tobytes()).hexdigest()[:16]

@@ -308,10 +308,13 @@ def fingerprint(model) -> dict[str, Any]:
 
   Everything digested must be the same in every process that loads the same checkpoint, or a
   calibration cannot resume: the sums are taken on the host in float64 (a device reduction may
-  order its additions differently from run to run), and a key centering estimated by
+  order its additions differently from run to run; ``np.sum(..., dtype=float64)`` casts in
+  chunks, no float64 copy of a multi-GB array), and a key centering estimated by
   :func:`models.center.center` is named by where it came from (``model.k_center_source``), not
   by its values, which a GPU forward pass reproduces only to within a rounding (its GEMMs are
-  autotuned per process).  A centering applied by hand has no source and is digested by value."""
+  autotuned per process).  The source counts only while ``k_center`` still holds the values it
+  was recorded with (their exact digest is part of it): a centering applied or changed by any
+  other means is digested by value."""
   import hashlib
 
   from models import decoder
@@ -325,7 +328,8 @@ def fingerprint(model) -> dict[str, Any]:
   h = hashlib.sha256()
   _, state = nnx.split(model)
   flat = sorted(nnx.to_pure_dict(state).items())
-  source = getattr(model, "k_center_source", None)
+  from models import center
+  source = center.source(model)
   dtype = None
   for name, x in flat:
     x = jnp.asarray(x)
@@ -337,6 +341,6 @@ def fingerprint(model) -> dict[str, Any]:
     flat_x = x.reshape(-1)
     step = max(1, flat_x.size // 4096)
     h.update(np.asarray(flat_x[::step][:4096], np.float32).tobytes())
-    h.update(np.float64(np.sum(np.asarray(x, np.float64))).tobytes())
+    h.update(np.float64(np.sum(np.asarray(x), dtype=np.float64)).tobytes())
   return {"config": json.loads(model.cfg.to_json()), "dtype": dtype,
           "weights": h.hexdigest()[:20]}

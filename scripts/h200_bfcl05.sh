@@ -6,7 +6,10 @@
 # Each stage runs only when the one before it is complete; call again until it prints "campaign
 # done".   LIMIT=560 bash scripts/h200_bfcl05.sh   (carry .whl; the model uploaded to /tmp/m:
 # .chunks/q05_pNN, 13 pieces of 38 MB, sha256 1d961463...)
-# Back under $OUT: cal05c.tgz (policy + calibration.json), tune05.tgz, c05.tgz, the logs.
+# Back under $OUT: cal05c.tgz (policy + calibration.json), tune05.tgz, c05.tgz, the logs; a
+# calibration cut short leaves cal05c_work.tgz (its saved stages). To go on on another machine,
+# copy cal05c_work.tgz / tune05.tgz to .cal05c_work.tgz / .tune05.tgz here and name them in
+# carry (git-ignored).
 # Commit: policy -> policies/qwen2.5-coder-0.5b-instruct-bfcl-centered/ (+ calibration.json),
 # tune -> results/tune/qwen05c-bfcl/, cells -> results/campaign/qwen05c-bfcl/.
 set -x
@@ -16,11 +19,12 @@ m=qwen2.5-coder-0.5b-instruct
 pol=policies/$m-bfcl-centered
 left() { echo $((limit - SECONDS - 40)); }
 if [ ! -f /tmp/cal05c/calibration.json ] && [ ! -f $pol/calibration.json ]; then
+  [ $(left) -gt 60 ] || exit 0
   mkdir -p /tmp/cal05c
   # a calibration cut short resumes from its saved stages, on this machine or (carry
   # .cal05c_work.tgz, the tarball it left under $OUT) on the next one
   [ -f .cal05c_work.tgz ] && [ ! -d /tmp/cal05c/work ] && tar xzf .cal05c_work.tgz -C /tmp
-  timeout $(left) python3 -m pask_jax.cli calibrate --model $m --out /tmp/cal05c \
+  timeout -k 10 $(left) python3 -m pask_jax.cli calibrate --model $m --out /tmp/cal05c \
     ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 --window 16 \
     --targets 0.15 0.20 0.25 0.33 >> $OUT/cal05.log 2>&1 || {
       tail -c 3000 $OUT/cal05.log; tar czf $OUT/cal05c_work.tgz -C /tmp cal05c/work; exit 0; }
@@ -46,10 +50,10 @@ PY
 [ -f .tune05.tgz ] && [ ! -d /tmp/tune05 ] && tar xzf .tune05.tgz -C /tmp
 if [ ! -d results/tune/qwen05c-bfcl ] && ! tuned; then
   [ $(left) -gt 90 ] || exit 0
-  timeout $(left) python3 -m pask_jax.cli tune --model $m --methods triaxial snapkv h2o streaming \
+  timeout -k 10 $(left) python3 -m pask_jax.cli tune --model $m --methods triaxial snapkv h2o streaming \
     --budget 0.33 0.20 0.15 --grid small --split dev --categories simple_python multiple \
     --max-tokens 128 --batch 120 --key-center on --out /tmp/tune05 >> $OUT/tune05.log 2>&1
-  [ $(left) -gt 60 ] && timeout $(left) python3 -m pask_jax.cli tune --model $m --methods mikv \
+  [ $(left) -gt 60 ] && timeout -k 10 $(left) python3 -m pask_jax.cli tune --model $m --methods mikv \
     --budget 0.33 --grid small --split dev --categories simple_python multiple --max-tokens 128 \
     --batch 120 --key-center on --out /tmp/tune05/B0.33 >> $OUT/tune05.log 2>&1
   tar czf $OUT/tune05.tgz -C /tmp tune05

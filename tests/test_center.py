@@ -121,16 +121,22 @@ def test_load_centers_a_registered_model():
 
 def test_fingerprint_names_an_estimated_centering_by_its_source():
   """A centering from center.center() is digested by where it came from, so a GPU process whose
-  autotuned GEMMs round μ differently still resumes the same calibration; one applied by hand is
+  autotuned GEMMs round μ differently still resumes the same calibration — but only while
+  k_center holds the values recorded with the source; one applied or changed otherwise is
   digested by value."""
   m = offset_model()
   mu = center.estimate(m, tokens(6, 64))
   center.apply(m, mu)
-  m.k_center_source = "text:abc"
+  tagged = lambda src: f"{src}|mu:{center.values_digest(m.k_center[...])}"
+  m.k_center_source = tagged("text:abc")
+  assert center.source(m) == "text:abc"
   a = fingerprint(m)
-  center.apply(m, mu * (1 + 1e-2))
+  center.apply(m, mu * (1 + 1e-2))            # another process's rounding of the same estimate
   assert m.k_center_source is None and fingerprint(m) != a
-  m.k_center_source = "text:abc"
+  m.k_center_source = tagged("text:abc")
   assert fingerprint(m) == a
-  m.k_center_source = "text:other"
+  m.k_center_source = tagged("text:other")
   assert fingerprint(m) != a
+  m.k_center_source = tagged("text:abc")
+  m.k_center[...] = m.k_center[...] * 2       # changed in place: the source no longer counts
+  assert center.source(m) is None and fingerprint(m) != a

@@ -229,7 +229,7 @@ ENTRY %main (x: f32[4]) -> (f32[4], f32[4]) {
   %x = f32[4]{0} parameter(0)
   %f = f32[4]{0} fusion(f32[4]{0} %x), kind=kLoop, calls=%fused_add.3
   %g = f32[4]{0} fusion(f32[4]{0} %f), kind=kCustom, calls=%gemm_fusion_dot.12_computation
-  %c = (f32[4]{0}, f32[4]{0}) custom-call(f32[4]{0} %g), custom_call_target="mosaic_gpu_v2"
+  %c = (f32[4], f32[4], /*index=2*/f32[4]) custom-call(%g), custom_call_target="mosaic_gpu_v2"
   %t = f32[4]{0} get-tuple-element((f32[4]{0}, f32[4]{0}) %c), index=0
   %y = f32[4]{0} copy(f32[4]{0} %t)
   ROOT %r = (f32[4]{0}, f32[4]{0}) tuple(f32[4]{0} %y, f32[4]{0} %t)

@@ -105,7 +105,8 @@ def test_segment_weights_move_bytes_toward_the_heavier_segment():
   assert V.variant("sphkv-recent4").omega == (1.0, 1.0, 4.0)
   assert V.variant("spherical").omega == V.OMEGA == (1.0, 1.0, 2.0)
   for bad, msg in (((1, 1), "three positive"), ((1, 0, 2), "three positive"),
-                   ((1, 1, float("nan")), "three positive"), ("abc", "three")):
+                   ((1, 1, float("nan")), "three positive"), ("abc", "three"),
+                   ("112", "three numbers")):
     with pytest.raises(ValueError, match=f"^omega must be {msg}"):
       V.Variant("x", omega=bad)
   with pytest.raises(ValueError, match="need plan 'rdr'"):

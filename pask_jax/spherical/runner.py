@@ -674,7 +674,7 @@ class SphRunner:
                   "resident_B": ratio(held, n), "budget": float(np.asarray(rho)[b]),
                   "deficit_bytes": float(np.sum(deficit[b])), "overflow": bool(overflow[b]),
                   "plan": self.plan, "read": self.read, "tags": self.tags,
-                  "decode": self.decode, "heads": self.heads,
+                  "decode": self.decode, "heads": self.heads, "omega": list(self.omega),
                   "items": {"drop": int(counts[0]),
                             **{self.tiers[t].name: int(counts[t + 1]) for t in range(K)},
                             "bf16": int(counts[K + 1])},

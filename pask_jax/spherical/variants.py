@@ -28,11 +28,13 @@ sphkv-shared    A0s    A0 with one route for every KV head of a (token, group): 
 sphkv-compact   ext.   A0 on the compact ladder (§2.3 [ours]): A42 and A4 keys with INT4 values
                        below the top tier, A4 keys with BF16 values on top (protected items) —
                        the low-residency curve, at PASK's INT4 bytes per item
-sphkv-flat      A4     A0 with the segment weights ω = (1, 1, 1): recent tokens (the last 64 of
-                       the prompt, every generated one) weigh no more than the rest — isolates
-                       the recency weight of §2.4's distortion
+sphkv-flat      A4     A0 with the segment weights ω = (1, 1, 1): the prompt's recent tokens
+                       (its last 64) weigh no more than the rest — isolates the recency weight
+                       of §2.4's distortion (generated tokens take the fixed rule here; ω
+                       reaches them only under the gated rule)
 sphkv-recent4   A4     A0 with ω = (1, 1, 4): recent tokens weigh twice A0's — the other side
-                       of the ω sweep
+                       of the ω sweep (no workload marks retrieved spans yet: ω's middle
+                       weight is unused)
 pask+ada        ext.   PASK's policy and controller (R/L/H from tags, PASK's budget) with its L
                        items stored at tier A4 keys + INT4 values (the compact ladder's t2, the
                        bytes of PASK's INT4 L) instead of INT4 K+V — isolates the key format
@@ -56,6 +58,8 @@ OMEGA = (1.0, 1.0, 2.0)     # §2.4's segment weights: prefix, retrieved, recent
 def check_omega(omega) -> tuple[float, float, float]:
   """``omega`` as three positive finite floats (prefix, retrieved, recent), or a one-line error:
   a weight of 0 would make a segment's items free to drop, a negative one rewards distortion."""
+  if isinstance(omega, (str, bytes)):
+    raise ValueError(f"omega must be three numbers (prefix, retrieved, recent), got {omega!r}")
   try:
     om = tuple(float(x) for x in omega)
   except (TypeError, ValueError):
