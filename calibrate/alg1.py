@@ -682,13 +682,13 @@ class Calibration:
         fp = np.split(resolve_rows(pol, allp)[1], cut_p)
         ad = np.split(resolve_rows(pol, alld)[0], cut_d)
         acts.append([np.concatenate([x, y], 0) for x, y in zip(fp, ad)])
-      # one padded size for every request and batch: each compiles once
+      # one padded size for every request and capture batch (T holds every sequence): each
+      # compiles once
       n_q = [max(len(o.tokens) - 1, 0) for o in self.ref]
       padded = dist.size((len(s), len(p), d) for s, (p, _), d in zip(seqs, parts, n_q))
-      length = -(-max(len(s) for s in seqs) // 64) * 64
       for r in range(0, len(seqs), 8):
         chunk = seqs[r:r + 8]
-        caps = dist.capture(self.model, chunk + chunk[:1] * (8 - len(chunk)), length=length)
+        caps = dist.capture(self.model, chunk + chunk[:1] * (8 - len(chunk)), length=padded[0])
         caps = caps[:len(chunk)]
         for j, (q, k, v) in enumerate(caps):
           pt, _ = parts[r + j]

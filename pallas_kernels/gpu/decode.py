@@ -38,9 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.gpu import merge as merge_lib
-from pallas_kernels.gpu.merge import merge_sets
 from pallas_kernels.gpu import mgpu_decode, mgpu_mixed
+from pallas_kernels.gpu.merge import merge_kernel, merge_sets
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 
 _LO, _HI, _WIN = 0, 1, 2
@@ -564,7 +563,7 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
   # GPU kernel's O^T): fewer XLA fusions per layer than merging partials_gpu's output.
   sets = partial_sets(q, window, hi, lo, maps, layer, **kw)
   if merge == "kernel":     # one launch instead of those fusions
-    return merge_lib.merge_kernel(sets, g, interpret=kw.get("interpret", False))
+    return merge_kernel(sets, g, interpret=kw.get("interpret", False))
   out = merge_sets(sets, g)
   return out.reshape(b, hq, d).astype(jnp.bfloat16)
 

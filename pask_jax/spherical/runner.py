@@ -85,7 +85,6 @@ from pask_jax.traces import Traces
 
 PAPER_LADDER = ("A2", "A42", "A4")   # §2.3's paper ladder, BF16 values, ascending cost
 RECENT = 64                          # prompt tokens of the "recent" segment (§2.4)
-OMEGA = V.OMEGA
 
 
 def ladder(head_dim: int, layouts=PAPER_LADDER, values="bf16") -> tuple[TierSpec, ...]:
@@ -132,7 +131,7 @@ class SphRunner:
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
                protect_top: float = 0.02, plan: str = "rdr", read: str = "angles",
                tags: bool = False, decode: str = "fixed", heads: str = "own",
-               omega=OMEGA, stats: MaskedRunner | None = None,
+               omega=V.OMEGA, stats: MaskedRunner | None = None,
                mesh: jax.sharding.Mesh | None = None, backend: str = "reference",
                kernel_knobs: dict | None = None):
     """``mesh``: tensor parallelism over a 1-D ``model`` mesh (:mod:`pask_jax.mesh`; see
