@@ -7,7 +7,7 @@ step is a figure of merit beside device time.  This
 compiles the whole jitted step (``PaskRunner.decode_step``, the unrolled layer layout) for sm_90
 (``pallas_kernels.gpu.aot.compile_hlo``) and counts the entry computation's thunks by kind.
 
-  python bench/count_step_kernels.py --shape qwen2.5-0.5b --knobs '{"merge": "kernel"}'
+  python bench/count_step_kernels.py --shape qwen2.5-0.5b --knobs '{"merge": "sets"}'
 
 Prints one JSON line: thunks per step and per layer, by op and by fusion name.
 """

@@ -39,7 +39,7 @@ def test_tpu_kernel_compiles_for_generation(gen, shape):
 def test_gpu_kernel_compiles_to_sm90a_within_limits(shape):
   args = SHAPES[shape].make(poison=False)
   reps = gpu_aot.report(decode_attention_gpu, *args)
-  assert [r.name for r in reps] == ["pask_decode_attention"]
+  assert sorted(r.name for r in reps) == ["pask_decode_attention", "pask_merge"]
   for r in reps:
     assert ".target sm_90a" in r.ptx
     assert r.ok(), r.summary()

@@ -86,12 +86,14 @@ def test_gpu_int4_prefetch_and_unfused_match_reference(case):
 @pytest.mark.fast_compile(False)   # ptxas's resource report of the default compile
 def test_gpu_large_int4_pool_gets_its_own_launch_within_sm90a_limits():
   """fuse="auto": an INT4 partition with >= one program per SM runs as its own kernel (2 warps,
-  register prefetch, inline-PTX dequant); both kernels compile for sm_90a without spills."""
+  register prefetch, inline-PTX dequant); both kernels and the merge compile for sm_90a without
+  spills."""
   from pallas_kernels.gpu import aot
   shape = synth.Shape(b=8, hq=32, hkv=8, d=128, page=16, w=64, lo_cap=4096, hi_cap=512)
   args = synth.make(shape, 4000, 500, 64, poison=False)
   reps = aot.report(decode_attention_gpu, *args)
-  assert sorted(r.name for r in reps) == ["pask_decode_attention", "pask_decode_attention_int4"]
+  assert sorted(r.name for r in reps) == ["pask_decode_attention", "pask_decode_attention_int4",
+                                          "pask_merge"]
   for r in reps:
     assert r.ok(), (r.name, r.summary())
   int4 = next(r for r in reps if r.name.endswith("int4"))

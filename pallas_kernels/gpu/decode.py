@@ -4,8 +4,8 @@ Grid (Hkv, NS, B).  The split axis NS is laid out as [INT4 splits | BF16-pool sp
 splits]; each program walks ``chunk`` logical entries of one partition of one (sequence, KV head)
 in blocks of ``block`` keys, with the GQA group's query heads (padded to 16 rows for the MMA) as
 the M dimension, and writes an unnormalized partial (o, m, l).  The partials are merged (Eq. 15)
-by XLA where they lie (:func:`merge_sets`), or with ``merge="kernel"`` by one Pallas Triton launch
-(:mod:`pallas_kernels.gpu.merge`).
+by one Pallas Triton launch (:mod:`pallas_kernels.gpu.merge`, the default), or with
+``merge="sets"`` by XLA where they lie (:func:`merge_sets`).
 
 Why this shape:
 * Token-granular gathers (``row = table[pos // page] * page + pos % page``) read pools in place for
@@ -326,9 +326,9 @@ _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "n
           "table_lo")
 # Knobs of int4_kernel="fused" alone (mgpu_mixed: one Mosaic GPU launch for both pools).
 _FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers")
-# decode_attention_gpu's own: how the partials are merged ("sets": in place by XLA, the default;
-# "concat": concatenated first, as partials_gpu returns them, for same-run comparisons;
-# "kernel": in place by one Pallas Triton launch, merge.merge_kernel, opt-in).
+# decode_attention_gpu's own: how the partials are merged ("kernel": in place by one Pallas Triton
+# launch, merge.merge_kernel, the default; "sets": in place by XLA; "concat": concatenated first,
+# as partials_gpu returns them, for same-run comparisons).
 _MERGE_KNOBS = ("merge",)
 _MERGES = ("sets", "concat", "kernel")
 _FUSED = ("fused", "fused_reference")
@@ -540,11 +540,13 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
   ``"fused_reference"`` (or ``"fused"`` with ``interpret=True``): the kernel's jnp reference in
   its place (CPU tests of the glue).
 
-  ``merge``: how the partial sets become the output. ``"sets"`` (default): :func:`merge_sets`,
-  each set read in place by XLA (~7 small fusions); ``"kernel"`` (opt-in): the same merge as one
-  Pallas Triton launch that writes the bf16 output (:func:`pallas_kernels.gpu.merge.merge_kernel`;
-  Pallas interpret mode with ``interpret=True``); ``"concat"``: ``common.merge`` over
-  :func:`partials_gpu`'s concatenation (same-run comparisons)."""
+  ``merge``: how the partial sets become the output. ``"kernel"`` (default): one Pallas Triton
+  launch that reads each set in place and writes the bf16 output
+  (:func:`pallas_kernels.gpu.merge.merge_kernel`; Pallas interpret mode with ``interpret=True``;
+  per step 5 % faster than "sets" at the Qwen3-4B shape and 9 % at the 0.5B shape on an H100,
+  bench/RESULTS.md); ``"sets"``: :func:`merge_sets`, each set read in place by XLA (~7 small
+  fusions); ``"concat"``: ``common.merge`` over :func:`partials_gpu`'s concatenation (same-run
+  comparisons)."""
   fused = {k: kw.pop(k) for k in _FUSED_KNOBS if k in kw}
   if kw.get("int4_kernel") in _FUSED:
     return _fused(q, window, hi, lo, maps, layer, **kw, **fused)
@@ -552,7 +554,7 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
     raise ValueError(f"{sorted(fused)} are knobs of int4_kernel='fused' only")
   b, hq, d = q.shape
   g = hq // window.k.shape[-2]
-  merge = kw.pop("merge", "sets")
+  merge = kw.pop("merge", "kernel")
   if merge == "concat":     # the partials concatenated first (partials_gpu), then merged
     o, m, l = partials_gpu(q, window, hi, lo, maps, layer, **kw)
     out, _ = common.merge(o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g], axis=2)
