@@ -11,7 +11,7 @@ left() { echo $((limit - SECONDS - 30)); }
 rm -rf /tmp/caltime
 t=$(left); [ $t -gt 60 ] || exit 0
 timeout -k 10 $t python3 -m pask_jax.cli calibrate --model qwen2.5-coder-0.5b-instruct \
-  --key-center off --out /tmp/caltime --max-cases 40 --rows 2048 --max-tokens 128 \
+  --key-center off --out /tmp/caltime --max-cases 40 --rows ${ROWS:-2048} --max-tokens 128 \
   --speedup 24 > $OUT/cal.log 2>&1
 echo "calibrate rc $?"
 tr '\r' '\n' < $OUT/cal.log | grep -vE "gen/s\]|tensor/s\]|it/s\]" | tail -25
