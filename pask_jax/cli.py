@@ -310,13 +310,30 @@ def _transfer(args) -> int:
   return 0
 
 
+def _edit(args) -> int:
+  from pask_jax import policy as P
+  if os.path.exists(os.path.join(args.out, "policy.json")):
+    raise SystemExit(f"error: {args.out} already holds a policy; give another --out")
+  try:
+    pol = P.edit(P.load(args.policy_dir), all_high=args.all_high, no_release=args.no_release)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}")
+  P.save(pol, args.out)
+  print(f"{args.out}: {pol.record['extra']['name']}; B_P {float(pol.b_p):.4f}, "
+        f"B_D {float(pol.b_d):.4f}")
+  return 0
+
+
 def cmd_policy(args) -> int:
   """``pask-jax policy derive``: a total-B variant from what calibration measured, no model
-  loaded (:func:`calibrate.variant.derive`); ``transfer``: the tables bound to another model
+  loaded (:func:`calibrate.variant.derive`); ``edit``: one stage all-high or releasing nothing
+  (:func:`pask_jax.policy.edit`); ``transfer``: the tables bound to another model
   (:func:`pask_jax.policy.transfer`); ``pask-jax policy convert``: an old policy directory
   rewritten with its tables in ``arrays/`` only (:func:`pask_jax.policy.convert`)."""
   if args.policy_cmd == "transfer":
     return _transfer(args)
+  if args.policy_cmd == "edit":
+    return _edit(args)
   if args.policy_cmd == "convert":
     from pask_jax import policy as P
     for d in args.policy_dirs:
@@ -573,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
   from calibrate import cli as calibrate_cli
   calibrate_cli.add_parser(sub)
   po = sub.add_parser("policy", help="work on a calibrated policy directory")
-  pos = po.add_subparsers(dest="policy_cmd", required=True, metavar="{derive,convert,transfer}")
+  pos = po.add_subparsers(dest="policy_cmd", required=True,
+                          metavar="{derive,edit,convert,transfer}")
   pd = pos.add_parser("derive", help="write the variant at another total B from the dev "
                                      "measurements calibration saved (no model loaded)",
                        description="Writes the variant at total B (--target-b) of a calibrated "
@@ -589,6 +607,21 @@ def main(argv: list[str] | None = None) -> int:
   pd.add_argument("--calibration", default=None, metavar="FILE",
                   help="the calibration.json of POLICY_DIR (default: beside it, as calibrate "
                        "writes it; the B<t> variants' own records are read too)")
+  pe = pos.add_parser("edit", help="write a policy with one stage changed: all-high (the "
+                                   "prefill-decode decomposition) or no prompt token released",
+                      description="Writes POLICY_DIR with one stage changed, the other as "
+                                  "calibrated (pask_jax.policy.edit): --all-high decode gives "
+                                  "the paper's Table 17 'prefill-only' row, --all-high prefill "
+                                  "its 'decode-only' row; --no-release prefill puts every "
+                                  "prompt floor at L (Alg. 1's KEEP: B_P above INT4's cost "
+                                  "spent on H by the calibrated priorities). No "
+                                  "model is loaded; the tables' model binding is kept.")
+  pe.add_argument("policy_dir", metavar="POLICY_DIR")
+  pe.add_argument("--out", required=True, metavar="DIR")
+  pe.add_argument("--all-high", choices=("prefill", "decode"), default=None,
+                  help="keep every token of this stage H (its budget 1)")
+  pe.add_argument("--no-release", choices=("prefill",), default=None,
+                  help="release no prompt token: every prompt floor L (Alg. 1's KEEP)")
   pc = pos.add_parser("convert", help="rewrite an old (pask-policy/1) policy directory: the "
                                       "tables in arrays/ only, policy.json without them",
                       description="Rewrites each POLICY_DIR in place as pask-policy/2: the tables "

@@ -338,6 +338,65 @@ def transfer(pol: FrozenPolicy, model: Any, tokenizer_hash: str | None = None) -
   return bind(pol.replace(record_json=json.dumps(rec, sort_keys=True)), ident)
 
 
+STAGES = ("prefill", "decode")
+
+
+@functools.cache
+def _prompt_rows() -> np.ndarray:
+  """bool[N_IDS]: the rows of prompt labels (the prefill stage's keys); the rest are decode's."""
+  return np.array([T.unpack(i)[0] == T.Family.PROMPT for i in range(T.N_IDS)])
+
+
+def edit(pol: FrozenPolicy, *, all_high: str | None = None,
+         no_release: str | None = None) -> FrozenPolicy:
+  """A policy with one stage changed, the other's tables and budget as they were.
+
+  ``all_high`` ("prefill" or "decode"): that stage keeps every token H — its rows' actions and
+  floors H, no scores, its budget 1 (decode: Γ 0 too) — the paper's prefill–decode stage
+  decomposition (Table 17: "prefill-only" is ``all_high="decode"``).  ``no_release="prefill"``:
+  every prompt label's floor (and base action) L — what Alg. 1's KEEP threshold composes: the
+  prompt at uniform INT4, the B_P above that spent on H upgrades by the calibrated priorities.
+  No prompt token is released, and the calibrated H floors go to L too, so the budget holds
+  whenever B_P covers INT4's cost (keeping those H floors would put most prompts over it).
+  The decode stage's floors price its reserve Γ, so changing them needs a recalibration, not an
+  edit.  Bad arguments: a one-line ValueError."""
+  for name, v in (("all_high", all_high), ("no_release", no_release)):
+    if v is not None and v not in STAGES:
+      raise ValueError(f"{name} must be one of {', '.join(STAGES)}, got {v!r}")
+  if all_high is None and no_release is None:
+    raise ValueError("nothing to edit: give all_high and/or no_release")
+  if no_release == "decode":
+    raise ValueError("no_release='decode' is not an edit: the decode floors price the reserve "
+                     "Γ; recalibrate (Alg. 1's KEEP decode stage) instead")
+  if all_high is not None and all_high == no_release:
+    raise ValueError(f"the {all_high} stage cannot be both all-high and no-release")
+  pr = _prompt_rows()
+  action, floor = np.array(pol.action), np.array(pol.floor)
+  prio = np.array(pol.prio)
+  changes: dict[str, Any] = {}
+  if all_high is not None:
+    rows = pr if all_high == "prefill" else ~pr
+    action[rows], floor[rows], prio[rows] = Act.H, Act.H, np.nan
+    if all_high == "prefill":
+      changes["b_p"] = jnp.float32(1.0)
+    else:
+      changes.update(b_d=jnp.float32(1.0), pooled=jnp.float32(0.0),
+                     reserve=jnp.zeros_like(pol.reserve))
+  if no_release == "prefill":
+    action[pr], floor[pr] = Act.L, Act.L
+  rec = pol.record
+  extra = dict(rec.get("extra") or {})
+  done = [f"{all_high} all-high"] * (all_high is not None) + \
+         [f"{no_release} no-release"] * (no_release is not None)
+  extra["edit"] = {"all_high": all_high, "no_release": no_release,
+                   "source_name": extra.get("name")}
+  extra["name"] = f"{extra.get('name') or 'policy'} ({', '.join(done)})"
+  rec["extra"] = extra
+  return pol.replace(action=jnp.asarray(action), floor=jnp.asarray(floor),
+                     prio=jnp.asarray(prio), record_json=json.dumps(rec, sort_keys=True),
+                     **changes)
+
+
 def check_identity(policy_ident: Mapping, model_ident: Mapping, where: str = "policy"):
   """Raise ValueError naming every field on which the two identities disagree.
 

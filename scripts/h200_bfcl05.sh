@@ -4,7 +4,9 @@
 #   2. the baselines' knobs tuned on the 0.5B's dev split at B 0.33 / 0.20 / 0.15 (MiKV at 0.33);
 #   3. examples/campaign_05b.toml on the whole non-live test split of simple_python + multiple.
 # Each stage runs only when the one before it is complete; call again until it prints "campaign
-# done".   LIMIT=560 bash scripts/h200_bfcl05.sh   (carry .whl; the model uploaded to /tmp/m:
+# done" (a plan with unreachable cells, e.g. TriAxialKV at 0.20, ends "failed N" instead).
+# PLAN=examples/campaign_05b_decomp.toml runs that plan as stage 3 (the committed cells skipped).
+#   LIMIT=560 bash scripts/h200_bfcl05.sh   (carry .whl; the model uploaded to /tmp/m:
 # .chunks/q05_pNN, 13 pieces of 38 MB, sha256 1d961463...)
 # Back under $OUT: cal05c.tgz (policy + calibration.json), tune05.tgz, c05.tgz, the logs; a
 # calibration cut short leaves cal05c_work.tgz (its saved stages). To go on on another machine,
@@ -62,7 +64,7 @@ fi
 [ -d results/tune/qwen05c-bfcl ] || { mkdir -p results/tune/qwen05c-bfcl && cp -r /tmp/tune05/. results/tune/qwen05c-bfcl/; }
 t=$(left); [ $t -gt 60 ] || exit 0
 mkdir -p /tmp/c05 && cp -rn results/campaign/qwen05c-bfcl /tmp/c05/ 2>/dev/null
-timeout $((t + 20)) python3 -m pask_jax.cli campaign examples/campaign_05b.toml --time-limit $t \
+timeout $((t + 20)) python3 -m pask_jax.cli campaign ${PLAN:-examples/campaign_05b.toml} --time-limit $t \
   --results /tmp/c05 --no-progress >> $OUT/campaign05.log 2>&1 && echo "campaign done"
 grep -E "accuracy|campaign|failed" $OUT/campaign05.log | tail -40
 tar czf $OUT/c05.tgz -C /tmp c05
