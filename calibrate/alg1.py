@@ -92,6 +92,10 @@ class Config:
   targets: Sequence[float] = ()      # total-B targets: one variant policy each (B<t>/)
   windows: Sequence[int] = ()        # more recent windows W to evaluate decode candidates at
   ablation: str | None = None        # a Fig. 5 ablation (pask_jax.tags.ABLATIONS; see ABLATION)
+  # The variant rule's tie band (pick_within): among the fits within keep_se binomial standard
+  # errors of the most dev-accurate one, a composition that releases no prompt token wins.
+  # 0: off (the most accurate fit, as before).
+  keep_se: float = 0.0
 
 
 # A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
@@ -246,12 +250,30 @@ def check_windows(windows: Sequence[int]) -> tuple[int, ...]:
   return tuple(int(w) for w in windows)
 
 
-def pick_within(rows: Sequence[dict], target: float) -> int | None:
+def pick_within(rows: Sequence[dict], target: float, *, keeps: Sequence[bool] | None = None,
+                band: float = 0.0, n: int = 0) -> int | None:
   """The variant rule: among ``rows`` (each with dev ``acc`` and measured total B ``total``), the
   most accurate whose measured total is <= ``target``; ties go to the lower total, then to the
-  earlier row.  None when no row fits."""
+  earlier row.  None when no row fits.
+
+  With ``band`` > 0 (``Config.keep_se``), ``keeps`` (per row: it releases no prompt token) and
+  ``n`` dev cases: if a keeping row fits within ``band`` binomial standard errors
+  (sqrt(a(1-a)/n) of the best accuracy a) of the most accurate fit, the most accurate such row
+  wins instead.  A composition that releases prompt tokens then has to beat keeping them at INT4
+  or better by more than the dev split's noise (one case of 120 is 0.8 pp): on the 0.5B's test
+  split a releasing composition one dev case ahead lost 7 pp to uniform INT4."""
   ok = [j for j, r in enumerate(rows) if r["total"] <= target]
-  return min(ok, key=lambda j: (-rows[j]["acc"], rows[j]["total"], j)) if ok else None
+  if not ok:
+    return None
+  key = lambda j: (-rows[j]["acc"], rows[j]["total"], j)
+  best = min(ok, key=key)
+  if band > 0 and keeps is not None and n > 0:
+    a = rows[best]["acc"]
+    tol = band * math.sqrt(max(a * (1.0 - a), 0.0) / n) + 1e-12
+    kept = [j for j in ok if keeps[j] and rows[j]["acc"] >= a - tol]
+    if kept:
+      return min(kept, key=key)
+  return best
 
 
 def to_reaim(measured: Sequence[dict], aimed: Sequence[dict], target: float
@@ -1136,8 +1158,10 @@ class Calibration:
     second = self._eval_items("dev_targets_more", more, "aimed")
     rows = pool + first + second
     out = []
+    keeps = [r["p"] is None or tuple(r["p"]["tau"]) == KEEP for r in rows]
     for t in cfg.targets:
-      j = pick_within([r["dev"] for r in rows], t)
+      j = pick_within([r["dev"] for r in rows], t, keeps=keeps, band=cfg.keep_se,
+                      n=len(self.dev.requests))
       if j is None:
         low = min(r["dev"]["total"] for r in rows)
         self.log(f"target B {t:.2f} not reached on dev (lowest measured total B {low:.3f}): "

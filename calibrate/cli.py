@@ -30,6 +30,7 @@ processes; process 0 alone reads and writes ``--out`` (see :mod:`calibrate.distr
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -93,6 +94,11 @@ def add_parser(sub) -> None:
   c.add_argument("--targets", type=float, nargs="+", default=(), metavar="B",
                  help="total-B targets in (0, 1]: also write OUT/policy/B<t>/ per target, the "
                       "most dev-accurate composition measured at total B <= t")
+  c.add_argument("--keep-within-se", type=float, default=0.0, metavar="K",
+                 help="with targets: among the fits within K binomial standard errors of the "
+                      "most dev-accurate one, a composition that releases no prompt token wins "
+                      "(0, the default: the most accurate fit). Selection only: saved stages "
+                      "resume")
   c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
                  help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
                       "and select over all of them")
@@ -143,6 +149,11 @@ def run(args) -> int:
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
   targets = targets_of(args)
+  keep_se = args.keep_within_se
+  if not (math.isfinite(keep_se) and keep_se >= 0):
+    raise SystemExit(f"error: --keep-within-se must be a finite number >= 0, got {keep_se}")
+  if keep_se and not targets:
+    raise SystemExit("error: --keep-within-se chooses among target variants: give --targets")
   try:
     windows = alg1.check_windows(args.windows)
   except ValueError as e:
@@ -199,7 +210,8 @@ def run(args) -> int:
          if jax.process_count() > 1 else ""), flush=True)
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
-                    window=args.window, targets=targets, windows=windows, ablation=ablation)
+                    window=args.window, targets=targets, windows=windows, ablation=ablation,
+                    keep_se=keep_se)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
   from calibrate.stages import StageMismatch
   main = distributed.is_main()

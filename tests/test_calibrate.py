@@ -265,6 +265,9 @@ def test_policy_stack_sharded_over_four_cpu_devices():
     (["--categories", "simple_java"], "unknown BFCL categories"),
     (["--max-cases", "1"], "--max-cases must be at least 2"),
     (["--rows", "0"], "--rows and --max-tokens must be positive"),
+    (["--keep-within-se", "-1", "--targets", "0.3"], "--keep-within-se must be a finite number"),
+    (["--keep-within-se", "nan", "--targets", "0.3"], "--keep-within-se must be a finite number"),
+    (["--keep-within-se", "1"], "--keep-within-se chooses among target variants"),
 ])
 def test_calibrate_cli_rejects_bad_input(tmp_path, argv, msg):
   from pask_jax.cli import main
@@ -388,6 +391,39 @@ def test_target_variants_fit_their_targets_and_are_the_most_accurate(targeted):
   assert tuple(low["from"]["prefill"]["tau"]) not in {tuple(x) for x in cfg.prefill_thresholds}
 
 
+def test_the_keep_band_reselects_from_the_saved_stages(targeted, tmp_path):
+  """``keep_se`` changes the selection only: the targeted run's stages resume (nothing measured
+  again) and, with a band wide enough to hold every fit, each target's variant is the most
+  accurate fit that releases no prompt token (prefill all-high or every prompt floor L)."""
+  import dataclasses
+  import shutil
+  C, rec, out, cfg = targeted
+  out2 = str(tmp_path / "keep")
+  shutil.copytree(os.path.join(out, "work"), os.path.join(out2, "work"))
+  cfg2 = dataclasses.replace(cfg, keep_se=1e6)
+  C2 = alg1.Calibration(C.model, C.thash, C.cal, C.dev, out2, cfg2, capacity=CAP,
+                        runner_for=C.runner_for)
+  rec2 = C2.run()
+  assert not {"Runtime-V", "Runtime-D", "dev", "dev_targets", "dev_targets_more"} & set(C2.timings)
+  assert rec2["config"]["keep_se"] == 1e6 and rec["config"]["keep_se"] == 0.0
+  keeps = lambda c: c["source"]["prefill"] == "all-high" or \
+      tuple(c["source"]["prefill"]["tau"]) == alg1.KEEP
+  moved = 0
+  for t in TARGETS:
+    v = next(v for v in rec2["variants"] if v["target"] == t)
+    # measured with the prefill all-high (the reference, the decode candidates) or kept at L
+    kept = [r for r in [{"acc": rec2["dev_reference_accuracy"], "total": 1.0}] +
+            [c["dev"] for c in rec2["decode_candidates"]] +
+            [c["dev"] for c in rec2["target_candidates"] if keeps(c)] if r["total"] <= t]
+    if not kept:
+      continue
+    src = v["from"]
+    assert src["prefill"] == "all-high" or tuple(src["prefill"]["tau"]) == alg1.KEEP, t
+    assert v["dev_accuracy"] == max(r["acc"] for r in kept)
+    moved += v != next(x for x in rec["variants"] if x["target"] == t)
+  assert moved, "the band moved no variant: the test checks nothing"
+
+
 def test_a_saved_variant_measures_what_its_record_says(targeted):
   C, rec, out, cfg = targeted
   v = next(v for v in rec["variants"] if v["target"] == 0.5)
@@ -424,6 +460,38 @@ def test_pick_within_takes_the_most_accurate_that_fits():
   assert alg1.pick_within(rows, 1.0) == 3
   assert alg1.pick_within(rows, 0.25) == 4         # accuracy tie: the lower B
   assert alg1.pick_within(rows, 0.05) is None
+
+
+def test_pick_within_prefers_keeping_the_prompt_within_the_band():
+  """``Config.keep_se``: a composition that releases no prompt token wins among the fits within
+  the band; outside it, or with the band off, the most accurate fit does.  On the 0.5B's own dev
+  measurements (its committed calibration record) the B0.33 pick moves from the releasing
+  composition (dev 0.708; 71.7 % on the test split) to the one that keeps every prompt token at
+  L or above (dev 0.700)."""
+  rows = [{"acc": 0.80, "total": 0.30}, {"acc": 0.78, "total": 0.32}, {"acc": 0.70, "total": 0.2},
+          {"acc": 0.79, "total": 0.40}]
+  keeps = [False, True, True, True]
+  assert alg1.pick_within(rows, 0.33) == 0                          # band off
+  se = (0.8 * 0.2 / 100) ** 0.5                                     # 0.04
+  assert alg1.pick_within(rows, 0.33, keeps=keeps, band=1.0, n=100) == 1
+  assert alg1.pick_within(rows, 0.33, keeps=keeps, band=0.4, n=100) == 0   # 0.02 > 0.4 se
+  assert alg1.pick_within(rows, 0.33, keeps=keeps, band=0.5 + 1e-9, n=100) == 1   # 0.02 = 0.5 se
+  assert alg1.pick_within(rows, 0.25, keeps=keeps, band=1.0, n=100) == 2   # the only fit
+  assert alg1.pick_within(rows, 0.33, keeps=[False] * 4, band=9.0, n=100) == 0
+  assert abs(se - 0.04) < 1e-12
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  rec = json.load(open(os.path.join(root, "policies", "qwen2.5-coder-0.5b-instruct-bfcl-centered",
+                                    "calibration.json")))
+  cands = rec["target_candidates"]
+  dev = [{"acc": c["dev"]["acc"], "total": c["dev"]["total"]} for c in cands]
+  keep = [c["source"]["prefill"] == "all-high" or
+          tuple(c["source"]["prefill"]["tau"]) == alg1.KEEP for c in cands]
+  tau = lambda j: cands[j]["source"]["prefill"]["tau"]
+  j0 = alg1.pick_within(dev, 0.33)
+  assert tau(j0) == [0.005, 0.01] and abs(dev[j0]["acc"] - 0.7083) < 1e-3
+  j1 = alg1.pick_within(dev, 0.33, keeps=keep, band=1.0, n=rec["n_dev"])
+  assert tuple(tau(j1)) == alg1.KEEP and abs(dev[j1]["acc"] - 0.700) < 1e-3
+  assert abs(cands[j1]["source"]["prefill"]["b_p"] - 0.3393) < 1e-3
 
 
 def test_to_reaim_keeps_what_overshot_by_noise_only_when_it_beats_every_fit():
