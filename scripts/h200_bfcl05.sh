@@ -18,23 +18,27 @@ set -x
 . scripts/h200_env.sh
 limit=${LIMIT:-560}
 m=qwen2.5-coder-0.5b-instruct
-pol=policies/$m-bfcl-centered
+# KEEP_SE=K: stage 1 calibrates with --keep-within-se K instead (its own folders: /tmp/cal05k,
+# policies/$m-bfcl-centered-keep/, cal05k*.tgz, .cal05k_work.tgz), e.g. with
+# PLAN=examples/campaign_05b_keep.toml for its cells.
+pol=policies/$m-bfcl-centered${KEEP_SE:+-keep}
+[ -n "${KEEP_SE:-}" ] && cal=cal05k || cal=cal05c
 left() { echo $((limit - SECONDS - 40)); }
-if [ ! -f /tmp/cal05c/calibration.json ] && [ ! -f $pol/calibration.json ]; then
+if [ ! -f /tmp/$cal/calibration.json ] && [ ! -f $pol/calibration.json ]; then
   [ $(left) -gt 60 ] || exit 0
-  mkdir -p /tmp/cal05c
+  mkdir -p /tmp/$cal
   # a calibration cut short resumes from its saved stages, on this machine or (carry
-  # .cal05c_work.tgz, the tarball it left under $OUT) on the next one
-  [ -f .cal05c_work.tgz ] && [ ! -d /tmp/cal05c/work ] && tar xzf .cal05c_work.tgz -C /tmp
-  timeout -k 10 $(left) python3 -m pask_jax.cli calibrate --model $m --out /tmp/cal05c \
+  # .${cal}_work.tgz, the tarball it left under $OUT) on the next one
+  [ -f .${cal}_work.tgz ] && [ ! -d /tmp/$cal/work ] && tar xzf .${cal}_work.tgz -C /tmp
+  timeout -k 10 $(left) python3 -m pask_jax.cli calibrate --model $m --out /tmp/$cal \
     ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 --window 16 \
-    --targets 0.15 0.20 0.25 0.33 >> $OUT/cal05.log 2>&1 || {
-      tail -c 3000 $OUT/cal05.log; tar czf $OUT/cal05c_work.tgz -C /tmp cal05c/work; exit 0; }
-  tail -c 2500 $OUT/cal05.log
-  tar czf $OUT/cal05c.tgz -C /tmp cal05c/policy cal05c/calibration.json
+    --targets 0.15 0.20 0.25 0.33 ${KEEP_SE:+--keep-within-se $KEEP_SE} >> $OUT/$cal.log 2>&1 || {
+      tail -c 3000 $OUT/$cal.log; tar czf $OUT/${cal}_work.tgz -C /tmp $cal/work; exit 0; }
+  tail -c 2500 $OUT/$cal.log
+  tar czf $OUT/$cal.tgz -C /tmp $cal/policy $cal/calibration.json
 fi
-if [ -f /tmp/cal05c/calibration.json ]; then
-  rm -rf $pol && mkdir -p $pol && cp -r /tmp/cal05c/policy/. $pol/ && cp /tmp/cal05c/calibration.json $pol/
+if [ -f /tmp/$cal/calibration.json ]; then
+  rm -rf $pol && mkdir -p $pol && cp -r /tmp/$cal/policy/. $pol/ && cp /tmp/$cal/calibration.json $pol/
 fi
 tuned() { python3 - <<'PY'
 import glob, json, sys
