@@ -2,7 +2,8 @@
 
 The prefill plan (``controller.plan_prefill``: floors, then H/L upgrades by priority within B_P)
 depends only on the prompts' labels and the policy, not on the model's activations, so it is
-computed exactly on any host from the tokenizer alone.  For each policy: the nominal B_P over the
+computed exactly on any host (the model is loaded for its tokenizer and configuration; nothing
+runs through it).  For each policy: the nominal B_P over the
 prompts, how many prompts their floors alone put over B_P, and per label its share of the prompt
 tokens and the R/L/H fractions of each layer group.
 

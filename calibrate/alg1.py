@@ -276,6 +276,14 @@ def pick_within(rows: Sequence[dict], target: float, *, keeps: Sequence[bool] | 
   return best
 
 
+def keeps_prompt(p: dict | None) -> bool:
+  """Whether a prefill stage (a composition's ``p``: its ``floors`` per (label, group); None:
+  all-high) releases no prompt token: no floor R (the plan never goes below its floors).  By the
+  floors, not the threshold's name: :meth:`Calibration.target_taus` drops a threshold whose
+  floors repeat an earlier one's, so KEEP's floors may come under a configured pair."""
+  return p is None or all(a != Act.R for a in p["floors"].values())
+
+
 def to_reaim(measured: Sequence[dict], aimed: Sequence[dict], target: float
              ) -> tuple[list[int], bool]:
   """Round 2 of the variants for one target: which of the ``aimed`` rows (dev ``acc``, measured
@@ -986,7 +994,7 @@ class Calibration:
         "index": dj, "tau": list(self.dec_cands[dj]["tau"]), "step": self.dec_cands[dj]["step"],
         "b_d": float(self.dec_cands[dj]["nominal_b"]), "window": self.dec_cands[dj]["window"]}
     pre = "all-high" if p is None else {"index": pk, "tau": list(p["tau"]),
-                                        "b_p": float(p["b_p"])}
+                                        "b_p": float(p["b_p"]), "keeps_prompt": keeps_prompt(p)}
     return {"kind": kind, "stage": stage, "decode": dec, "prefill": pre, "floors_relaxed": relaxed}
 
   def _measured_pool(self, dec, dec_res, pre, pre_res, ref_dev, di, pi, comp) -> list[dict]:
@@ -1158,10 +1166,11 @@ class Calibration:
     second = self._eval_items("dev_targets_more", more, "aimed")
     rows = pool + first + second
     out = []
-    keeps = [r["p"] is None or tuple(r["p"]["tau"]) == KEEP for r in rows]
+    keeps = [keeps_prompt(r["p"]) for r in rows]
     for t in cfg.targets:
-      j = pick_within([r["dev"] for r in rows], t, keeps=keeps, band=cfg.keep_se,
-                      n=len(self.dev.requests))
+      dev_rows = [r["dev"] for r in rows]
+      j = pick_within(dev_rows, t, keeps=keeps, band=cfg.keep_se, n=len(self.dev.requests))
+      j0 = pick_within(dev_rows, t)
       if j is None:
         low = min(r["dev"]["total"] for r in rows)
         self.log(f"target B {t:.2f} not reached on dev (lowest measured total B {low:.3f}): "
@@ -1176,6 +1185,13 @@ class Calibration:
               "measured_B_total": dv["total"], "measured_B_prefill": dv["prefill"],
               "measured_B_decode": dv["decode"], "from": src,
               "floors_relaxed": src["floors_relaxed"]}
+      if j != j0:   # the tie band moved the pick: what the rule without it chose
+        info["keep_band"] = {"keep_se": cfg.keep_se, "without": {
+            "dev_accuracy": rows[j0]["dev"]["acc"], "measured_B_total": rows[j0]["dev"]["total"],
+            "from": rows[j0]["source"]}}
+        self.log(f"target B {t:.2f}: the tie band ({cfg.keep_se:g} s.e.) keeps the prompt "
+                 f"(dev {dv['acc']:.3f}) over a composition that releases (dev "
+                 f"{rows[j0]['dev']['acc']:.3f})")
       d = None if r["d"] is None else dec[r["d"]]
       pol = self.compose(d, r["p"], {"name": f"calibrated B{t:.2f}", "variant": info})
       info.update(b_d=float(pol.b_d), b_p=float(pol.b_p))

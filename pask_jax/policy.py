@@ -383,15 +383,27 @@ def edit(pol: FrozenPolicy, *, all_high: str | None = None,
       changes.update(b_d=jnp.float32(1.0), pooled=jnp.float32(0.0),
                      reserve=jnp.zeros_like(pol.reserve))
   if no_release == "prefill":
+    if np.isnan(prio[pr]).all():
+      raise ValueError("no_release='prefill' needs the calibrated prompt priorities, and this "
+                       "policy's prefill has none (all-high): the edit would be uniform INT4 of "
+                       "the prompt, not Alg. 1's KEEP composition")
     action[pr], floor[pr] = Act.L, Act.L
   rec = pol.record
   extra = dict(rec.get("extra") or {})
   done = [f"{all_high} all-high"] * (all_high is not None) + \
          [f"{no_release} no-release"] * (no_release is not None)
+  # The source's dev-measured variant record describes the source, not this policy (policy
+  # derive reads extra.variant as measured): kept under the edit.
   extra["edit"] = {"all_high": all_high, "no_release": no_release,
-                   "source_name": extra.get("name")}
+                   "source_name": extra.get("name"), "source_variant": extra.pop("variant", None)}
   extra["name"] = f"{extra.get('name') or 'policy'} ({', '.join(done)})"
   rec["extra"] = extra
+  th = dict(rec.get("thresholds") or {})
+  if all_high is not None:
+    th[all_high] = None                   # as compose() records an all-high stage
+  if no_release == "prefill":
+    th["prefill"] = [-1.0, 1.0]           # calibrate.alg1.KEEP: every floor L
+  rec["thresholds"] = th
   return pol.replace(action=jnp.asarray(action), floor=jnp.asarray(floor),
                      prio=jnp.asarray(prio), record_json=json.dumps(rec, sort_keys=True),
                      **changes)

@@ -406,8 +406,7 @@ def test_the_keep_band_reselects_from_the_saved_stages(targeted, tmp_path):
   rec2 = C2.run()
   assert not {"Runtime-V", "Runtime-D", "dev", "dev_targets", "dev_targets_more"} & set(C2.timings)
   assert rec2["config"]["keep_se"] == 1e6 and rec["config"]["keep_se"] == 0.0
-  keeps = lambda c: c["source"]["prefill"] == "all-high" or \
-      tuple(c["source"]["prefill"]["tau"]) == alg1.KEEP
+  keeps = lambda c: c["source"]["prefill"] == "all-high" or c["source"]["prefill"]["keeps_prompt"]
   moved = 0
   for t in TARGETS:
     v = next(v for v in rec2["variants"] if v["target"] == t)
@@ -418,9 +417,15 @@ def test_the_keep_band_reselects_from_the_saved_stages(targeted, tmp_path):
     if not kept:
       continue
     src = v["from"]
-    assert src["prefill"] == "all-high" or tuple(src["prefill"]["tau"]) == alg1.KEEP, t
+    assert src["prefill"] == "all-high" or src["prefill"]["keeps_prompt"], t
     assert v["dev_accuracy"] == max(r["acc"] for r in kept)
-    moved += v != next(x for x in rec["variants"] if x["target"] == t)
+    before = next(x for x in rec["variants"] if x["target"] == t)
+    if v["from"] != before["from"]:   # moved: the record says what the rule alone picked
+      moved += 1
+      assert v["keep_band"]["without"]["from"] == before["from"]
+      assert v["keep_band"]["without"]["dev_accuracy"] == before["dev_accuracy"]
+    else:
+      assert "keep_band" not in v
   assert moved, "the band moved no variant: the test checks nothing"
 
 
@@ -460,6 +465,13 @@ def test_pick_within_takes_the_most_accurate_that_fits():
   assert alg1.pick_within(rows, 1.0) == 3
   assert alg1.pick_within(rows, 0.25) == 4         # accuracy tie: the lower B
   assert alg1.pick_within(rows, 0.05) is None
+
+
+def test_keeps_prompt_reads_the_floors_not_the_thresholds_name():
+  R, L, H = 0, 1, 2
+  assert alg1.keeps_prompt(None)                                     # prefill all-high
+  assert alg1.keeps_prompt({"tau": (0.0, 0.0), "floors": {(1, 0): L, (1, 1): H}})
+  assert not alg1.keeps_prompt({"tau": alg1.KEEP, "floors": {(1, 0): L, (2, 2): R}})
 
 
 def test_pick_within_prefers_keeping_the_prompt_within_the_band():

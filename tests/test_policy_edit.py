@@ -83,10 +83,18 @@ def test_stage_decomposition_keeps_the_other_stage_as_calibrated(tmp_path, capsy
   assert (plan[real] == Act.H).any()                             # the rest went to H upgrades
   np.testing.assert_array_equal(_decode(keep, np.random.default_rng(seed)), dec0)
 
+  # the record says what the policy now is: thresholds, and the source's variant kept aside
+  assert keep.record["thresholds"]["prefill"] == [-1.0, 1.0]
+  assert dec_only.record["thresholds"]["prefill"] is None
+  assert pre_only.record["thresholds"]["decode"] is None
+  for pol in (keep, dec_only, pre_only):
+    assert "variant" not in pol.record["extra"]
+    assert pol.record["extra"]["edit"]["source_variant"] == src.record["extra"].get("variant")
+
   said = capsys.readouterr().out
   assert "(decode all-high)" in said and "(prefill all-high)" in said
-  assert keep.record["extra"]["edit"] == {"all_high": None, "no_release": "prefill",
-                                          "source_name": src.record["extra"]["name"]}
+  assert {k: v for k, v in keep.record["extra"]["edit"].items() if k != "source_variant"} == \
+      {"all_high": None, "no_release": "prefill", "source_name": src.record["extra"]["name"]}
 
 
 def test_bad_edits_are_one_line(tmp_path):
@@ -108,5 +116,7 @@ def test_bad_edits_are_one_line(tmp_path):
   assert "already holds a policy" in str(e.value.code)
   with pytest.raises(ValueError, match="no_release='decode' is not an edit"):
     P.edit(P.load(SRC), no_release="decode")
+  with pytest.raises(ValueError, match="needs the calibrated prompt priorities"):
+    P.edit(P.all_high(), no_release="prefill")       # nothing calibrated to keep at L
   with pytest.raises(ValueError, match="all_high must be one of prefill, decode"):
     P.edit(P.load(SRC), all_high="both")
