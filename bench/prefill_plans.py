@@ -48,7 +48,7 @@ def table(pol: P.FrozenPolicy, cands: np.ndarray, lengths: np.ndarray) -> tuple[
   plan, excess = jax.jit(C.plan_prefill)(pol, jnp.asarray(cands), jnp.asarray(lengths))
   plan, G = np.asarray(plan), pol.n_groups
   real = np.arange(cands.shape[1])[None] < lengths[:, None]
-  bits = np.asarray(pol.cost)[plan, np.arange(G)].sum(-1)
+  bits = np.asarray(C.total_cost(pol, jnp.asarray(plan)))               # [N, T] bits
   summary = {"b_p_nominal": float((bits * real).sum() / (float(pol.c_full) * real.sum())),
              "b_p": float(pol.b_p), "over_by_floors": int((np.asarray(excess) > 0).sum()),
              "prompts": int(len(lengths))}

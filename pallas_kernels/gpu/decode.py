@@ -540,9 +540,9 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
   ``"fused_reference"`` (or ``"fused"`` with ``interpret=True``): the kernel's jnp reference in
   its place (CPU tests of the glue).
 
-  ``merge``: how the partial sets become the output. ``"kernel"`` (default; ``"sets"`` with
-  ``interpret=True`` unless given): one Pallas Triton launch that reads each set in place and
-  writes the bf16 output (:func:`pallas_kernels.gpu.merge.merge_kernel`;
+  ``merge``: how the partial sets become the output. ``"kernel"`` (default): one Pallas Triton
+  launch that reads each set in place and writes the bf16 output
+  (:func:`pallas_kernels.gpu.merge.merge_kernel`; Pallas interpret mode with ``interpret=True``;
   per step 5 % faster than "sets" at the Qwen3-4B shape and 9 % at the 0.5B shape on an H100,
   bench/RESULTS.md); ``"sets"``: :func:`merge_sets`, each set read in place by XLA (~7 small
   fusions); ``"concat"``: ``common.merge`` over :func:`partials_gpu`'s concatenation (same-run
@@ -554,9 +554,7 @@ def decode_attention_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: Pag
     raise ValueError(f"{sorted(fused)} are knobs of int4_kernel='fused' only")
   b, hq, d = q.shape
   g = hq // window.k.shape[-2]
-  # Interpreted (CPU tests), the XLA merge: the same math (tests/test_gpu_merge.py checks the
-  # kernel against it, interpreted), without emulating one more kernel program by program.
-  merge = kw.pop("merge", "sets" if kw.get("interpret") else "kernel")
+  merge = kw.pop("merge", "kernel")
   if merge == "concat":     # the partials concatenated first (partials_gpu), then merged
     o, m, l = partials_gpu(q, window, hi, lo, maps, layer, **kw)
     out, _ = common.merge(o[:, :, :, :g], m[:, :, :, :g], l[:, :, :, :g], axis=2)
