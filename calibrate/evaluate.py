@@ -189,8 +189,9 @@ def policy_variants(where: str) -> dict[float, str]:
 
 
 def policy_target(where: str) -> float | None:
-  """The total B a policy is made for, where it says: a ``B<target>`` variant directory, or a
-  policy whose decode and prefill budgets are one B (``all-high`` 1, ``demo`` 0.5).  None for
+  """The total B a policy is made for, where it says: a ``B<target>`` variant directory, a
+  policy whose decode and prefill budgets are one B (``all-high`` 1, ``demo`` 0.5), or an edit
+  of a variant (its source's target).  None for
   one whose budgets differ (the calibrated top-level policy: B_D 0, B_P 0.5 measures ~0.44)."""
   from pask_jax import policy as P
   if where in P.BUILTIN:
@@ -199,11 +200,18 @@ def policy_target(where: str) -> float | None:
   if m:
     return float(m.group(1))
   try:
-    b = P.read_record(where).get("budgets") or {}
+    rec = P.read_record(where)
+    b = rec.get("budgets") or {}
   except (FileNotFoundError, ValueError) as e:
     raise ValueError(f"policy {where!r} not found: {e}") from None
   b_d, b_p = b.get("b_d"), b.get("b_p")
-  return float(b_p) if b_d is not None and b_d == b_p else None
+  if b_d is not None and b_d == b_p:
+    return float(b_p)
+  # an edit of a B<x> variant (`pask-jax policy edit`: Table 17's decomposition, no-release) runs
+  # at its source's target, so that its cells sit beside the source's in a campaign
+  src = ((rec.get("extra") or {}).get("edit") or {}).get("source_variant") or {}
+  t = src.get("target")
+  return float(t) if isinstance(t, (int, float)) else None
 
 
 def pick_policy(where: str, budget: float | None) -> tuple[str, float | None]:

@@ -120,3 +120,21 @@ def test_bad_edits_are_one_line(tmp_path):
     P.edit(P.all_high(), no_release="prefill")       # nothing calibrated to keep at L
   with pytest.raises(ValueError, match="all_high must be one of prefill, decode"):
     P.edit(P.load(SRC), all_high="both")
+
+
+def test_an_edit_runs_at_its_source_variants_target(tmp_path):
+  """A campaign cell of an edit (``budgets = [0.33]`` in the plan) runs it at its source's
+  target, though its own B_D and B_P differ; an edit of a policy with no target states none."""
+  from calibrate import evaluate as E
+  target = P.load(SRC).record["extra"]["variant"]["target"]
+  for flags in (("--all-high", "decode"), ("--all-high", "prefill"), ("--no-release", "prefill")):
+    out = str(tmp_path / "_".join(f.strip("-") for f in flags))
+    _edited(tmp_path, *flags)
+    assert E.pick_policy(out, target) == (out, target)
+    with pytest.raises(ValueError, match=f"its own target B is {target:g}"):
+      E.pick_policy(out, target - 0.1)
+  P.save(P.demo(b_d=0.0, b_p=0.5), tmp_path / "own")
+  assert main(["policy", "edit", str(tmp_path / "own"), "--out", str(tmp_path / "e"),
+               "--all-high", "decode"]) == 0
+  with pytest.raises(ValueError, match="states no target B"):
+    E.pick_policy(str(tmp_path / "e"), 0.33)
