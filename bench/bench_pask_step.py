@@ -75,6 +75,9 @@ def main(argv=None) -> int:
   model = random_model(cfg, dtype=dt)
   pol = P.demo(cfg)
   G, W, S = pol.n_groups, pol.window, a.steps
+  # timed() runs 2 S + 1 steps: the pools and the Full-KV cache hold every token they add (a
+  # pool that overflows drops rows, and the all-BF16 mix evicts every step into the BF16 pool).
+  room = 2 * S + 2
   mixes = [tuple(float(x) for x in m.split(",")) for m in a.mixes]
   mixes = [tuple(float(x) / sum(m) for x in m) for m in mixes]
   dev = jax.devices()[0].device_kind
@@ -116,11 +119,11 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(seed)
     plan = rng.choice(3, size=(B, C, G), p=mix).astype(np.int8)
     past = plan[:, :max(0, C - W)]
-    n_h = int((past == 2).sum(axis=1).max()) + pol.sink + S + 1
-    n_l = int((past == 1).sum(axis=1).max()) + S + 1
+    n_h = int((past == 2).sum(axis=1).max()) + pol.sink + room
+    n_l = int((past == 1).sum(axis=1).max()) + room
     page = runner.page
     lo_page = a.lo_page or page
-    cache = pc.init_for(cfg, B, pol, capacity=C + S + 1, page=page, lo_page=lo_page,
+    cache = pc.init_for(cfg, B, pol, capacity=C + room, page=page, lo_page=lo_page,
                         lo_format=a.lo_format,
                         hi_capacity=max(page, n_h),
                         lo_capacity=max(lo_page, n_l) if mix[1] else lo_page)
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
         for mix in list(mixes) + [(0.0, 0.0, 1.0)]:
           if over():
             break
-          runner = PaskRunner(model, pol, batch=B, capacity=C + S + 1,
+          runner = PaskRunner(model, pol, batch=B, capacity=C + room,
                               kernel_knobs=json.loads(a.kernel_knobs))
           cache = pask_cache(runner, B, C, mix, seed=len(res) + 1)
           live_b = float(np.asarray(ledger.live_payload(cache, pol.cost, pol.c_full)).mean()) / (
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
             state["s"] = (c, bud, led)
             return logits
           t, t_launch, t_dev = timed(step, S)
+          if np.asarray(state["s"][0].overflow).any():
+            raise SystemExit(f"mix {mix}: the cache overflowed (pools sized too small)")
           hlo = None
           if a.profile:
             c_, b_, l_ = state["s"]
@@ -189,7 +194,7 @@ def main(argv=None) -> int:
         t_full, prof_full = float("nan"), None
         full_launch = full_dev = float("nan")
         if not a.no_full and not over():
-          full = Runner(model, batch=B, capacity=C + S + 1, cache_dtype=jnp.bfloat16)
+          full = Runner(model, batch=B, capacity=C + room, cache_dtype=jnp.bfloat16)
           fc = {"c": full.new_cache()._replace(length=jnp.full((B,), C, jnp.int32))}
           bits = jnp.full((B, -(-cfg.vocab_size // 32)), -1, jnp.int32)
           z, o, key = jnp.zeros((B,)), jnp.ones((B,)), jax.random.key(0)

@@ -331,10 +331,13 @@ def prefill_rows(cache: Cache, plan: jax.Array, n_tokens: int,
       tt, mode="drop")
   lo_pos = cache.lo_pos.at[gi, bi, jnp.where(sel_l, j_l, cache.lo_pos.shape[-1])].set(
       tt, mode="drop")
-  hi_len = cache.hi_len + jnp.sum(sel_h, axis=-1)
-  lo_len = cache.lo_len + jnp.sum(sel_l, axis=-1)
-  overflow = cache.overflow | jnp.any((dest_h == rows_h) & sel_h, axis=(0, 2)) | jnp.any(
-      (dest_l == rows_l) & sel_l, axis=(0, 2))
+  # Only stored entries count (see begin_step): the entries of one pool go in order, so those
+  # past its pages are the last ones and the stored ones keep their indices.
+  kept_h, kept_l = sel_h & (dest_h < rows_h), sel_l & (dest_l < rows_l)
+  hi_len = cache.hi_len + jnp.sum(kept_h, axis=-1)
+  lo_len = cache.lo_len + jnp.sum(kept_l, axis=-1)
+  overflow = cache.overflow | jnp.any(sel_h & ~kept_h, axis=(0, 2)) | jnp.any(
+      sel_l & ~kept_l, axis=(0, 2))
   # Window bookkeeping.
   slot = jnp.where(in_win, t % W, W)                                 # [B, T]; W = drop
   bj = jnp.arange(B)[:, None]
@@ -396,8 +399,10 @@ def begin_step(cache: Cache, actions: jax.Array, active: jax.Array | None = None
     cap = pos.shape[-1]
     pos = pos.at[jnp.arange(G)[:, None], bi[None], jnp.where(sel, j, cap)].set(
         jnp.broadcast_to(old_pos[None], (G, B)), mode="drop")
-    lost = jnp.any(sel & (dest == rows), axis=0)                     # [B]
-    return dest, length + sel, pos, lost
+    # An entry past its pages is dropped and does not count: a length beyond the pages would
+    # send the kernels' page-table reads past the table (an illegal address on the GPU).
+    kept = sel & (dest < rows)
+    return dest, length + kept, pos, jnp.any(sel & ~kept, axis=0)
 
   rows_h = cache.layers.hi_k.shape[1] * cache.page
   rows_l = cache.layers.lo_k.shape[1] * cache.lo_page

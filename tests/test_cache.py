@@ -179,6 +179,9 @@ def test_overflow_is_flagged_not_clamped():
   plan = jnp.full((B, TP, G), Act.H, jnp.int8)
   cache = _prefill(cache, k, k, plan, None)
   assert bool(jnp.all(cache.overflow))
+  # the lengths count what was stored: a length past the pages sends the kernels' page-table
+  # reads past the table (CUDA_ERROR_ILLEGAL_ADDRESS on the GPU)
+  assert (np.asarray(cache.hi_len) == 2).all()
   # the two entries that fit are intact (no later write clamped onto them)
   assert tcache.stored_positions(cache, 0, 1)["hi"] == [0, 1]
   np.testing.assert_array_equal(np.asarray(cache.layers.hi_k[0, 1 * 1, 1], np.float32),
@@ -400,6 +403,7 @@ def test_int4_rows_past_the_pool_are_dropped():
         c = KC.evict_step(c, p)
         for l in range(NL):
           c = KC.write_step(c, p, l, kn[l], kn[l], evict=False)
+    assert (np.asarray(c.lo_len) == 4).all()      # 8 rows went to L: the 4 stored count
     out.append(c)
   _same_entries(*out)
   kq, vq = tcache.lo_dequantized(out[1])
