@@ -94,11 +94,11 @@ def add_parser(sub) -> None:
   c.add_argument("--targets", type=float, nargs="+", default=(), metavar="B",
                  help="total-B targets in (0, 1]: also write OUT/policy/B<t>/ per target, the "
                       "most dev-accurate composition measured at total B <= t")
-  c.add_argument("--keep-within-se", type=float, default=0.0, metavar="K",
+  c.add_argument("--keep-within-se", type=float, default=None, metavar="K",
                  help="with targets: among the fits within K binomial standard errors of the "
                       "most dev-accurate one, a composition that releases no prompt token wins "
-                      "(0, the default: the most accurate fit). Selection only: saved stages "
-                      "resume")
+                      "(default 1; 0: the paper's rule, the most accurate fit). Selection "
+                      "only: saved stages resume")
   c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
                  help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
                       "and select over all of them")
@@ -150,10 +150,12 @@ def run(args) -> int:
     raise SystemExit("error: --rows and --max-tokens must be positive")
   targets = targets_of(args)
   keep_se = args.keep_within_se
-  if not (math.isfinite(keep_se) and keep_se >= 0):
+  if keep_se is not None and not (math.isfinite(keep_se) and keep_se >= 0):
     raise SystemExit(f"error: --keep-within-se must be a finite number >= 0, got {keep_se}")
   if keep_se and not targets:
     raise SystemExit("error: --keep-within-se chooses among target variants: give --targets")
+  if keep_se is None:
+    keep_se = alg1.Config.keep_se if targets else 0.0
   try:
     windows = alg1.check_windows(args.windows)
   except ValueError as e:

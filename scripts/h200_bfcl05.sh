@@ -18,7 +18,9 @@ set -x
 . scripts/h200_env.sh
 limit=${LIMIT:-560}
 m=qwen2.5-coder-0.5b-instruct
-# KEEP_SE=K: stage 1 calibrates with --keep-within-se K instead (its own folders: /tmp/cal05k,
+# The committed policies/$m-bfcl-centered/ was calibrated with --keep-within-se 0 (the
+# paper's rule; calibrate's default is now 1, the -keep folder's). KEEP_SE=K: stage 1
+# calibrates with --keep-within-se K instead (its own folders: /tmp/cal05k,
 # policies/$m-bfcl-centered-keep/, cal05k*.tgz, .cal05k_work.tgz), e.g. with
 # PLAN=examples/campaign_05b_keep.toml for its cells.
 pol=policies/$m-bfcl-centered${KEEP_SE:+-keep}
@@ -32,7 +34,7 @@ if [ ! -f /tmp/$cal/calibration.json ] && [ ! -f $pol/calibration.json ]; then
   [ -f .${cal}_work.tgz ] && [ ! -d /tmp/$cal/work ] && tar xzf .${cal}_work.tgz -C /tmp
   timeout -k 10 $(left) python3 -m pask_jax.cli calibrate --model $m --out /tmp/$cal \
     ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 --window 16 \
-    --targets 0.15 0.20 0.25 0.33 ${KEEP_SE:+--keep-within-se $KEEP_SE} >> $OUT/$cal.log 2>&1 || {
+    --targets 0.15 0.20 0.25 0.33 --keep-within-se ${KEEP_SE:-0} >> $OUT/$cal.log 2>&1 || {
       tail -c 3000 $OUT/$cal.log; tar czf $OUT/${cal}_work.tgz -C /tmp $cal/work; exit 0; }
   tail -c 2500 $OUT/$cal.log
   tar czf $OUT/$cal.tgz -C /tmp $cal/policy $cal/calibration.json

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.fast_compile
 
 CFG = alg1.Config(thresholds=((0.0, 0.0), (0.2, 0.4)), prefill_thresholds=((0.0, 0.0), (0.2, 0.4)),
                   alpha_d=0.25, alpha_p=0.25, b_p_grid=(0.3, 0.7), path_points=3, rows=192,
-                  max_tokens=64, sink=2, window=4)
+                  max_tokens=64, sink=2, window=4, keep_se=0.0)   # the paper's rule
 CAP = 256
 
 
