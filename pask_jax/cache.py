@@ -15,7 +15,7 @@ slots, G layer groups, Hkv KV heads, D head dim, ``page`` rows per page)::
   win_act             [B, W, G]   int8   pending actions of each window token (R/L/H)
   count               [B]         int32  tokens written so far = next absolute position
   hi_pages/lo_pages   [G, B, n_pages] int32  page tables (layers of a group share them)
-  hi_len/lo_len       [G, B]      int32  entries stored per group and sequence (never past the pages)
+  hi_len/lo_len       [G, B]      int32  entries stored per group and sequence (<= the pages)
   hi_pos/lo_pos       [G, B, cap] int32  absolute position of entry j (-1: none)
   overflow            [B]         bool   an entry did not fit its pool (it was dropped)
 
