@@ -50,7 +50,7 @@ for v in ${VARIANTS:-$all}; do
   esac
   timeout $left python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
     --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 \
-    --window 16 --targets 0.20 --ablation $v >> $OUT/abl15_$v.log 2>&1 \
+    --window 16 --targets 0.20 --keep-within-se 0 --ablation $v >> $OUT/abl15_$v.log 2>&1 \
     || { tail -c 3000 $OUT/abl15_$v.log; exit 0; }
   tail -c 1500 $OUT/abl15_$v.log
   tar czf $OUT/abl15_$v.tgz -C /tmp abl15/$v/policy abl15/$v/calibration.json

@@ -16,7 +16,7 @@ if [ ! -d /tmp/cal15c/policy ]; then
   mkdir -p /tmp/cal15c
   timeout $((limit - 15)) python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
     --out /tmp/cal15c ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 \
-    --window 16 ${WINDOWS:+--windows $WINDOWS} --targets 0.15 0.20 0.25 0.33 \
+    --window 16 ${WINDOWS:+--windows $WINDOWS} --targets 0.15 0.20 0.25 0.33 --keep-within-se 0 \
     >> $OUT/cal15.log 2>&1 \
     || { tail -c 3000 $OUT/cal15.log; exit 1; }
   tail -c 2500 $OUT/cal15.log
