@@ -191,8 +191,8 @@ def policy_variants(where: str) -> dict[float, str]:
 def policy_target(where: str) -> float | None:
   """The total B a policy is made for, where it says: a ``B<target>`` variant directory, a
   policy whose decode and prefill budgets are one B (``all-high`` 1, ``demo`` 0.5), or an edit
-  of a variant (its source's target).  None for
-  one whose budgets differ (the calibrated top-level policy: B_D 0, B_P 0.5 measures ~0.44)."""
+  of a variant (its source's target).  None for one whose budgets differ (the calibrated
+  top-level policy: B_D 0, B_P 0.5 measures ~0.44)."""
   from pask_jax import policy as P
   if where in P.BUILTIN:
     return {"all-high": 1.0, "demo": 0.5}.get(where)
