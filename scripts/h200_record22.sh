@@ -1,0 +1,47 @@
+# Device (H200): issue 22's and 24's record on the current defaults (Mosaic GPU INT4 over the
+# int4 pool with pages of 128, Triton BF16, the one-launch merge), each ratio against a baseline
+# of the same process, most valuable first so a short call still returns the goals:
+#   1. whole step, Qwen3-4B shape, B=8, 32K, mixes B≈0.33 and B≈0.20, with all-BF16;
+#   2. one decode call per shape (4B-like and 0.5B, B=8, 32K), CUPTI per kernel;
+#   3. whole step, Qwen2.5-0.5B shape, B=8, 8K (issue 24's ≤ 1.5 ms goal);
+#   4. the all-BF16 step that faulted on an H100 (pools overflowed; fixed in aaf0d3f) under
+#      compute-sanitizer's memcheck.
+#   LIMIT=570 bash scripts/h200_record22.sh      (no wheels or model needed)
+# Raw output: $OUT/record22.tgz (env.txt, step_*.{jsonl,log}, kern_*/ + logs, sanitizer.txt).
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+limit=${LIMIT:-570}
+d=/tmp/record22 && rm -rf $d && mkdir -p $d
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax; print('jax', jax.__version__)"; git rev-parse HEAD 2>/dev/null
+  git status --short 2>/dev/null; } > $d/env.txt 2>&1
+cat $d/env.txt
+left() { echo $((limit - SECONDS - 15)); }
+step() {  # tag, cap seconds, args...
+  local tag=$1 cap=$2 t; shift 2; t=$(left)
+  [ $t -gt 45 ] || { echo "no time for $tag"; return; }
+  timeout -s KILL $(( t < cap ? t : cap )) python3 bench/bench_pask_step.py --batch 8 \
+    --layouts unrolled --no-full --lo-page 128 --lo-format int4 --steps 8 \
+    --json $d/$tag.jsonl "$@" > $d/$tag.log 2>&1
+  echo "$tag rc $?"; grep -E "mix \(|all|Error|overflow" $d/$tag.log | cut -c1-200
+}
+kern() {  # tag, shape index
+  local t; t=$(left); [ $t -gt 45 ] || { echo "no time for kern_$1"; return; }
+  timeout -k 5 -s KILL $(( t < 100 ? t : 100 )) python3 bench/bench_kernels.py --out $d/kern_$1 \
+    --lo-page 128 --lo-formats int4 --int4-kernels mosaic --shapes $2 --no-gqa --cupti \
+    > $d/kern_$1.log 2>&1
+  echo "kern_$1 rc $?"; grep -E "^\{" $d/kern_$1.log | cut -c1-300
+}
+step step_4b 200 --shape qwen3-4b --context 32768 --mixes 0.2,0.65,0.15 0.5,0.4,0.1
+kern 4b 0
+step step_05 80 --shape qwen2.5-0.5b --context 8192 --mixes 0.2,0.65,0.15
+kern 05 3
+t=$(left)
+if [ $t -gt 60 ] && command -v compute-sanitizer >/dev/null; then
+  timeout -s KILL $(( t < 120 ? t : 120 )) compute-sanitizer --tool memcheck --print-limit 3 \
+    --log-file $d/sanitizer.txt python3 bench/bench_pask_step.py --shape qwen2.5-0.5b --batch 2 \
+    --layouts unrolled --no-full --steps 2 --context 2048 --mixes 0.2,0.65,0.15 \
+    > $d/sanitized.log 2>&1
+  echo "sanitizer rc $?"; grep -m 12 -E "Invalid|by thread|Address|ERROR SUMMARY" $d/sanitizer.txt
+  grep -E "mix \(|all" $d/sanitized.log | cut -c1-200
+fi
+tar czf $OUT/record22.tgz -C /tmp record22
