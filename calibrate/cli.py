@@ -149,13 +149,7 @@ def run(args) -> int:
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
   targets = targets_of(args)
-  keep_se = args.keep_within_se
-  if keep_se is not None and not (math.isfinite(keep_se) and keep_se >= 0):
-    raise SystemExit(f"error: --keep-within-se must be a finite number >= 0, got {keep_se}")
-  if keep_se and not targets:
-    raise SystemExit("error: --keep-within-se chooses among target variants: give --targets")
-  if keep_se is None:
-    keep_se = alg1.Config.keep_se if targets else 0.0
+  keep_se = keep_se_of(args, targets)
   try:
     windows = alg1.check_windows(args.windows)
   except ValueError as e:
@@ -296,6 +290,21 @@ def targets_of(args) -> tuple[float, ...]:
     return alg1.check_targets(given)
   except ValueError as e:
     raise SystemExit(f"error: {flag}: {e}")
+
+
+def keep_se_of(args, targets) -> float:
+  """The checked tie band K of ``--keep-within-se``: unset, ``alg1.Config.keep_se`` when there
+  are targets to choose among and 0 (nothing to choose) without; a bad value, or a band without
+  targets, is a one-line SystemExit."""
+  from calibrate import alg1
+  k = args.keep_within_se
+  if k is not None and not (math.isfinite(k) and k >= 0):
+    raise SystemExit(f"error: --keep-within-se must be a finite number >= 0, got {k}")
+  if k and not targets:
+    raise SystemExit("error: --keep-within-se chooses among target variants: give --targets")
+  if k is None:
+    return float(alg1.Config.keep_se) if targets else 0.0
+  return float(k)
 
 
 def ablation_of(args) -> str | None:

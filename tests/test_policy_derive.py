@@ -174,6 +174,18 @@ def _calibrate_args(*argv):
   return ap.parse_args(["calibrate", "--out", "o", *argv])
 
 
+def test_calibrate_keeps_within_one_se_by_default_when_it_has_targets():
+  from calibrate import alg1
+  assert alg1.Config.keep_se == 1.0
+  of = lambda *argv: calibrate_cli.keep_se_of(a := _calibrate_args(*argv),
+                                              calibrate_cli.targets_of(a))
+  assert of("--targets", "0.2", "0.33") == 1.0 and of("--target-b", "0.2") == 1.0
+  assert of() == 0.0                                    # no variants to choose among
+  assert of("--targets", "0.2", "--keep-within-se", "0") == 0.0     # the paper's rule
+  assert of("--targets", "0.2", "--keep-within-se", "2.5") == 2.5
+  assert of("--keep-within-se", "0") == 0.0
+
+
 def test_calibrate_target_b_is_the_single_target_spelling(tmp_path):
   one = calibrate_cli.targets_of(_calibrate_args("--target-b", "0.2"))
   assert one == calibrate_cli.targets_of(_calibrate_args("--targets", "0.2")) == (0.2,)
