@@ -7,6 +7,7 @@
 #   4. the all-BF16 step that faulted on an H100 (pools overflowed; fixed in aaf0d3f) under
 #      compute-sanitizer's memcheck.
 #   LIMIT=570 bash scripts/h200_record22.sh      (no wheels or model needed)
+#   PARTS="sanitizer" picks parts (default: step_4b kern_4b step_05 kern_05 sanitizer).
 # Raw output: $OUT/record22.tgz (env.txt, step_*.{jsonl,log}, kern_*/ + logs, sanitizer.txt).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 limit=${LIMIT:-570}
@@ -15,6 +16,8 @@ d=/tmp/record22 && rm -rf $d && mkdir -p $d
   python3 -c "import jax; print('jax', jax.__version__)"; git rev-parse HEAD 2>/dev/null
   git status --short 2>/dev/null; } > $d/env.txt 2>&1
 cat $d/env.txt
+parts=" ${PARTS:-step_4b kern_4b step_05 kern_05 sanitizer} "
+want() { [[ $parts == *" $1 "* ]]; }
 left() { echo $((limit - SECONDS - 15)); }
 step() {  # tag, cap seconds, args...
   local tag=$1 cap=$2 t; shift 2; t=$(left)
@@ -31,12 +34,12 @@ kern() {  # tag, shape index
     > $d/kern_$1.log 2>&1
   echo "kern_$1 rc $?"; grep -E "^\{" $d/kern_$1.log | cut -c1-300
 }
-step step_4b 200 --shape qwen3-4b --context 32768 --mixes 0.2,0.65,0.15 0.5,0.4,0.1
-kern 4b 0
-step step_05 80 --shape qwen2.5-0.5b --context 8192 --mixes 0.2,0.65,0.15
-kern 05 3
+want step_4b && step step_4b 200 --shape qwen3-4b --context 32768 --mixes 0.2,0.65,0.15 0.5,0.4,0.1
+want kern_4b && kern 4b 0
+want step_05 && step step_05 80 --shape qwen2.5-0.5b --context 8192 --mixes 0.2,0.65,0.15
+want kern_05 && kern 05 3
 t=$(left)
-if [ $t -gt 60 ] && command -v compute-sanitizer >/dev/null; then
+if want sanitizer && [ $t -gt 60 ] && command -v compute-sanitizer >/dev/null; then
   timeout -s KILL $(( t < 120 ? t : 120 )) compute-sanitizer --tool memcheck --print-limit 3 \
     --log-file $d/sanitizer.txt python3 bench/bench_pask_step.py --shape qwen2.5-0.5b --batch 2 \
     --layouts unrolled --no-full --steps 2 --context 2048 --mixes 0.2,0.65,0.15 \
