@@ -8,6 +8,10 @@
 #      compute-sanitizer's memcheck.
 #   LIMIT=570 bash scripts/h200_record22.sh      (no wheels or model needed)
 #   PARTS="sanitizer" picks parts (default: step_4b kern_4b step_05 kern_05 sanitizer).
+#   PARTS=serving: the serving cell of issue 22's goals, Qwen3-4B shape, 32K in / 1024 out, pask
+#     and all-high at c=8 and c=32 (all-high fits 12 at 64 GB), INT4 pages of 128 in the int4
+#     format; needs the wheels (.whl) and a tokenizer directory carried as .tok
+#     (`python bench/bench_serving.py --export-tokenizer .tok`).
 # Raw output: $OUT/record22.tgz (env.txt, step_*.{jsonl,log}, kern_*/ + logs, sanitizer.txt).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 limit=${LIMIT:-570}
@@ -46,5 +50,14 @@ if want sanitizer && [ $t -gt 60 ] && command -v compute-sanitizer >/dev/null; t
     > $d/sanitized.log 2>&1
   echo "sanitizer rc $?"; grep -m 12 -E "Invalid|by thread|Address|ERROR SUMMARY" $d/sanitizer.txt
   grep -E "mix \(|all" $d/sanitized.log | cut -c1-200
+fi
+if want serving; then
+  t=$(left)
+  . scripts/h200_env.sh || exit 1
+  timeout -s KILL $((t + 10)) python3 bench/bench_serving.py --shape qwen3-4b --tokenizer .tok \
+    --inputs 32768 --outputs 1024 --concurrency 8 32 --methods pask full --kv-memory 64 \
+    --page 128 --lo-format int4 --prefill-memo --real-model off --time-limit $t \
+    --out $d/serving > $d/serving.log 2>&1
+  echo "serving rc $?"; grep -E '^\{|^#' $d/serving.log | cut -c1-400
 fi
 tar czf $OUT/record22.tgz -C /tmp record22
