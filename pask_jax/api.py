@@ -394,6 +394,7 @@ def start_engine(model, policy: Any = ENGINE.policy, *, slots: int = ENGINE.slot
                  kv_mix: tuple[float, float] | None = None, preemption: str = ENGINE.preemption,
                  prefill_chunk: int = ENGINE.prefill_chunk,
                  prefill_share: float = ENGINE.prefill_share, lo_format: str = ENGINE.lo_format,
+                 lo_page: int | None = ENGINE.lo_page,
                  tool_format: str | None = None, warmup: bool | int = True,
                  tensor_parallel_size: int = ENGINE.tensor_parallel_size):
   """A started :class:`serve.engine.Engine`: continuous batching of ``slots`` sequences over one
@@ -409,9 +410,11 @@ def start_engine(model, policy: Any = ENGINE.policy, *, slots: int = ENGINE.slot
   ``lo_pages`` (pool sizes overriding the budget's), ``preemption`` ("replay", the default, or
   "recompute"), ``prefill_chunk`` (64, 128, 256 or 512, the default) and ``prefill_share`` (in
   (0, 1), default 1/3), ``lo_format`` (``--lo-format``: the INT4 pool's storage, "bytes", the
-  default, or "int4": head-major int4 pages for the Mosaic GPU kernel on Hopper, pages a
-  multiple of 64 there).  ``tool_format`` (``--tool-call-parser``): the tool-call format of
-  every request that names none (``hermes``, vLLM's name, = ``tool_call_tags``;
+  default, "int4": head-major int4 pages for the Mosaic GPU kernel on Hopper, pages a multiple
+  of 64 there, or "auto": "int4" in pages of 128 where that kernel runs, else "bytes"),
+  ``lo_page`` (``--lo-page``: rows per INT4 page; None: ``page``, or 128 for "int4" on a GPU
+  when ``page`` is not a multiple of 64).  ``tool_format`` (``--tool-call-parser``): the
+  tool-call format of every request that names none (``hermes``, vLLM's name, = ``tool_call_tags``;
   ``fenced_json``; ``json_list``; None: the model family's).  ``warmup``: compile before
   serving the decode step and every prompt bucket (True, as the server does), only the buckets
   of prompts up to that many tokens (an int: a faster start where prompts are short; longer
@@ -424,11 +427,11 @@ def start_engine(model, policy: Any = ENGINE.policy, *, slots: int = ENGINE.slot
   check_engine(slots=slots, context=context, page=page, hi_pages=hi_pages, lo_pages=lo_pages,
                kv_memory=kv_memory, gpu_memory_utilization=gpu_memory_utilization,
                kv_mix=kv_mix, preemption=preemption, prefill_chunk=prefill_chunk,
-               prefill_share=prefill_share, lo_format=lo_format,
+               prefill_share=prefill_share, lo_format=lo_format, lo_page=lo_page,
                tensor_parallel_size=tensor_parallel_size, tool_format=tool_format)
   if not isinstance(warmup, bool) and not (isinstance(warmup, int) and warmup > 0):
     raise ValueError(f"warmup must be True, False or a positive int (tokens), got {warmup!r}")
-  check_lo_format(lo_format, page, "auto")
+  check_lo_format(lo_format, page, "auto", lo_page)
   mesh = tp.serving_mesh(tensor_parallel_size, model.cfg)
   pol = load_policy(policy, model)
   engine = Engine(model.model, model.tokenizer, pol, slots=slots, context=context, page=page,
@@ -437,7 +440,7 @@ def start_engine(model, policy: Any = ENGINE.policy, *, slots: int = ENGINE.slot
                   gpu_memory_utilization=gpu_memory_utilization,
                   mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
                   prefill_chunk=prefill_chunk, prefill_share=prefill_share,
-                  lo_format=lo_format, mesh=mesh)
+                  lo_format=lo_format, lo_page=lo_page, mesh=mesh)
   engine.loaded, engine.tool_format = model, tool_format
   if warmup:
     engine.warmup(None if warmup is True else warmup)

@@ -541,9 +541,11 @@ def kernel_inputs(lkv: LayerKV, cache: Cache, g) -> tuple[Window, HighPool, LowP
 
 def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, capacity: int,
                window: int, hi_pool_pages: int, lo_pool_pages: int, sink: int = 0,
-               n_groups: int = 3, page: int = 16, lo_format: str = "bytes") -> Cache:
+               n_groups: int = 3, page: int = 16, lo_page: int | None = None,
+               lo_format: str = "bytes") -> Cache:
   """An empty cache of ``batch`` slots whose pools hold ``hi_pool_pages``/``lo_pool_pages`` pages
-  shared by all slots; ``capacity`` (tokens per slot) sizes each slot's page table.
+  shared by all slots; ``capacity`` (tokens per slot) sizes each slot's page tables.  ``page``:
+  rows per BF16 page, ``lo_page``: rows per INT4 page (None: ``page``; :func:`init`).
 
   Every page-table entry starts unassigned: it holds the pool's page count, the first
   out-of-range id, so a write through it is dropped by the scatters' ``mode="drop"`` and the
@@ -553,9 +555,11 @@ def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, cap
   """
   if hi_pool_pages < 1 or lo_pool_pages < 1:
     raise ValueError("each pool needs at least one page")
-  base = init(n_layers, batch, n_kv_heads, head_dim, capacity=page, window=window, sink=sink,
-              n_groups=n_groups, page=page, lo_format=lo_format)
-  G, B, n = n_groups, batch, math.ceil(capacity / page)
+  lo_page = page if lo_page is None else int(lo_page)
+  base = init(n_layers, batch, n_kv_heads, head_dim, capacity=max(page, lo_page), window=window,
+              sink=sink, n_groups=n_groups, page=page, lo_page=lo_page, lo_format=lo_format)
+  G, B = n_groups, batch
+  n, n_lo = math.ceil(capacity / page), math.ceil(capacity / lo_page)
   pool = lambda x, P: jnp.zeros((n_layers, P) + x.shape[2:], x.dtype)
   lay = base.layers
   layers = lay.replace(hi_k=pool(lay.hi_k, hi_pool_pages), hi_v=pool(lay.hi_v, hi_pool_pages),
@@ -563,9 +567,9 @@ def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, cap
                        lo_s=jnp.ones((n_layers, lo_pool_pages) + lay.lo_s.shape[2:], jnp.float16))
   return base.replace(
       layers=layers, hi_pages=jnp.full((G, B, n), hi_pool_pages, jnp.int32),
-      lo_pages=jnp.full((G, B, n), lo_pool_pages, jnp.int32),
+      lo_pages=jnp.full((G, B, n_lo), lo_pool_pages, jnp.int32),
       hi_pos=jnp.full((G, B, n * page), -1, jnp.int32),
-      lo_pos=jnp.full((G, B, n * page), -1, jnp.int32))
+      lo_pos=jnp.full((G, B, n_lo * lo_page), -1, jnp.int32))
 
 
 def _slot_state(cache: Cache, hi_row: jax.Array, lo_row: jax.Array) -> dict:

@@ -7,8 +7,8 @@ import os
 import sys
 
 from pask_jax import platform
-from pask_jax.options import (DEFAULT_MAX_TOKENS, ENGINE, LO_FORMATS, PREEMPTION, PREFILL_CHUNKS,
-                              TOOL_FORMATS, check_engine)
+from pask_jax.options import (DEFAULT_MAX_TOKENS, ENGINE, LO_FORMAT_CHOICES, PREEMPTION,
+                              PREFILL_CHUNKS, TOOL_FORMATS, check_engine)
 
 
 KEY_CENTER_HELP = ("subtract a fixed per-channel mean from the post-RoPE keys (models.center): "
@@ -88,7 +88,7 @@ def cmd_serve(args) -> int:
                                                  if os.environ.get("PASK_API_KEY") else None),
                         chat_template=args.chat_template,
                         tool_call_parser=args.tool_call_parser, lo_format=args.lo_format,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        lo_page=args.lo_page, tensor_parallel_size=args.tensor_parallel_size)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print(f"pask-jax serve: http://{args.host}:{args.port}/v1 ({args.slots} slots, max model len "
@@ -477,10 +477,14 @@ def main(argv: list[str] | None = None) -> int:
                       "head, the MLP by columns/rows, embeddings and lm_head by vocabulary, the "
                       "KV pools and windows by KV head; --kv-memory and "
                       "--gpu-memory-utilization are then per device (default: 1)")
-  s.add_argument("--lo-format", choices=list(LO_FORMATS), default=ENGINE.lo_format,
+  s.add_argument("--lo-format", choices=list(LO_FORMAT_CHOICES), default=ENGINE.lo_format,
                  help="storage of the INT4 pool: bytes (half-split nibbles: the Triton and TPU "
-                      "kernels) or int4 (head-major int4 pages: the Mosaic GPU kernel on "
-                      "Hopper, ~1.5x the INT4 read rate; needs --page 64 or 128 there)")
+                      "kernels), int4 (head-major int4 pages: the Mosaic GPU kernel on Hopper, "
+                      "~2x the INT4 read rate, in pages of 64 or 128 there) or auto (int4 in "
+                      "pages of 128 where the Mosaic GPU kernel runs, else bytes)")
+  s.add_argument("--lo-page", type=_positive, default=ENGINE.lo_page, metavar="N",
+                 help="tokens per INT4-pool page (default: --page, or 128 for the int4 format "
+                      "on a GPU when --page is not a multiple of 64)")
   mem = s.add_mutually_exclusive_group()
   mem.add_argument("--kv-memory", type=_positive_float, default=None, metavar="GB",
                    help="KV cache memory budget in GB: both pools sized from it and the "
@@ -688,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
       check_engine(**{k: getattr(args, k) for k in (
           "slots", "context", "page", "hi_pages", "lo_pages", "kv_memory",
           "gpu_memory_utilization", "kv_mix", "preemption", "prefill_chunk", "prefill_share",
-          "lo_format", "tensor_parallel_size")}, tool_format=args.tool_call_parser, flags=True)
+          "lo_format", "lo_page", "tensor_parallel_size")}, tool_format=args.tool_call_parser,
+          flags=True)
     except ValueError as e:
       ap.error(str(e))
     return cmd_serve(args)

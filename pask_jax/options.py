@@ -26,6 +26,9 @@ DEFAULT_MAX_TOKENS = 256                  # --default-max-tokens; the API's max_
 PREEMPTION = ("replay", "recompute")     # the engine's too (serve.engine imports both)
 PREFILL_CHUNKS = (64, 128, 256, 512)      # prefill piece sizes, each one of the engine's buckets
 LO_FORMATS = ("bytes", "int4")            # as pallas_kernels.int4's formats
+# "auto": what the step's kernel reads fastest (serve.engine.check_lo_format): the int4 format in
+# pages of 128 where the Mosaic GPU kernel runs (Hopper), else bytes
+LO_FORMAT_CHOICES = ("auto",) + LO_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,7 @@ class EngineDefaults:
   prefill_chunk: int = 512                # --prefill-chunk
   prefill_share: float = 1 / 3            # --prefill-share
   lo_format: str = "bytes"                # --lo-format
+  lo_page: int | None = None              # --lo-page (None: --page, or 128 for int4 on a GPU)
   tensor_parallel_size: int = 1           # --tensor-parallel-size
   policy: str = "all-high"                # --policy
 
@@ -49,7 +53,7 @@ FLAGS = {"slots": "--max-num-seqs", "context": "--max-model-len", "page": "--pag
          "hi_pages": "--hi-pages", "lo_pages": "--lo-pages", "kv_memory": "--kv-memory",
          "gpu_memory_utilization": "--gpu-memory-utilization", "kv_mix": "--kv-mix",
          "preemption": "--preemption", "prefill_chunk": "--prefill-chunk",
-         "prefill_share": "--prefill-share", "lo_format": "--lo-format",
+         "prefill_share": "--prefill-share", "lo_format": "--lo-format", "lo_page": "--lo-page",
          "tensor_parallel_size": "--tensor-parallel-size", "tool_format": "--tool-call-parser"}
 
 
@@ -68,7 +72,7 @@ def check_engine(*, slots=ENGINE.slots, context=ENGINE.context, page=ENGINE.page
                  preemption=ENGINE.preemption, prefill_chunk=ENGINE.prefill_chunk,
                  prefill_share=ENGINE.prefill_share, lo_format=ENGINE.lo_format,
                  tensor_parallel_size=ENGINE.tensor_parallel_size, tool_format=None,
-                 flags: bool = False) -> None:
+                 lo_page=ENGINE.lo_page, flags: bool = False) -> None:
   """The checks of the engine options, as one-line ValueErrors naming the keyword (``flags``:
   naming ``serve``'s flag instead)."""
   n = (lambda k: FLAGS[k]) if flags else (lambda k: k)
@@ -78,7 +82,7 @@ def check_engine(*, slots=ENGINE.slots, context=ENGINE.context, page=ENGINE.page
                ("tensor_parallel_size", tensor_parallel_size)):
     if not (whole(v) and v > 0):
       raise ValueError(f"{n(k)} must be a positive int, got {v!r}")
-  for k, v in (("hi_pages", hi_pages), ("lo_pages", lo_pages)):
+  for k, v in (("hi_pages", hi_pages), ("lo_pages", lo_pages), ("lo_page", lo_page)):
     if v is not None and not (whole(v) and v > 0):
       raise ValueError(f"{n(k)} must be None or a positive int, got {v!r}")
   if kv_memory is not None and gpu_memory_utilization is not None:
@@ -101,6 +105,6 @@ def check_engine(*, slots=ENGINE.slots, context=ENGINE.context, page=ENGINE.page
                      f"{prefill_chunk!r}")
   if not (num(prefill_share) and 0 < prefill_share < 1):
     raise ValueError(f"{n('prefill_share')} must be in (0, 1), got {prefill_share!r}")
-  if lo_format not in LO_FORMATS:
-    raise ValueError(f"{n('lo_format')} must be 'bytes' or 'int4', got {lo_format!r}")
+  if lo_format not in LO_FORMAT_CHOICES:
+    raise ValueError(f"{n('lo_format')} must be 'auto', 'bytes' or 'int4', got {lo_format!r}")
   resolve_tool_format(tool_format, "tool-call parser" if flags else "tool format")

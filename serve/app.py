@@ -333,7 +333,7 @@ def build(model: str | None = None, policy: str = ENGINE.policy, *, slots: int =
           prefill_chunk: int = ENGINE.prefill_chunk, prefill_share: float = ENGINE.prefill_share,
           api_key: str | list[str] | None = None, chat_template: str | None = None,
           tool_call_parser: str | None = None, center_keys: bool = True,
-          lo_format: str = ENGINE.lo_format,
+          lo_format: str = ENGINE.lo_format, lo_page: int | None = ENGINE.lo_page,
           tensor_parallel_size: int = ENGINE.tensor_parallel_size):
   """Load a model, resolve a policy, start an engine; -> (app, engine).  Pool sizing:
   :func:`serve.engine.size_pools` (``engine.sizing.describe()`` says what was chosen).  The
@@ -341,9 +341,10 @@ def build(model: str | None = None, policy: str = ENGINE.policy, *, slots: int =
   (:data:`pask_jax.options.ENGINE`).
   ``chat_template``: a file path or a template (:func:`pask_jax.prompt.load_chat_template`, as
   the API's ``chat_template="..."``); the other options as for :func:`create_app`;
-  ``center_keys``: :mod:`models.center` (default on); ``lo_format``: the INT4 pool's storage
-  format (:class:`serve.engine.Engine`); ``tensor_parallel_size``: the first that many local
-  devices (``pask_jax.mesh.serving_mesh``; the KV budget per device)."""
+  ``center_keys``: :mod:`models.center` (default on); ``lo_format``, ``lo_page``: the INT4
+  pool's storage format and rows per page (:class:`serve.engine.Engine`);
+  ``tensor_parallel_size``: the first that many local devices (``pask_jax.mesh.serving_mesh``;
+  the KV budget per device)."""
   import jax
   import jax.numpy as jnp
 
@@ -354,7 +355,7 @@ def build(model: str | None = None, policy: str = ENGINE.policy, *, slots: int =
   if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
     raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; choose one of "
                      f"{', '.join(TOOL_CALL_PARSERS)}")
-  check_lo_format(lo_format, page, "auto")            # before any weight loads
+  check_lo_format(lo_format, page, "auto", lo_page)   # before any weight loads
   tp.serving_mesh(tensor_parallel_size)               # the device count, before any weight loads
   template = None if chat_template is None else load_chat_template(chat_template)
   dt = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
@@ -374,7 +375,7 @@ def build(model: str | None = None, policy: str = ENGINE.policy, *, slots: int =
                   gpu_memory_utilization=gpu_memory_utilization,
                   mix=None if kv_mix is None else tuple(kv_mix), preemption=preemption,
                   prefill_chunk=prefill_chunk, prefill_share=prefill_share,
-                  lo_format=lo_format, mesh=mesh)
+                  lo_format=lo_format, lo_page=lo_page, mesh=mesh)
   if warmup:
     engine.warmup()
   engine.start()

@@ -275,7 +275,8 @@ def test_start_engine_takes_the_serve_sizing_options(smol):
                   (dict(prefill_chunk=100), "prefill_chunk must be one of"),
                   (dict(prefill_share=0.0), "prefill_share must be in"),
                   (dict(hi_pages=0), "hi_pages must be None or a positive int"),
-                  (dict(lo_format="nibbles"), "lo_format must be 'bytes' or 'int4'"),
+                  (dict(lo_format="nibbles"), "lo_format must be 'auto', 'bytes' or 'int4'"),
+                  (dict(lo_page=0), "lo_page must be None or a positive int"),
                   (dict(tool_format="mistral"), "unknown tool format 'mistral'"),
                   (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive")):
     with pytest.raises(ValueError, match=msg):
@@ -307,7 +308,7 @@ ENGINE_OPTIONS = {"policy": "policy", "slots": "slots", "context": "context", "p
                   "gpu_memory_utilization": "gpu_memory_utilization", "kv_mix": "kv_mix",
                   "preemption": "preemption", "prefill_chunk": "prefill_chunk",
                   "prefill_share": "prefill_share", "lo_format": "lo_format",
-                  "tool_format": "tool_call_parser",
+                  "lo_page": "lo_page", "tool_format": "tool_call_parser",
                   "tensor_parallel_size": "tensor_parallel_size"}
 
 
@@ -349,7 +350,8 @@ def test_serve_refuses_what_start_engine_refuses(monkeypatch, capsys):
                     (["--kv-mix", "0", "0"], "--kv-mix must be two fractions"),
                     (["--gpu-memory-utilization", "1.5"], r"expected a fraction in \(0, 1\]"),
                     (["--prefill-share", "1"], r"expected a fraction in \(0, 1\)"),
-                    (["--lo-format", "nibbles"], "invalid choice")):
+                    (["--lo-format", "nibbles"], "invalid choice"),
+                    (["--lo-page", "0"], "--lo-page")):
     with pytest.raises(SystemExit) as e:
       main(["serve", *argv])
     assert e.value.code == 2

@@ -8,6 +8,7 @@ requests one at a time: no pool pressure) and, for the PASK policy, with ``decod
 dense batch-1 cache.  Engines are shared between tests (each leaves its engine idle and clean).
 """
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -74,18 +75,22 @@ def pol(name):
 
 
 @functools.lru_cache(maxsize=None)
-def engine(policy, hi=None, lo=None, dense=False):
+def engine(policy, hi=None, lo=None, dense=False, lo_page=None):
   """One engine per configuration, shared by the tests (each leaves it idle and clean)."""
   cls = DenseEngine if dense else Engine
+  kw = {} if lo_page is None else dict(lo_page=lo_page)
   return cls(model(), tok(), pol(policy), slots=SLOTS, context=CTX, page=PAGE, hi_pages=hi,
-             lo_pages=lo, prefiller=prefiller())
+             lo_pages=lo, prefiller=prefiller(), **kw)
 
 
-def tight(policy):
+def tight(policy, lo_page=None):
   """The engine whose pools hold the largest request alone (its worst case: every token beyond
   the window in that pool) but not all running ones at once."""
-  worst = max(-(-(len(r.ids) + r.max_tokens - pol(policy).window) // PAGE) for r in requests())
-  return engine(policy, worst + 1, worst + 1 if reachable(pol(policy))[1] else None)
+  worst = lambda pg: max(-(-(len(r.ids) + r.max_tokens - pol(policy).window) // pg)
+                         for r in requests())
+  return engine(policy, worst(PAGE) + 1,
+                worst(lo_page or PAGE) + 1 if reachable(pol(policy))[1] else None,
+                lo_page=lo_page)
 
 
 def requests(n=5, tools=True):
@@ -194,6 +199,31 @@ def test_size_pools_splits_the_budget_by_the_expected_mix():
   assert (d.hi_pages, d.lo_pages) == (SLOTS * CTX // PAGE, 1)
 
 
+def test_size_pools_with_int4_pages_of_their_own_size():
+  """INT4 pages of ``lo_page`` rows (the Mosaic GPU kernel's 64 or 128) beside BF16 pages of
+  ``page``: the budget splits by the bytes per entry, so each pool holds the same entries as
+  with equal pages; tables, worst cases and expected pages count each pool's own page."""
+  from serve.engine import slot_bytes, worst_pages
+  p, budget, lp = pol("demo"), 2_000_000, 3 * PAGE
+  eq = size_pools(CFG, p, slots=SLOTS, context=CTX, page=PAGE, kv_bytes=budget)
+  s = size_pools(CFG, p, slots=SLOTS, context=CTX, page=PAGE, kv_bytes=budget, lo_page=lp)
+  assert s.pages == (PAGE, lp) and eq.pages == (PAGE, PAGE) and s.total_bytes <= budget
+  assert s.lo_page_bytes == page_bytes(CFG, lp)[1] == 3 * eq.lo_page_bytes
+  assert s.hi_page_bytes == eq.hi_page_bytes
+  # entries per pool as with equal pages (the fixed tables differ by a few hundred bytes)
+  assert abs(s.hi_pages - eq.hi_pages) <= 2 and abs(s.lo_pages * lp - eq.lo_pages * PAGE) <= 2 * lp
+  w = dict(window=8, n_groups=3, context=CTX)
+  assert slot_bytes(CFG, page=PAGE, lo_page=PAGE, **w) == slot_bytes(CFG, page=PAGE, **w)
+  n_hi, n_lo = CTX // PAGE, CTX // lp
+  assert (slot_bytes(CFG, page=PAGE, lo_page=lp, **w) - slot_bytes(CFG, page=PAGE, **w)
+          == 3 * 4 * (n_lo - n_hi))            # shorter INT4 tables, the same positions
+  t = 100 - int(p.window)
+  assert worst_pages(p, 100, PAGE, lp) == (-(-t // PAGE), -(-t // lp))
+  assert s.request_pages(100) == (math.ceil(s.mix[0] * t / PAGE) + 1,
+                                  math.ceil(s.mix[1] * t / lp) + 1)
+  assert f"{s.lo_pages:,} pages x {lp} tokens" in s.describe()
+
+
 def test_expected_mix_rules():
   assert expected_mix(pol("all-high"))[:2] == (1.0, 0.0)
   h, l, why = expected_mix(pol("demo"))
@@ -213,12 +243,15 @@ def test_gpu_memory_utilization_needs_a_reporting_device():
 
 # ---- admission and allocation by real demand ----------------------------------------------------
 
-def test_pages_follow_the_prompt_plan_and_the_device_tables():
+@pytest.mark.parametrize("lo_page", [None, 3 * PAGE])
+def test_pages_follow_the_prompt_plan_and_the_device_tables(lo_page):
   """After admission a slot holds exactly the pages of its prompt plan's window-leaving
   entries; at every step (preemptions included) the host mirror — entries and page table per
   pool, group and slot — equals the device cache, and a page is taken exactly when its first
-  entry is materialized."""
-  e = tight("demo")
+  entry is materialized; also with INT4 pages of their own size."""
+  e = tight("demo", lo_page)
+  assert tuple(e.pages.pages) == (PAGE, lo_page or PAGE) == e.sizing.pages
+  assert e.step.state[0].lo_page == (lo_page or PAGE)
   e.reset_metrics()
   rs = requests()
   for r in rs:
@@ -244,8 +277,8 @@ def test_pages_follow_the_prompt_plan_and_the_device_tables():
       for X in range(2):
         for g in range(e.G):
           k = e.pages.npg[X, g, b]
-          assert k == -(-e.pages.lens[X, g, b] // PAGE)
-          assert (tables[X][g, b, :k] == e.pages.tbl[X, g, b, :k]).all()
+          assert k == -(-e.pages.lens[X, g, b] // e.pages.pages[X])
+          assert (tables[X][g, b, :k] == e.pages.tbl[X][g, b, :k]).all()
           assert (tables[X][g, b, k:] == e.pages.totals[X]).all()
   assert e.m["preemptions"] > 0
   check_clean(e)
@@ -369,15 +402,17 @@ def test_int4_pool_format_serves_the_same_tokens():
   """``lo_format="int4"`` (what the Mosaic GPU kernel reads) through the engine: the same tokens
   and measured B as the bytes pool for a batch that fills the INT4 pool; a format no kernel
   reads is one line before anything compiles."""
-  e = Engine(model(), tok(), pol("sparse"), slots=SLOTS, context=CTX, page=PAGE,
-             prefiller=prefiller(), lo_format="int4")
-  assert e.step.state[0].lo_format == "int4"
-  got, want = run(e, requests())[0], run(engine("sparse"), requests())[0]
-  assert e.m["lo_used_peak"] > 0 and e.m["actions_L"] > 0          # the INT4 pool was used
-  for x, y in zip(got, want):
-    assert x["tokens"] == y["tokens"]
-    assert x["ledger"]["measured_B"] == y["ledger"]["measured_B"]
-  check_clean(e)
+  want = run(engine("sparse"), requests())[0]
+  for lo_page in (None, 16):    # INT4 pages of the BF16 pool's 4 rows, and of 16 (as 64 or 128)
+    e = Engine(model(), tok(), pol("sparse"), slots=SLOTS, context=CTX, page=PAGE,
+               prefiller=prefiller(), lo_format="int4", lo_page=lo_page)
+    assert e.step.state[0].lo_format == "int4" and e.step.state[0].lo_page == (lo_page or PAGE)
+    got = run(e, requests())[0]
+    assert e.m["lo_used_peak"] > 0 and e.m["actions_L"] > 0          # the INT4 pool was used
+    for x, y in zip(got, want):
+      assert x["tokens"] == y["tokens"]
+      assert x["ledger"]["measured_B"] == y["ledger"]["measured_B"]
+    check_clean(e)
   with pytest.raises(ValueError, match="^lo_format must be 'bytes' or 'int4', got 'u4'$"):
     Engine(model(), tok(), pol("sparse"), slots=SLOTS, context=CTX, page=PAGE,
            prefiller=prefiller(), lo_format="u4")
@@ -385,13 +420,31 @@ def test_int4_pool_format_serves_the_same_tokens():
     check_lo_format("int4", 128, "tpu")
 
 
-def test_int4_pool_on_the_gpu_needs_pages_the_mosaic_kernel_reads(monkeypatch):
+def test_int4_pool_on_the_gpu_gets_pages_the_mosaic_kernel_reads(monkeypatch):
+  """``check_lo_format`` -> (format, INT4 rows per page): "int4" on a GPU in pages of 128 unless
+  the BF16 pages are a multiple of 64 or ``lo_page`` says otherwise; "auto" is "int4" in pages
+  of 128 on Hopper and "bytes" in the BF16 pool's pages elsewhere; what no kernel reads is one
+  line."""
+  import types
+
   import jax
+  assert check_lo_format("auto", 16, "auto") == ("bytes", 16)          # this CPU
+  assert check_lo_format("int4", 16, "auto") == ("int4", 16)           # the reference reads it
+  assert check_lo_format("bytes", 16, "auto", 32) == ("bytes", 32)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  with pytest.raises(ValueError, match="needs pages of a multiple of 64 tokens .* got page 16$"):
-    check_lo_format("int4", 16, "auto")
-  check_lo_format("int4", 128, "auto")
-  check_lo_format("bytes", 16, "auto")
+  for cc, auto in (("9.0", ("int4", 128)), ("8.0", ("bytes", 16))):
+    monkeypatch.setattr(jax, "devices", lambda *a, cc=cc: [types.SimpleNamespace(
+        compute_capability=cc)])
+    assert check_lo_format("auto", 16, "auto") == auto
+  assert check_lo_format("auto", 16, "reference") == ("bytes", 16)
+  assert check_lo_format("int4", 16, "auto") == ("int4", 128)
+  assert check_lo_format("int4", 64, "auto") == ("int4", 64)
+  assert check_lo_format("int4", 16, "gpu", 192) == ("int4", 192)
+  assert check_lo_format("bytes", 16, "auto") == ("bytes", 16)
+  with pytest.raises(ValueError, match="needs INT4 pages of a multiple of 64 tokens .* got 16$"):
+    check_lo_format("int4", 16, "auto", 16)
+  with pytest.raises(ValueError, match="^lo_format must be 'bytes' or 'int4', got 'u4'$"):
+    check_lo_format("u4", 16, "auto")
 
 
 # ---- overlap: the host's work runs while the device computes the previous step -----------------

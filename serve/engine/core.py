@@ -37,7 +37,7 @@ class Engine(Loop):
                preemption: str = "replay", backend: str = "auto",
                prefiller: Runner | None = None, overlap: bool = True,
                prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE,
-               lo_format: str = "bytes", mesh=None):
+               lo_format: str = "bytes", lo_page: int | None = None, mesh=None):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
@@ -49,7 +49,9 @@ class Engine(Loop):
     not apply); ``prefill_chunk``: tokens per prefill piece (one of :data:`PREFILL_CHUNKS`);
     ``prefill_share``: the most of the engine's time a long prompt's prefill takes while others
     decode; ``lo_format``: the INT4 pool's storage format (:func:`pask_jax.cache.init`): "int4"
-    is what the Mosaic GPU kernel reads on Hopper, with ``page`` a multiple of 64.
+    is what the Mosaic GPU kernel reads on Hopper, in pages of a multiple of 64 rows; "auto"
+    picks it there (:func:`serve.engine.check_lo_format`); ``lo_page``: rows per INT4 page
+    (None: ``page``, or 128 for "int4" on a GPU when ``page`` is not a multiple of 64).
 
     ``mesh``: tensor parallelism over a 1-D ``model`` mesh (``pask_jax.mesh.serving_mesh``:
     ``--tensor-parallel-size``): weights, the prefill scratch and the pools and windows split
@@ -87,7 +89,7 @@ class Engine(Loop):
     self.step = self.kind(model, policy, slots=slots, context=context, page=page,
                           backend=backend, watermark=watermark, kv_bytes=kv_bytes, mix=mix,
                           hi_pages=hi_pages, lo_pages=lo_pages, prefiller=prefiller,
-                          lo_format=lo_format, mesh=mesh)
+                          lo_format=lo_format, lo_page=lo_page, mesh=mesh)
     self.pages, self.sizing, self.reach = self.step.pages, self.step.sizing, self.step.reach
     self.hi_total, self.lo_total = self.sizing.hi_pages, self.sizing.lo_pages
     self.runner, self.traces = self.step.runner, self.step.traces

@@ -39,19 +39,21 @@ NO_GROWTH = Growth(np.zeros((0,), np.int64), np.zeros((2, 0, 0), bool), np.zeros
 
 
 class PagePools:
-  """The paged cache's pools (``totals`` pages each) as the host sees them."""
+  """The paged cache's pools (``totals`` pages each, of ``page`` and ``lo_page`` rows) as the
+  host sees them."""
 
   def __init__(self, totals: tuple[int, int], *, slots: int, context: int, page: int,
-               window: int, sink: int, n_groups: int, watermark: float):
+               window: int, sink: int, n_groups: int, watermark: float,
+               lo_page: int | None = None):
     B, G = slots, n_groups
-    self.totals, self.page, self.window, self.sink, self.G = totals, page, window, sink, G
+    self.totals, self.window, self.sink, self.G = totals, window, sink, G
+    self.pages = np.array([page, page if lo_page is None else lo_page], np.int64)   # rows
     self.watermark = float(watermark)
-    n_pages = -(-context // page)
-    self.n_pages = n_pages
+    self.n_pages = tuple(int(-(-context // pg)) for pg in self.pages)   # table length per pool
     self.acts = np.zeros((B, context, G), np.int8)     # the action of every cached position
     self.lens = np.zeros((2, G, B), np.int64)          # entries per (pool, group, slot)
     self.npg = np.zeros((2, G, B), np.int64)           # pages per (pool, group, slot)
-    self.tbl = np.zeros((2, G, B, n_pages), np.int32)  # every slot's pages
+    self.tbl = [np.zeros((G, B, n), np.int32) for n in self.n_pages]   # every slot's pages
     self.free = [np.tile(np.arange(n, dtype=np.int32)[::-1], (G, 1)) for n in totals]
     self.top = np.array([[n] * G for n in totals], np.int64)   # free pages [pool, group]
 
@@ -72,7 +74,7 @@ class PagePools:
     """Pages [pool, group] for the entries of ``plan`` that have left the window."""
     done = plan[:max(0, len(plan) - self.window)]
     counts = np.stack([(done == c).sum(0) for c in CODE])           # [2, G]
-    return -(-counts // self.page)
+    return -(-counts // self.pages[:, None])
 
   def fits(self, need: np.ndarray, busy: bool) -> bool:
     """The pools can give ``need`` now (while others run: plus the watermark's headroom for
@@ -90,16 +92,17 @@ class PagePools:
     return self.free[X][g, t - k:t]
 
   def take(self, b: int, need: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Give slot ``b`` its prompt pages ``need [2, G]`` -> device page rows [G, n_pages]."""
+    """Give slot ``b`` its prompt pages ``need [2, G]`` -> device page rows [G, n_pages] of
+    each pool."""
     rows = []
     for X in (HI, LO):
-      tbl = np.full((self.G, self.n_pages), self.totals[X], np.int32)
+      tbl = np.full((self.G, self.n_pages[X]), self.totals[X], np.int32)
       for g in range(self.G):
         k = int(need[X, g])
         if k:
           ids = self._pop(X, g, k)
           tbl[g, :k] = ids
-          self.tbl[X, g, b, :k] = ids
+          self.tbl[X][g, b, :k] = ids
         self.npg[X, g, b] = k
       rows.append(jnp.asarray(tbl))
     return rows[0], rows[1]
@@ -111,7 +114,7 @@ class PagePools:
         k = int(self.npg[X, g, b])
         if k:
           t = self.top[X, g]
-          self.free[X][g, t:t + k] = self.tbl[X, g, b, :k]
+          self.free[X][g, t:t + k] = self.tbl[X][g, b, :k]
           self.top[X, g] = t + k
     self.npg[:, :, b] = 0
     self.lens[:, :, b] = 0
@@ -124,7 +127,7 @@ class PagePools:
     er = rows[p >= W]
     a = self.acts[er, p[p >= W] - W].T                             # [G, k] evicted actions
     sel = np.stack([a == c for c in CODE])                         # [2, G, k]
-    need = sel & (self.lens[:, :, er] % self.page == 0)
+    need = sel & (self.lens[:, :, er] % self.pages[:, None, None] == 0)
     return Growth(er, sel, need, bool((need.sum(-1) > self.top).any()))
 
   def grow(self, g: Growth) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +138,7 @@ class PagePools:
       rs = er[need[X, grp]]
       ids = self._pop(X, grp, len(rs))
       new[X, grp, rs] = ids
-      self.tbl[X, grp, rs, self.lens[X, grp, rs] // self.page] = ids
+      self.tbl[X][grp, rs, self.lens[X, grp, rs] // self.pages[X]] = ids
       self.npg[X, grp, rs] += 1
     if len(er):
       self.lens[:, :, er] += sel

@@ -10,7 +10,9 @@ policy record's ``extra.kv_mix``, or :func:`expected_mix`.  Each pool keeps at l
 slot (sinks are H forever; every sequence has a partial page).  Without a budget the pools hold
 every slot at full context; ``hi_pages``/``lo_pages`` override either pool.  Page ids are per layer
 group, and a pool gives every group as many ids as its heaviest group needs, so ``h`` and ``l``
-are the heaviest group's.
+are the heaviest group's.  The two pools may page differently: ``page`` rows per BF16 page,
+``lo_page`` per INT4 page (the Mosaic GPU INT4 kernel reads pages of 64 or 128 rows; the BF16
+pool's small pages waste less of a short request).
 """
 from __future__ import annotations
 
@@ -48,14 +50,17 @@ def page_bytes(cfg, page: int, shards: int = 1) -> tuple[int, int]:
 
 
 def slot_bytes(cfg, *, window: int, n_groups: int, context: int, page: int,
-               shards: int = 1) -> int:
+               shards: int = 1, lo_page: int | None = None) -> int:
   """Fixed cache bytes of one slot: BF16 window K/V, window positions and pending actions,
-  page tables and entry positions of both pools, count/overflow; on each of ``shards`` devices
-  (the window split by KV head, the tables and positions replicated)."""
+  page tables and entry positions of both pools (``lo_page`` rows per INT4 page, None:
+  ``page``), count/overflow; on each of ``shards`` devices (the window split by KV head, the
+  tables and positions replicated)."""
   L, H, D = cfg.n_layers, cfg.n_kv_heads // shards, cfg.head_dim
-  n = math.ceil(context / page)
-  return (2 * L * window * H * D * 2 + window * (4 + n_groups) + 2 * n_groups * n * 4
-          + 2 * n_groups * n * page * 4 + 2 * n_groups * 4 + 8)
+  tables = 0
+  for pg in (page, page if lo_page is None else lo_page):
+    n = math.ceil(context / pg)
+    tables += n_groups * n * 4 + n_groups * n * pg * 4       # page table + entry positions
+  return 2 * L * window * H * D * 2 + window * (4 + n_groups) + tables + 2 * n_groups * 4 + 8
 
 
 def reachable(policy) -> tuple[bool, bool]:
@@ -70,14 +75,16 @@ def reachable(policy) -> tuple[bool, bool]:
   return bool(np.any(top == Act.H)), bool(np.any((f <= Act.L) & (top >= Act.L)))
 
 
-def worst_pages(policy, n_tokens: int, page: int) -> tuple[int, int]:
+def worst_pages(policy, n_tokens: int, page: int, lo_page: int | None = None) -> tuple[int, int]:
   """Pages (BF16 pool, INT4 pool) per layer group that a request of ``n_tokens`` can need at
   most: every token beyond the window in that pool; only the sinks' for a BF16 pool the policy
-  never reaches beyond them, none for an INT4 pool it never reaches."""
+  never reaches beyond them, none for an INT4 pool it never reaches.  ``lo_page``: rows per
+  INT4 page (None: ``page``)."""
   can_h, can_l = reachable(policy)
-  need = math.ceil(max(0, n_tokens - int(policy.window)) / page)
-  sinks = math.ceil(min(need * page, int(policy.sink)) / page)
-  return (need if can_h else sinks), (need if can_l else 0)
+  t = max(0, n_tokens - int(policy.window))
+  need = math.ceil(t / page)
+  sinks = math.ceil(min(t, int(policy.sink)) / page)
+  return (need if can_h else sinks), (math.ceil(t / (lo_page or page)) if can_l else 0)
 
 
 def expected_mix(policy) -> tuple[float, float, str]:
@@ -118,6 +125,12 @@ class Sizing:
   mix_source: str
   source: str                  # "budget", "pages" or "full context per slot"
   shards: int = 1              # devices the pools are split over by KV head (bytes: per device)
+  lo_page: int | None = None   # rows per INT4 page (None: ``page``)
+
+  @property
+  def pages(self) -> tuple[int, int]:
+    """Rows per page of the BF16 and the INT4 pool."""
+    return self.page, self.page if self.lo_page is None else self.lo_page
 
   @property
   def pool_bytes(self) -> int:
@@ -132,7 +145,8 @@ class Sizing:
     of each pool plus one partial page."""
     h, l = mix or self.mix
     t = max(0, n_tokens - self.window)
-    return (math.ceil(h * t / self.page) + 1, math.ceil(l * t / self.page) + 1 if l > 0 else 0)
+    hp, lp = self.pages
+    return (math.ceil(h * t / hp) + 1, math.ceil(l * t / lp) + 1 if l > 0 else 0)
 
   def requests_fit(self, n_tokens: int, mix: tuple[float, float] | None = None) -> int:
     """Requests of ``n_tokens`` tokens whose expected pages the pools hold at once (memory
@@ -160,28 +174,30 @@ class Sizing:
             else f"KV memory {gb(self.total_bytes)} ({self.source})")
     if self.shards > 1:
       head += f" per device ({self.shards} devices, pools and windows split by KV head)"
-    return (f"{head}: BF16 pool {self.hi_pages:,} pages x {self.page} tokens "
-            f"({gb(self.hi_pages * self.hi_page_bytes)}), INT4 pool {self.lo_pages:,} pages "
-            f"({gb(self.lo_pages * self.lo_page_bytes)}), windows and tables "
+    (hp, lp), n = self.pages, self.context
+    return (f"{head}: BF16 pool {self.hi_pages:,} pages x {hp} tokens "
+            f"({gb(self.hi_pages * self.hi_page_bytes)}), INT4 pool {self.lo_pages:,} pages x "
+            f"{lp} tokens ({gb(self.lo_pages * self.lo_page_bytes)}), windows and tables "
             f"{gb(self.fixed_bytes)} for {self.slots} slots; expected mix H {h:.3f} / L {l:.3f} "
-            f"({self.mix_source}); about {self.requests_fit(self.context)} concurrent requests "
-            f"of {self.context:,} tokens fit (Full KV in the same memory: "
-            f"{self.full_kv_fit(self.context)})")
+            f"({self.mix_source}); about {self.requests_fit(n)} concurrent requests "
+            f"of {n:,} tokens fit (Full KV in the same memory: {self.full_kv_fit(n)})")
 
 
 def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
                kv_bytes: int | None = None, mix: tuple[float, float] | None = None,
                hi_pages: int | None = None, lo_pages: int | None = None,
-               shards: int = 1) -> Sizing:
+               shards: int = 1, lo_page: int | None = None) -> Sizing:
   """Pool sizes from a KV memory budget (bytes) and the policy (the module docstring).
   ``shards``: tensor parallelism over that many devices; then ``kv_bytes`` is each device's
-  budget and every byte figure is per device (a page costs 1/``shards`` of its bytes there)."""
-  if slots < 1 or context < 1 or page < 1:
+  budget and every byte figure is per device (a page costs 1/``shards`` of its bytes there).
+  ``lo_page``: rows per INT4 page (None: ``page``)."""
+  lp = page if lo_page is None else lo_page
+  if slots < 1 or context < 1 or page < 1 or lp < 1:
     raise ValueError("slots, context and page must be positive")
   window, G = int(policy.window), int(policy.n_groups)
-  hb, lb = page_bytes(cfg, page, shards)
+  hb, lb = page_bytes(cfg, page, shards)[0], page_bytes(cfg, lp, shards)[1]
   fixed = slots * slot_bytes(cfg, window=window, n_groups=G, context=context, page=page,
-                             shards=shards)
+                             shards=shards, lo_page=lo_page)
   if mix is not None:
     h, l = (float(x) for x in mix)
     if not (0 <= h <= 1 and 0 <= l <= 1 and h + l > 0):
@@ -189,11 +205,10 @@ def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
     why = "given"
   else:
     h, l, why = expected_mix(policy)
-  n_pages = math.ceil(context / page)
   lo_min = slots if l > 0 else 1
   if kv_bytes is None:
-    hi = hi_pages or slots * n_pages
-    lo = lo_pages or (slots * n_pages if l > 0 else 1)
+    hi = hi_pages or slots * math.ceil(context / page)
+    lo = lo_pages or (slots * math.ceil(context / lp) if l > 0 else 1)
     source = "pages" if (hi_pages or lo_pages) else "full context per slot"
   else:
     avail = int(kv_bytes) - fixed
@@ -206,7 +221,7 @@ def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
     elif l == 0:
       hi, lo = (avail - lb) // hb, 1
     else:
-      share = h * hb / (h * hb + l * lb)
+      share = h * hb / page / (h * hb / page + l * lb / lp)    # of the bytes per entry
       hi = int(avail * share // hb)
       lo = int((avail - hi * hb) // lb)
     hi, lo = int(hi), int(lo)
@@ -219,7 +234,8 @@ def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
   return Sizing(slots=slots, context=context, page=page, window=window, hi_pages=int(hi),
                 lo_pages=int(max(lo, 1)), hi_page_bytes=hb, lo_page_bytes=lb, fixed_bytes=fixed,
                 kv_bytes=None if kv_bytes is None else int(kv_bytes), mix=(h, l),
-                mix_source=why, source=source, shards=shards)
+                mix_source=why, source=source, shards=shards,
+                lo_page=None if lo_page is None else int(lo_page))
 
 
 def memory_stats(device) -> dict | None:

@@ -124,17 +124,38 @@ class Step:
     return self._pick_rows(logits, jnp.asarray(packed))
 
 
-def check_lo_format(lo_format: str, page: int, backend: str) -> None:
-  """One-line errors for an INT4 storage format the step's kernels cannot read: "int4" is read
-  by the reference (CPU) and by the Mosaic GPU kernel, whose pages hold multiples of 64 rows."""
+MOSAIC_PAGE = 128     # INT4 rows per page where the Mosaic GPU kernel reads the pool
+
+
+def mosaic_gpu(backend: str) -> bool:
+  """The step's INT4 partition runs the Mosaic GPU kernel: a GPU backend on Hopper (sm_90)."""
+  if backend not in ("auto", "gpu") or jax.default_backend() != "gpu":
+    return False
+  cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+  return cc.split(".")[0] == "9"
+
+
+def check_lo_format(lo_format: str, page: int, backend: str,
+                    lo_page: int | None = None) -> tuple[str, int]:
+  """The INT4 pool's storage format and rows per page -> ``(format, lo_page)``, or a one-line
+  error for a format the step's kernels cannot read.  "int4" is read by the reference (CPU) and
+  by the Mosaic GPU kernel, whose pages hold multiples of 64 rows: on the GPU an unset
+  ``lo_page`` is then ``page`` if it is such a multiple, else :data:`MOSAIC_PAGE`.  "auto":
+  "int4" in pages of :data:`MOSAIC_PAGE` where the Mosaic GPU kernel runs (:func:`mosaic_gpu`;
+  the Triton kernel reads bytes at about a third of its rate), else "bytes" in ``page``'s."""
   from pallas_kernels import int4
+  if lo_format == "auto":
+    lo_format = "int4" if mosaic_gpu(backend) else "bytes"
   int4.check_format(lo_format)
-  if lo_format == "int4" and backend in ("auto", "gpu") and jax.default_backend() == "gpu" \
-      and page % 64:
-    raise ValueError(f"lo_format 'int4' on the GPU needs pages of a multiple of 64 tokens (the "
-                     f"Mosaic GPU kernel reads one page per pipeline step), got page {page}")
+  gpu = backend in ("auto", "gpu") and jax.default_backend() == "gpu"
+  if lo_page is None:
+    lo_page = (MOSAIC_PAGE if lo_format == "int4" and gpu and page % 64 else page)
+  if lo_format == "int4" and gpu and lo_page % 64:
+    raise ValueError(f"lo_format 'int4' on the GPU needs INT4 pages of a multiple of 64 tokens "
+                     f"(the Mosaic GPU kernel reads one page per pipeline step), got {lo_page}")
   if lo_format == "int4" and backend == "tpu":
     raise ValueError("the TPU kernel reads the 'bytes' INT4 format only, got lo_format 'int4'")
+  return lo_format, int(lo_page)
 
 
 class PagedStep(Step):
@@ -142,26 +163,29 @@ class PagedStep(Step):
 
   def __init__(self, model, policy, *, slots: int, context: int, page: int, backend: str,
                watermark: float, kv_bytes=None, mix=None, hi_pages=None, lo_pages=None,
-               lo_format: str = "bytes", mesh=None, **_):
+               lo_format: str = "bytes", lo_page: int | None = None, mesh=None, **_):
     super().__init__(mesh)
     c = model.cfg
-    check_lo_format(lo_format, page, backend)
+    lo_format, lo_page = check_lo_format(lo_format, page, backend, lo_page)
     self.policy, self.window, self.G = policy, int(policy.window), int(policy.n_groups)
     self.page, self.can_overlap = page, self.window >= 3   # page growth needs a window of 3
+    self.lo_page, self.lo_format = lo_page, lo_format
     self.sizing = size_pools(c, policy, slots=slots, context=context, page=page,
                              kv_bytes=kv_bytes, mix=mix, hi_pages=hi_pages, lo_pages=lo_pages,
-                             shards=1 if mesh is None else mesh.size)
+                             shards=1 if mesh is None else mesh.size,
+                             lo_page=None if lo_page == page else lo_page)
     self.reach = reachable(policy)
     totals = (self.sizing.hi_pages, self.sizing.lo_pages)
     self.pages = PagePools(totals, slots=slots, context=context, page=page, window=self.window,
-                           sink=int(policy.sink), n_groups=self.G, watermark=watermark)
+                           sink=int(policy.sink), n_groups=self.G, watermark=watermark,
+                           lo_page=lo_page)
     self.runner = PaskRunner(model, policy, batch=slots, capacity=context, page=page,
-                             backend=backend, lo_format=lo_format, mesh=mesh)
+                             backend=backend, lo_page=lo_page, lo_format=lo_format, mesh=mesh)
     self.traces = self.runner.traces
     make = lambda: pcache.init_paged(
         c.n_layers, slots, c.n_kv_heads, c.head_dim, capacity=context, window=self.window,
         hi_pool_pages=totals[0], lo_pool_pages=totals[1], sink=policy.sink, n_groups=self.G,
-        page=page, lo_format=lo_format)
+        page=page, lo_page=lo_page, lo_format=lo_format)
     ss = kv = ps = rep = lg = None
     if mesh is None:
       cache = make()
@@ -238,7 +262,7 @@ class PagedStep(Step):
   def worst_case(self, n_prompt: int, max_tokens: int) -> tuple[int, int]:
     """Pages (BF16 pool, INT4 pool) per layer group that one request can need at most: every
     token beyond the window stored in that pool (0 for a pool the policy never uses)."""
-    return worst_pages(self.policy, n_prompt + max_tokens, self.page)
+    return worst_pages(self.policy, n_prompt + max_tokens, self.page, self.lo_page)
 
   def need(self, r, chunk: int) -> tuple[np.ndarray, float]:
     """Pages [pool, group] that ``r``'s next prefill stores -> (pages, seconds spent planning).
