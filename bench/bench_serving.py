@@ -416,7 +416,7 @@ def main(argv=None) -> int:
   ap.add_argument("--lo-format", default="bytes", choices=["auto", "bytes", "int4"],
                   help="the PASK engines' INT4 pool format (int4: the Mosaic GPU kernel, in "
                        "pages of 128 on a GPU unless --lo-page or --page says 64; auto: int4 "
-                       "on Hopper, else bytes)")
+                       "where that kernel runs and takes the model, else bytes)")
   ap.add_argument("--lo-page", type=int, default=None,
                   help="rows per INT4 page (default: --page, or 128 for int4 on a GPU)")
   ap.add_argument("--gguf", default=None,
@@ -464,11 +464,10 @@ def main(argv=None) -> int:
   from serve.engine import DenseEngine, Engine, check_lo_format, page_bytes
   if a.shape != "tiny" and a.shape not in SHAPES:
     raise SystemExit(f"error: unknown shape {a.shape!r}; choose tiny or one of {', '.join(SHAPES)}")
-  try:   # the PASK engines' INT4 pool: format and rows per page, as the engine resolves them
-    lo_format, lo_page = check_lo_format(a.lo_format, a.page, "auto", a.lo_page)
+  try:   # checked before any model loads; resolved per model below, as the engine does
+    check_lo_format(a.lo_format, a.page, "auto", a.lo_page)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  lo_page = None if lo_page == a.page else lo_page
   if min(a.inputs + a.outputs + a.concurrency) < 1:
     raise SystemExit("error: --inputs, --outputs and --concurrency must be positive")
   os.makedirs(a.out, exist_ok=True)
@@ -535,6 +534,11 @@ def main(argv=None) -> int:
   held = {}   # (model name, method, input, slots) -> engine, kept while cells reuse it
   for name, model, mtok, pols, cells in models():
     mcfg = model.cfg
+    try:   # the PASK engines' INT4 pool: format and rows per page, as the engine resolves them
+      lo_format, lo_page = check_lo_format(a.lo_format, a.page, "auto", a.lo_page, cfg=mcfg)
+    except ValueError as e:
+      raise SystemExit(f"error: {name}: {e}")
+    lo_page = None if lo_page == a.page else lo_page
     fmt, indent = DEFAULT_STYLE.get(mcfg.arch, ("json_list", None))
     gc_ = GrammarCompiler(mtok, mcfg.vocab_size)
     grammars, prompts, prefill_one = {}, {}, {}

@@ -411,7 +411,7 @@ def start_engine(model, policy: Any = ENGINE.policy, *, slots: int = ENGINE.slot
   "recompute"), ``prefill_chunk`` (64, 128, 256 or 512, the default) and ``prefill_share`` (in
   (0, 1), default 1/3), ``lo_format`` (``--lo-format``: the INT4 pool's storage, "bytes", the
   default, "int4": head-major int4 pages for the Mosaic GPU kernel on Hopper, pages a multiple
-  of 64 there, or "auto": "int4" in pages of 128 where that kernel runs, else "bytes"),
+  of 64 there, or "auto": "int4" where that kernel runs and takes the model, else "bytes"),
   ``lo_page`` (``--lo-page``: rows per INT4 page; None: ``page``, or 128 for "int4" on a GPU
   when ``page`` is not a multiple of 64).  ``tool_format`` (``--tool-call-parser``): the
   tool-call format of every request that names none (``hermes``, vLLM's name, = ``tool_call_tags``;

@@ -556,8 +556,10 @@ def init_paged(n_layers: int, batch: int, n_kv_heads: int, head_dim: int, *, cap
   if hi_pool_pages < 1 or lo_pool_pages < 1:
     raise ValueError("each pool needs at least one page")
   lo_page = page if lo_page is None else int(lo_page)
-  base = init(n_layers, batch, n_kv_heads, head_dim, capacity=max(page, lo_page), window=window,
-              sink=sink, n_groups=n_groups, page=page, lo_page=lo_page, lo_format=lo_format)
+  # one page per sequence in each pool: only the layout is taken from it
+  base = init(n_layers, batch, n_kv_heads, head_dim, capacity=page, lo_capacity=lo_page,
+              window=window, sink=sink, n_groups=n_groups, page=page, lo_page=lo_page,
+              lo_format=lo_format)
   G, B = n_groups, batch
   n, n_lo = math.ceil(capacity / page), math.ceil(capacity / lo_page)
   pool = lambda x, P: jnp.zeros((n_layers, P) + x.shape[2:], x.dtype)

@@ -26,8 +26,8 @@ DEFAULT_MAX_TOKENS = 256                  # --default-max-tokens; the API's max_
 PREEMPTION = ("replay", "recompute")     # the engine's too (serve.engine imports both)
 PREFILL_CHUNKS = (64, 128, 256, 512)      # prefill piece sizes, each one of the engine's buckets
 LO_FORMATS = ("bytes", "int4")            # as pallas_kernels.int4's formats
-# "auto": what the step's kernel reads fastest (serve.engine.check_lo_format): the int4 format in
-# pages of 128 where the Mosaic GPU kernel runs (Hopper), else bytes
+# "auto": what the step's kernels read fastest (serve.engine.check_lo_format): the int4 format
+# where the Mosaic GPU kernel runs (Hopper) and takes the model, else bytes
 LO_FORMAT_CHOICES = ("auto",) + LO_FORMATS
 
 

@@ -413,7 +413,7 @@ def test_int4_pool_format_serves_the_same_tokens():
       assert x["tokens"] == y["tokens"]
       assert x["ledger"]["measured_B"] == y["ledger"]["measured_B"]
     check_clean(e)
-  with pytest.raises(ValueError, match="^lo_format must be 'bytes' or 'int4', got 'u4'$"):
+  with pytest.raises(ValueError, match="^lo_format must be 'auto', 'bytes' or 'int4', got 'u4'$"):
     Engine(model(), tok(), pol("sparse"), slots=SLOTS, context=CTX, page=PAGE,
            prefiller=prefiller(), lo_format="u4")
   with pytest.raises(ValueError, match="^the TPU kernel reads the 'bytes' INT4 format only"):
@@ -421,30 +421,44 @@ def test_int4_pool_format_serves_the_same_tokens():
 
 
 def test_int4_pool_on_the_gpu_gets_pages_the_mosaic_kernel_reads(monkeypatch):
-  """``check_lo_format`` -> (format, INT4 rows per page): "int4" on a GPU in pages of 128 unless
-  the BF16 pages are a multiple of 64 or ``lo_page`` says otherwise; "auto" is "int4" in pages
-  of 128 on Hopper and "bytes" in the BF16 pool's pages elsewhere; what no kernel reads is one
-  line."""
+  """``check_lo_format`` -> (format, INT4 rows per page): "int4" on a Hopper GPU in pages of 128
+  unless the BF16 pages are a multiple of 64 or ``lo_page`` says otherwise; "auto" is "int4"
+  where the Mosaic GPU kernel runs and takes the model, "bytes" in the BF16 pool's pages
+  elsewhere; what no kernel reads is one line."""
   import types
 
   import jax
   assert check_lo_format("auto", 16, "auto") == ("bytes", 16)          # this CPU
   assert check_lo_format("int4", 16, "auto") == ("int4", 16)           # the reference reads it
   assert check_lo_format("bytes", 16, "auto", 32) == ("bytes", 32)
+  qwen = types.SimpleNamespace(head_dim=128, n_heads=32, n_kv_heads=8)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   for cc, auto in (("9.0", ("int4", 128)), ("8.0", ("bytes", 16))):
     monkeypatch.setattr(jax, "devices", lambda *a, cc=cc: [types.SimpleNamespace(
-        compute_capability=cc)])
+        platform="gpu", compute_capability=cc)])
     assert check_lo_format("auto", 16, "auto") == auto
+    assert check_lo_format("auto", 16, "auto", cfg=qwen) == auto
+    assert check_lo_format("auto", 16, "auto", cfg=CFG) == ("bytes", 16)   # head dim 16
+  with pytest.raises(ValueError, match="Mosaic GPU kernel only, which needs Hopper"):
+    check_lo_format("int4", 16, "auto")                                   # on the sm_80 above
+  monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(
+      platform="gpu", compute_capability="9.0")])
   assert check_lo_format("auto", 16, "reference") == ("bytes", 16)
+  assert check_lo_format("auto", 64, "auto") == ("int4", 64)
   assert check_lo_format("int4", 16, "auto") == ("int4", 128)
   assert check_lo_format("int4", 64, "auto") == ("int4", 64)
   assert check_lo_format("int4", 16, "gpu", 192) == ("int4", 192)
   assert check_lo_format("bytes", 16, "auto") == ("bytes", 16)
   with pytest.raises(ValueError, match="needs INT4 pages of a multiple of 64 tokens .* got 16$"):
     check_lo_format("int4", 16, "auto", 16)
-  with pytest.raises(ValueError, match="^lo_format must be 'bytes' or 'int4', got 'u4'$"):
+  with pytest.raises(ValueError, match="head dim of a multiple of 64 .* this model has 16 and 2"):
+    check_lo_format("int4", 16, "auto", cfg=CFG)
+  with pytest.raises(ValueError, match="^lo_format must be 'auto', 'bytes' or 'int4', got 'u4'$"):
     check_lo_format("u4", 16, "auto")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert check_lo_format("auto", 16, "auto") == ("bytes", 16)
+  with pytest.raises(ValueError, match="^the TPU kernel reads the 'bytes' INT4 format only"):
+    check_lo_format("int4", 128, "auto")
 
 
 # ---- overlap: the host's work runs while the device computes the previous step -----------------

@@ -127,33 +127,42 @@ class Step:
 MOSAIC_PAGE = 128     # INT4 rows per page where the Mosaic GPU kernel reads the pool
 
 
-def mosaic_gpu(backend: str) -> bool:
-  """The step's INT4 partition runs the Mosaic GPU kernel: a GPU backend on Hopper (sm_90)."""
-  if backend not in ("auto", "gpu") or jax.default_backend() != "gpu":
-    return False
-  cc = str(getattr(jax.devices()[0], "compute_capability", ""))
-  return cc.split(".")[0] == "9"
-
-
-def check_lo_format(lo_format: str, page: int, backend: str,
-                    lo_page: int | None = None) -> tuple[str, int]:
+def check_lo_format(lo_format: str, page: int, backend: str, lo_page: int | None = None,
+                    cfg=None) -> tuple[str, int]:
   """The INT4 pool's storage format and rows per page -> ``(format, lo_page)``, or a one-line
-  error for a format the step's kernels cannot read.  "int4" is read by the reference (CPU) and
-  by the Mosaic GPU kernel, whose pages hold multiples of 64 rows: on the GPU an unset
-  ``lo_page`` is then ``page`` if it is such a multiple, else :data:`MOSAIC_PAGE`.  "auto":
-  "int4" in pages of :data:`MOSAIC_PAGE` where the Mosaic GPU kernel runs (:func:`mosaic_gpu`;
-  the Triton kernel reads bytes at about a third of its rate), else "bytes" in ``page``'s."""
-  from pallas_kernels import int4
+  error for a format the step's kernels cannot read.  "bytes" is read everywhere; "int4" by the
+  reference (CPU) and, on a GPU, only by the Mosaic GPU kernel: Hopper (sm_90), pages of a
+  multiple of 64 rows (an unset ``lo_page`` is then ``page`` if it is such a multiple, else
+  :data:`MOSAIC_PAGE`), head dim a multiple of 64, at most 16 query heads per KV head.  "auto":
+  "int4" where that kernel runs and takes the model (``cfg``; None: not known yet, the check
+  before a model loads), else "bytes" (the Triton kernel reads bytes at about half the Mosaic
+  kernel's rate)."""
+  from pallas_kernels import int4, resolve_backend
+  from pallas_kernels.gpu import mgpu_decode
+  if lo_format not in ("auto",) + int4.FORMATS:
+    raise ValueError(f"lo_format must be 'auto', 'bytes' or 'int4', got {lo_format!r}")
+  which = resolve_backend(backend)
+  hopper = which == "gpu" and mgpu_decode.hopper()
+  mosaic_page = lambda: page if page % 64 == 0 else MOSAIC_PAGE
+  takes = lambda lp: cfg is None or mgpu_decode.supported(lp, cfg.head_dim,
+                                                          cfg.n_heads // cfg.n_kv_heads)
   if lo_format == "auto":
-    lo_format = "int4" if mosaic_gpu(backend) else "bytes"
-  int4.check_format(lo_format)
-  gpu = backend in ("auto", "gpu") and jax.default_backend() == "gpu"
+    lo_format = "int4" if hopper and takes(lo_page or mosaic_page()) else "bytes"
   if lo_page is None:
-    lo_page = (MOSAIC_PAGE if lo_format == "int4" and gpu and page % 64 else page)
-  if lo_format == "int4" and gpu and lo_page % 64:
-    raise ValueError(f"lo_format 'int4' on the GPU needs INT4 pages of a multiple of 64 tokens "
-                     f"(the Mosaic GPU kernel reads one page per pipeline step), got {lo_page}")
-  if lo_format == "int4" and backend == "tpu":
+    lo_page = mosaic_page() if lo_format == "int4" and which == "gpu" else page
+  if lo_format == "int4" and which == "gpu":
+    if not hopper:
+      raise ValueError("lo_format 'int4' is read on a GPU by the Mosaic GPU kernel only, which "
+                       "needs Hopper (sm_90): use 'bytes' or 'auto' here")
+    if lo_page % 64:
+      raise ValueError(f"lo_format 'int4' on the GPU needs INT4 pages of a multiple of 64 tokens "
+                       f"(the Mosaic GPU kernel reads one page per pipeline step), got {lo_page}")
+    if not takes(lo_page):
+      raise ValueError(f"lo_format 'int4': the Mosaic GPU kernel takes a head dim of a multiple "
+                       f"of 64 and at most 16 query heads per KV head, this model has "
+                       f"{cfg.head_dim} and {cfg.n_heads // cfg.n_kv_heads}: use 'bytes' or "
+                       f"'auto'")
+  if lo_format == "int4" and which == "tpu":
     raise ValueError("the TPU kernel reads the 'bytes' INT4 format only, got lo_format 'int4'")
   return lo_format, int(lo_page)
 
@@ -166,7 +175,7 @@ class PagedStep(Step):
                lo_format: str = "bytes", lo_page: int | None = None, mesh=None, **_):
     super().__init__(mesh)
     c = model.cfg
-    lo_format, lo_page = check_lo_format(lo_format, page, backend, lo_page)
+    lo_format, lo_page = check_lo_format(lo_format, page, backend, lo_page, cfg=c)
     self.policy, self.window, self.G = policy, int(policy.window), int(policy.n_groups)
     self.page, self.can_overlap = page, self.window >= 3   # page growth needs a window of 3
     self.lo_page, self.lo_format = lo_page, lo_format
