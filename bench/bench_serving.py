@@ -538,7 +538,6 @@ def main(argv=None) -> int:
       lo_format, lo_page = check_lo_format(a.lo_format, a.page, "auto", a.lo_page, cfg=mcfg)
     except ValueError as e:
       raise SystemExit(f"error: {name}: {e}")
-    lo_page = None if lo_page == a.page else lo_page
     fmt, indent = DEFAULT_STYLE.get(mcfg.arch, ("json_list", None))
     gc_ = GrammarCompiler(mtok, mcfg.vocab_size)
     grammars, prompts, prefill_one = {}, {}, {}
@@ -566,7 +565,7 @@ def main(argv=None) -> int:
                                             indent=indent, check=False)
       mix = plan_mix(pol, tags, n_in, n_out) if meth == "pask" else (1.0, 0.0)
       row = {"model": name, "method": meth, "overlap": a.overlap, "page": a.page,
-             **({} if meth == "xla" else {"lo_format": lo_format, "lo_page": lo_page or a.page}),
+             **({} if meth == "xla" else {"lo_format": lo_format, "lo_page": lo_page}),
              "policy": (pol.record.get("extra") or {}).get("name"),
              "input": n_in, "output": n_out, "concurrency": c, "slots": c, "context": ctx,
              "kv_budget_bytes": kv_bytes, "mix": mix, "prefill_memo": a.prefill_memo,

@@ -235,7 +235,7 @@ def size_pools(cfg, policy, *, slots: int, context: int, page: int = 16,
                 lo_pages=int(max(lo, 1)), hi_page_bytes=hb, lo_page_bytes=lb, fixed_bytes=fixed,
                 kv_bytes=None if kv_bytes is None else int(kv_bytes), mix=(h, l),
                 mix_source=why, source=source, shards=shards,
-                lo_page=None if lo_page is None else int(lo_page))
+                lo_page=None if lp == page else int(lp))
 
 
 def memory_stats(device) -> dict | None:

@@ -181,8 +181,7 @@ class PagedStep(Step):
     self.lo_page, self.lo_format = lo_page, lo_format
     self.sizing = size_pools(c, policy, slots=slots, context=context, page=page,
                              kv_bytes=kv_bytes, mix=mix, hi_pages=hi_pages, lo_pages=lo_pages,
-                             shards=1 if mesh is None else mesh.size,
-                             lo_page=None if lo_page == page else lo_page)
+                             shards=1 if mesh is None else mesh.size, lo_page=lo_page)
     self.reach = reachable(policy)
     totals = (self.sizing.hi_pages, self.sizing.lo_pages)
     self.pages = PagePools(totals, slots=slots, context=context, page=page, window=self.window,
