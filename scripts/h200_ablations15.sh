@@ -49,7 +49,7 @@ for v in ${VARIANTS:-$all}; do
     no-floors|no-layer) share $v runtime_d $full $root/no-floors/work $root/no-layer/work ;;
   esac
   timeout $left python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
-    --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows 1024 --max-tokens 128 \
+    --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows ${ROWS:-1024} --max-tokens 128 \
     --window 16 --targets 0.20 --keep-within-se 0 --ablation $v >> $OUT/abl15_$v.log 2>&1 \
     || { tail -c 3000 $OUT/abl15_$v.log; exit 0; }
   tail -c 1500 $OUT/abl15_$v.log

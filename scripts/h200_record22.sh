@@ -56,7 +56,7 @@ if want serving; then
   t=$(left)
   . scripts/h200_env.sh || exit 1
   timeout -s KILL $((t + 10)) python3 bench/bench_serving.py --shape qwen3-4b --tokenizer .tok \
-    --inputs 32768 --outputs 1024 --concurrency 8 32 --methods pask full --kv-memory 64 \
+    --inputs 32768 --outputs 1024 --concurrency ${CONC:-8 32} --methods pask full --kv-memory ${KV:-64} \
     --page 16 --lo-format int4 --prefill-memo --real-model off --time-limit $t \
     --out $d/serving > $d/serving.log 2>&1
   echo "serving rc $?"; grep -E '^\{|^#' $d/serving.log | cut -c1-400
