@@ -480,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
   s.add_argument("--lo-format", choices=list(LO_FORMAT_CHOICES), default=ENGINE.lo_format,
                  help="storage of the INT4 pool: bytes (half-split nibbles: the Triton and TPU "
                       "kernels), int4 (head-major int4 pages: the Mosaic GPU kernel on Hopper, "
-                      "~2x the INT4 read rate, in pages of 64 or 128 there) or auto (int4 where "
-                      "the Mosaic GPU kernel runs and takes the model, else bytes)")
+                      "~2x the INT4 read rate, in pages of 64 or 128 there) or auto, the default "
+                      "(int4 where the Mosaic GPU kernel runs and takes the model, else bytes)")
   s.add_argument("--lo-page", type=_positive, default=ENGINE.lo_page, metavar="N",
                  help="tokens per INT4-pool page (default: --page, or 128 for the int4 format "
                       "on a GPU when --page is not a multiple of 64)")

@@ -40,7 +40,7 @@ class EngineDefaults:
   preemption: str = "replay"              # --preemption
   prefill_chunk: int = 512                # --prefill-chunk
   prefill_share: float = 1 / 3            # --prefill-share
-  lo_format: str = "bytes"                # --lo-format
+  lo_format: str = "auto"                 # --lo-format
   lo_page: int | None = None              # --lo-page (None: --page, or 128 for int4 on a GPU)
   tensor_parallel_size: int = 1           # --tensor-parallel-size
   policy: str = "all-high"                # --policy

@@ -329,7 +329,7 @@ def test_start_engine_defaults_are_serves(monkeypatch):
   for ours, theirs in ENGINE_OPTIONS.items():
     assert api[ours] == served[theirs], (ours, api[ours], served[theirs])
     assert built[theirs] == api[ours], (theirs, built[theirs], api[ours])
-  assert (api["slots"], api["context"], api["lo_format"]) == (4, 2048, "bytes")
+  assert (api["slots"], api["context"], api["lo_format"]) == (4, 2048, "auto")
   # the values the engine itself takes: one list of chunks, preemptions, shares
   from serve.engine import PREEMPTION, PREFILL_CHUNKS
   from serve.schedule import PREFILL_SHARE

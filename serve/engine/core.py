@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pask_jax.decode import PREFILL_CHUNK, Runner
-from pask_jax.options import PREEMPTION   # the engine's choices are serve's and start_engine's
+# the engine's defaults and choices are serve's and start_engine's
+from pask_jax.options import ENGINE, PREEMPTION
 from serve.engine.batch import Batch
 from serve.engine.loop import Loop
 from serve.engine.output import METRIC_KEYS, Output
@@ -37,7 +38,7 @@ class Engine(Loop):
                preemption: str = "replay", backend: str = "auto",
                prefiller: Runner | None = None, overlap: bool = True,
                prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE,
-               lo_format: str = "bytes", lo_page: int | None = None, mesh=None):
+               lo_format: str = ENGINE.lo_format, lo_page: int | None = None, mesh=None):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
@@ -49,9 +50,10 @@ class Engine(Loop):
     not apply); ``prefill_chunk``: tokens per prefill piece (one of :data:`PREFILL_CHUNKS`);
     ``prefill_share``: the most of the engine's time a long prompt's prefill takes while others
     decode; ``lo_format``: the INT4 pool's storage format (:func:`pask_jax.cache.init`): "int4"
-    is what the Mosaic GPU kernel reads on Hopper, in pages of a multiple of 64 rows; "auto"
-    picks it there (:func:`serve.engine.check_lo_format`); ``lo_page``: rows per INT4 page
-    (None: ``page``, or 128 for "int4" on a GPU when ``page`` is not a multiple of 64).
+    is what the Mosaic GPU kernel reads on Hopper, in pages of a multiple of 64 rows; "auto" (the
+    default) picks it there and "bytes" elsewhere (:func:`serve.engine.check_lo_format`);
+    ``lo_page``: rows per INT4 page (None: ``page``, or 128 for "int4" on a GPU when ``page`` is
+    not a multiple of 64).
 
     ``mesh``: tensor parallelism over a 1-D ``model`` mesh (``pask_jax.mesh.serving_mesh``:
     ``--tensor-parallel-size``): weights, the prefill scratch and the pools and windows split
