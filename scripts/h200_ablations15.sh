@@ -9,6 +9,7 @@
 # prints "ablations: all calibrated" and the campaign has nothing left.
 #   bash scripts/h200_ablations15.sh    (carry .whl; the model uploaded to /tmp/m beforehand)
 #   LIMIT     seconds this call may take (default 560)
+#   ROWS      --rows of each calibration (default 1024 on a card over 100 GB, else 512)
 #   VARIANTS  which, in order (default: fixed-order no-floors no-layer no-state no-class no-role
 #             no-transition)
 #   MAX_CASES cases per category for calibration and development (default: every case, as the
@@ -27,6 +28,11 @@
 set -x
 . scripts/h200_env.sh
 limit=${LIMIT:-560}
+# --rows 1024 (the committed full method's) ran out of memory in Runtime-V on an 80 GB H100
+# (2026-12-06): 512 rows there unless ROWS says otherwise (rows: how many stacked interventions
+# run as one batch, not a setting of the method)
+gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+rows=${ROWS:-$([ "${gib:-0}" -gt 100000 ] && echo 1024 || echo 512)}
 root=/tmp/abl15
 pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations
 full=${FULL_WORK:-/nonexistent}
@@ -49,7 +55,7 @@ for v in ${VARIANTS:-$all}; do
     no-floors|no-layer) share $v runtime_d $full $root/no-floors/work $root/no-layer/work ;;
   esac
   timeout $left python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
-    --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows ${ROWS:-1024} --max-tokens 128 \
+    --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows $rows --max-tokens 128 \
     --window 16 --targets 0.20 --keep-within-se 0 --ablation $v >> $OUT/abl15_$v.log 2>&1 \
     || { tail -c 3000 $OUT/abl15_$v.log; exit 0; }
   tail -c 1500 $OUT/abl15_$v.log
