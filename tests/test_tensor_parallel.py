@@ -248,6 +248,7 @@ print("TP-OK", json.dumps(report), round(time.process_time() - t0, 1))
 
 ENGINE = PRELUDE + r"""
 import dataclasses
+import jax.numpy as jnp
 from models import ModelConfig, decoder, random_model
 from pask_jax import mesh as tp, policy as P
 from pask_jax.grammar.prompt_spans import label_prompt
@@ -285,7 +286,8 @@ from serve.engine import sizing
 GB = 1 << 30
 sizing.memory_stats = lambda d: {"bytes_limit": 8 * GB, "bytes_in_use": (1 + 2 * d.id) * GB}
 # TP = 1 and 2 in the layer layout a CPU takes (stacked), TP = 4 unrolled (chosen explicitly:
-# kept, its fused columns ordered for 4 devices)
+# kept, its fused columns ordered for 4 devices); TP = 2 with the INT4 pool in the int4 format
+# (head-major pages, split on their second axis: what "auto" picks on Hopper), bit-exact to bytes
 ref, cpu_s = None, {}
 for n in (1, 2, 4):
   t1 = time.process_time()
@@ -294,12 +296,14 @@ for n in (1, 2, 4):
   if n == 4:
     decoder.set_layout(m, "unrolled")
   e = Engine(m, tok, pol, slots=4, context=CTX, page=PAGE,
-             hi_pages=worst + 1, lo_pages=worst + 1, mesh=tp.serving_mesh(n, cfg), **util)
+             hi_pages=worst + 1, lo_pages=worst + 1, mesh=tp.serving_mesh(n, cfg),
+             lo_format="int4" if n == 2 else "bytes", **util)
   assert (m.layout, m.fused_tp) == (("unrolled", 4) if n == 4 else ("stacked", 1))
   out = [(x["tokens"], x["finish"], x["ledger"]) for x in run(e)]
   cpu_s[n] = round(time.process_time() - t1, 1)
   assert e.m["preemptions"] > 0 and e.m["resumed"] == e.m["preemptions"], (n, e.m)
   assert e.traces["fwd"] == 1 and e.traces["insert"] == 1, e.traces   # one compile each
+  assert e.step.state[0].layers.lo_k.dtype == (jnp.int4 if n == 2 else jnp.uint8)
   ref = ref or out
   assert out == ref, (n, out, ref)
   if n > 1:
@@ -349,11 +353,11 @@ def test_tensor_parallel_decode_on_eight_cpu_devices():
 
 @pytest.mark.fast_compile
 def test_engine_on_two_and_four_cpu_devices_with_preemption():
-  """serve.engine.Engine(mesh=serving_mesh(N)), N = 2 (stacked layout) and 4 (unrolled): the same
-  tokens, ledgers and preemptions as on one device, one compile per jitted function, the pools
-  split by KV head and sized per device (``gpu_memory_utilization``: from the mesh device with
-  the least free memory); a tensor-parallel size over the device count or the KV heads refused
-  in one line."""
+  """serve.engine.Engine(mesh=serving_mesh(N)), N = 2 (stacked layout, the INT4 pool in the int4
+  format) and 4 (unrolled): the same tokens, ledgers and preemptions as on one device, one
+  compile per jitted function, the pools split by KV head and sized per device
+  (``gpu_memory_utilization``: from the mesh device with the least free memory); a
+  tensor-parallel size over the device count or the KV heads refused in one line."""
   _on_cpu_devices(ENGINE, "ENGINE-OK", 4)
 
 
