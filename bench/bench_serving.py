@@ -413,10 +413,12 @@ def main(argv=None) -> int:
                   help="KV budget of every engine (default: 64 on a GPU; on CPU Full KV of "
                        "the largest concurrency at the longest cell, +50%%)")
   ap.add_argument("--page", type=int, default=16)
-  ap.add_argument("--lo-format", default="bytes", choices=["auto", "bytes", "int4"],
+  from pask_jax.options import ENGINE, LO_FORMAT_CHOICES
+  ap.add_argument("--lo-format", default=ENGINE.lo_format, choices=list(LO_FORMAT_CHOICES),
                   help="the PASK engines' INT4 pool format (int4: the Mosaic GPU kernel, in "
-                       "pages of 128 on a GPU unless --lo-page or --page says 64; auto: int4 "
-                       "where that kernel runs and takes the model, else bytes)")
+                       "pages of 128 on a GPU unless --lo-page or --page says 64; auto, serve's "
+                       "default: int4 where that kernel runs and takes the model, else bytes; "
+                       "each row records the format used)")
   ap.add_argument("--lo-page", type=int, default=None,
                   help="rows per INT4 page (default: --page, or 128 for int4 on a GPU)")
   ap.add_argument("--gguf", default=None,
