@@ -403,6 +403,7 @@ def order_cells(inputs, outputs, concurrency, methods):
 
 def main(argv=None) -> int:
   from bench.bench_decode import SHAPES
+  from pask_jax.options import ENGINE, LO_FORMAT_CHOICES
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shape", default="qwen3-4b", help="tiny, " + ", ".join(SHAPES))
   ap.add_argument("--inputs", type=int, nargs="+", default=[32768, 8192])
@@ -413,7 +414,6 @@ def main(argv=None) -> int:
                   help="KV budget of every engine (default: 64 on a GPU; on CPU Full KV of "
                        "the largest concurrency at the longest cell, +50%%)")
   ap.add_argument("--page", type=int, default=16)
-  from pask_jax.options import ENGINE, LO_FORMAT_CHOICES
   ap.add_argument("--lo-format", default=ENGINE.lo_format, choices=list(LO_FORMAT_CHOICES),
                   help="the PASK engines' INT4 pool format (int4: the Mosaic GPU kernel, in "
                        "pages of 128 on a GPU unless --lo-page or --page says 64; auto, serve's "
