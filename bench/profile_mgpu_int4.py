@@ -7,7 +7,8 @@ for an outside one (Nsight Compute) or for the compiler's dumps (ptxas report, S
 
 Variants: the committed kernel (``partition``, dim-major V, 8 splits at 4B / 32 at 0.5B) and the
 warp-specialized one (``partition_ws``, 2 compute warpgroups), both with approximate exp2 and no
-automatic barriers, at B=8 and 32K keys.
+automatic barriers, at B=8 and 32K keys. ``--pool``: instead, the kernel as ``decode_attention``
+runs it on the cache's int4 pool (paged, pages of 128, ``cols=8``, the same fast knobs).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from bench.bench_mgpu_int4 import inputs
+from bench.bench_mgpu_int4 import inputs, pool_inputs
 from pallas_kernels.gpu import mgpu_int4 as M
 
 SPLITS = {"4b": 8, "0.5b": 32}
@@ -26,7 +27,10 @@ def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--shape", choices=sorted(SPLITS), default="4b")
   ap.add_argument("--reps", type=int, default=2)
+  ap.add_argument("--pool", action="store_true", help="the paged kernel of the decode path")
   a = ap.parse_args()
+  if a.pool:
+    return pool(a)
   q, k, ks, v, vs, lens, _, _ = inputs(a.shape, 32768)
   vt = jnp.swapaxes(v, 1, 2)
   vb = M.block_v(vt, 128)
@@ -40,6 +44,18 @@ def main() -> None:
     for _ in range(a.reps):
       jax.block_until_ready(fn(q, k, ks, vin, vs, full, **kn))
     print(name, "ran", a.reps, flush=True)
+
+
+def pool(a) -> None:
+  q, k, ks, vv, vs, lens, tbl, _, d = pool_inputs(a.shape, 32768, 128)
+  full = jnp.full_like(lens, 32768)
+  kn = dict(tile=128, splits=SPLITS[a.shape], v_major="dim", qk_scale=d ** -0.5 * M.LOG2E,
+            cols=8, approx_math=True, no_auto_barriers=True)
+  f = jax.jit(lambda q, k, ks, v, vs, lens, tbl: M.partition(q, k, ks, v, vs, lens, None, tbl,
+                                                             **kn))
+  for _ in range(a.reps):
+    jax.block_until_ready(f(q, k, ks, vv["dim"], vs, full, tbl))
+  print("pool partition ran", a.reps, flush=True)
 
 
 if __name__ == "__main__":
