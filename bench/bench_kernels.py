@@ -187,8 +187,9 @@ def main(argv=None):
                   help="JSON list of knob dicts (splits_lo, splits_hi, tile_hi, stages_lo, "
                        "stages_hi): each 'fused' row runs each")
   ap.add_argument("--mosaic-variants", default="[{}]",
-                  help="JSON list of knob dicts (splits_lo, wgs_lo): each 'mosaic' row runs each; "
-                       "wgs_lo > 1 (warp-specialized) on the int4 format only")
+                  help="JSON list of knob dicts (splits_lo, wgs_lo, upcast_lo): each 'mosaic' row "
+                       "runs each; wgs_lo > 1 (warp-specialized) and upcast_lo 'bf16_perm' on the "
+                       "int4 format only")
   ap.add_argument("--shapes", default="", help="comma list of shape indices (default: all)")
   ap.add_argument("--cupti", action="store_true",
                   help="also each variant's kernels one by one under CUPTI (device time per "
@@ -273,7 +274,8 @@ def main(argv=None):
                      dict(int4_dequant="cvt", num_warps=8, num_stages=4, block_hi=64)]
       is_fused = lambda v: v.get("int4_kernel") == "fused"
       runs = [("bytes", arg_sets, [v for v in variants
-                                   if not is_fused(v) and v.get("wgs_lo", 1) == 1])]
+                                   if not is_fused(v) and v.get("wgs_lo", 1) == 1
+                                   and v.get("upcast_lo", "bf16") == "bf16"])]
       for fmt in args.lo_formats.split(","):
         if fmt != "bytes" and (lo_len or "fused" in kernels):
           # the same codes in another format, read by the Mosaic GPU kernels (each variant but

@@ -160,6 +160,9 @@ def main() -> None:
                   help="with --paged: only the head-layout rows (page 128)")
   ap.add_argument("--pool", action="store_true",
                   help="the kernel over a head-major int4 page pool; XLA's int4 cache writes")
+  ap.add_argument("--upcast-only", action="store_true",
+                  help="with --pool: the decode path's kernel (V dim-major, 8/32 splits, page ids "
+                       "in global memory) with each K upcast (bf16, bf16_perm) alone")
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()
@@ -265,15 +268,17 @@ def pool(a) -> None:
       emit(fo, dict(shape=name, how="contiguous", **measure(
           (q, kc, ksc, jnp.swapaxes(vd, 1, 2), vsc, lens, g, d, ref),   # token-major in
           dict(tile=tile, stages=2, splits=best, v_major="dim", **fast), a.iters)))
-      for v_major, splits, table in [
-          (v, sp, "gmem") for v, sp in itertools.product(
-              ("dim", "token"), (4, 8) if name == "4b" else (8, 16, 32))] + [
-          ("dim", sp, "smem") for sp in ((4, 8) if name == "4b" else (16, 32))]:
+      grid = [(v, sp, "gmem", "bf16") for v, sp in itertools.product(
+          ("dim", "token"), (4, 8) if name == "4b" else (8, 16, 32))] + [
+          ("dim", sp, "smem", "bf16") for sp in ((4, 8) if name == "4b" else (16, 32))]
+      if a.upcast_only:    # the decode path's knobs, each K upcast
+        grid = [("dim", best, "gmem", up) for up in ("bf16", "bf16_perm")]
+      for v_major, splits, table, k_upcast in grid:
         row = dict(shape=name, how="pool", tile=tile, n=a.n, v_major=v_major, splits=splits,
-                   table=table, **fast)
+                   table=table, k_upcast=k_upcast, **fast)
         try:
           kn = dict(tile=tile, splits=splits, v_major=v_major, qk_scale=sm * mgpu_int4.LOG2E,
-                    table=table, **fast)
+                    table=table, k_upcast=k_upcast, **fast)
           f = jax.jit(lambda q, k, ks, v, vs, lens, tbl, kn=tuple(kn.items()):
                       mgpu_int4.partition(q, k, ks, v, vs, lens, None, tbl, **dict(kn)))
           out = mgpu_int4.merge(*f(q, k, ks, vv[v_major], vs, lens, tbl))[:, :g]
@@ -283,6 +288,8 @@ def pool(a) -> None:
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
           failed(row, e)
         emit(fo, row)
+      if a.upcast_only:
+        continue
       # The warp-specialized kernel over the pool (V dim-major): the table padded to splits x
       # warpgroups with page 0 (past every length), the bytes counted those of the keys alone.
       for (wgs, splits), table in itertools.product(

@@ -28,6 +28,7 @@ def main() -> None:
   ap.add_argument("--shape", choices=sorted(SPLITS), default="4b")
   ap.add_argument("--reps", type=int, default=2)
   ap.add_argument("--pool", action="store_true", help="the paged kernel of the decode path")
+  ap.add_argument("--upcast", default="bf16", help="with --pool: the kernel's k_upcast")
   a = ap.parse_args()
   if a.pool:
     return pool(a)
@@ -50,12 +51,12 @@ def pool(a) -> None:
   q, k, ks, vv, vs, lens, tbl, _, d = pool_inputs(a.shape, 32768, 128)
   full = jnp.full_like(lens, 32768)
   kn = dict(tile=128, splits=SPLITS[a.shape], v_major="dim", qk_scale=d ** -0.5 * M.LOG2E,
-            cols=8, approx_math=True, no_auto_barriers=True)
+            cols=8, approx_math=True, no_auto_barriers=True, k_upcast=a.upcast)
   f = jax.jit(lambda q, k, ks, v, vs, lens, tbl: M.partition(q, k, ks, v, vs, lens, None, tbl,
                                                              **kn))
   for _ in range(a.reps):
     jax.block_until_ready(f(q, k, ks, vv["dim"], vs, full, tbl))
-  print("pool partition ran", a.reps, flush=True)
+  print("pool partition", a.upcast, "ran", a.reps, flush=True)
 
 
 if __name__ == "__main__":

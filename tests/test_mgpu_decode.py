@@ -170,6 +170,18 @@ def test_warp_specialized_whole_call_lowers_for_cuda():
   assert "mosaic_gpu" in text and "triton" in text and text != _lower_int4(int4_kernel="mosaic")
 
 
+def test_permuted_upcast_whole_call_lowers_and_is_checked():
+  text = _lower_int4(int4_kernel="mosaic", upcast_lo="bf16_perm")
+  assert "mosaic_gpu" in text and text != _lower_int4(int4_kernel="mosaic")
+  args = CASES[0].make(seed=9, lo_format="int4")
+  with pytest.raises(ValueError, match="^upcast must be one of .'bf16', 'bf16_perm'., got 's8'"):
+    partials_gpu(*args, interpret=True, int4_kernel="mosaic_reference", upcast_lo="s8", **SMALL)
+  with pytest.raises(ValueError, match="^upcast='bf16_perm' is a knob of the int4 storage "
+                                       "format's one-warpgroup kernel; this pool is 'bytes'"):
+    partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="mosaic_reference",
+                 upcast_lo="bf16_perm", **SMALL)
+
+
 def test_int4_format_goes_to_mosaic_and_never_to_triton():
   case = CASES[0]
   args = case.make(seed=8, lo_format="int4")

@@ -59,13 +59,17 @@ def hopper() -> bool:
   return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
+# How the one-warpgroup kernel turns K tiles into MMA operands (mgpu_int4.partition's k_upcast).
+UPCASTS = ("bf16", "bf16_perm")
+
+
 def splits_for(bh: int, n_pages: int) -> int:
   return max(1, min(n_pages, BLOCKS // max(bh, 1)))
 
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
                   g: int, splits: int | None = None, wgs: int = 1, table: str = "gmem",
-                  reference: bool = False, layout: str = "triton"):
+                  upcast: str = "bf16", reference: bool = False, layout: str = "triton"):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
   D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
   D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
@@ -77,6 +81,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``.
   ``table`` (the int4 pool): where the kernel's index maps read the page ids
   (``mgpu_int4.partition``).
+  ``upcast`` (the int4 pool, ``wgs`` 1): how the kernel turns K tiles into wgmma operands
+  (``mgpu_int4.partition``'s ``k_upcast``: "bf16", or "bf16_perm", 32-bit loads upcast in
+  registers with the head dim permuted, ``mgpu_upcast``).
   ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose, no
   slice): ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l`` of the same shape with their values in row 0
   of D, for a merge that reads them in place (``merge.merge_sets``, ``merge.merge_kernel``)."""
@@ -94,6 +101,11 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   n_pages = tbl.shape[1]
   used = (maps.lo_len.astype(jnp.int32) + page - 1) // page
   tbl = jnp.where(jnp.arange(n_pages)[None, :] < used[:, None], tbl, 0)
+  if upcast not in UPCASTS:
+    raise ValueError(f"upcast must be one of {UPCASTS}, got {upcast!r}")
+  if upcast != "bf16" and (lo.format != "int4" or wgs != 1):
+    raise ValueError(f"upcast={upcast!r} is a knob of the int4 storage format's one-warpgroup "
+                     f"kernel; this pool is {lo.format!r} with wgs={wgs}")
   if wgs != 1 and lo.format != "int4":
     raise ValueError(f"wgs={wgs} (the warp-specialized kernel) reads the int4 storage format "
                      f"only; this pool is {lo.format!r}")
@@ -121,7 +133,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
     else:
       o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,
-                             no_auto_barriers=True, table=table)
+                             no_auto_barriers=True, table=table, k_upcast=upcast)
     return _layout(o, m, l, b, hkv, s * wgs, d, layout)
   # The bytes pool: this layer's scales [P, page, Hkv, 2] -> head-major f32 [Hkv, P, page];
   # non-finite scales of unused rows become 0 (garbage there must not reach the output).

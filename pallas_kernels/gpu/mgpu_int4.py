@@ -37,12 +37,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu import mgpu_upcast
 from pallas_kernels.gpu.mgpu_common import (  # noqa: F401 - N_PAD, HAS_CONCAT, ...: re-exported
     FLOOR as _FLOOR, HAS_CONCAT, LOG2E, N_PAD, SM90_SMEM, check_cols as _check_cols,
     has_concat, load as _load, params as _params, smem_bytes, softmax_tile as _softmax_tile,
     store_partials as _store_partials, transforms as _transforms, zeros as _zeros)
 
 Q_LO = 254.0        # q's int8 low half is in units of scale / Q_LO (split_q)
+K_UPCASTS = ("bf16", "bf16_up4", "bf16_perm", "s8")
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
@@ -72,7 +74,10 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   How an INT4 tile becomes an A operand (``k_upcast`` for K, ``v_upcast`` for dim-major V):
   ``"bf16"`` loads it in the 16-bit wgmma layout and upcasts there; ``"bf16_up4"`` loads it in
   the 4x-upcast layout (32-bit shared-memory loads), relayouts the packed codes (two shuffles per
-  register) and upcasts; ``"s8"`` (K only) upcasts to int8 in the 8-bit layout for two s8 wgmmas
+  register) and upcasts; ``"bf16_perm"`` (K only) loads it in the 4x-upcast layout and upcasts in
+  registers straight into the wgmma layout of K with its head dim permuted, ``q`` permuted the
+  same way before the kernel (:mod:`pallas_kernels.gpu.mgpu_upcast`: no byte loads, no shuffles);
+  ``"s8"`` (K only) upcasts to int8 in the 8-bit layout for two s8 wgmmas
   against ``q`` split into int8 halves (``q[BH, 2, 16, D]`` int8 and ``qscale[BH]`` f32 from
   :func:`split_q`), exact integer products combined in f32.
 
@@ -111,6 +116,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   narrow = _check_cols(cols)
   if qscale is None:
     qscale = jnp.ones((1,), jnp.float32)      # unread (k_upcast "s8" alone reads it): no [BH] fill
+  if k_upcast == "bf16_perm":    # the K operand's head dim comes permuted (mgpu_upcast.perm)
+    q = mgpu_upcast.permute_minor(q, tile)
   steps = n // tile // splits
   in_smem = paged and table == "smem"
   if in_smem:
@@ -134,6 +141,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
     if how == "bf16_up4":
       x = plgpu.layout_cast(_load(ref, plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
       return x.astype(jnp.bfloat16)
+    if how == "bf16_perm":            # columns permuted: q was permuted the same way (below)
+      return mgpu_upcast.operand(ref)
     return ref[...].astype(jnp.bfloat16)
 
   def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, tbl_gmem, base_gmem,
@@ -487,8 +496,8 @@ def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="
     raise ValueError(f"v_major must be 'token', 'dim' or 'block', got {v_major!r}")
   if wgs not in (1, 2, 3):
     raise ValueError(f"wgs (compute warpgroups) must be 1, 2 or 3, got {wgs}")
-  if k_upcast not in ("bf16", "bf16_up4", "s8"):
-    raise ValueError(f"k_upcast must be 'bf16', 'bf16_up4' or 's8', got {k_upcast!r}")
+  if k_upcast not in K_UPCASTS:
+    raise ValueError(f"k_upcast must be one of {K_UPCASTS}, got {k_upcast!r}")
   if v_upcast not in ("bf16", "bf16_up4"):
     raise ValueError(f"v_upcast must be 'bf16' or 'bf16_up4', got {v_upcast!r}")
   bh, n, d = k.shape

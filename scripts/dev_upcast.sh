@@ -1,0 +1,51 @@
+# Device: issue 22's K upcast by 32-bit loads (pallas_kernels/gpu/mgpu_upcast.py,
+# k_upcast="bf16_perm" / decode_attention's upcast_lo) against the default byte loads, each pair
+# in one process, most valuable first:
+#   1. the int4 pool kernel alone, 4B-like and 0.5B, B=8, 32K (rel err vs float32 attention,
+#      CUPTI µs, TB/s): bench_mgpu_int4.py --pool --upcast-only;
+#   2. one decode call per shape with CUPTI per kernel (bench_kernels.py --mosaic-variants);
+#   3. the whole Qwen3-4B-shape step, B=8, 32K, both mixes and all-BF16, with each upcast;
+#   4. Nsight Compute: instruction statistics and per-SASS-line counts of the new kernel.
+#   LIMIT=560 bash scripts/dev_upcast.sh       (no wheels or model)
+# Raw output under $OUT (pool.*, kern_*/, step_*.{jsonl,log}, ncu*).
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+limit=${LIMIT:-560}
+left() { echo $((limit - SECONDS - 15)); }
+cap() { local t; t=$(left); echo $(( t < $1 ? t : $1 )); }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax; print('jax', jax.__version__)"; git rev-parse HEAD 2>/dev/null
+  git status --short 2>/dev/null; } > $OUT/env.txt 2>&1
+cat $OUT/env.txt
+timeout -s KILL $(cap 150) python3 bench/bench_mgpu_int4.py --pool --upcast-only \
+  --out $OUT/pool.jsonl > $OUT/pool.log 2>&1
+echo "pool rc $?"; grep -E '^\{' $OUT/pool.log | cut -c1-400
+v='[{}, {"upcast_lo": "bf16_perm"}]'
+for s in 0 3; do
+  [ $(left) -gt 45 ] || break
+  timeout -k 5 -s KILL $(cap 110) python3 bench/bench_kernels.py --out $OUT/kern_$s \
+    --lo-page 128 --lo-formats int4 --int4-kernels mosaic --shapes $s --no-gqa --cupti \
+    --mosaic-variants "$v" > $OUT/kern_$s.log 2>&1
+  echo "kern_$s rc $?"; grep -E '^\{' $OUT/kern_$s.log | cut -c1-300
+done
+i=0
+for kn in '{}' '{"upcast_lo": "bf16_perm"}'; do
+  [ $(left) -gt 60 ] || break
+  timeout -s KILL $(cap 150) python3 bench/bench_pask_step.py --batch 8 --layouts unrolled \
+    --no-full --lo-page 128 --lo-format int4 --steps 8 --shape qwen3-4b --context 32768 \
+    --mixes 0.2,0.65,0.15 0.5,0.4,0.1 --kernel-knobs "$kn" --json $OUT/step_$i.jsonl \
+    > $OUT/step_$i.log 2>&1
+  echo "step $kn rc $?"; grep -E "mix \(|all|Error" $OUT/step_$i.log | cut -c1-200
+  i=$((i + 1))
+done
+if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
+  timeout -s KILL $(cap 90) ncu --clock-control none -k regex:mosaic --section SpeedOfLight \
+    --section InstructionStats --section WarpStateStats --section Occupancy \
+    --section LaunchStats --section SchedulerStats --section SourceCounters \
+    -o $OUT/ncu_perm python3 bench/profile_mgpu_int4.py --pool --upcast bf16_perm --reps 1 \
+    > $OUT/ncu_perm.log 2>&1
+  ncu --import $OUT/ncu_perm.ncu-rep > $OUT/ncu_perm.txt 2>&1
+  ncu --import $OUT/ncu_perm.ncu-rep --page source --print-source sass --csv 2> /dev/null \
+    | gzip > $OUT/ncu_perm_sass.csv.gz
+  grep -E "Duration|Registers Per|Executed Instructions  |Issued Warp|Theoretical Occ" \
+    $OUT/ncu_perm.txt
+fi

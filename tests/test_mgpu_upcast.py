@@ -1,0 +1,106 @@
+"""The INT4 -> bf16 A-operand upcast by 32-bit loads (pallas_kernels.gpu.mgpu_upcast).
+
+CI has no GPU: the register mapping is replayed in numpy from Mosaic GPU's own layout
+definitions (which thread holds which elements in which register, for the 4x-upcast load and for
+the wgmma operand), the conversion bit for bit, and the kernel that uses it is lowered for CUDA.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+from pallas_kernels.gpu import mgpu_int4 as M
+from pallas_kernels.gpu import mgpu_upcast as U
+
+
+def closed_form(cols: int) -> np.ndarray:
+  """Column 32b + 8t + k (+ 4) of the 4x-upcast tile -> column 32b + 8k + 2t (+ 1) of the wgmma
+  operand: thread t of a row holds columns 8t..8t+7 of each 32 in the first, 8j+2t, 8j+2t+1
+  of each 8-column block j in the second; pair k of a word is codes k and k + 4."""
+  pi = np.empty(cols, np.int64)
+  for b in range(cols // 32):
+    for t in range(4):
+      for k in range(4):
+        pi[32 * b + 8 * t + k] = 32 * b + 8 * k + 2 * t
+        pi[32 * b + 8 * t + k + 4] = 32 * b + 8 * k + 2 * t + 1
+  return pi
+
+
+@pytest.mark.parametrize("rows,cols", [(64, 64), (128, 64), (64, 128), (128, 128), (64, 256)])
+def test_perm_from_the_layouts_is_the_closed_form(rows, cols):
+  assert U.perm(rows, cols).tolist() == closed_form(cols).tolist()
+
+
+def test_convert_reference_decodes_every_code_in_every_position():
+  rng = np.random.default_rng(0)
+  codes = rng.integers(-8, 8, size=(257, 8))
+  codes[:16, :] = np.arange(-8, 8)[:, None]            # every code in every nibble
+  words = np.zeros(len(codes), np.uint64)
+  for i in range(8):
+    words |= (codes[:, i].astype(np.int64) & 0xF).astype(np.uint64) << np.uint64(4 * i)
+  out = U.convert_reference(words.astype(np.uint32))
+  want = np.stack([codes[:, :4], codes[:, 4:]], axis=-1).astype(np.float32)   # pair k: k, k+4
+  np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(U.convert_reference(words.astype(np.uint32), sub=False),
+                                want + 136)
+
+
+def replay(tile: np.ndarray) -> np.ndarray:
+  """What the kernel's registers hold as the wgmma operand, replayed: each thread's 4x-upcast
+  registers packed into 32-bit words as memory holds them (code i in bits 4i..4i+3), converted
+  pair by pair, each pair put in the register and elements the kernel puts it in."""
+  rows, cols = tile.shape
+  ur, wr, axis = U.register_blocks(tile.shape)
+  u = U.elements(fa.WGMMA_LAYOUT_UPCAST_4X, tile.shape)
+  w = U.elements(fa.WGMMA_LAYOUT, tile.shape)
+  w_index = {ti: i for i, ti in enumerate(np.ndindex(wr))}
+  flat = tile.reshape(-1)
+  out = np.full(rows * cols, np.nan)
+  for i, ui in enumerate(np.ndindex(ur)):
+    nib = (flat[u[i]].astype(np.int64) & 0xF).astype(np.uint64)          # [128, 8]
+    words = (nib << (4 * np.arange(8, dtype=np.uint64))).sum(axis=1).astype(np.uint32)
+    pairs = U.convert_reference(words)                                   # [128, 4, 2]
+    for k in range(4):
+      j = w_index[U.target_register(ui, k, axis)]
+      out[w[j]] = pairs[:, k, :]
+  return out.reshape(rows, cols)
+
+
+@pytest.mark.parametrize("rows,cols", [(64, 64), (128, 128), (128, 64)])
+def test_registers_hold_the_tile_with_its_columns_permuted(rows, cols):
+  rng = np.random.default_rng(rows + cols)
+  k = rng.integers(-8, 8, size=(rows, cols))
+  got = replay(k)
+  assert not np.isnan(got).any()                       # every element written once
+  pi = U.perm(rows, cols)
+  np.testing.assert_array_equal(got[:, pi], k)
+  # ... so the scores against q permuted the same way are the plain scores.
+  q = rng.standard_normal((16, cols))
+  qp = np.asarray(U.permute_minor(jnp.asarray(q, jnp.float32), rows), np.float64)
+  s = got @ qp.T
+  ref = k @ q.T
+  assert np.linalg.norm(s - ref) / np.linalg.norm(ref) < 1e-6
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_kernel_with_permuted_k_lowers(d):
+  S = jax.ShapeDtypeStruct
+  bh, n = 4, 4096
+  args = (S((bh, M.N_PAD, d), jnp.bfloat16), S((bh, n, d), jnp.int4), S((bh, n), jnp.float32),
+          S((bh, d, n), jnp.int4), S((bh, n), jnp.float32), S((bh,), jnp.int32))
+  text = M.partition.trace(*args, tile=128, splits=4, qk_scale=0.1, k_upcast="bf16_perm",
+                           ).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_bad_upcasts_are_one_line_errors():
+  S = jax.ShapeDtypeStruct
+  args = (S((4, M.N_PAD, 64), jnp.bfloat16), S((4, 4096, 64), jnp.int4), S((4, 4096), jnp.float32),
+          S((4, 64, 4096), jnp.int4), S((4, 4096), jnp.float32), S((4,), jnp.int32))
+  with pytest.raises(ValueError, match="k_upcast must be one of"):
+    M.partition.trace(*args, tile=128, splits=4, k_upcast="perm")
+  with pytest.raises(ValueError, match="v_upcast must be"):
+    M.partition.trace(*args, tile=128, splits=4, v_upcast="bf16_perm")
+  with pytest.raises(ValueError, match="multiples of 32"):
+    U.perm(64, 48)
