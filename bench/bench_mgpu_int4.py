@@ -28,7 +28,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gpu import mgpu_int4, mgpu_paged
+from pallas_kernels.gpu import mgpu_int4, mgpu_paged, mgpu_upcast
 from pallas_kernels.testing.synth import paged_pool
 from bench.bench_mgpu_qk import emit, failed, kernel_time
 
@@ -162,7 +162,7 @@ def main() -> None:
                   help="the kernel over a head-major int4 page pool; XLA's int4 cache writes")
   ap.add_argument("--upcast-only", action="store_true",
                   help="with --pool: the decode path's kernel (V dim-major, 8/32 splits, page ids "
-                       "in global memory) with each K upcast (bf16, bf16_perm) alone")
+                       "in global memory) with each (K, V) upcast (bf16, bf16_perm) alone")
   ap.add_argument("--table", action="store_true",
                   help="batch 1/8/32 x 8K/32K keys at both head shapes, splits swept per row")
   a = ap.parse_args()
@@ -268,22 +268,27 @@ def pool(a) -> None:
       emit(fo, dict(shape=name, how="contiguous", **measure(
           (q, kc, ksc, jnp.swapaxes(vd, 1, 2), vsc, lens, g, d, ref),   # token-major in
           dict(tile=tile, stages=2, splits=best, v_major="dim", **fast), a.iters)))
-      grid = [(v, sp, "gmem", "bf16") for v, sp in itertools.product(
+      plain = ("bf16", "bf16")
+      grid = [(v, sp, "gmem", plain) for v, sp in itertools.product(
           ("dim", "token"), (4, 8) if name == "4b" else (8, 16, 32))] + [
-          ("dim", sp, "smem", "bf16") for sp in ((4, 8) if name == "4b" else (16, 32))]
-      if a.upcast_only:    # the decode path's knobs, each K upcast
-        grid = [("dim", best, "gmem", up) for up in ("bf16", "bf16_perm")]
-      for v_major, splits, table, k_upcast in grid:
+          ("dim", sp, "smem", plain) for sp in ((4, 8) if name == "4b" else (16, 32))]
+      if a.upcast_only:    # the decode path's knobs, each (K, V) upcast
+        grid = [("dim", best, "gmem", ups) for ups in (
+            plain, ("bf16_perm", "bf16"), ("bf16", "bf16_perm"), ("bf16_perm", "bf16_perm"))]
+      for v_major, splits, table, (k_upcast, v_upcast) in grid:
         row = dict(shape=name, how="pool", tile=tile, n=a.n, v_major=v_major, splits=splits,
-                   table=table, k_upcast=k_upcast, **fast)
+                   table=table, k_upcast=k_upcast, v_upcast=v_upcast, **fast)
+        if v_upcast == "bf16_perm":    # the same values, each page's tokens in the stored order
+          vv["dim_perm"] = vv.get("dim_perm", mgpu_upcast.store_order(vv["dim"]))
+        vin = vv["dim_perm" if v_upcast == "bf16_perm" else v_major]
         try:
           kn = dict(tile=tile, splits=splits, v_major=v_major, qk_scale=sm * mgpu_int4.LOG2E,
-                    table=table, k_upcast=k_upcast, **fast)
+                    table=table, k_upcast=k_upcast, v_upcast=v_upcast, **fast)
           f = jax.jit(lambda q, k, ks, v, vs, lens, tbl, kn=tuple(kn.items()):
                       mgpu_int4.partition(q, k, ks, v, vs, lens, None, tbl, **dict(kn)))
-          out = mgpu_int4.merge(*f(q, k, ks, vv[v_major], vs, lens, tbl))[:, :g]
+          out = mgpu_int4.merge(*f(q, k, ks, vin, vs, lens, tbl))[:, :g]
           err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-          sec = kernel_time(f, (q, k, ks, vv[v_major], vs, full, tbl), a.iters)
+          sec = kernel_time(f, (q, k, ks, vin, vs, full, tbl), a.iters)
           row.update(rel_err=err, us=sec * 1e6, bytes=nbytes, tbps=nbytes / sec / 1e12)
         except Exception as e:  # noqa: BLE001 - a sweep records failures and goes on
           failed(row, e)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from bench.bench_mgpu_int4 import inputs, pool_inputs
 from pallas_kernels.gpu import mgpu_int4 as M
+from pallas_kernels.gpu import mgpu_upcast as U
 
 SPLITS = {"4b": 8, "0.5b": 32}
 
@@ -29,6 +30,8 @@ def main() -> None:
   ap.add_argument("--reps", type=int, default=2)
   ap.add_argument("--pool", action="store_true", help="the paged kernel of the decode path")
   ap.add_argument("--upcast", default="bf16", help="with --pool: the kernel's k_upcast")
+  ap.add_argument("--vupcast", default="bf16", help="with --pool: the kernel's v_upcast (codes "
+                  "stored in mgpu_upcast.store_order for bf16_perm)")
   a = ap.parse_args()
   if a.pool:
     return pool(a)
@@ -51,12 +54,14 @@ def pool(a) -> None:
   q, k, ks, vv, vs, lens, tbl, _, d = pool_inputs(a.shape, 32768, 128)
   full = jnp.full_like(lens, 32768)
   kn = dict(tile=128, splits=SPLITS[a.shape], v_major="dim", qk_scale=d ** -0.5 * M.LOG2E,
-            cols=8, approx_math=True, no_auto_barriers=True, k_upcast=a.upcast)
+            cols=8, approx_math=True, no_auto_barriers=True, k_upcast=a.upcast,
+            v_upcast=a.vupcast)
+  v = vv["dim"] if a.vupcast != "bf16_perm" else U.store_order(vv["dim"])
   f = jax.jit(lambda q, k, ks, v, vs, lens, tbl: M.partition(q, k, ks, v, vs, lens, None, tbl,
                                                              **kn))
   for _ in range(a.reps):
-    jax.block_until_ready(f(q, k, ks, vv["dim"], vs, full, tbl))
-  print("pool partition", a.upcast, "ran", a.reps, flush=True)
+    jax.block_until_ready(f(q, k, ks, v, vs, full, tbl))
+  print("pool partition", a.upcast, a.vupcast, "ran", a.reps, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-# Device: issue 22's K upcast by 32-bit loads (pallas_kernels/gpu/mgpu_upcast.py,
-# k_upcast="bf16_perm" / decode_attention's upcast_lo) against the default byte loads, each pair
-# in one process, most valuable first:
-#   1. the int4 pool kernel alone, 4B-like and 0.5B, B=8, 32K (rel err vs float32 attention,
-#      CUPTI µs, TB/s): bench_mgpu_int4.py --pool --upcast-only;
+# Device: issue 22's INT4 tiles upcast by 32-bit loads (pallas_kernels/gpu/mgpu_upcast.py,
+# k_upcast / v_upcast "bf16_perm"; decode_attention's upcast_lo for K) against the default byte
+# loads, each pair in one process, most valuable first:
+#   1. the int4 pool kernel alone, 4B-like and 0.5B, B=8, 32K, (K, V) upcasts (bf16, bf16),
+#      (perm, bf16), (bf16, perm), (perm, perm) (rel err vs float32 attention, CUPTI µs, TB/s):
+#      bench_mgpu_int4.py --pool --upcast-only;
 #   2. one decode call per shape with CUPTI per kernel (bench_kernels.py --mosaic-variants);
 #   3. the whole Qwen3-4B-shape step, B=8, 32K, both mixes and all-BF16, with each upcast;
-#   4. Nsight Compute: instruction statistics and per-SASS-line counts of the new kernel.
+#   4. Nsight Compute: instruction statistics and per-SASS-line counts of the kernel with both
+#      operands permuted.
 #   LIMIT=560 bash scripts/dev_upcast.sh       (no wheels or model)
 # Raw output under $OUT (pool.*, kern_*/, step_*.{jsonl,log}, ncu*).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -41,7 +43,8 @@ if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
   timeout -s KILL $(cap 90) ncu --clock-control none -k regex:mosaic --section SpeedOfLight \
     --section InstructionStats --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats --section SourceCounters \
-    -o $OUT/ncu_perm python3 bench/profile_mgpu_int4.py --pool --upcast bf16_perm --reps 1 \
+    -o $OUT/ncu_perm python3 bench/profile_mgpu_int4.py --pool --upcast bf16_perm \
+    --vupcast bf16_perm --reps 1 \
     > $OUT/ncu_perm.log 2>&1
   ncu --import $OUT/ncu_perm.ncu-rep > $OUT/ncu_perm.txt 2>&1
   ncu --import $OUT/ncu_perm.ncu-rep --page source --print-source sass --csv 2> /dev/null \

@@ -100,7 +100,67 @@ def test_bad_upcasts_are_one_line_errors():
           S((4, 64, 4096), jnp.int4), S((4, 4096), jnp.float32), S((4,), jnp.int32))
   with pytest.raises(ValueError, match="k_upcast must be one of"):
     M.partition.trace(*args, tile=128, splits=4, k_upcast="perm")
-  with pytest.raises(ValueError, match="v_upcast must be"):
-    M.partition.trace(*args, tile=128, splits=4, v_upcast="bf16_perm")
+  with pytest.raises(ValueError, match="v_upcast must be one of"):
+    M.partition.trace(*args, tile=128, splits=4, v_upcast="s8")
+  tok = args[:3] + (S((4, 4096, 64), jnp.int4),) + args[4:]
+  with pytest.raises(ValueError, match="^v_upcast='bf16_perm' reads dim-major V"):
+    M.partition.trace(*tok, tile=128, splits=4, v_major="token", v_upcast="bf16_perm")
   with pytest.raises(ValueError, match="multiples of 32"):
     U.perm(64, 48)
+
+
+def test_store_order_round_trips_and_repeats_every_32_tokens():
+  x = jnp.arange(3 * 256).reshape(3, 256)
+  st = U.store_order(x)
+  assert bool(jnp.array_equal(U.token_order(st), x))
+  assert bool(jnp.array_equal(st[:, 32:64] - 32, st[:, :32]))      # each 32 keeps its tokens
+  assert sorted(np.asarray(st[0, :32]).tolist()) == list(range(32))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_v_registers_hold_the_tokens_in_order_from_the_stored_order(d):
+  """V^T [D, T] stored with its tokens in store_order: the operand the kernel builds (replayed)
+  holds every token's values in token order, so P^T's rows need no change."""
+  rng = np.random.default_rng(d)
+  vt = rng.integers(-8, 8, size=(d, 128))
+  got = replay(np.asarray(U.store_order(jnp.asarray(vt))))
+  np.testing.assert_array_equal(got, vt)
+
+
+@pytest.mark.parametrize("g,d", [(4, 128), (7, 64), (8, 128), (1, 64)])
+def test_reference_reads_the_stored_order_as_the_kernel_does(g, d):
+  """partition_reference with v_upcast='bf16_perm' on codes in store_order equals the plain
+  reference on the same codes in token order (ragged lengths, an empty row)."""
+  bh, n, tile = 3, 512, 128
+  ks = jax.random.split(jax.random.key(g * d), 6)
+  q = jnp.zeros((bh, M.N_PAD, d), jnp.bfloat16).at[:, :g].set(
+      jax.random.normal(ks[0], (bh, g, d)).astype(jnp.bfloat16))
+  codes = lambda key, shape: jax.random.randint(key, shape, -8, 8).astype(jnp.int4)
+  k, v = codes(ks[1], (bh, n, d)), codes(ks[2], (bh, d, n))
+  sk = jax.random.uniform(ks[3], (bh, n), minval=0.05, maxval=0.3)
+  sv = jax.random.uniform(ks[4], (bh, n), minval=0.05, maxval=0.3)
+  lens = jnp.array([n, 300, 0], jnp.int32)
+  kn = dict(tile=tile, splits=2, v_major="dim", qk_scale=0.2)
+  want = M.partition_reference(q, k, sk, v, sv, lens, **kn)
+  got = M.partition_reference(q, k, sk, U.store_order(v), sv, lens, v_upcast="bf16_perm",
+                              k_upcast="bf16_perm", **kn)
+  for a, b in zip(got, want):
+    assert bool(jnp.array_equal(a, b))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kernel_with_permuted_k_and_v_lowers(paged):
+  S = jax.ShapeDtypeStruct
+  bh, n, d, tile = 4, 4096, 128, 128
+  q = S((bh, M.N_PAD, d), jnp.bfloat16)
+  lens = S((bh,), jnp.int32)
+  kn = dict(tile=tile, splits=4, qk_scale=0.1, k_upcast="bf16_perm", v_upcast="bf16_perm")
+  if paged:
+    p, hkv = 70, 2
+    args = (q, S((p, hkv, tile, d), jnp.int4), S((p, hkv, 2, tile), jnp.float16),
+            S((p, hkv, d, tile), jnp.int4), None, lens, None, S((bh // hkv, 32), jnp.int32))
+  else:
+    args = (q, S((bh, n, d), jnp.int4), S((bh, n), jnp.float32), S((bh, d, n), jnp.int4),
+            S((bh, n), jnp.float32), lens)
+  text = M.partition.trace(*args, **kn).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text

@@ -45,6 +45,7 @@ from pallas_kernels.gpu.mgpu_common import (  # noqa: F401 - N_PAD, HAS_CONCAT, 
 
 Q_LO = 254.0        # q's int8 low half is in units of scale / Q_LO (split_q)
 K_UPCASTS = ("bf16", "bf16_up4", "bf16_perm", "s8")
+V_UPCASTS = ("bf16", "bf16_up4", "bf16_perm")
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
@@ -74,10 +75,12 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   How an INT4 tile becomes an A operand (``k_upcast`` for K, ``v_upcast`` for dim-major V):
   ``"bf16"`` loads it in the 16-bit wgmma layout and upcasts there; ``"bf16_up4"`` loads it in
   the 4x-upcast layout (32-bit shared-memory loads), relayouts the packed codes (two shuffles per
-  register) and upcasts; ``"bf16_perm"`` (K only) loads it in the 4x-upcast layout and upcasts in
-  registers straight into the wgmma layout of K with its head dim permuted, ``q`` permuted the
-  same way before the kernel (:mod:`pallas_kernels.gpu.mgpu_upcast`: no byte loads, no shuffles);
-  ``"s8"`` (K only) upcasts to int8 in the 8-bit layout for two s8 wgmmas
+  register) and upcasts; ``"bf16_perm"`` loads it in the 4x-upcast layout and upcasts in
+  registers straight into the wgmma layout of the tile with its minor axis permuted
+  (:mod:`pallas_kernels.gpu.mgpu_upcast`: no byte loads, no shuffles): for K the head dim, with
+  ``q`` permuted the same way before the kernel; for V (dim-major) the tokens, so the codes must
+  be stored with each tile's tokens in ``mgpu_upcast.store_order`` (the caller stores them so;
+  ``P^T`` is unchanged); ``"s8"`` (K only) upcasts to int8 in the 8-bit layout for two s8 wgmmas
   against ``q`` split into int8 halves (``q[BH, 2, 16, D]`` int8 and ``qscale[BH]`` f32 from
   :func:`split_q`), exact integer products combined in f32.
 
@@ -498,8 +501,10 @@ def _check(q, k, ks, v, vs, lens, *, tile, splits, v_major, stages=2, k_upcast="
     raise ValueError(f"wgs (compute warpgroups) must be 1, 2 or 3, got {wgs}")
   if k_upcast not in K_UPCASTS:
     raise ValueError(f"k_upcast must be one of {K_UPCASTS}, got {k_upcast!r}")
-  if v_upcast not in ("bf16", "bf16_up4"):
-    raise ValueError(f"v_upcast must be 'bf16' or 'bf16_up4', got {v_upcast!r}")
+  if v_upcast not in V_UPCASTS:
+    raise ValueError(f"v_upcast must be one of {V_UPCASTS}, got {v_upcast!r}")
+  if v_upcast == "bf16_perm" and v_major != "dim":
+    raise ValueError(f"v_upcast='bf16_perm' reads dim-major V (v_major='dim'), got {v_major!r}")
   bh, n, d = k.shape
   v_shape = {"token": (bh, n, d), "dim": (bh, d, n),
              "block": (bh, n // tile, d, tile)}[v_major]
@@ -671,6 +676,8 @@ def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, 
          k_upcast=k_upcast, v_upcast=v_upcast, qscale=qscale, wgs=wgs)
   bh, n, d = k.shape
   steps = n // tile // splits // wgs
+  if v_upcast == "bf16_perm":      # codes stored permuted per tile (mgpu_upcast.store_order)
+    v = mgpu_upcast.token_order(v)
   vt = {"token": lambda: v, "dim": lambda: jnp.swapaxes(v, 1, 2),           # [BH, N, D]
         "block": lambda: jnp.swapaxes(v, 2, 3).reshape(bh, n, d)}[v_major]()
   kf = k.astype(jnp.float32)

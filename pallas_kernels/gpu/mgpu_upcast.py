@@ -118,6 +118,20 @@ def permute_minor(x: jnp.ndarray, rows: int = 64) -> jnp.ndarray:
   return x[..., inv]
 
 
+def store_order(x: jnp.ndarray) -> jnp.ndarray:
+  """Dim-major V codes ``[..., D, N]`` (tokens minor, N a multiple of 32) in token order -> the
+  order whose :func:`operand` is the tile in token order (column ``p`` holds token
+  ``perm[p]``; the map repeats every 32 tokens, so a tile or page of any multiple of 32 keeps
+  its own tokens). For V the contraction runs over the tokens, whose order ``P^T`` fixes: the
+  permutation must be in the stored codes, not in the other operand."""
+  return x[..., perm(64, x.shape[-1])]
+
+
+def token_order(x: jnp.ndarray) -> jnp.ndarray:
+  """Inverse of :func:`store_order`."""
+  return x[..., np.argsort(perm(64, x.shape[-1]))]
+
+
 def convert_reference(words: np.ndarray, sub: bool = True) -> np.ndarray:
   """The register conversion in numpy: uint32 words of eight int4 codes (code ``i`` in bits
   ``4i..4i+3``) -> ``[..., 4, 2]`` float32 (pair ``k`` = codes ``k``, ``k + 4``), through the
