@@ -4,7 +4,8 @@
 #   1. the int4 pool kernel alone, 4B-like and 0.5B, B=8, 32K, (K, V) upcasts (bf16, bf16),
 #      (perm, bf16), (bf16, perm), (perm, perm) (rel err vs float32 attention, CUPTI µs, TB/s):
 #      bench_mgpu_int4.py --pool --upcast-only;
-#   2. one decode call per shape with CUPTI per kernel (bench_kernels.py --mosaic-variants);
+#   2. one decode call per shape with CUPTI per kernel (bench_kernels.py --mosaic-variants: each
+#      K upcast, one and three compute warpgroups);
 #   3. the whole Qwen3-4B-shape step, B=8, 32K, both mixes and all-BF16, with each upcast;
 #   4. Nsight Compute: instruction statistics and per-SASS-line counts of the kernel with both
 #      operands permuted.
@@ -21,7 +22,7 @@ cat $OUT/env.txt
 timeout -s KILL $(cap 150) python3 bench/bench_mgpu_int4.py --pool --upcast-only \
   --out $OUT/pool.jsonl > $OUT/pool.log 2>&1
 echo "pool rc $?"; grep -E '^\{' $OUT/pool.log | cut -c1-400
-v='[{}, {"upcast_lo": "bf16_perm"}]'
+v='[{}, {"upcast_lo": "bf16_perm"}, {"wgs_lo": 3}, {"wgs_lo": 3, "upcast_lo": "bf16_perm"}]'
 for s in 0 3; do
   [ $(left) -gt 45 ] || break
   timeout -k 5 -s KILL $(cap 110) python3 bench/bench_kernels.py --out $OUT/kern_$s \

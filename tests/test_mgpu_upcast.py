@@ -148,6 +148,19 @@ def test_reference_reads_the_stored_order_as_the_kernel_does(g, d):
     assert bool(jnp.array_equal(a, b))
 
 
+@pytest.mark.parametrize("d,wgs", [(128, 2), (64, 3)])
+def test_warp_specialized_kernel_with_permuted_k_lowers(d, wgs):
+  S = jax.ShapeDtypeStruct
+  bh, n, tile = 4, 128 * wgs * 4 * 2, 128
+  args = (S((bh, M.N_PAD, d), jnp.bfloat16), S((bh, n, d), jnp.int4), S((bh, n), jnp.float32),
+          S((bh, n // tile, d, tile), jnp.int4), S((bh, n), jnp.float32), S((bh,), jnp.int32))
+  text = M.partition_ws.trace(*args, tile=tile, splits=4, wgs=wgs, qk_scale=0.1,
+                              k_upcast="bf16_perm").lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="^the warp-specialized kernel takes k_upcast"):
+    M.partition_ws.trace(*args, tile=tile, splits=4, wgs=wgs, k_upcast="bf16_up4")
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_kernel_with_permuted_k_and_v_lowers(paged):
   S = jax.ShapeDtypeStruct

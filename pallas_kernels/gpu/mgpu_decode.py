@@ -81,7 +81,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``.
   ``table`` (the int4 pool): where the kernel's index maps read the page ids
   (``mgpu_int4.partition``).
-  ``upcast`` (the int4 pool, ``wgs`` 1): how the kernel turns K tiles into wgmma operands
+  ``upcast`` (the int4 pool): how the kernel turns K tiles into wgmma operands
   (``mgpu_int4.partition``'s ``k_upcast``: "bf16", or "bf16_perm", 32-bit loads upcast in
   registers with the head dim permuted, ``mgpu_upcast``).
   ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose, no
@@ -103,9 +103,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   tbl = jnp.where(jnp.arange(n_pages)[None, :] < used[:, None], tbl, 0)
   if upcast not in UPCASTS:
     raise ValueError(f"upcast must be one of {UPCASTS}, got {upcast!r}")
-  if upcast != "bf16" and (lo.format != "int4" or wgs != 1):
-    raise ValueError(f"upcast={upcast!r} is a knob of the int4 storage format's one-warpgroup "
-                     f"kernel; this pool is {lo.format!r} with wgs={wgs}")
+  if upcast != "bf16" and lo.format != "int4":
+    raise ValueError(f"upcast={upcast!r} is a knob of the int4 storage format's kernels; this "
+                     f"pool is {lo.format!r}")
   if wgs != 1 and lo.format != "int4":
     raise ValueError(f"wgs={wgs} (the warp-specialized kernel) reads the int4 storage format "
                      f"only; this pool is {lo.format!r}")
@@ -129,7 +129,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
     elif wgs > 1:
       o, m, l = MI.partition_ws(q, k, sc, v, None, lens, tbl, base, tile=page, splits=s,
                                 wgs=wgs, qk_scale=c, cols=cols, approx_math=True,
-                                no_auto_barriers=True, table=table)
+                                no_auto_barriers=True, table=table, k_upcast=upcast)
     else:
       o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,

@@ -289,11 +289,13 @@ def block_v(v: jax.Array, tile: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "wgs", "qk_scale",
                                              "approx_math", "no_auto_barriers",
-                                             "memory_registers", "cols", "table"))
+                                             "memory_registers", "cols", "table",
+                                             "k_upcast"))
 def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128, stages: int = 2,
                  splits: int = 8, wgs: int = 2, qk_scale: float = 1.0,
                  approx_math: bool = False, no_auto_barriers: bool = False,
-                 memory_registers: int = 40, cols: int = N_PAD, table: str = "gmem"):
+                 memory_registers: int = 40, cols: int = N_PAD, table: str = "gmem",
+                 k_upcast: str = "bf16"):
   """Warp-specialized :func:`partition`: ``wgs`` compute warpgroups and one TMA warpgroup.
 
   Each pipeline step brings ``wgs`` tiles; compute warpgroup ``w`` takes tile ``w`` of every
@@ -309,9 +311,9 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
   :func:`partition`, V dim-major pages ``[P, Hkv, D, tile]``): the ``wgs`` tiles of a step are
   pages anywhere in the pool, so each is its own TMA box and each warpgroup picks its own
   buffers' registers through a switch on its index (the other branches are never taken).
-  The rest (``cols``, ``table`` included) as :func:`partition` with bf16 upcasts of K and V
-  into the A operand; with ``table="smem"`` the TMA warpgroup copies the block's ids into shared
-  memory before its first step.
+  The rest (``cols``, ``table``, ``k_upcast`` "bf16" or "bf16_perm" included) as
+  :func:`partition` with bf16 upcasts of V into the A operand; with ``table="smem"`` the TMA
+  warpgroup copies the block's ids into shared memory before its first step.
   """
   _check_table(table)
   planes = vs is None
@@ -322,10 +324,10 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
     bh, n, d = k.shape
     hkv = 1
     _check(q, k, ks, vb, vs, lens, tile=tile, splits=splits * wgs, v_major="block",
-           stages=stages, wgs=wgs)
+           stages=stages, wgs=wgs, k_upcast=k_upcast)
   else:
     _check_pool(q, k, ks, vb, vs, lens, tbl, tile=tile, splits=splits * wgs, v_major="dim",
-                stages=stages, k_upcast="bf16", v_upcast="bf16", stacked=base is not None)
+                stages=stages, k_upcast=k_upcast, v_upcast="bf16", stacked=base is not None)
     if wgs not in (1, 2, 3):
       raise ValueError(f"wgs (compute warpgroups) must be 1, 2 or 3, got {wgs}")
     bh, (_, hkv, _, d), n = q.shape[0], k.shape, tbl.shape[1] * tile
@@ -333,6 +335,11 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
     if need > SM90_SMEM:
       raise ValueError(f"tile {tile} x {stages} stages x {wgs} warpgroups needs {need} bytes of "
                        f"shared memory, over the {SM90_SMEM} a Hopper block has")
+  if k_upcast not in ("bf16", "bf16_perm"):
+    raise ValueError(f"the warp-specialized kernel takes k_upcast 'bf16' or 'bf16_perm', got "
+                     f"{k_upcast!r}")
+  if k_upcast == "bf16_perm":    # the K operand's head dim comes permuted (mgpu_upcast.perm)
+    q = mgpu_upcast.permute_minor(q, tile)
   base = jnp.zeros((1,), jnp.int32) if base is None else jnp.asarray(base, jnp.int32).reshape(1)
   narrow = _check_cols(cols)
   nt = n // tile
@@ -371,6 +378,11 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
       plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, wgs)])
       return out
 
+    def k_operand(ref):
+      if k_upcast == "bf16_perm":
+        return mgpu_upcast.operand(ref)
+      return ref[...].astype(jnp.bfloat16)
+
     def mine(load):
       """``load(w)`` (registers from warpgroup ``w``'s buffers) for this warpgroup."""
       if not paged:
@@ -383,7 +395,7 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
       *refs, (m, l, acc) = refs
       at = ((lambda w, j: refs[j].at[w]) if not paged else (lambda w, j: refs[4 * w + j]))
       qt, pt = q_smem.at[wg], p_smem.at[wg]
-      kr, kscale, vscale = mine(lambda w: (at(w, 0)[...].astype(jnp.bfloat16),
+      kr, kscale, vscale = mine(lambda w: (k_operand(at(w, 0)),
                                            _load(at(w, 1), row).astype(jnp.float32),
                                            _load(at(w, 3), row).astype(jnp.float32)))
 
