@@ -11,7 +11,10 @@
 #   LIMIT     seconds this call may take (default 560)
 #   ROWS      --rows of each calibration (default 1024 on a card over 100 GB, else 512)
 #   VARIANTS  which, in order (default: fixed-order no-floors no-layer no-state no-class no-role
-#             no-transition)
+#             no-transition; at another WINDOW: full no-transition no-state)
+#   WINDOW    the recent window W of every calibration (default 16, the full method's); another
+#             W writes to /tmp/abl15-w<W>, policies/...-ablations-w<W>/ and runs
+#             examples/campaign_15b_ablations-w<W>.toml
 #   MAX_CASES cases per category for calibration and development (default: every case, as the
 #             committed full-method policy; keep it the same over the calls)
 #   FULL_WORK the work/ of a full-method calibration with the same flags (e.g. /tmp/cal15c/work
@@ -33,8 +36,11 @@ limit=${LIMIT:-560}
 # run as one batch, not a setting of the method)
 gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 rows=${ROWS:-$([ "${gib:-0}" -gt 100000 ] && echo 1024 || echo 512)}
-root=/tmp/abl15
-pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations
+win=${WINDOW:-16}
+sfx=$([ "$win" = 16 ] || echo "-w$win")
+root=/tmp/abl15$sfx
+pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations$sfx
+plan=examples/campaign_15b_ablations$sfx.toml
 full=${FULL_WORK:-/nonexistent}
 mkdir -p $root
 share() {   # share VARIANT STAGE SOURCE_DIR...: copy STAGE.npz into VARIANT's work/ if missing
@@ -44,6 +50,10 @@ share() {   # share VARIANT STAGE SOURCE_DIR...: copy STAGE.npz into VARIANT's w
   done
 }
 all="fixed-order no-floors no-layer no-state no-class no-role no-transition"
+# Another window: the full method beside the decode-key contrasts (parser tags vs position bins,
+# the parser state), all calibrated at that window (bench/results/2026-12-06_session21: at W 16
+# every decode candidate of every variant is within one dev case of all-high).
+[ "$win" = 16 ] || all="full no-transition no-state"
 for v in ${VARIANTS:-$all}; do
   [ -f $root/$v/calibration.json ] || [ -f $pol/$v/calibration.json ] && continue
   left=$((limit - SECONDS - 30))
@@ -56,10 +66,10 @@ for v in ${VARIANTS:-$all}; do
   esac
   timeout $left python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
     --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows $rows --max-tokens 128 \
-    --window 16 --targets 0.20 --keep-within-se 0 --ablation $v >> $OUT/abl15_$v.log 2>&1 \
-    || { tail -c 3000 $OUT/abl15_$v.log; exit 0; }
-  tail -c 1500 $OUT/abl15_$v.log
-  tar czf $OUT/abl15_$v.tgz -C /tmp abl15/$v/policy abl15/$v/calibration.json
+    --window $win --targets 0.20 --keep-within-se 0 $([ $v = full ] || echo --ablation $v) \
+    >> $OUT/abl15${sfx}_$v.log 2>&1 || { tail -c 3000 $OUT/abl15${sfx}_$v.log; exit 0; }
+  tail -c 1500 $OUT/abl15${sfx}_$v.log
+  tar czf $OUT/abl15${sfx}_$v.tgz -C /tmp abl15$sfx/$v/policy abl15$sfx/$v/calibration.json
 done
 echo "ablations: all calibrated"
 # The plan names all seven variants: with a VARIANTS subset, calibration only.
@@ -71,11 +81,11 @@ for v in $all; do
   rm -rf $pol/$v && mkdir -p $pol/$v && cp -r $root/$v/policy/. $pol/$v/ \
     && cp $root/$v/calibration.json $pol/$v/
 done
-mkdir -p /tmp/c15a
+mkdir -p /tmp/c15a$sfx
 # A campaign cell can run past --time-limit (its estimate is a guess): leave 60 s for the tar.
 t=$((limit - SECONDS - 60))
 [ $t -gt 60 ] && timeout $((t + 40)) python3 -m pask_jax.cli campaign \
-  examples/campaign_15b_ablations.toml --time-limit $t --results /tmp/c15a --no-progress \
-  >> $OUT/campaign_abl.log 2>&1
-grep -E "accuracy|campaign|failed|error" $OUT/campaign_abl.log | tail -40
-tar czf $OUT/c15a.tgz -C /tmp c15a
+  $plan --time-limit $t --results /tmp/c15a$sfx --no-progress \
+  >> $OUT/campaign_abl$sfx.log 2>&1
+grep -E "accuracy|campaign|failed|error" $OUT/campaign_abl$sfx.log | tail -40
+tar czf $OUT/c15a$sfx.tgz -C /tmp c15a$sfx

@@ -696,3 +696,15 @@ def test_committed_cells_still_report_with_stability(tmp_path):
   assert f"| full | – | {n} | 0.0% | +0.0% | 0.0% (text) | – |" in md
   assert f"| pask | {pask['budget']:g} | {n} | " in md
   assert f" | {100 * differ / n:.1f}% (text) | – |" in md
+
+
+def test_every_example_plan_loads():
+  """Each plan under examples/ parses and names its methods and splits (policies may be
+  calibrated later: their paths are read when a cell runs)."""
+  import glob
+  root = os.path.join(os.path.dirname(__file__), "..", "examples")
+  paths = sorted(glob.glob(os.path.join(root, "campaign_*.toml")))
+  assert len(paths) >= 5
+  for path in paths:
+    plan = C.load_plan(path)
+    assert plan.name and plan.methods, path
