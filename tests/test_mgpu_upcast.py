@@ -46,6 +46,23 @@ def test_convert_reference_decodes_every_code_in_every_position():
                                 want + 136)
 
 
+def test_convert_reference_over_all_256_byte_values_in_each_byte():
+  """The dequant bit trick on every byte value (two codes) at each of a word's four bytes, the
+  other bytes random: byte j holds codes 2j, 2j + 1, which land in pairs j // 2 ... (k, k + 4)."""
+  rng = np.random.default_rng(1)
+  vals = np.arange(256, dtype=np.uint32)
+  sign = lambda x: np.where(x >= 8, x.astype(np.int64) - 16, x.astype(np.int64))
+  for j in range(4):
+    words = rng.integers(0, 2 ** 32, size=256, dtype=np.uint64).astype(np.uint32)
+    words = (words & ~np.uint32(0xFF << (8 * j))) | (vals << np.uint32(8 * j))
+    out = U.convert_reference(words)                  # [256, 4, 2]: pair k = codes k, k + 4
+    codes = np.stack([sign((words >> np.uint32(4 * i)) & np.uint32(0xF)) for i in range(8)], 1)
+    np.testing.assert_array_equal(out[..., 0], codes[:, :4])
+    np.testing.assert_array_equal(out[..., 1], codes[:, 4:])
+    np.testing.assert_array_equal(codes[:, 2 * j], sign(vals & 0xF))
+    np.testing.assert_array_equal(codes[:, 2 * j + 1], sign(vals >> 4))
+
+
 def replay(tile: np.ndarray) -> np.ndarray:
   """What the kernel's registers hold as the wgmma operand, replayed: each thread's 4x-upcast
   registers packed into 32-bit words as memory holds them (code i in bits 4i..4i+3), converted
