@@ -32,3 +32,27 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     decode_curves.main([str(tmp_path)])
   with pytest.raises(SystemExit, match="^error: no calibration.json in"):
     decode_curves.main([f"x={tmp_path}"])
+
+
+def _cells(root, name, policy, outcomes):
+  d = root / name
+  d.mkdir(parents=True)
+  (d / "cell.json").write_text(json.dumps({"policy": policy, "method": "pask", "budget": 0.2,
+                                          "material": {"settings": {"policy": {
+                                              "content": "abcdef0123"}}}}))
+  (d / "cases.jsonl").write_text("".join(json.dumps({"id": i, "passed": p}) + "\n"
+                                         for i, p in outcomes.items()))
+
+
+def test_paired_cells_compare_on_shared_cases_only(tmp_path):
+  from bench import paired_cells
+  _cells(tmp_path / "ref", "a", "full", {"x": True, "y": True, "z": False, "w": True})
+  _cells(tmp_path / "abl", "b", "no-x", {"x": False, "y": True, "z": True, "v": False})
+  out = tmp_path / "t.md"
+  paired_cells.main([str(tmp_path / "abl"), "--reference", str(tmp_path / "ref"),
+                     "--reference-policy", "full#abcdef01", "--out", str(out)])
+  assert "| `no-x#abcdef01` | 3 | 66.67 | 66.67 | +0.00 pp | 1 | 1 | 1.000 |" in out.read_text()
+  assert paired_cells.mcnemar(0, 10) < 0.002 and paired_cells.mcnemar(3, 3) == 1.0
+  with pytest.raises(SystemExit, match="^error: no cells of 'other'"):
+    paired_cells.main([str(tmp_path / "abl"), "--reference", str(tmp_path / "ref"),
+                       "--reference-policy", "other"])
