@@ -52,4 +52,6 @@ if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
     | gzip > $OUT/ncu_perm_sass.csv.gz
   grep -E "Duration|Registers Per|Executed Instructions  |Issued Warp|Theoretical Occ" \
     $OUT/ncu_perm.txt
+  # B x Hkv x keys = 8 x 8 x 32768 (key, KV head) pairs at the 4B shape
+  python3 bench/sass_opcodes.py $OUT/ncu_perm_sass.csv.gz --per 2097152 --top 24
 fi

@@ -56,3 +56,18 @@ def test_paired_cells_compare_on_shared_cases_only(tmp_path):
   with pytest.raises(SystemExit, match="^error: no cells of 'other'"):
     paired_cells.main([str(tmp_path / "abl"), "--reference", str(tmp_path / "ref"),
                        "--reference-policy", "other"])
+
+
+def test_sass_opcodes_counts_by_opcode_without_predicates(tmp_path):
+  from bench import sass_opcodes
+  p = tmp_path / "s.csv"
+  p.write_text('"Kernel Name","k",\n'
+               '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+               '"0x1","      LDS.S8 R1, [R2]","3","40"\n'
+               '"0x2","      @P0 LDS.S8 R3, [R2+0x4]","1","24"\n'
+               '"0x3","      @!UP1 HADD2.BF16_V2 R4, R4, R5","0","16"\n')
+  execs, stalls = sass_opcodes.opcode_counts(str(p))
+  assert execs == {"LDS.S8": 64, "HADD2.BF16_V2": 16} and stalls["LDS.S8"] == 4
+  text = sass_opcodes.table(execs, stalls, per=8, top=5)
+  assert "80 warp-instructions executed, 10.00 per unit" in text
+  assert "| LDS.S8 | 64 | 8.00 | 100.0% |" in text
