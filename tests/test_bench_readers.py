@@ -1,4 +1,5 @@
-"""bench/decode_curves.py: ablations compared at matched decode budgets from calibration.json."""
+"""Readers of committed results (no model, no device): bench/decode_curves.py (ablations at matched
+decode budgets from calibration.json), bench/paired_cells.py, bench/sass_opcodes.py."""
 import json
 
 import pytest
