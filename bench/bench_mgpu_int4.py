@@ -274,7 +274,8 @@ def pool(a) -> None:
           ("dim", sp, "smem", plain) for sp in ((4, 8) if name == "4b" else (16, 32))]
       if a.upcast_only:    # the decode path's knobs, each (K, V) upcast
         grid = [("dim", best, "gmem", ups) for ups in (
-            plain, ("bf16_perm", "bf16"), ("bf16", "bf16_perm"), ("bf16_perm", "bf16_perm"))]
+            plain, ("bf16_perm", "bf16"), ("bf16", "bf16_perm"), ("bf16_perm", "bf16_perm"),
+            ("bf16_perm_offset", "bf16_perm"))]
       for v_major, splits, table, (k_upcast, v_upcast) in grid:
         row = dict(shape=name, how="pool", tile=tile, n=a.n, v_major=v_major, splits=splits,
                    table=table, k_upcast=k_upcast, v_upcast=v_upcast, **fast)

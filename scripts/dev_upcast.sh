@@ -2,7 +2,8 @@
 # k_upcast / v_upcast "bf16_perm"; decode_attention's upcast_lo for K) against the default byte
 # loads, each pair in one process, most valuable first:
 #   1. the int4 pool kernel alone, 4B-like and 0.5B, B=8, 32K, (K, V) upcasts (bf16, bf16),
-#      (perm, bf16), (bf16, perm), (perm, perm) (rel err vs float32 attention, CUPTI µs, TB/s):
+#      (perm, bf16), (bf16, perm), (perm, perm), (perm_offset, perm) (rel err vs float32
+#      attention, CUPTI µs, TB/s):
 #      bench_mgpu_int4.py --pool --upcast-only;
 #   2. one decode call per shape with CUPTI per kernel (bench_kernels.py --mosaic-variants: each
 #      K upcast, one and three compute warpgroups);
@@ -22,7 +23,8 @@ cat $OUT/env.txt
 timeout -s KILL $(cap 150) python3 bench/bench_mgpu_int4.py --pool --upcast-only \
   --out $OUT/pool.jsonl > $OUT/pool.log 2>&1
 echo "pool rc $?"; grep -E '^\{' $OUT/pool.log | cut -c1-400
-v='[{}, {"upcast_lo": "bf16_perm"}, {"wgs_lo": 3}, {"wgs_lo": 3, "upcast_lo": "bf16_perm"}]'
+v='[{}, {"upcast_lo": "bf16_perm"}, {"upcast_lo": "bf16_perm_offset"}, {"wgs_lo": 3},
+   {"wgs_lo": 3, "upcast_lo": "bf16_perm"}]'
 for s in 0 3; do
   [ $(left) -gt 45 ] || break
   timeout -k 5 -s KILL $(cap 110) python3 bench/bench_kernels.py --out $OUT/kern_$s \
@@ -31,7 +33,7 @@ for s in 0 3; do
   echo "kern_$s rc $?"; grep -E '^\{' $OUT/kern_$s.log | cut -c1-300
 done
 i=0
-for kn in '{}' '{"upcast_lo": "bf16_perm"}'; do
+for kn in '{}' '{"upcast_lo": "bf16_perm"}' '{"upcast_lo": "bf16_perm_offset"}'; do
   [ $(left) -gt 60 ] || break
   timeout -s KILL $(cap 150) python3 bench/bench_pask_step.py --batch 8 --layouts unrolled \
     --no-full --lo-page 128 --lo-format int4 --steps 8 --shape qwen3-4b --context 32768 \

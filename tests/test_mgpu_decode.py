@@ -176,7 +176,8 @@ def test_permuted_upcast_whole_call_lowers_and_is_checked():
   ws = _lower_int4(int4_kernel="mosaic", upcast_lo="bf16_perm", wgs_lo=2)
   assert "mosaic_gpu" in ws and ws != _lower_int4(int4_kernel="mosaic", wgs_lo=2)
   args = CASES[0].make(seed=9, lo_format="int4")
-  with pytest.raises(ValueError, match="^upcast must be one of .'bf16', 'bf16_perm'., got 's8'"):
+  with pytest.raises(ValueError, match="^upcast must be one of .'bf16', 'bf16_perm', "
+                                       "'bf16_perm_offset'., got 's8'"):
     partials_gpu(*args, interpret=True, int4_kernel="mosaic_reference", upcast_lo="s8", **SMALL)
   with pytest.raises(ValueError, match="^upcast='bf16_perm' is a knob of the int4 storage "
                                        "format's kernels; this pool is 'bytes'"):

@@ -194,3 +194,38 @@ def test_kernel_with_permuted_k_and_v_lowers(paged):
             S((bh, n), jnp.float32), lens)
   text = M.partition.trace(*args, **kn).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_offset_k_kernel_lowers(paged):
+  """k_upcast='bf16_perm_offset': the K operand without the conversion's subtract (code + 136)
+  and 136 * sum(q) taken off the scores after the MMA."""
+  S = jax.ShapeDtypeStruct
+  bh, n, d, tile = 4, 4096, 128, 128
+  q, lens = S((bh, M.N_PAD, d), jnp.bfloat16), S((bh,), jnp.int32)
+  if paged:
+    p, hkv = 70, 2
+    args = (q, S((p, hkv, tile, d), jnp.int4), S((p, hkv, 2, tile), jnp.float16),
+            S((p, hkv, d, tile), jnp.int4), None, lens, None, S((bh // hkv, 32), jnp.int32))
+  else:
+    args = (q, S((bh, n, d), jnp.int4), S((bh, n), jnp.float32), S((bh, d, n), jnp.int4),
+            S((bh, n), jnp.float32), lens)
+  text = M.partition.trace(*args, tile=tile, splits=4, qk_scale=0.1,
+                           k_upcast="bf16_perm_offset").lower(
+                               lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and text != M.partition.trace(
+      *args, tile=tile, splits=4, qk_scale=0.1, k_upcast="bf16_perm").lower(
+          lowering_platforms=("cuda",)).as_text()
+
+
+def test_offset_scores_lose_nothing_against_the_bf16_floor():
+  """(K + 136) . q - 136 sum(q) in float32 (the MMA's accumulator) against K . q in float64,
+  with query outliers like Qwen's (a few dims x30): the error is far below bf16's 4e-3."""
+  rng = np.random.default_rng(5)
+  q = rng.standard_normal((16, 128)).astype(np.float32)
+  q[:, [3, 77]] *= 30
+  q = np.asarray(jnp.asarray(q).astype(jnp.bfloat16).astype(jnp.float32))
+  k = rng.integers(-8, 8, size=(512, 128)).astype(np.float32)
+  got = ((k + U.OFFSET) @ q.T).astype(np.float32) - np.float32(U.OFFSET) * q.sum(-1)
+  want = k.astype(np.float64) @ q.T.astype(np.float64)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5

@@ -60,7 +60,7 @@ def hopper() -> bool:
 
 
 # How the one-warpgroup kernel turns K tiles into MMA operands (mgpu_int4.partition's k_upcast).
-UPCASTS = ("bf16", "bf16_perm")
+UPCASTS = ("bf16", "bf16_perm", "bf16_perm_offset")
 
 
 def splits_for(bh: int, n_pages: int) -> int:

@@ -44,7 +44,7 @@ from pallas_kernels.gpu.mgpu_common import (  # noqa: F401 - N_PAD, HAS_CONCAT, 
     store_partials as _store_partials, transforms as _transforms, zeros as _zeros)
 
 Q_LO = 254.0        # q's int8 low half is in units of scale / Q_LO (split_q)
-K_UPCASTS = ("bf16", "bf16_up4", "bf16_perm", "s8")
+K_UPCASTS = ("bf16", "bf16_up4", "bf16_perm", "bf16_perm_offset", "s8")
 V_UPCASTS = ("bf16", "bf16_up4", "bf16_perm")
 
 
@@ -78,11 +78,13 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   register) and upcasts; ``"bf16_perm"`` loads it in the 4x-upcast layout and upcasts in
   registers straight into the wgmma layout of the tile with its minor axis permuted
   (:mod:`pallas_kernels.gpu.mgpu_upcast`: no byte loads, no shuffles): for K the head dim, with
-  ``q`` permuted the same way before the kernel; for V (dim-major) the tokens, so the codes must
-  be stored with each tile's tokens in ``mgpu_upcast.store_order`` (the caller stores them so;
-  ``P^T`` is unchanged); ``"s8"`` (K only) upcasts to int8 in the 8-bit layout for two s8 wgmmas
-  against ``q`` split into int8 halves (``q[BH, 2, 16, D]`` int8 and ``qscale[BH]`` f32 from
-  :func:`split_q`), exact integer products combined in f32.
+  ``q`` permuted the same way before the kernel (``"bf16_perm_offset"``, K only: without the
+  conversion's bf16 subtract, every K value plus 136, and ``136 * sum(q)`` taken off the scores
+  after the MMA, one subtract per score instead of one per two codes); for V (dim-major) the
+  tokens, so the codes must be stored with each tile's tokens in ``mgpu_upcast.store_order``
+  (the caller stores them so; ``P^T`` is unchanged); ``"s8"`` (K only) upcasts to int8 in the
+  8-bit layout for two s8 wgmmas against ``q`` split into int8 halves (``q[BH, 2, 16, D]`` int8
+  and ``qscale[BH]`` f32 from :func:`split_q`), exact integer products combined in f32.
 
   ``cols=8`` (at most 8 query heads per KV head, as in Qwen's 4:1 and 7:1 models): the MMAs stay
   16 wide (the narrowest P^T tile Mosaic GPU can swizzle), but the softmax, the row sums and the
@@ -119,8 +121,12 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   narrow = _check_cols(cols)
   if qscale is None:
     qscale = jnp.ones((1,), jnp.float32)      # unread (k_upcast "s8" alone reads it): no [BH] fill
-  if k_upcast == "bf16_perm":    # the K operand's head dim comes permuted (mgpu_upcast.perm)
+  offset = k_upcast == "bf16_perm_offset"
+  if k_upcast in ("bf16_perm", "bf16_perm_offset"):   # K's head dim comes permuted (mgpu_upcast)
     q = mgpu_upcast.permute_minor(q, tile)
+  if offset:     # K's values come as code + 136: the scores carry 136 * sum(q), taken off after
+    qscale = mgpu_upcast.OFFSET * q.astype(jnp.float32).sum(-1)            # [BH, 16]
+    qscale = jnp.pad(qscale, ((0, 0), (0, 2 * N_PAD - qscale.shape[1])))   # 128 bytes a copy
   steps = n // tile // splits
   in_smem = paged and table == "smem"
   if in_smem:
@@ -144,16 +150,20 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
     if how == "bf16_up4":
       x = plgpu.layout_cast(_load(ref, plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
       return x.astype(jnp.bfloat16)
-    if how == "bf16_perm":            # columns permuted: q was permuted the same way (below)
-      return mgpu_upcast.operand(ref)
+    if how in ("bf16_perm", "bf16_perm_offset"):   # columns permuted: so is q (below)
+      return mgpu_upcast.operand(ref, sub=how == "bf16_perm")
     return ref[...].astype(jnp.bfloat16)
 
   def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, tbl_gmem, base_gmem,
-           o_gmem, m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, tbl_smem, bar):
+           o_gmem, m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, tbl_smem, cs_smem, bar):
     b = lax.axis_index("bh")
     sp = lax.axis_index("sp")
     length = lens_gmem[b]
     plgpu.copy_gmem_to_smem(q_gmem.at[b], q_smem, bar.at[0])
+    if offset:
+      plgpu.copy_gmem_to_smem(qs_gmem.at[b], cs_smem, bar.at[2])
+      plgpu.barrier_wait(bar.at[2])
+      shift = _load(cs_smem.at[pl.ds(0, N_PAD)], col)                      # [16] 136 sum(q)
     if in_smem:
       plgpu.copy_gmem_to_smem(tbl_gmem.at[b // hkv, sp], tbl_smem, bar.at[1])
       plgpu.barrier_wait(bar.at[1])
@@ -185,6 +195,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
         scale = kscale * (qk_scale * qs_gmem[b])
       else:
         s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
+        if offset:
+          s = s - lax.broadcast_in_dim(shift, s.shape, [1])
         scale = kscale * qk_scale
       if narrow:
         s = s[:, :cols]
@@ -260,7 +272,8 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
           p_smem=plgpu.SMEM((tile, N_PAD), jnp.bfloat16, transforms=p_tr),
           o_smem=plgpu.SMEM((d, N_PAD), jnp.float32),
           tbl_smem=plgpu.SMEM((ids if in_smem else 4,), jnp.int32),
-          bar=plgpu.Barrier(num_barriers=2),
+          cs_smem=plgpu.SMEM((2 * N_PAD,), jnp.float32),   # unused unless k_upcast offsets K
+          bar=plgpu.Barrier(num_barriers=3),
       ),
   )(q, k, ks, v, ks if planes else vs, lens, qscale, tbl, base)
 

@@ -35,6 +35,7 @@ from pallas_kernels.gpu.mgpu_common import load
 # bf16 0x4308 = 136.0: exponent for 128 (the mantissa's low bits count integers) plus the bias 8
 # that flipping the code's sign bit adds.
 MAGIC = 0x43084308
+OFFSET = 136.0      # what a value converted without the subtract (sub=False) carries: code + 136
 MASK = 0x000F000F
 LUT = (0xF0 & 0xCC) ^ 0xAA          # lop3: (a & b) ^ c
 
