@@ -13,8 +13,12 @@ registers (``shr`` + ``lop3`` + ``sub.bf16x2``: nibbles ``k`` and ``k + 4`` of t
 pair, CUTLASS's magic-number conversion), and declare those registers the wgmma layout of the
 tile **with its minor axis permuted** (:func:`perm`). For K (``S^T = K . q^T``, the head dim is
 the contraction) the permutation is absorbed by permuting ``q``'s head dim the same way before
-the kernel: ``K[:, p] q[p]`` summed over ``p`` is the same dot product in any order. Per word
-(eight codes) that is one load and 11 ALU instructions instead of four loads and 16.
+the kernel: ``K[:, p] q[p]`` summed over ``p`` is the same dot product in any order. For
+dim-major V (``O^T = V^T . P^T``, the tokens are the contraction and ``P^T`` fixes their order)
+the codes themselves are stored permuted (:func:`store_order`), so the operand comes out in token
+order. Per word (eight codes) that is one load and 11 ALU instructions instead of four loads and
+16; ``operand(..., sub=False)`` drops the four subtracts, for a caller that takes ``136 * sum(q)``
+off the scores after the MMA (``mgpu_int4``'s ``k_upcast="bf16_perm_offset"``).
 
 :func:`perm` is derived from Mosaic GPU's own layout definitions (:func:`elements` replays its
 ``TiledLayout`` index arithmetic in numpy), and :func:`convert_reference` replays the register
