@@ -178,28 +178,8 @@ def test_warp_specialized_kernel_with_permuted_k_lowers(d, wgs):
     M.partition_ws.trace(*args, tile=tile, splits=4, wgs=wgs, k_upcast="bf16_up4")
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_kernel_with_permuted_k_and_v_lowers(paged):
-  S = jax.ShapeDtypeStruct
-  bh, n, d, tile = 4, 4096, 128, 128
-  q = S((bh, M.N_PAD, d), jnp.bfloat16)
-  lens = S((bh,), jnp.int32)
-  kn = dict(tile=tile, splits=4, qk_scale=0.1, k_upcast="bf16_perm", v_upcast="bf16_perm")
-  if paged:
-    p, hkv = 70, 2
-    args = (q, S((p, hkv, tile, d), jnp.int4), S((p, hkv, 2, tile), jnp.float16),
-            S((p, hkv, d, tile), jnp.int4), None, lens, None, S((bh // hkv, 32), jnp.int32))
-  else:
-    args = (q, S((bh, n, d), jnp.int4), S((bh, n), jnp.float32), S((bh, d, n), jnp.int4),
-            S((bh, n), jnp.float32), lens)
-  text = M.partition.trace(*args, **kn).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("paged", [False, True])
-def test_offset_k_kernel_lowers(paged):
-  """k_upcast='bf16_perm_offset': the K operand without the conversion's subtract (code + 136)
-  and 136 * sum(q) taken off the scores after the MMA."""
+def _lowered(paged: bool, **kn) -> str:
+  """``partition`` (4B-like head dim, tiles of 128) lowered for CUDA, contiguous or over a pool."""
   S = jax.ShapeDtypeStruct
   bh, n, d, tile = 4, 4096, 128, 128
   q, lens = S((bh, M.N_PAD, d), jnp.bfloat16), S((bh,), jnp.int32)
@@ -210,12 +190,21 @@ def test_offset_k_kernel_lowers(paged):
   else:
     args = (q, S((bh, n, d), jnp.int4), S((bh, n), jnp.float32), S((bh, d, n), jnp.int4),
             S((bh, n), jnp.float32), lens)
-  text = M.partition.trace(*args, tile=tile, splits=4, qk_scale=0.1,
-                           k_upcast="bf16_perm_offset").lower(
-                               lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and text != M.partition.trace(
-      *args, tile=tile, splits=4, qk_scale=0.1, k_upcast="bf16_perm").lower(
-          lowering_platforms=("cuda",)).as_text()
+  return M.partition.trace(*args, tile=tile, splits=4, qk_scale=0.1, **kn).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kernel_with_permuted_k_and_v_lowers(paged):
+  assert "mosaic_gpu" in _lowered(paged, k_upcast="bf16_perm", v_upcast="bf16_perm")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_offset_k_kernel_lowers(paged):
+  """k_upcast='bf16_perm_offset': the K operand without the conversion's subtract (code + 136)
+  and 136 * sum(q) taken off the scores after the MMA."""
+  text = _lowered(paged, k_upcast="bf16_perm_offset")
+  assert "mosaic_gpu" in text and text != _lowered(paged, k_upcast="bf16_perm")
 
 
 def test_offset_scores_lose_nothing_against_the_bf16_floor():
