@@ -218,3 +218,10 @@ def test_offset_scores_lose_nothing_against_the_bf16_floor():
   got = ((k + U.OFFSET) @ q.T).astype(np.float32) - np.float32(U.OFFSET) * q.sum(-1)
   want = k.astype(np.float64) @ q.T.astype(np.float64)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_permute_minor_moves_each_column_where_perm_says(d):
+  x = jnp.arange(3 * d).reshape(3, d)
+  got = np.asarray(U.permute_minor(x))
+  np.testing.assert_array_equal(got[:, U.perm(64, d)], np.asarray(x))

@@ -377,7 +377,7 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   grid size), ``wgs_lo`` > 1 its warp-specialized form (``wgs_lo`` compute warpgroups; the
   "int4" storage format only), ``table_lo`` where its index maps read the page ids ("gmem",
   or "smem": copied into shared memory once per block), ``upcast_lo`` how it turns K tiles into
-  MMA operands ("bf16" or "bf16_perm": ``mgpu_decode.int4_partials``' ``upcast``);
+  MMA operands (``mgpu_decode.UPCASTS``: ``mgpu_decode.int4_partials``' ``upcast``);
   ``"triton"``: this module's kernel;
   ``"auto"`` (default): Mosaic GPU wherever it applies on a Hopper GPU (not in interpret mode),
   Triton elsewhere.

@@ -59,7 +59,8 @@ def hopper() -> bool:
   return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
-# How the one-warpgroup kernel turns K tiles into MMA operands (mgpu_int4.partition's k_upcast).
+# How the int4 pool's kernel turns K tiles into MMA operands (mgpu_int4.partition's k_upcast;
+# the warp-specialized kernel takes the first two).
 UPCASTS = ("bf16", "bf16_perm", "bf16_perm_offset")
 
 
@@ -82,8 +83,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   ``table`` (the int4 pool): where the kernel's index maps read the page ids
   (``mgpu_int4.partition``).
   ``upcast`` (the int4 pool): how the kernel turns K tiles into wgmma operands
-  (``mgpu_int4.partition``'s ``k_upcast``: "bf16", or "bf16_perm", 32-bit loads upcast in
-  registers with the head dim permuted, ``mgpu_upcast``).
+  (``mgpu_int4.partition``'s ``k_upcast``: "bf16"; "bf16_perm", 32-bit loads upcast in
+  registers with the head dim permuted, ``mgpu_upcast``; "bf16_perm_offset", the same without
+  the conversion's subtract, ``wgs`` 1 only).
   ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose, no
   slice): ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l`` of the same shape with their values in row 0
   of D, for a merge that reads them in place (``merge.merge_sets``, ``merge.merge_kernel``)."""
