@@ -275,7 +275,7 @@ def main(argv=None):
       is_fused = lambda v: v.get("int4_kernel") == "fused"
       runs = [("bytes", arg_sets, [v for v in variants
                                    if not is_fused(v) and v.get("wgs_lo", 1) == 1
-                                   and v.get("upcast_lo", "bf16") == "bf16"])]
+                                   and v.get("upcast_lo") in (None, "bf16")])]
       for fmt in args.lo_formats.split(","):
         if fmt != "bytes" and (lo_len or "fused" in kernels):
           # the same codes in another format, read by the Mosaic GPU kernels (each variant but

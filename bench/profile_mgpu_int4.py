@@ -32,6 +32,8 @@ def main() -> None:
   ap.add_argument("--upcast", default="bf16", help="with --pool: the kernel's k_upcast")
   ap.add_argument("--vupcast", default="bf16", help="with --pool: the kernel's v_upcast (codes "
                   "stored in mgpu_upcast.store_order for bf16_perm)")
+  ap.add_argument("--splits", type=int, default=None,
+                  help="with --pool: context splits (default: 8 at 4b, 32 at 0.5b)")
   a = ap.parse_args()
   if a.pool:
     return pool(a)
@@ -53,15 +55,15 @@ def main() -> None:
 def pool(a) -> None:
   q, k, ks, vv, vs, lens, tbl, _, d = pool_inputs(a.shape, 32768, 128)
   full = jnp.full_like(lens, 32768)
-  kn = dict(tile=128, splits=SPLITS[a.shape], v_major="dim", qk_scale=d ** -0.5 * M.LOG2E,
-            cols=8, approx_math=True, no_auto_barriers=True, k_upcast=a.upcast,
-            v_upcast=a.vupcast)
+  kn = dict(tile=128, splits=a.splits or SPLITS[a.shape], v_major="dim",
+            qk_scale=d ** -0.5 * M.LOG2E, cols=8, approx_math=True, no_auto_barriers=True,
+            k_upcast=a.upcast, v_upcast=a.vupcast)
   v = vv["dim"] if a.vupcast != "bf16_perm" else U.store_order(vv["dim"])
   f = jax.jit(lambda q, k, ks, v, vs, lens, tbl: M.partition(q, k, ks, v, vs, lens, None, tbl,
                                                              **kn))
   for _ in range(a.reps):
     jax.block_until_ready(f(q, k, ks, v, vs, full, tbl))
-  print("pool partition", a.upcast, a.vupcast, "ran", a.reps, flush=True)
+  print("pool partition", a.upcast, a.vupcast, kn["splits"], "splits ran", a.reps, flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ cat $OUT/env.txt
 timeout -s KILL $(cap 150) python3 bench/bench_mgpu_int4.py --pool --upcast-only \
   --out $OUT/pool.jsonl > $OUT/pool.log 2>&1
 echo "pool rc $?"; grep -E '^\{' $OUT/pool.log | cut -c1-400
-v='[{}, {"upcast_lo": "bf16_perm"}, {"upcast_lo": "bf16_perm_offset"}, {"wgs_lo": 3},
+v='[{"upcast_lo": "bf16"}, {"upcast_lo": "bf16_perm"}, {"upcast_lo": "bf16_perm_offset"}, {"wgs_lo": 3, "upcast_lo": "bf16"},
    {"wgs_lo": 3, "upcast_lo": "bf16_perm"}]'
 for s in 0 3; do
   [ $(left) -gt 45 ] || break
@@ -33,7 +33,7 @@ for s in 0 3; do
   echo "kern_$s rc $?"; grep -E '^\{' $OUT/kern_$s.log | cut -c1-300
 done
 i=0
-for kn in '{}' '{"upcast_lo": "bf16_perm"}' '{"upcast_lo": "bf16_perm_offset"}'; do
+for kn in '{"upcast_lo": "bf16"}' '{"upcast_lo": "bf16_perm"}' '{"upcast_lo": "bf16_perm_offset"}'; do
   [ $(left) -gt 60 ] || break
   timeout -s KILL $(cap 150) python3 bench/bench_pask_step.py --batch 8 --layouts unrolled \
     --no-full --lo-page 128 --lo-format int4 --steps 8 --shape qwen3-4b --context 32768 \

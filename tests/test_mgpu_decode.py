@@ -5,7 +5,9 @@ offset, the partials' layout and merge with the Triton kernel's BF16-pool and wi
 end to end with the kernel's jnp reference in its place (``int4_kernel="mosaic_reference"``, the
 Triton kernel in interpret mode) against the float32 reference, on poisoned random inputs; and the
 whole call's lowering for CUDA. On the H200: ``bench/bench_kernels.py``."""
+import math
 import os
+import re
 import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -171,10 +173,15 @@ def test_warp_specialized_whole_call_lowers_for_cuda():
 
 
 def test_permuted_upcast_whole_call_lowers_and_is_checked():
+  """"bf16_perm" is the int4 format's default (and lowers unlike "bf16"); the bytes format's
+  default stays "bf16" (it has no other)."""
   text = _lower_int4(int4_kernel="mosaic", upcast_lo="bf16_perm")
-  assert "mosaic_gpu" in text and text != _lower_int4(int4_kernel="mosaic")
+  plain = _lower_int4(int4_kernel="mosaic", upcast_lo="bf16")
+  assert "mosaic_gpu" in text and text != plain and text == _lower_int4(int4_kernel="mosaic")
   ws = _lower_int4(int4_kernel="mosaic", upcast_lo="bf16_perm", wgs_lo=2)
-  assert "mosaic_gpu" in ws and ws != _lower_int4(int4_kernel="mosaic", wgs_lo=2)
+  assert "mosaic_gpu" in ws and ws != _lower_int4(int4_kernel="mosaic", upcast_lo="bf16",
+                                                   wgs_lo=2)
+  assert ws == _lower_int4(int4_kernel="mosaic", wgs_lo=2)
   args = CASES[0].make(seed=9, lo_format="int4")
   with pytest.raises(ValueError, match="^upcast must be one of .'bf16', 'bf16_perm', "
                                        "'bf16_perm_offset'., got 's8'"):
@@ -243,7 +250,8 @@ def test_merge_in_place_equals_merging_the_concatenated_partials(case_index, lo_
 
 def test_merge_in_place_has_no_concatenation_or_big_transpose():
   """The lowered call (CUDA) merges without concatenating the (f32) partials or transposing the
-  kernel's O^T: its only transposes are of the [B, Hkv, D, g] result."""
+  kernel's O^T: its only f32 transposes are of the [B, Hkv, D, g] result (the bf16 one is q's
+  head-dim permutation for the int4 kernel's K upcast, mgpu_upcast.permute_minor)."""
   case = CASES[2]
   args = synth.stack_layers(case.make(poison=False, lo_format="int4")) + (jnp.int32(1),)
   sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.asarray(x).dtype), args)
@@ -254,5 +262,9 @@ def test_merge_in_place_has_no_concatenation_or_big_transpose():
   for line in text.splitlines():
     if "stablehlo.concatenate" in line:   # the Triton kernel's int32 lengths only
       assert "f32" not in line, line
-    if "stablehlo.transpose" in line:
+    if "stablehlo.transpose" in line and "xf32>" in line:
       assert f"tensor<{s.b}x{s.hkv}x{s.d}x{s.g}xf32>" in line, line
+    elif "stablehlo.transpose" in line:   # q [B, Hkv, 16, D] bf16, permuted in its own shape
+      n = s.b * s.hkv * 16 * s.d
+      shapes = re.findall(r"tensor<([0-9x]+)xbf16>", line)
+      assert shapes and all(math.prod(map(int, t.split("x"))) == n for t in shapes), line

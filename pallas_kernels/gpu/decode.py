@@ -366,7 +366,7 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False, int4_kernel: str = "auto",
                  splits_lo: int | None = None, wgs_lo: int = 1, table_lo: str = "gmem",
-                 upcast_lo: str = "bf16"):
+                 upcast_lo: str | None = None):
   """The partial sets ``[((o, m, l), kernel_layout), ...]`` (see :func:`merge_sets`): the
   Triton kernel's (o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M], rows >= g unwritten) and,
   where the Mosaic GPU kernel reads the INT4 pool, its own in its layout.
@@ -377,7 +377,8 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   grid size), ``wgs_lo`` > 1 its warp-specialized form (``wgs_lo`` compute warpgroups; the
   "int4" storage format only), ``table_lo`` where its index maps read the page ids ("gmem",
   or "smem": copied into shared memory once per block), ``upcast_lo`` how it turns K tiles into
-  MMA operands (``mgpu_decode.UPCASTS``: ``mgpu_decode.int4_partials``' ``upcast``);
+  MMA operands (``mgpu_decode.UPCASTS``: ``mgpu_decode.int4_partials``' ``upcast``; default by
+  the pool's storage format);
   ``"triton"``: this module's kernel;
   ``"auto"`` (default): Mosaic GPU wherever it applies on a Hopper GPU (not in interpret mode),
   Triton elsewhere.

@@ -70,7 +70,7 @@ def splits_for(bh: int, n_pages: int) -> int:
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
                   g: int, splits: int | None = None, wgs: int = 1, table: str = "gmem",
-                  upcast: str = "bf16", reference: bool = False, layout: str = "triton"):
+                  upcast: str | None = None, reference: bool = False, layout: str = "triton"):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
   D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
   D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
@@ -85,7 +85,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   ``upcast`` (the int4 pool): how the kernel turns K tiles into wgmma operands
   (``mgpu_int4.partition``'s ``k_upcast``: "bf16"; "bf16_perm", 32-bit loads upcast in
   registers with the head dim permuted, ``mgpu_upcast``; "bf16_perm_offset", the same without
-  the conversion's subtract, ``wgs`` 1 only).
+  the conversion's subtract, ``wgs`` 1 only); default "bf16_perm" for the int4 storage format
+  (its K tiles 6-8% faster in the decode call on an H100, bench/RESULTS.md 2026-12-06), "bf16"
+  for the bytes format.
   ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose, no
   slice): ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l`` of the same shape with their values in row 0
   of D, for a merge that reads them in place (``merge.merge_sets``, ``merge.merge_kernel``)."""
@@ -103,6 +105,8 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   n_pages = tbl.shape[1]
   used = (maps.lo_len.astype(jnp.int32) + page - 1) // page
   tbl = jnp.where(jnp.arange(n_pages)[None, :] < used[:, None], tbl, 0)
+  if upcast is None:
+    upcast = "bf16_perm" if lo.format == "int4" else "bf16"
   if upcast not in UPCASTS:
     raise ValueError(f"upcast must be one of {UPCASTS}, got {upcast!r}")
   if upcast != "bf16" and lo.format != "int4":

@@ -1,0 +1,55 @@
+# Device: issue 22's wave test. The int4 pool's Mosaic GPU kernel runs 3 blocks per SM (168
+# registers and its shared memory each allow 3), so the default grid of 512 blocks
+# (mgpu_decode.BLOCKS: 8 splits x 64 (sequence, KV head) at the 4B-like shape, 32 x 16 at the
+# 0.5B) is 1.29 waves on 132 SMs: Nsight Compute saw the SMs active 71% of the kernel's cycles
+# (bench/results/2026-12-06_session22/upcast/ncu_perm.txt). Does a grid of at most one wave
+# (splits 6 / 24: 384 blocks) or of whole waves (12 / 48: 768 = 1.94) run faster? Most valuable
+# first:
+#   1. one decode call per shape (4B-like and 0.5B, B=8, 32K), CUPTI per kernel, context splits
+#      swept (the default upcast, "bf16_perm"; "bf16" at the default splits for the baseline);
+#   2. the same at 8K keys (B=32 4B-like: 256 (sequence, KV head) pairs);
+#   3. Nsight Compute of the 4B pool kernel alone (profile_mgpu_int4.py --pool) at 6 and 8
+#      splits (SM active cycles, occupancy, waves).
+#   LIMIT=560 bash scripts/dev_waves.sh        (no wheels or model)
+# Raw output: $OUT/waves.tgz (env.txt, kern_*/ + logs, ncu_*.txt); the call returns few files.
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+limit=${LIMIT:-560}
+d=/tmp/waves && rm -rf $d && mkdir -p $d
+trap 'tar czf $OUT/waves.tgz -C /tmp waves' EXIT
+left() { echo $((limit - SECONDS - 20)); }
+cap() { local t; t=$(left); echo $(( t < $1 ? t : $1 )); }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax; print('jax', jax.__version__)"; git rev-parse HEAD 2>/dev/null
+  git status --short 2>/dev/null; } > $d/env.txt 2>&1
+cat $d/env.txt
+kern() {  # tag, shape index, variants
+  [ $(left) -gt 45 ] || { echo "no time for $1"; return; }
+  timeout -k 5 -s KILL $(cap 120) python3 bench/bench_kernels.py --out $d/$1 --lo-page 128 \
+    --lo-formats int4 --int4-kernels mosaic --shapes $2 --no-gqa --cupti \
+    --mosaic-variants "$3" > $d/$1.log 2>&1
+  echo "$1 rc $?"
+  grep -E '^\{' $d/$1.log | python3 -c '
+import sys
+nan = float("nan")
+for l in sys.stdin:
+    r = eval(l)
+    body = [k[1] for k in r["kernels"] if "mosaic" in k[0]]
+    print(r["shape"], r["variant"], r["knobs"][:90], "call", round(r["time_us"], 1),
+          "kernels", round(r["kernels_us"], 1), "int4 body", body, "err", "%.1e" % r["err"])'
+}
+kern kern_4b 0 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 4}, {"splits_lo": 5},
+  {"splits_lo": 6}, {"splits_lo": 12}, {"splits_lo": 16}]'
+kern kern_05 3 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 16}, {"splits_lo": 24},
+  {"splits_lo": 48}, {"splits_lo": 64}]'
+kern kern_4b32 2 '[{}, {"splits_lo": 1}, {"splits_lo": 2}, {"splits_lo": 3}]'
+if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
+  for s in 6 8; do
+    [ $(left) -gt 40 ] || break
+    timeout -s KILL $(cap 60) ncu --clock-control none -k regex:mosaic --section SpeedOfLight \
+      --section Occupancy --section LaunchStats --section SchedulerStats \
+      python3 bench/profile_mgpu_int4.py --pool --upcast bf16_perm --splits $s --reps 1 \
+      > $d/ncu_$s.txt 2>&1
+    grep -E "Duration|SM Active|Elapsed Cycles|Grid Size|Waves Per SM|Achieved Occ" $d/ncu_$s.txt \
+      | head -12
+  done
+fi
