@@ -98,6 +98,12 @@ class Config:
   # band's pick at B 0.33 scored 77.8 against 71.7 for the releasing composition one dev case
   # ahead (Full KV 79.2); on the 1.5B's record it moves no pick (bench/RESULTS.md).
   keep_se: float = 1.0
+  # Whether a target's variant may compose the decode stage that releases nothing (every
+  # generated token at L, target rule 3) instead of a calibrated decode candidate.  False for
+  # ablation comparisons: wherever keep-at-L wins, the variant's decode keys never act, and on
+  # the 1.5B at B 0.20 the full method and no-transition became the same policy that way
+  # (bench/RESULTS.md 2026-12-06, fourth).  Selection only: saved stages resume.
+  decode_keep: bool = True
 
 
 # A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
@@ -1169,12 +1175,14 @@ class Calibration:
     rows = pool + first + second
     out = []
     keeps = [keeps_prompt(r["p"]) for r in rows]
+    # without decode_keep, the compositions with keep-at-L's decode stage fit no target
+    dev_rows = [r["dev"] if cfg.decode_keep or r["d"] != kj else {**r["dev"], "total": math.inf}
+                for r in rows]
     for t in cfg.targets:
-      dev_rows = [r["dev"] for r in rows]
       j = pick_within(dev_rows, t, keeps=keeps, band=cfg.keep_se, n=len(self.dev.requests))
       j0 = pick_within(dev_rows, t)
       if j is None:
-        low = min(r["dev"]["total"] for r in rows)
+        low = min(r["total"] for r in dev_rows)
         self.log(f"target B {t:.2f} not reached on dev (lowest measured total B {low:.3f}): "
                  "no variant written")
         out.append({"target": t, "record": {"target": t, "reached": False, "policy": None,

@@ -99,6 +99,11 @@ def add_parser(sub) -> None:
                       "most dev-accurate one, a composition that releases no prompt token wins "
                       "(default 1; 0: the paper's rule, the most accurate fit). Selection "
                       "only: saved stages resume")
+  c.add_argument("--no-decode-keep", action="store_true",
+                 help="with targets: compose each target's variant from the calibrated decode "
+                      "candidates only, never from the decode stage that keeps every generated "
+                      "token at L (for ablation comparisons, where that stage makes variants "
+                      "alike). Selection only: saved stages resume")
   c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
                  help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
                       "and select over all of them")
@@ -150,6 +155,8 @@ def run(args) -> int:
     raise SystemExit("error: --rows and --max-tokens must be positive")
   targets = targets_of(args)
   keep_se = keep_se_of(args, targets)
+  if args.no_decode_keep and not targets:
+    raise SystemExit("error: --no-decode-keep chooses among target variants: give --targets")
   try:
     windows = alg1.check_windows(args.windows)
   except ValueError as e:
@@ -207,7 +214,7 @@ def run(args) -> int:
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
                     window=args.window, targets=targets, windows=windows, ablation=ablation,
-                    keep_se=keep_se)
+                    keep_se=keep_se, decode_keep=not args.no_decode_keep)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
   from calibrate.stages import StageMismatch
   main = distributed.is_main()

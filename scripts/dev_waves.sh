@@ -1,15 +1,20 @@
 # Device: issue 22's wave test. The int4 pool's Mosaic GPU kernel runs 3 blocks per SM (168
 # registers and its shared memory each allow 3), so the default grid of 512 blocks
 # (mgpu_decode.BLOCKS: 8 splits x 64 (sequence, KV head) at the 4B-like shape, 32 x 16 at the
-# 0.5B) is 1.29 waves on 132 SMs: Nsight Compute saw the SMs active 71% of the kernel's cycles
-# (bench/results/2026-12-06_session22/upcast/ncu_perm.txt). Does a grid of at most one wave
+# 0.5B) is 1.29 waves on 132 SMs (Nsight Compute: the SMs active 92% of the kernel's cycles with
+# the byte upcast, session 21, and 71% with both operands permuted, session 22: bench/results/
+# 2026-12-06_session2{1/int4_sass/ncu,2/upcast/ncu_perm}.txt). Does a grid of at most one wave
 # (splits 6 / 24: 384 blocks) or of whole waves (12 / 48: 768 = 1.94) run faster? Most valuable
 # first:
 #   1. one decode call per shape (4B-like and 0.5B, B=8, 32K), CUPTI per kernel, context splits
-#      swept (the default upcast, "bf16_perm"; "bf16" at the default splits for the baseline);
+#      swept (the default upcast, "bf16_perm"; "bf16" at the default splits for the baseline),
+#      and at the 4B-like shape the warp-specialized kernel (2 / 3 compute warpgroups: one block
+#      per SM, so 64 x splits blocks against 132 SMs; 3 x 2 splits was the best 4B kernel of
+#      session 22, 88.5 µs);
 #   2. the same at 8K keys (B=32 4B-like: 256 (sequence, KV head) pairs);
-#   3. Nsight Compute of the 4B pool kernel alone (profile_mgpu_int4.py --pool) at 6 and 8
-#      splits (SM active cycles, occupancy, waves).
+#   3. Nsight Compute of the 4B pool kernel alone (profile_mgpu_int4.py --pool, full 32K): the
+#      byte upcast and "bf16_perm" at 8 splits (same call: session 21's byte path had its SMs
+#      active 92% of the cycles, session 22's perm/perm 71%), then "bf16_perm" at 6 and 12.
 #   LIMIT=560 bash scripts/dev_waves.sh        (no wheels or model)
 # Raw output: $OUT/waves.tgz (env.txt, kern_*/ + logs, ncu_*.txt); the call returns few files.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -38,18 +43,21 @@ for l in sys.stdin:
           "kernels", round(r["kernels_us"], 1), "int4 body", body, "err", "%.1e" % r["err"])'
 }
 kern kern_4b 0 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 4}, {"splits_lo": 5},
-  {"splits_lo": 6}, {"splits_lo": 12}, {"splits_lo": 16}]'
+  {"splits_lo": 6}, {"splits_lo": 12}, {"splits_lo": 16}, {"wgs_lo": 3},
+  {"wgs_lo": 3, "splits_lo": 3}, {"wgs_lo": 2, "splits_lo": 2}, {"wgs_lo": 2, "splits_lo": 3}]'
 kern kern_05 3 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 16}, {"splits_lo": 24},
   {"splits_lo": 48}, {"splits_lo": 64}]'
 kern kern_4b32 2 '[{}, {"splits_lo": 1}, {"splits_lo": 2}, {"splits_lo": 3}]'
 if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
-  for s in 6 8; do
+  for run in "bf16 8" "bf16_perm 8" "bf16_perm 6" "bf16_perm 12"; do
+    set -- $run
     [ $(left) -gt 40 ] || break
     timeout -s KILL $(cap 60) ncu --clock-control none -k regex:mosaic --section SpeedOfLight \
       --section Occupancy --section LaunchStats --section SchedulerStats \
-      python3 bench/profile_mgpu_int4.py --pool --upcast bf16_perm --splits $s --reps 1 \
-      > $d/ncu_$s.txt 2>&1
-    grep -E "Duration|SM Active|Elapsed Cycles|Grid Size|Waves Per SM|Achieved Occ" $d/ncu_$s.txt \
-      | head -12
+      python3 bench/profile_mgpu_int4.py --pool --upcast $1 --splits $2 --reps 1 \
+      > $d/ncu_$1_$2.txt 2>&1
+    echo "ncu $1 splits $2"
+    grep -E "Duration|SM Active|Elapsed Cycles|Grid Size|Waves Per SM|Achieved Occ|Issued Warp" \
+      $d/ncu_$1_$2.txt | head -12
   done
 fi

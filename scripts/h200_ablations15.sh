@@ -15,6 +15,9 @@
 #   WINDOW    the recent window W of every calibration (default 16, the full method's); another
 #             W writes to /tmp/abl15-w<W>, policies/...-ablations-w<W>/ and runs
 #             examples/campaign_15b_ablations-w<W>.toml
+#   NOKEEP    1: calibrate with --no-decode-keep (each variant's B 0.20 policy composes its own
+#             decode stage, never keep-at-L; bench/RESULTS.md 2026-12-06 (fourth): with it the
+#             full method and no-transition at W 4 were one policy); writes to .../<dirs>-nokeep
 #   MAX_CASES cases per category for calibration and development (default: every case, as the
 #             committed full-method policy; keep it the same over the calls)
 #   FULL_WORK the work/ of a full-method calibration with the same flags (e.g. /tmp/cal15c/work
@@ -37,7 +40,7 @@ limit=${LIMIT:-560}
 gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 rows=${ROWS:-$([ "${gib:-0}" -gt 100000 ] && echo 1024 || echo 512)}
 win=${WINDOW:-16}
-sfx=$([ "$win" = 16 ] || echo "-w$win")
+sfx=$([ "$win" = 16 ] || echo "-w$win")$([ "${NOKEEP:-0}" = 1 ] && echo -nokeep)
 root=/tmp/abl15$sfx
 pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations$sfx
 plan=examples/campaign_15b_ablations$sfx.toml
@@ -67,6 +70,7 @@ for v in ${VARIANTS:-$all}; do
   timeout $left python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
     --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows $rows --max-tokens 128 \
     --window $win --targets 0.20 --keep-within-se 0 $([ $v = full ] || echo --ablation $v) \
+    $([ "${NOKEEP:-0}" = 1 ] && echo --no-decode-keep) \
     >> $OUT/abl15${sfx}_$v.log 2>&1 || { tail -c 3000 $OUT/abl15${sfx}_$v.log; exit 0; }
   tail -c 1500 $OUT/abl15${sfx}_$v.log
   tar czf $OUT/abl15${sfx}_$v.tgz -C /tmp abl15$sfx/$v/policy abl15$sfx/$v/calibration.json

@@ -186,6 +186,15 @@ def test_calibrate_keeps_within_one_se_by_default_when_it_has_targets():
   assert of("--keep-within-se", "0") == 0.0
 
 
+def test_calibrate_no_decode_keep_needs_targets(tmp_path):
+  assert _calibrate_args("--targets", "0.2", "--no-decode-keep").no_decode_keep
+  assert not _calibrate_args("--targets", "0.2").no_decode_keep
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate", "--out", str(tmp_path / "o"), "--no-decode-keep"])
+  assert str(e.value) == ("error: --no-decode-keep chooses among target variants: give "
+                          "--targets")
+
+
 def test_calibrate_target_b_is_the_single_target_spelling(tmp_path):
   one = calibrate_cli.targets_of(_calibrate_args("--target-b", "0.2"))
   assert one == calibrate_cli.targets_of(_calibrate_args("--targets", "0.2")) == (0.2,)
