@@ -187,8 +187,9 @@ def main(argv=None):
                   help="JSON list of knob dicts (splits_lo, splits_hi, tile_hi, stages_lo, "
                        "stages_hi): each 'fused' row runs each")
   ap.add_argument("--mosaic-variants", default="[{}]",
-                  help="JSON list of knob dicts (splits_lo, wgs_lo, upcast_lo): each 'mosaic' row "
-                       "runs each; wgs_lo > 1 (warp-specialized) and upcast_lo 'bf16_perm' on the "
+                  help="JSON list of knob dicts (splits_lo, wgs_lo, upcast_lo, early_v_lo): each "
+                       "'mosaic' row runs each; wgs_lo > 1 (warp-specialized), upcast_lo other "
+                       "than 'bf16' and early_v_lo on the "
                        "int4 format only")
   ap.add_argument("--shapes", default="", help="comma list of shape indices (default: all)")
   ap.add_argument("--cupti", action="store_true",
@@ -275,7 +276,8 @@ def main(argv=None):
       is_fused = lambda v: v.get("int4_kernel") == "fused"
       runs = [("bytes", arg_sets, [v for v in variants
                                    if not is_fused(v) and v.get("wgs_lo", 1) == 1
-                                   and v.get("upcast_lo") in (None, "bf16")])]
+                                   and v.get("upcast_lo") in (None, "bf16")
+                                   and not v.get("early_v_lo")])]
       for fmt in args.lo_formats.split(","):
         if fmt != "bytes" and (lo_len or "fused" in kernels):
           # the same codes in another format, read by the Mosaic GPU kernels (each variant but

@@ -10,7 +10,8 @@
 #      swept (the default upcast, "bf16_perm"; "bf16" at the default splits for the baseline),
 #      and at the 4B-like shape the warp-specialized kernel (2 / 3 compute warpgroups: one block
 #      per SM, so 64 x splits blocks against 132 SMs; 3 x 2 splits was the best 4B kernel of
-#      session 22, 88.5 µs);
+#      session 22, 88.5 µs); and early_v_lo (V's upcast while the scores' MMAs run: the kernel
+#      is latency-bound, 0.73 eligible warps per scheduler);
 #   2. the same at 8K keys (B=32 4B-like: 256 (sequence, KV head) pairs);
 #   3. Nsight Compute of the 4B pool kernel alone (profile_mgpu_int4.py --pool, full 32K): the
 #      byte upcast and "bf16_perm" at 8 splits (same call: session 21's byte path had its SMs
@@ -44,9 +45,10 @@ for l in sys.stdin:
 }
 kern kern_4b 0 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 4}, {"splits_lo": 5},
   {"splits_lo": 6}, {"splits_lo": 12}, {"splits_lo": 16}, {"wgs_lo": 3},
-  {"wgs_lo": 3, "splits_lo": 3}, {"wgs_lo": 2, "splits_lo": 2}, {"wgs_lo": 2, "splits_lo": 3}]'
+  {"wgs_lo": 3, "splits_lo": 3}, {"wgs_lo": 2, "splits_lo": 2}, {"wgs_lo": 2, "splits_lo": 3},
+  {"early_v_lo": true}, {"early_v_lo": true, "splits_lo": 6}]'
 kern kern_05 3 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 16}, {"splits_lo": 24},
-  {"splits_lo": 48}, {"splits_lo": 64}]'
+  {"splits_lo": 48}, {"splits_lo": 64}, {"early_v_lo": true}]'
 kern kern_4b32 2 '[{}, {"splits_lo": 1}, {"splits_lo": 2}, {"splits_lo": 3}]'
 if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
   for run in "bf16 8" "bf16_perm 8" "bf16_perm 6" "bf16_perm 12"; do

@@ -192,6 +192,18 @@ def test_permuted_upcast_whole_call_lowers_and_is_checked():
                  upcast_lo="bf16_perm", **SMALL)
 
 
+def test_early_v_whole_call_lowers_and_is_checked():
+  text = _lower_int4(int4_kernel="mosaic", early_v_lo=True)
+  assert "mosaic_gpu" in text and text != _lower_int4(int4_kernel="mosaic")
+  with pytest.raises(ValueError, match="^early_v is a knob of the int4 storage format's kernel "
+                                       "with one compute warpgroup; got format 'bytes', wgs=1"):
+    partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="mosaic_reference",
+                 early_v_lo=True, **SMALL)
+  with pytest.raises(ValueError, match="^early_v is a knob .* got format 'int4', wgs=2"):
+    partials_gpu(*CASES[0].make(seed=9, lo_format="int4"), interpret=True,
+                 int4_kernel="mosaic_reference", early_v_lo=True, wgs_lo=2, **SMALL)
+
+
 def test_int4_format_goes_to_mosaic_and_never_to_triton():
   case = CASES[0]
   args = case.make(seed=8, lo_format="int4")

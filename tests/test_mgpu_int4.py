@@ -150,7 +150,7 @@ def test_bad_shapes_are_one_line_errors():
 
 
 def _lower(d, v_major, tile, stages=2, splits=4, bh=4, n=4096, k_upcast="bf16",
-           v_upcast="bf16"):
+           v_upcast="bf16", **knobs):
   S = jax.ShapeDtypeStruct
   v_shape = (bh, n, d) if v_major == "token" else (bh, d, n)
   s8 = k_upcast == "s8"
@@ -160,7 +160,7 @@ def _lower(d, v_major, tile, stages=2, splits=4, bh=4, n=4096, k_upcast="bf16",
   args += (S((bh,), jnp.float32),) if s8 else ()
   return M.partition.trace(*args, tile=tile, stages=stages, splits=splits, v_major=v_major,
                            qk_scale=0.1, k_upcast=k_upcast, v_upcast=v_upcast,
-                           ).lower(lowering_platforms=("cuda",))
+                           **knobs).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("d,v_major,tile,k_upcast,v_upcast", [
@@ -170,6 +170,17 @@ def _lower(d, v_major, tile, stages=2, splits=4, bh=4, n=4096, k_upcast="bf16",
 def test_kernel_lowers_to_mosaic_gpu(d, v_major, tile, k_upcast, v_upcast):
   text = _lower(d, v_major, tile, k_upcast=k_upcast, v_upcast=v_upcast).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("d,k_upcast", [(128, "bf16"), (64, "bf16_perm"),
+                                         (128, "bf16_perm_offset")])
+def test_early_v_lowers_and_is_checked(d, k_upcast):
+  """early_v moves V's upcast between the scores' MMAs and their wait: a different kernel."""
+  text = _lower(d, "dim", 128, k_upcast=k_upcast, early_v=True).as_text()
+  assert "mosaic_gpu" in text and text != _lower(d, "dim", 128, k_upcast=k_upcast).as_text()
+  for bad in (dict(v_major="token"), dict(k_upcast="s8", v_major="dim")):
+    with pytest.raises(ValueError, match="^early_v upcasts dim-major V beside bf16 K tiles; got "):
+      _lower(d, **{"v_major": "dim", "tile": 128, **bad}, early_v=True)
 
 
 @pytest.mark.parametrize("d,wgs,knobs", [

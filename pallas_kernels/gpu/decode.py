@@ -323,7 +323,7 @@ def _plan(cap, bk, chunk):
 _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
           "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse",
           "num_warps_lo", "num_stages_lo", "interpret", "int4_kernel", "splits_lo", "wgs_lo",
-          "table_lo", "upcast_lo")
+          "table_lo", "upcast_lo", "early_v_lo")
 # Knobs of int4_kernel="fused" alone (mgpu_mixed: one Mosaic GPU launch for both pools).
 _FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers")
 # decode_attention_gpu's own: how the partials are merged ("kernel": in place by one Pallas Triton
@@ -366,7 +366,7 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False, int4_kernel: str = "auto",
                  splits_lo: int | None = None, wgs_lo: int = 1, table_lo: str = "gmem",
-                 upcast_lo: str | None = None):
+                 upcast_lo: str | None = None, early_v_lo: bool = False):
   """The partial sets ``[((o, m, l), kernel_layout), ...]`` (see :func:`merge_sets`): the
   Triton kernel's (o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M], rows >= g unwritten) and,
   where the Mosaic GPU kernel reads the INT4 pool, its own in its layout.
@@ -378,7 +378,8 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   "int4" storage format only), ``table_lo`` where its index maps read the page ids ("gmem",
   or "smem": copied into shared memory once per block), ``upcast_lo`` how it turns K tiles into
   MMA operands (``mgpu_decode.UPCASTS``: ``mgpu_decode.int4_partials``' ``upcast``; default by
-  the pool's storage format);
+  the pool's storage format), ``early_v_lo`` whether it upcasts V's operand while the scores'
+  MMAs run (``mgpu_decode.int4_partials``' ``early_v``);
   ``"triton"``: this module's kernel;
   ``"auto"`` (default): Mosaic GPU wherever it applies on a Hopper GPU (not in interpret mode),
   Triton elsewhere.
@@ -518,6 +519,7 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   if n_lo and int4_kernel != "triton":
     lo_part = mgpu_decode.int4_partials(qp, lo, maps, layer, c=c, g=g, splits=splits_lo,
                                         wgs=wgs_lo, table=table_lo, upcast=upcast_lo,
+                                        early_v=early_v_lo,
                                         layout="kernel",
                                         reference=int4_kernel == "mosaic_reference")
     rest = call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,

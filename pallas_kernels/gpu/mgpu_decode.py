@@ -70,7 +70,8 @@ def splits_for(bh: int, n_pages: int) -> int:
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
                   g: int, splits: int | None = None, wgs: int = 1, table: str = "gmem",
-                  upcast: str | None = None, reference: bool = False, layout: str = "triton"):
+                  upcast: str | None = None, early_v: bool = False, reference: bool = False,
+                  layout: str = "triton"):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
   D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
   D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
@@ -88,6 +89,8 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   the conversion's subtract, ``wgs`` 1 only); default "bf16_perm" for the int4 storage format
   (its K tiles 6-8% faster in the decode call on an H100, bench/RESULTS.md 2026-12-06), "bf16"
   for the bytes format.
+  ``early_v`` (the int4 pool, ``wgs`` 1): V's operand upcast while the scores' MMAs run
+  (``mgpu_int4.partition``'s ``early_v``).
   ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose, no
   slice): ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l`` of the same shape with their values in row 0
   of D, for a merge that reads them in place (``merge.merge_sets``, ``merge.merge_kernel``)."""
@@ -112,6 +115,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   if upcast != "bf16" and lo.format != "int4":
     raise ValueError(f"upcast={upcast!r} is a knob of the int4 storage format's kernels; this "
                      f"pool is {lo.format!r}")
+  if early_v and (lo.format != "int4" or wgs != 1):
+    raise ValueError(f"early_v is a knob of the int4 storage format's kernel with one compute "
+                     f"warpgroup; got format {lo.format!r}, wgs={wgs}")
   if wgs != 1 and lo.format != "int4":
     raise ValueError(f"wgs={wgs} (the warp-specialized kernel) reads the int4 storage format "
                      f"only; this pool is {lo.format!r}")
@@ -139,7 +145,8 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
     else:
       o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
                              v_major="dim", qk_scale=c, cols=cols, approx_math=True,
-                             no_auto_barriers=True, table=table, k_upcast=upcast)
+                             no_auto_barriers=True, table=table, k_upcast=upcast,
+                             early_v=early_v)
     return _layout(o, m, l, b, hkv, s * wgs, d, layout)
   # The bytes pool: this layer's scales [P, page, Hkv, 2] -> head-major f32 [Hkv, P, page];
   # non-finite scales of unused rows become 0 (garbage there must not reach the output).

@@ -50,12 +50,12 @@ V_UPCASTS = ("bf16", "bf16_up4", "bf16_perm")
 
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
                                              "qk_scale", "k_upcast", "v_upcast", "approx_math",
-                                             "no_auto_barriers", "cols", "table"))
+                                             "no_auto_barriers", "cols", "table", "early_v"))
 def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: int = 128,
               stages: int = 2, splits: int = 8, lazy_sum: bool = True, v_major: str = "dim",
               qk_scale: float = 1.0, k_upcast: str = "bf16", v_upcast: str = "bf16",
               approx_math: bool = False, no_auto_barriers: bool = False, cols: int = N_PAD,
-              table: str = "gmem"):
+              table: str = "gmem", early_v: bool = False):
   """-> (o[BH, splits, D, 16] f32 unnormalized O^T, m[BH, splits, D, 16], l[BH, splits, D, 16]).
 
   ``tbl[B, n_pages]`` int32 (paged): ``k``, ``v``, ``ks``, ``vs`` are a pool of head-major
@@ -96,8 +96,15 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
   before they can issue the step's copies; ``"smem"``: each block's ``steps`` page ids are
   copied into shared memory once at the start (the table regrouped per (sequence, split) and
   padded to 128 bytes in XLA), so a step's ids are shared-memory loads.
+
+  ``early_v`` (dim-major V, bf16 K): V's A operand is upcast while the scores' MMAs run (issued
+  before their accumulator is read) instead of after the softmax, so its ALU work overlaps the
+  tensor cores; both operands' registers are then live at once.
   """
   _check_table(table)
+  if early_v and (v_major != "dim" or k_upcast == "s8"):
+    raise ValueError(f"early_v upcasts dim-major V beside bf16 K tiles; got v_major={v_major!r}, "
+                     f"k_upcast={k_upcast!r}")
   planes = vs is None
   if tbl is None:
     if base is not None:
@@ -177,7 +184,9 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
         for j in range(d // kslice):
           sl = slice(j * kslice, (j + 1) * kslice)
           plgpu.wgmma(acc_ref, kr[:, sl], q_smem.at[:, sl].T)
-        return acc_ref[...]
+        # issued, not waited on: V's upcast here runs beside the MMAs (the read below waits)
+        vr = operand(v_smem, v_upcast) if early_v else None
+        return acc_ref[...], vr
 
       def scores_s8(refs):
         hi, lo = refs
@@ -194,7 +203,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
         s = hi.astype(jnp.float32) + lo.astype(jnp.float32) * (1.0 / Q_LO)
         scale = kscale * (qk_scale * qs_gmem[b])
       else:
-        s = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
+        s, vr = pl.run_scoped(scores, plgpu.ACC((tile, N_PAD), jnp.float32))
         if offset:
           s = s - lax.broadcast_in_dim(shift, s.shape, [1])
         scale = kscale * qk_scale
@@ -214,7 +223,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
         if v_major == "token":
           plgpu.wgmma(acc_ref, vb_smem.T, p_smem)
         else:
-          plgpu.wgmma(acc_ref, operand(v_smem, v_upcast), p_smem)
+          plgpu.wgmma(acc_ref, vr if early_v else operand(v_smem, v_upcast), p_smem)
         return acc_ref[...]
 
       # A fresh accumulator plus an add ([D, 16] adds) instead of run_state over the old one.
