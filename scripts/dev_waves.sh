@@ -6,6 +6,7 @@
 # 2026-12-06_session2{1/int4_sass/ncu,2/upcast/ncu_perm}.txt). Does a grid of at most one wave
 # (splits 6 / 24: 384 blocks) or of whole waves (12 / 48: 768 = 1.94) run faster? Most valuable
 # first:
+#   0. registers per knob set at cols=8 (bench/mgpu_regs.py, ptxas through a deviceless compile);
 #   1. one decode call per shape (4B-like and 0.5B, B=8, 32K), CUPTI per kernel, context splits
 #      swept (the default upcast, "bf16_perm"; "bf16" at the default splits for the baseline),
 #      and at the 4B-like shape the warp-specialized kernel (2 / 3 compute warpgroups: one block
@@ -43,6 +44,10 @@ for l in sys.stdin:
     print(r["shape"], r["variant"], r["knobs"][:90], "call", round(r["time_us"], 1),
           "kernels", round(r["kernels_us"], 1), "int4 body", body, "err", "%.1e" % r["err"])'
 }
+# registers at the device's jax (cols=8 needs jax >= 0.11): which knobs keep 3 blocks per SM
+timeout -s KILL 90 python3 -m bench.mgpu_regs --cols 8 '{}' '{"k_upcast": "bf16_perm"}' \
+  '{"k_upcast": "bf16_perm", "early_v": true}' '{"k_upcast": "bf16_perm", "v_upcast": "bf16_perm"}' \
+  > $d/regs.md 2>&1; grep -E '^\|' $d/regs.md
 kern kern_4b 0 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 4}, {"splits_lo": 5},
   {"splits_lo": 6}, {"splits_lo": 12}, {"splits_lo": 16}, {"wgs_lo": 3},
   {"wgs_lo": 3, "splits_lo": 3}, {"wgs_lo": 2, "splits_lo": 2}, {"wgs_lo": 2, "splits_lo": 3},
