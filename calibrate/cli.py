@@ -78,6 +78,10 @@ def add_parser(sub) -> None:
   c.add_argument("--max-tokens", type=int, default=128)
   c.add_argument("--path-points", type=int, default=8,
                  help="candidates evaluated per greedy path (0 = every step)")
+  c.add_argument("--min-count", type=int, default=1, metavar="N",
+                 help="a tag gets its own calibrated entry only if it occurs at least N times in "
+                      "the calibration split's reference prompts and outputs; rarer tags take "
+                      "their parent's entry (the fallback chain). Default 1: every tag seen")
   c.add_argument("--alpha-d", type=float, default=0.05)
   c.add_argument("--alpha-p", type=float, default=0.02)
   c.add_argument("--sink", type=int, default=4)
@@ -153,6 +157,8 @@ def run(args) -> int:
                      "(calibration and development need cases)")
   if args.rows < 1 or args.max_tokens < 1:
     raise SystemExit("error: --rows and --max-tokens must be positive")
+  if args.min_count < 1:
+    raise SystemExit(f"error: --min-count must be at least 1, got {args.min_count}")
   targets = targets_of(args)
   keep_se = keep_se_of(args, targets)
   if args.no_decode_keep and not targets:
@@ -212,6 +218,7 @@ def run(args) -> int:
         (f" over {jax.process_count()} processes (this is process {jax.process_index()})"
          if jax.process_count() > 1 else ""), flush=True)
   cfg = alg1.Config(alpha_d=args.alpha_d, alpha_p=args.alpha_p, path_points=args.path_points,
+                    min_count=args.min_count,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
                     window=args.window, targets=targets, windows=windows, ablation=ablation,
                     keep_se=keep_se, decode_keep=not args.no_decode_keep)

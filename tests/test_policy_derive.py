@@ -193,6 +193,10 @@ def test_calibrate_no_decode_keep_needs_targets(tmp_path):
     main(["calibrate", "--out", str(tmp_path / "o"), "--no-decode-keep"])
   assert str(e.value) == ("error: --no-decode-keep chooses among target variants: give "
                           "--targets")
+  assert _calibrate_args().min_count == 1 and _calibrate_args("--min-count", "8").min_count == 8
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate", "--out", str(tmp_path / "o"), "--min-count", "0"])
+  assert str(e.value) == "error: --min-count must be at least 1, got 0"
 
 
 def test_calibrate_target_b_is_the_single_target_spelling(tmp_path):
