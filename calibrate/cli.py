@@ -80,8 +80,9 @@ def add_parser(sub) -> None:
                  help="candidates evaluated per greedy path (0 = every step)")
   c.add_argument("--min-count", type=int, default=1, metavar="N",
                  help="a tag gets its own calibrated entry only if it occurs at least N times in "
-                      "the calibration split's reference prompts and outputs; rarer tags take "
-                      "their parent's entry (the fallback chain). Default 1: every tag seen")
+                      "the calibration split's reference prompts and outputs; a rarer tag takes "
+                      "its nearest calibrated ancestor's entry (the fallback chain), H where none "
+                      "is. Default 1: every tag seen")
   c.add_argument("--alpha-d", type=float, default=0.05)
   c.add_argument("--alpha-p", type=float, default=0.02)
   c.add_argument("--sink", type=int, default=4)
