@@ -16,10 +16,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 limit=${LIMIT:-560}
 left() { echo $((limit - SECONDS - 15)); }
 cap() { local t; t=$(left); echo $(( t < $1 ? t : $1 )); }
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import jax; print('jax', jax.__version__)"; git rev-parse HEAD 2>/dev/null
-  git status --short 2>/dev/null; } > $OUT/env.txt 2>&1
-cat $OUT/env.txt
+. scripts/device_env.sh $OUT
 timeout -s KILL $(cap 150) python3 bench/bench_mgpu_int4.py --pool --upcast-only \
   --out $OUT/pool.jsonl > $OUT/pool.log 2>&1
 echo "pool rc $?"; grep -E '^\{' $OUT/pool.log | cut -c1-400

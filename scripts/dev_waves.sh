@@ -25,10 +25,7 @@ d=/tmp/waves && rm -rf $d && mkdir -p $d
 trap 'tar czf $OUT/waves.tgz -C /tmp waves' EXIT
 left() { echo $((limit - SECONDS - 20)); }
 cap() { local t; t=$(left); echo $(( t < $1 ? t : $1 )); }
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import jax; print('jax', jax.__version__)"; git rev-parse HEAD 2>/dev/null
-  git status --short 2>/dev/null; } > $d/env.txt 2>&1
-cat $d/env.txt
+. scripts/device_env.sh $d
 kern() {  # tag, shape index, variants
   [ $(left) -gt 45 ] || { echo "no time for $1"; return; }
   timeout -k 5 -s KILL $(cap 120) python3 bench/bench_kernels.py --out $d/$1 --lo-page 128 \

@@ -17,10 +17,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 limit=${LIMIT:-570}
 d=/tmp/record22 && rm -rf $d && mkdir -p $d
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import jax; print('jax', jax.__version__)"; git rev-parse HEAD 2>/dev/null
-  git status --short 2>/dev/null; } > $d/env.txt 2>&1
-cat $d/env.txt
+. scripts/device_env.sh $d
 parts=" ${PARTS:-step_4b kern_4b step_05 kern_05 sanitizer} "
 want() { [[ $parts == *" $1 "* ]]; }
 left() { echo $((limit - SECONDS - 15)); }
