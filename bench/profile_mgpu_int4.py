@@ -59,6 +59,9 @@ def pool(a) -> None:
             qk_scale=d ** -0.5 * M.LOG2E, cols=8, approx_math=True, no_auto_barriers=True,
             k_upcast=a.upcast, v_upcast=a.vupcast)
   v = vv["dim"] if a.vupcast != "bf16_perm" else U.store_order(vv["dim"])
+  # splits that do not divide the pages: padded with page 0 past every length, as the decode
+  # path's mgpu_decode.int4_partials pads its table
+  tbl = jnp.pad(tbl, ((0, 0), (0, (-tbl.shape[1]) % kn["splits"])))
   f = jax.jit(lambda q, k, ks, v, vs, lens, tbl: M.partition(q, k, ks, v, vs, lens, None, tbl,
                                                              **kn))
   for _ in range(a.reps):

@@ -98,11 +98,13 @@ class Config:
   # band's pick at B 0.33 scored 77.8 against 71.7 for the releasing composition one dev case
   # ahead (Full KV 79.2); on the 1.5B's record it moves no pick (bench/RESULTS.md).
   keep_se: float = 1.0
-  # Whether a target's variant may compose the decode stage that releases nothing (every
-  # generated token at L, target rule 3) instead of a calibrated decode candidate.  False for
+  # Whether the target variants may compose the decode stage that releases nothing (every
+  # generated token at L, target rule 3) besides the calibrated decode candidates.  False for
   # ablation comparisons: wherever keep-at-L wins, the variant's decode keys never act, and on
   # the 1.5B at B 0.20 the full method and no-transition became the same policy that way
-  # (bench/RESULTS.md 2026-12-06, fourth).  Selection only: saved stages resume.
+  # (bench/RESULTS.md 2026-12-06, fourth).  False leaves keep-at-L out of both rounds (not only
+  # the pick: a fitting keep-at-L row would stop the re-aiming of the variant's own overshooting
+  # compositions), so the target stages are keyed by it.
   decode_keep: bool = True
 
 
@@ -515,7 +517,9 @@ class Calibration:
     win = arg("windows") if c["windows"] else {}
     windows = {**dev, "args": {**dev["args"], **arg("windows")}}
     composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p"), **win}}
-    targets = {**composed, "args": {**composed["args"], **arg("targets"),
+    # decode_keep only where off, so that runs with it resume from earlier runs' stages
+    nokeep = {} if c["decode_keep"] else arg("decode_keep")
+    targets = {**composed, "args": {**composed["args"], **arg("targets"), **nokeep,
                                     "target_rule": TARGET_RULE}}
     return {"reference": ref, "runtime_v": runtime_v, "runtime_d": runtime_d, "dev": dev,
             "dev_windows": windows, "dev_composed": composed, "dev_keep": targets,
@@ -1130,10 +1134,12 @@ class Calibration:
     dec_opts = [(di, ref_dev if di is None else dec_res[di])]
     if cheapest is not None and cheapest != di:
       dec_opts.append((cheapest, dec_res[cheapest]))
-    kj, keep_res = self.decode_keep()
-    dec_opts.append((kj, keep_res))
-    kept = {"d": kj, "p": None, "dev": self.dev_row(keep_res), "target": None,
-            "source": self._source("decode kept", "dev_keep", kj, None)}
+    kept = []
+    if cfg.decode_keep:
+      kj, keep_res = self.decode_keep()
+      dec_opts.append((kj, keep_res))
+      kept = [{"d": kj, "p": None, "dev": self.dev_row(keep_res), "target": None,
+               "source": self._source("decode kept", "dev_keep", kj, None)}]
     reached = lambda t, rows: any(r["dev"]["total"] <= t for r in rows)
     seen: set = set()
 
@@ -1155,7 +1161,7 @@ class Calibration:
       add(items, near)
       if not fit and not near and not reached(t, pool):
         add(items, ({**it, "kind": "aimed"} for it in self.aimed(t, dec_opts, relax=True)))
-    first = [kept] + self._eval_items("dev_targets", items, "pair")
+    first = kept + self._eval_items("dev_targets", items, "pair")
     more: list[dict] = []
 
     def reaim(r: dict, t: float) -> None:   # B_P lowered by the measured overshoot
@@ -1175,9 +1181,7 @@ class Calibration:
     rows = pool + first + second
     out = []
     keeps = [keeps_prompt(r["p"]) for r in rows]
-    # without decode_keep, the compositions with keep-at-L's decode stage fit no target
-    dev_rows = [r["dev"] if cfg.decode_keep or r["d"] != kj else {**r["dev"], "total": math.inf}
-                for r in rows]
+    dev_rows = [r["dev"] for r in rows]
     for t in cfg.targets:
       j = pick_within(dev_rows, t, keeps=keeps, band=cfg.keep_se, n=len(self.dev.requests))
       j0 = pick_within(dev_rows, t)

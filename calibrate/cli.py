@@ -108,7 +108,7 @@ def add_parser(sub) -> None:
                  help="with targets: compose each target's variant from the calibrated decode "
                       "candidates only, never from the decode stage that keeps every generated "
                       "token at L (for ablation comparisons, where that stage makes variants "
-                      "alike). Selection only: saved stages resume")
+                      "alike). The target stages are keyed by it; the earlier stages resume")
   c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
                  help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
                       "and select over all of them")

@@ -32,14 +32,15 @@ kern() {  # tag, shape index, variants
     --lo-formats int4 --int4-kernels mosaic --shapes $2 --no-gqa --cupti \
     --mosaic-variants "$3" > $d/$1.log 2>&1
   echo "$1 rc $?"
+  grep -E '^FAILED' $d/$1.log | cut -c1-300
   grep -E '^\{' $d/$1.log | python3 -c '
 import sys
 nan = float("nan")
 for l in sys.stdin:
     r = eval(l)
-    body = [k[1] for k in r["kernels"] if "mosaic" in k[0]]
+    body = [k[1] for k in r.get("kernels", []) if "mosaic" in k[0]]
     print(r["shape"], r["variant"], r["knobs"][:90], "call", round(r["time_us"], 1),
-          "kernels", round(r["kernels_us"], 1), "int4 body", body, "err", "%.1e" % r["err"])'
+          "kernels", r.get("kernels_us"), "int4 body", body, "err", "%.1e" % r["err"])'
 }
 # registers at the device's jax (cols=8 needs jax >= 0.11): which knobs keep 3 blocks per SM
 timeout -s KILL 90 python3 -m bench.mgpu_regs --cols 8 '{}' '{"k_upcast": "bf16_perm"}' \

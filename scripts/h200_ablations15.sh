@@ -31,6 +31,10 @@
 #   for f in abl15_*.tgz; do tar xzf $f -C /tmp; done
 #   for v in /tmp/abl15/*/; do d=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations/$(basename $v)
 #     mkdir -p $d && cp -r $v/policy/. $d/ && cp $v/calibration.json $d/; done
+if [ "${NOKEEP:-0}" = 1 ] && [ "${WINDOW:-16}" = 16 ]; then
+  echo "NOKEEP=1 is for the W 4 plan (examples/campaign_15b_ablations-w4-nokeep.toml): give WINDOW=4"
+  exit 2
+fi
 set -x
 . scripts/h200_env.sh
 limit=${LIMIT:-560}
