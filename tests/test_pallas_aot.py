@@ -102,7 +102,7 @@ def test_pask_decode_step_updates_the_stacked_cache_in_place_on_gpu():
 
 def test_mosaic_int4_kernel_register_report(capsys):
   """bench/mgpu_regs.py: ptxas's report of the Mosaic GPU INT4 pool kernel, compiled for sm_90a
-  here. early_v keeps V's operand live beside K's, so it never needs fewer registers."""
+  here. early_v keeps V's operand live beside K's in flight: more registers than without."""
   from bench import mgpu_regs
   assert [mgpu_regs.blocks_by_registers(r) for r in (128, 168, 170, 176, 230, 255)] == \
       [4, 3, 2, 2, 2, 2]   # 170 is allocated as 176 (per warp in units of 256)
@@ -110,5 +110,5 @@ def test_mosaic_int4_kernel_register_report(capsys):
   rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
   (plain, regs, spills, _), (early, regs_e, spills_e, _), (bad, fail, _, _) = rows
   assert int(regs) > 64 and spills.strip() == spills_e.strip() == "0 / 0"
-  assert int(regs_e) >= int(regs)
+  assert int(regs_e) > int(regs)   # equal: the early conversion was dropped or not early
   assert "failed" in fail and "k_upcast must be one of" in fail
