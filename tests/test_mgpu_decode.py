@@ -186,8 +186,9 @@ def test_permuted_upcast_whole_call_lowers_and_is_checked():
   with pytest.raises(ValueError, match="^upcast must be one of .'bf16', 'bf16_perm', "
                                        "'bf16_perm_offset'., got 's8'"):
     partials_gpu(*args, interpret=True, int4_kernel="mosaic_reference", upcast_lo="s8", **SMALL)
-  with pytest.raises(ValueError, match="^upcast='bf16_perm' is a knob of the int4 storage "
-                                       "format's kernels; this pool is 'bytes'"):
+  with pytest.raises(ValueError, match="^upcast_lo='bf16_perm': knobs of the Mosaic GPU kernel "
+                                       "of the int4 storage format; this call reads a 'bytes' "
+                                       "pool with int4_kernel='mosaic_reference'"):
     partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="mosaic_reference",
                  upcast_lo="bf16_perm", **SMALL)
 
@@ -195,10 +196,26 @@ def test_permuted_upcast_whole_call_lowers_and_is_checked():
 def test_early_v_whole_call_lowers_and_is_checked():
   text = _lower_int4(int4_kernel="mosaic", early_v_lo=True)
   assert "mosaic_gpu" in text and text != _lower_int4(int4_kernel="mosaic")
-  with pytest.raises(ValueError, match="^early_v is a knob of the int4 storage format's kernel "
-                                       "with one compute warpgroup; got format 'bytes', wgs=1"):
+  with pytest.raises(ValueError, match="^early_v_lo=True: knobs of the Mosaic GPU kernel of the "
+                                       "int4 storage format; this call reads a 'bytes' pool with "
+                                       "int4_kernel='mosaic_reference'"):
     partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="mosaic_reference",
                  early_v_lo=True, **SMALL)
+  # int4_partials' own checks (called directly, not through partials_gpu)
+  qp, lo, maps, layer = _glue_inputs(CASES[0].make(seed=9))
+  for kn, msg in ((dict(upcast="bf16_perm"), "^upcast='bf16_perm' is a knob of the int4 storage "
+                   "format's kernels; this pool is 'bytes'"),
+                  (dict(early_v=True), "^early_v is a knob of the int4 storage format's kernel "
+                   "with one compute warpgroup; got format 'bytes', wgs=1")):
+    with pytest.raises(ValueError, match=msg):
+      mgpu_decode.int4_partials(qp, lo, maps, layer, c=0.1, g=CASES[0].shape.g, reference=True,
+                                **kn)
+  # never silently dropped where the Triton kernel reads the pool
+  for kn in (dict(early_v_lo=True), dict(upcast_lo="bf16_perm", early_v_lo=True)):
+    with pytest.raises(ValueError, match="^(upcast_lo='bf16_perm', )?early_v_lo=True: knobs of "
+                                         "the Mosaic GPU kernel of the int4 storage format; this "
+                                         "call reads a 'bytes' pool with int4_kernel='triton'"):
+      partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="triton", **kn, **SMALL)
   with pytest.raises(ValueError, match="^early_v is a knob .* got format 'int4', wgs=2"):
     partials_gpu(*CASES[0].make(seed=9, lo_format="int4"), interpret=True,
                  int4_kernel="mosaic_reference", early_v_lo=True, wgs_lo=2, **SMALL)

@@ -444,6 +444,12 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
     raise ValueError(f"wgs_lo={wgs_lo} is the warp-specialized Mosaic GPU kernel of the int4 "
                      f"storage format; this call reads a {lo.format!r} pool with "
                      f"int4_kernel={int4_kernel!r}")
+  mosaic_only = {k: v for k, v in (("upcast_lo", upcast_lo), ("early_v_lo", early_v_lo))
+                 if v not in (None, False, "bf16")}
+  if mosaic_only and (int4_kernel == "triton" or lo.format != "int4"):
+    raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in mosaic_only.items())}: knobs of the "
+                     f"Mosaic GPU kernel of the int4 storage format; this call reads a "
+                     f"{lo.format!r} pool with int4_kernel={int4_kernel!r}")
   if fuse == "auto":
     fuse = b * hkv * n_lo < _NUM_SMS
   if int4_dequant is None:
