@@ -13,10 +13,10 @@
 #      per SM, so 64 x splits blocks against 132 SMs; 3 x 2 splits was the best 4B kernel of
 #      session 22, 88.5 µs); and early_v_lo (V's upcast while the scores' MMAs run: the kernel
 #      is latency-bound, 0.73 eligible warps per scheduler);
-#   2. the same at 8K keys (B=32 4B-like: 256 (sequence, KV head) pairs);
-#   3. Nsight Compute of the 4B pool kernel alone (profile_mgpu_int4.py --pool, full 32K): the
+#   2. Nsight Compute of the 4B pool kernel alone (profile_mgpu_int4.py --pool, full 32K): the
 #      byte upcast and "bf16_perm" at 8 splits (same call: session 21's byte path had its SMs
-#      active 92% of the cycles, session 22's perm/perm 71%), then "bf16_perm" at 6 and 12.
+#      active 92% of the cycles, session 22's perm/perm 71%), then "bf16_perm" at 6 and 12;
+#   3. stage 1 at 8K keys (B=32 4B-like: 256 (sequence, KV head) pairs), if time is left.
 #   LIMIT=560 bash scripts/dev_waves.sh        (no wheels or model)
 # Raw output: $OUT/waves.tgz (env.txt, kern_*/ + logs, ncu_*.txt); the call returns few files.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -26,9 +26,9 @@ trap 'tar czf $OUT/waves.tgz -C /tmp waves' EXIT
 left() { echo $((limit - SECONDS - 20)); }
 cap() { local t; t=$(left); echo $(( t < $1 ? t : $1 )); }
 . scripts/device_env.sh $d
-kern() {  # tag, shape index, variants
+kern() {  # tag, shape index, variants, cap seconds
   [ $(left) -gt 45 ] || { echo "no time for $1"; return; }
-  timeout -k 5 -s KILL $(cap 120) python3 bench/bench_kernels.py --out $d/$1 --lo-page 128 \
+  timeout -k 5 -s KILL $(cap $4) python3 bench/bench_kernels.py --out $d/$1 --lo-page 128 \
     --lo-formats int4 --int4-kernels mosaic --shapes $2 --no-gqa --cupti \
     --mosaic-variants "$3" > $d/$1.log 2>&1
   echo "$1 rc $?"
@@ -49,10 +49,9 @@ timeout -s KILL 90 python3 -m bench.mgpu_regs --cols 8 '{}' '{"k_upcast": "bf16_
 kern kern_4b 0 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 4}, {"splits_lo": 5},
   {"splits_lo": 6}, {"splits_lo": 12}, {"splits_lo": 16}, {"wgs_lo": 3},
   {"wgs_lo": 3, "splits_lo": 3}, {"wgs_lo": 2, "splits_lo": 2}, {"wgs_lo": 2, "splits_lo": 3},
-  {"early_v_lo": true}, {"early_v_lo": true, "splits_lo": 6}]'
+  {"early_v_lo": true}, {"early_v_lo": true, "splits_lo": 6}]' 210
 kern kern_05 3 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 16}, {"splits_lo": 24},
-  {"splits_lo": 48}, {"splits_lo": 64}, {"early_v_lo": true}]'
-kern kern_4b32 2 '[{}, {"splits_lo": 1}, {"splits_lo": 2}, {"splits_lo": 3}]'
+  {"splits_lo": 48}, {"splits_lo": 64}, {"early_v_lo": true}]' 110
 if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
   for run in "bf16 8" "bf16_perm 8" "bf16_perm 6" "bf16_perm 12"; do
     set -- $run
@@ -66,3 +65,4 @@ if [ $(left) -gt 60 ] && command -v ncu >/dev/null; then
       $d/ncu_$1_$2.txt | head -12
   done
 fi
+kern kern_4b32 2 '[{}, {"splits_lo": 1}, {"splits_lo": 2}, {"splits_lo": 3}]' 90
