@@ -48,6 +48,19 @@ K_UPCASTS = ("bf16", "bf16_up4", "bf16_perm", "bf16_perm_offset", "s8")
 V_UPCASTS = ("bf16", "bf16_up4", "bf16_perm")
 
 
+def _operand(ref, how: str):
+  """An INT4 shared-memory tile -> wgmma A operand registers (bf16, or int8 for "s8"), by the
+  kernels' ``k_upcast`` / ``v_upcast`` (:func:`partition`)."""
+  if how == "s8":
+    return _load(ref, plgpu.Layout.WGMMA_8BIT).astype(jnp.int8)
+  if how == "bf16_up4":
+    x = plgpu.layout_cast(_load(ref, plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
+    return x.astype(jnp.bfloat16)
+  if how in ("bf16_perm", "bf16_perm_offset"):   # columns permuted: so is q (the callers)
+    return mgpu_upcast.operand(ref, sub=how == "bf16_perm")
+  return ref[...].astype(jnp.bfloat16)
+
+
 @functools.partial(jax.jit, static_argnames=("tile", "stages", "splits", "lazy_sum", "v_major",
                                              "qk_scale", "k_upcast", "v_upcast", "approx_math",
                                              "no_auto_barriers", "cols", "table", "early_v"))
@@ -150,17 +163,6 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
 
   s8 = k_upcast == "s8"
 
-  def operand(ref, how):
-    """An INT4 shared-memory tile -> wgmma A operand registers (bf16, or int8 for "s8")."""
-    if how == "s8":
-      return _load(ref, plgpu.Layout.WGMMA_8BIT).astype(jnp.int8)
-    if how == "bf16_up4":
-      x = plgpu.layout_cast(_load(ref, plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
-      return x.astype(jnp.bfloat16)
-    if how in ("bf16_perm", "bf16_perm_offset"):   # columns permuted: so is q (below)
-      return mgpu_upcast.operand(ref, sub=how == "bf16_perm")
-    return ref[...].astype(jnp.bfloat16)
-
   def body(q_gmem, k_gmem, ks_gmem, v_gmem, vs_gmem, lens_gmem, qs_gmem, tbl_gmem, base_gmem,
            o_gmem, m_gmem, l_gmem, q_smem, vb_smem, p_smem, o_smem, tbl_smem, cs_smem, bar):
     b = lax.axis_index("bh")
@@ -180,17 +182,17 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
       m, l, acc = carry
 
       def scores(acc_ref):
-        kr = operand(k_smem, k_upcast)
+        kr = _operand(k_smem, k_upcast)
         for j in range(d // kslice):
           sl = slice(j * kslice, (j + 1) * kslice)
           plgpu.wgmma(acc_ref, kr[:, sl], q_smem.at[:, sl].T)
         # issued, not waited on: V's upcast here runs beside the MMAs (the read below waits)
-        vr = operand(v_smem, v_upcast) if early_v else None
+        vr = _operand(v_smem, v_upcast) if early_v else None
         return acc_ref[...], vr
 
       def scores_s8(refs):
         hi, lo = refs
-        kr = operand(k_smem, "s8")
+        kr = _operand(k_smem, "s8")
         for j in range(d // kslice):
           sl = slice(j * kslice, (j + 1) * kslice)
           plgpu.wgmma(hi, kr[:, sl], q_smem.at[0, :, sl].T)
@@ -223,7 +225,7 @@ def partition(q, k, ks, v, vs, lens, qscale=None, tbl=None, base=None, *, tile: 
         if v_major == "token":
           plgpu.wgmma(acc_ref, vb_smem.T, p_smem)
         else:
-          plgpu.wgmma(acc_ref, vr if early_v else operand(v_smem, v_upcast), p_smem)
+          plgpu.wgmma(acc_ref, vr if early_v else _operand(v_smem, v_upcast), p_smem)
         return acc_ref[...]
 
       # A fresh accumulator plus an add ([D, 16] adds) instead of run_state over the old one.
@@ -400,11 +402,6 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
       plgpu.barrier_arrive(turn.at[lax.rem(wg + 1, wgs)])
       return out
 
-    def k_operand(ref):
-      if k_upcast == "bf16_perm":
-        return mgpu_upcast.operand(ref)
-      return ref[...].astype(jnp.bfloat16)
-
     def mine(load):
       """``load(w)`` (registers from warpgroup ``w``'s buffers) for this warpgroup."""
       if not paged:
@@ -417,7 +414,7 @@ def partition_ws(q, k, ks, vb, vs, lens, tbl=None, base=None, *, tile: int = 128
       *refs, (m, l, acc) = refs
       at = ((lambda w, j: refs[j].at[w]) if not paged else (lambda w, j: refs[4 * w + j]))
       qt, pt = q_smem.at[wg], p_smem.at[wg]
-      kr, kscale, vscale = mine(lambda w: (k_operand(at(w, 0)),
+      kr, kscale, vscale = mine(lambda w: (_operand(at(w, 0), k_upcast),
                                            _load(at(w, 1), row).astype(jnp.float32),
                                            _load(at(w, 3), row).astype(jnp.float32)))
 
