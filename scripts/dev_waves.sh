@@ -1,7 +1,7 @@
 # Device: issue 22's wave test. The int4 pool's Mosaic GPU kernel runs 3 blocks per SM (168
-# registers and its shared memory each allow 3), so the default grid of 512 blocks
-# (mgpu_decode.BLOCKS: 8 splits x 64 (sequence, KV head) at the 4B-like shape, 32 x 16 at the
-# 0.5B) is 1.29 waves on 132 SMs (Nsight Compute: the SMs active 92% of the kernel's cycles with
+# registers and its shared memory each allow 3), so the grid of 512 blocks (the default until
+# 2026-12-06 (fifth), now mgpu_decode.wave_splits; mgpu_decode.BLOCKS: 8 splits x 64
+# (sequence, KV head) at the 4B-like shape, 32 x 16 at the 0.5B) is 1.29 waves on 132 SMs (Nsight Compute: the SMs active 92% of the kernel's cycles with
 # the byte upcast, session 21, and 71% with both operands permuted, session 22: bench/results/
 # 2026-12-06_session2{1/int4_sass/ncu,2/upcast/ncu_perm}.txt). Does a grid of at most one wave
 # (splits 6 / 24: 384 blocks) or of whole waves (12 / 48: 768 = 1.94) run faster? Most valuable

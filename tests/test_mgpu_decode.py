@@ -14,6 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels.gpu import decode as gpu_decode  # noqa: E402
@@ -92,10 +93,33 @@ def test_auto_is_triton_off_hopper_and_names_bad_choices():
 
 
 def test_splits_fill_the_gpu():
-  assert mgpu_decode.splits_for(64, 256) == 8          # 4B-like B=8: 8 KV heads
+  assert mgpu_decode.splits_for(64, 256) == 8          # bytes pool, 4B-like B=8: 8 KV heads
   assert mgpu_decode.splits_for(16, 256) == 32         # 0.5B-like B=8: 2 KV heads
   assert mgpu_decode.splits_for(1024, 4) == 1
   assert mgpu_decode.splits_for(4, 3) == 3             # never more splits than pages
+
+
+def test_int4_splits_fill_whole_waves():
+  """The int4 pool's default splits are the measured best (H100, 132 SMs, 3 blocks each:
+  bench/RESULTS.md 2026-12-06 (fifth)) at every measured shape, and in general fill 95% of the
+  grid's last wave, or the most of it any allowed split count can, never below MIN_PAGES pages
+  per split."""
+  ws = mgpu_decode.wave_splits
+  assert ws(64, 256, sms=132) == 6                     # 4B-like B=8, 32K: 384 blocks
+  assert ws(16, 256, sms=132) == 24                    # 0.5B-like B=8, 32K
+  assert ws(256, 64, sms=132) == 3                     # 4B-like B=32, 8K: 768 = 2 waves
+  assert ws(64, 256, wgs=3, sms=132) == 2              # one block per SM: 128 blocks
+  assert ws(64, 256, sms=114) == 16                    # H100 PCIe: 1024 of 3 x 342 slots
+  rng = np.random.default_rng(0)
+  for bh, n_pages, wgs in zip(rng.integers(1, 2000, 300), rng.integers(1, 600, 300),
+                              rng.choice([1, 2, 3], 300)):
+    s = ws(int(bh), int(n_pages), wgs=int(wgs), sms=132)
+    slots = 132 * mgpu_decode.RESIDENT.get(int(wgs), 1)
+    fill = lambda k: bh * k / (-(-bh * k // slots) * slots)
+    top = max(1, min(mgpu_decode.MAX_SPLITS, n_pages // (mgpu_decode.MIN_PAGES * wgs)))
+    assert 1 <= s <= top
+    assert fill(s) >= 0.95 or fill(s) == max(fill(k) for k in range(1, top + 1))
+    assert all(fill(k) < 0.95 for k in range(1, s))
 
 
 def test_whole_call_lowers_for_cuda_with_both_kernels():
@@ -143,7 +167,7 @@ def test_warp_specialized_int4_glue_matches_reference(case_index, wgs, splits):
   o, m, l = mgpu_decode.int4_partials(qp, lo, maps, layer, c=0.1, g=case.shape.g, splits=splits,
                                       wgs=wgs, reference=True)
   bh, n_pages = qp.shape[0] * qp.shape[1], maps.lo_pages.shape[1]
-  assert o.shape[2] == wgs * (splits or max(1, mgpu_decode.splits_for(bh, n_pages) // wgs))
+  assert o.shape[2] == wgs * (splits or mgpu_decode.wave_splits(bh, n_pages, wgs=wgs))
   assert m.shape == l.shape == o.shape[:4]
 
 

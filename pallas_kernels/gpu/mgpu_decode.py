@@ -39,9 +39,20 @@ from pallas_kernels.gpu import mgpu_int4 as MI
 from pallas_kernels.gpu import mgpu_paged as MP
 from pallas_kernels.types import LowPool, PageMaps
 
-# Context splits: enough (batch x KV head x split) blocks to fill 132 SMs several times over
-# (bench/RESULTS.md: 8 splits at B=8 x 8 KV heads, 32 at B=8 x 2 KV heads, 32K keys).
+# Context splits of the bytes pool's kernel: enough (batch x KV head x split) blocks to fill 132
+# SMs several times over (bench/RESULTS.md: 8 splits at B=8 x 8 KV heads, 32 at B=8 x 2 KV heads,
+# 32K keys).
 BLOCKS = 512
+# The int4 pool's kernels fill whole waves instead.  One block of ``mgpu_int4.partition`` (d 128:
+# 167 registers, 57 KB of shared memory) leaves room for 3 per SM, the warp-specialized kernel for
+# 1; a grid of 1.29 waves (the old 512 blocks) left the SMs idle 29% of the kernel's cycles, and
+# the split count that makes the grid closest to whole waves was the fastest at every measured
+# shape (H100, bench/RESULTS.md 2026-12-06 (fifth): 4B-like B=8 32K 6 splits 89.3 us vs 8 splits
+# 99.3; 0.5B-like 24 vs 32: 19.5 vs 19.8; B=32 8K 3 vs 2: 95.0 vs 98.7).
+RESIDENT = {1: 3}        # compute warpgroups -> blocks resident per SM (any other count: 1)
+SMS = 132                # H100 and H200 SXM, when no GPU is present to ask
+MIN_PAGES = 8            # pages per split at least: 5 pages per split cost 19% at the 0.5B shape
+MAX_SPLITS = 64
 
 
 def supported(page: int, d: int, g: int) -> bool:
@@ -65,7 +76,34 @@ UPCASTS = ("bf16", "bf16_perm", "bf16_perm_offset")
 
 
 def splits_for(bh: int, n_pages: int) -> int:
+  """Context splits of the bytes pool's kernel for ``bh`` (sequence, KV head) pairs."""
   return max(1, min(n_pages, BLOCKS // max(bh, 1)))
+
+
+def sm_count() -> int:
+  """Streaming multiprocessors of the default GPU (``SMS`` where none answers)."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return SMS
+  return int(getattr(dev, "core_count", 0) or SMS) if dev.platform == "gpu" else SMS
+
+
+def wave_splits(bh: int, n_pages: int, *, wgs: int = 1, sms: int | None = None) -> int:
+  """Context splits per warpgroup of the int4 pool's kernels for ``bh`` (sequence, KV head)
+  pairs over a table of ``n_pages`` pages: the fewest splits whose grid fills at least 95% of
+  its last wave (``sms`` x ``RESIDENT`` blocks per wave), each split keeping ``MIN_PAGES``;
+  failing that, the best-filled grid."""
+  slots = (sms or sm_count()) * RESIDENT.get(wgs, 1)
+  top = max(1, min(MAX_SPLITS, n_pages // (MIN_PAGES * wgs)))
+  fill = lambda s: bh * s / (-(-bh * s // slots) * slots)
+  best = 1
+  for s in range(1, top + 1):
+    if fill(s) >= 0.95:
+      return s
+    if fill(s) > fill(best):
+      best = s
+  return best
 
 
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
@@ -80,7 +118,8 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
 
   ``wgs`` > 1 (the int4 pool only): the warp-specialized kernel (``mgpu_int4.partition_ws``,
   ``wgs`` compute warpgroups, each a partial), ``splits`` then counting context splits per
-  warpgroup (default: the grid's splits over ``wgs``); ``S`` = splits x ``wgs``.
+  warpgroup; ``S`` = splits x ``wgs``.  ``splits`` by default: ``wave_splits`` for the int4 pool
+  (whole waves of blocks), ``splits_for`` for the bytes pool.
   ``table`` (the int4 pool): where the kernel's index maps read the page ids
   (``mgpu_int4.partition``).
   ``upcast`` (the int4 pool): how the kernel turns K tiles into wgmma operands
@@ -121,7 +160,12 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   if wgs != 1 and lo.format != "int4":
     raise ValueError(f"wgs={wgs} (the warp-specialized kernel) reads the int4 storage format "
                      f"only; this pool is {lo.format!r}")
-  s = splits or max(1, splits_for(bh, n_pages) // wgs)
+  if splits:
+    s = splits
+  elif lo.format == "int4":
+    s = wave_splits(bh, n_pages, wgs=wgs)
+  else:
+    s = splits_for(bh, n_pages)
   tbl = jnp.pad(tbl, ((0, 0), (0, (-n_pages) % (s * wgs))))
   base = (jnp.asarray(layer, jnp.int32) * p_lo).reshape(1)
   lens = maps.lo_len.astype(jnp.int32)
