@@ -25,25 +25,40 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array,
            top_p: jax.Array) -> jax.Array:
   """logits [B, V] (already masked) -> tokens [B] int32.
 
-  The sort that nucleus sampling needs runs only when some sequence samples (``lax.cond``), so
-  greedy decoding pays for an argmax alone.
+  Greedy decoding pays for an argmax alone, and the sort that top-p needs runs only when some
+  sampling row asks for top_p < 1 (``lax.cond``): on the CPU a [4, 49152] sort took 88 ms, the
+  plain draw 5 ms.
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.lax.cond(jnp.any(temperature > 0),
                       lambda: nucleus(logits, key, temperature, top_p, greedy), lambda: greedy)
 
 
+def _draw(key: jax.Array, logits: jax.Array) -> jax.Array:
+  """One categorical draw per row of ``logits [B, V]``: ``key`` one key for the batch, or one
+  key per row (``[B]``; the row's draw is then the same whatever the other rows are)."""
+  if jnp.ndim(key) == 0:
+    return jax.random.categorical(key, logits, axis=-1)
+  return jax.vmap(lambda k, l: jax.random.categorical(k, l[None], axis=-1)[0])(key, logits)
+
+
 def nucleus(logits, key, temperature, top_p, greedy):
-  """Temperature and top-p sampling of ``logits [B, V]`` (masked) with ``key``; rows whose
-  temperature is <= 0 take ``greedy``."""
+  """Temperature and top-p sampling of ``logits [B, V]`` (masked) with ``key`` (see ``_draw``);
+  rows whose temperature is <= 0 take ``greedy``.  A row with top_p >= 1 draws from all of its
+  temperature-scaled logits, unsorted; the others from the smallest prefix, in descending order,
+  whose mass reaches top_p."""
   t = jnp.maximum(temperature, 1e-6)[:, None]
   scaled = logits / t
-  order = jnp.argsort(-scaled, axis=-1)
-  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-  keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-  sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-  pick = jax.random.categorical(key, sorted_logits, axis=-1)
-  sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-  return jnp.where(temperature <= 0, greedy, sampled)
+  plain = _draw(key, scaled)
+
+  def truncated():
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    pick = _draw(key, jnp.where(keep, sorted_logits, -jnp.inf))
+    return jnp.where(top_p >= 1, plain, jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0])
+
+  sampled = jax.lax.cond(jnp.any((top_p < 1) & (temperature > 0)), truncated, lambda: plain)
+  return jnp.where(temperature <= 0, greedy, sampled.astype(jnp.int32))

@@ -62,6 +62,29 @@ def test_random_schemas_always_validate(setup):
   assert done == 24
 
 
+def _accepts(tok, g, text):
+  m = g.matcher()
+  return all(m.accept(t) for t in tok.encode(text)) and m.accept(tok.stop_ids[0])
+
+
+@pytest.mark.parametrize("text,ok", [
+    ('"ab"', True), ('"abcde"', True), ('"abcdef"', False), ('""', False),
+    ('"a\x1fb"', False), ('"a\tb"', False),                  # raw control characters: never
+    ('"a\\"b"', True), ('"a\\nb"', True), ('"\\u00e9x"', True),   # escapes: one character each
+    ('"abcd\\n"', True), ('"abcde\\n"', False), ('"a\\qb"', False)])
+def test_length_bounded_strings_are_json_strings(setup, text, ok):
+  """XGrammar 0.2.9 bounds a string's length with a character class that admits raw control
+  characters and no escape; ours (matcher.schema_ebnf) counts JSON characters, in a schema and
+  in tool-call arguments alike."""
+  tok, _, gc = setup
+  schema = {"type": "string", "minLength": 1, "maxLength": 5}
+  assert _accepts(tok, gc.json_schema(schema), text) is ok
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {
+      "type": "object", "properties": {"s": schema}, "required": ["s"]}}}]
+  call = '[{"name": "f", "arguments": {"s": ' + text + '}}]'
+  assert _accepts(tok, tool_call_grammar(gc, tools, "json_list"), call) is ok
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
      "parameters": {"type": "object", "properties": {

@@ -32,6 +32,32 @@ def import_xgrammar():
   return xgrammar
 
 
+# XGrammar 0.2.9 lowers a string with minLength / maxLength to a bounded repetition of
+# [^"\\\r\n]: it admits the control characters U+0000-U+001F that JSON forbids unescaped (a
+# random model wrote "#le\x1f" into one, and json.loads refused the answer) and no escape at all
+# (mlc-ai/xgrammar#800; the fix, #880, is not released).  Each such rule is rewritten to one JSON
+# character: an unescaped code point but a control character, quote or backslash, or one escape
+# (a surrogate pair counts two).
+_BOUNDED_CHAR = ' ::= (([^\\"\\\\\\r\\n]))'
+_JSON_CHAR = ' ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" basic_escape))'
+_ESCAPE = 'basic_escape ::= (([\\"\\\\/bfnrt]) | ("u" [A-Fa-f0-9]{4}))'
+
+
+def schema_ebnf(text: str, indent: int | None = None) -> str:
+  """The EBNF grammar of the JSON schema ``text`` (compact JSON unless ``indent``): XGrammar's
+  conversion, its length-bounded string characters made JSON characters (above)."""
+  xgr = import_xgrammar()
+  ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True,
+                                          indent=indent))
+  lines = [line.split(" ::= ", 1)[0] + _JSON_CHAR
+           if line.endswith(_BOUNDED_CHAR) and line.split(" ::= ", 1)[0].endswith("_characters")
+           else line for line in ebnf.splitlines()]
+  if any(line.endswith(_JSON_CHAR) for line in lines) and not any(
+      line.startswith("basic_escape ::= ") for line in lines):
+    lines.append(_ESCAPE)
+  return "\n".join(lines) + "\n"
+
+
 class GrammarCompiler:
   """Compiles grammars for one tokenizer/model pair (vocab size = the model's logits width)."""
 
@@ -54,8 +80,9 @@ class GrammarCompiler:
     except json.JSONDecodeError as e:
       raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
     text = json.dumps(prepare(obj, where))
+    xgr = import_xgrammar()
     try:
-      compiled = self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+      compiled = self._compiler.compile_grammar(xgr.Grammar.from_ebnf(schema_ebnf(text)))
     except Exception as e:
       raise GrammarError(f"{where}: XGrammar cannot compile this JSON schema: "
                          f"{xgrammar_message(e)}") from None

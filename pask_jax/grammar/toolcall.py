@@ -32,7 +32,7 @@ from typing import Any
 
 from pask_jax import tags as T
 from pask_jax.grammar.fc_adapter import FCAdapter
-from pask_jax.grammar.matcher import Grammar, GrammarCompiler, GrammarError, import_xgrammar
+from pask_jax.grammar.matcher import (Grammar, GrammarCompiler, GrammarError, schema_ebnf)
 from pask_jax.grammar.schema_check import scoped
 
 FORMATS = ("fenced_json", "tool_call_tags", "json_list")
@@ -106,10 +106,8 @@ TRIGGERS = {"fenced_json": "```json", "tool_call_tags": "<tool_call>", "json_lis
 
 
 def _call_ebnf(tools: list[dict], indent: int | None) -> str:
-  xgr = import_xgrammar()
   try:
-    call = str(xgr.Grammar.from_json_schema(json.dumps(call_schema(tools)), any_whitespace=False,
-                                            strict_mode=True, indent=indent))
+    call = schema_ebnf(json.dumps(call_schema(tools)), indent)
   except Exception as e:
     from pask_jax.grammar.errors import xgrammar_message
     raise GrammarError(f"XGrammar cannot compile the tool schemas: {xgrammar_message(e)}") \

@@ -53,10 +53,8 @@ def pick(logits, bits, seeds, steps, temperature, top_p, want_lp, *, gather=None
     masked = gather(masked)
   greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-  row = lambda l, k, t, p, g: nucleus(l[None], k, t[None], p[None], g[None])[0]
   tok = jax.lax.cond(jnp.any(temperature > 0),
-                     lambda: jax.vmap(row)(masked, keys, temperature, top_p, greedy),
-                     lambda: greedy)
+                     lambda: nucleus(masked, keys, temperature, top_p, greedy), lambda: greedy)
   B, K = logits.shape[0], TOP_LOGPROBS
 
   def lp():
