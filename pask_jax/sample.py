@@ -36,8 +36,10 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array,
 
 def _draw(key: jax.Array, logits: jax.Array) -> jax.Array:
   """One categorical draw per row of ``logits [B, V]``: ``key`` one key for the batch, or one
-  key per row (``[B]``; the row's draw is then the same whatever the other rows are)."""
-  if jnp.ndim(key) == 0:
+  key per row (``[B]``; the row's draw is then the same whatever the other rows are); typed
+  keys (``jax.random.key``) or raw ``uint32`` ones (``[2]`` / ``[B, 2]``)."""
+  typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  if key.ndim == (0 if typed else 1):
     return jax.random.categorical(key, logits, axis=-1)
   return jax.vmap(lambda k, l: jax.random.categorical(k, l[None], axis=-1)[0])(key, logits)
 

@@ -101,25 +101,31 @@ def test_splits_fill_the_gpu():
 
 def test_int4_splits_fill_whole_waves():
   """The int4 pool's default splits are the measured best (H100, 132 SMs, 3 blocks each:
-  bench/RESULTS.md 2026-12-06 (fifth)) at every measured shape, and in general fill 95% of the
-  grid's last wave, or the most of it any allowed split count can, never below MIN_PAGES pages
-  per split."""
+  bench/RESULTS.md 2026-12-06 (fifth)) at every measured shape, and in general use 95% of the
+  block slots of the waves the grid spans, or the most any allowed split count can, never below
+  MIN_PAGES pages per split."""
   ws = mgpu_decode.wave_splits
   assert ws(64, 256, sms=132) == 6                     # 4B-like B=8, 32K: 384 blocks
-  assert ws(16, 256, sms=132) == 24                    # 0.5B-like B=8, 32K
+  assert ws(16, 256, d=64, sms=132) == 24              # 0.5B-like B=8, 32K
   assert ws(256, 64, sms=132) == 3                     # 4B-like B=32, 8K: 768 = 2 waves
   assert ws(64, 256, wgs=3, sms=132) == 2              # one block per SM: 128 blocks
+  assert ws(64, 256, early_v=True, sms=132) == 4       # 213 registers: 2 per SM, 256 of 264
+  assert ws(64, 256, d=256, sms=132) == 2              # not measured: one per SM
   assert ws(64, 256, sms=114) == 16                    # H100 PCIe: 1024 of 3 x 342 slots
+  assert ws(2000, 512, sms=132) == 1                   # the pairs alone span 5 waves
+  assert ws(0, 256, sms=132) >= 1
   rng = np.random.default_rng(0)
-  for bh, n_pages, wgs in zip(rng.integers(1, 2000, 300), rng.integers(1, 600, 300),
+  for bh, n_pages, wgs in zip(rng.integers(1, 1500, 300), rng.integers(1, 600, 300),
                               rng.choice([1, 2, 3], 300)):
-    s = ws(int(bh), int(n_pages), wgs=int(wgs), sms=132)
-    slots = 132 * mgpu_decode.RESIDENT.get(int(wgs), 1)
-    fill = lambda k: bh * k / (-(-bh * k // slots) * slots)
+    bh, n_pages, wgs = int(bh), int(n_pages), int(wgs)
+    s = ws(bh, n_pages, wgs=wgs, sms=132)
+    slots = 132 * (3 if wgs == 1 else 1)
+    waves = -(-bh * s // slots)                          # block slots the grid spans
     top = max(1, min(mgpu_decode.MAX_SPLITS, n_pages // (mgpu_decode.MIN_PAGES * wgs)))
-    assert 1 <= s <= top
-    assert fill(s) >= 0.95 or fill(s) == max(fill(k) for k in range(1, top + 1))
-    assert all(fill(k) < 0.95 for k in range(1, s))
+    assert 1 <= s <= top and (s == 1 or n_pages // (s * wgs) >= mgpu_decode.MIN_PAGES)
+    if bh < 4 * slots and bh * s < 0.95 * waves * slots:   # not 95% used: nothing better fits
+      assert all(bh * k / (-(-bh * k // slots) * slots) <= bh * s / (waves * slots)
+                 for k in range(1, top + 1))
 
 
 def test_whole_call_lowers_for_cuda_with_both_kernels():

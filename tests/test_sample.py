@@ -67,6 +67,16 @@ def test_top_p_one_draws_the_scaled_distribution_unsorted():
   assert 0.5 * np.abs(freq - want).sum() < 0.03
 
 
+def test_raw_uint32_keys_draw_as_typed_ones():
+  logits, t, p = inputs(4)
+  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+  key = jax.random.key(2)
+  for k, raw in ((key, jax.random.key_data(key)),
+                 (jax.random.split(key, B), jax.random.key_data(jax.random.split(key, B)))):
+    for pp in (p, jnp.ones_like(p)):
+      assert jnp.array_equal(nucleus(logits, raw, t, pp, greedy), nucleus(logits, k, t, pp, greedy))
+
+
 def test_a_rows_draw_does_not_depend_on_the_other_rows():
   """With per-row keys (the engine's seeds), a top_p = 1 row's token is the same whether or not
   another row of the batch needs the sort."""

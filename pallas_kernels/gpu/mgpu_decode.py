@@ -45,11 +45,14 @@ from pallas_kernels.types import LowPool, PageMaps
 BLOCKS = 512
 # The int4 pool's kernels fill whole waves instead.  One block of ``mgpu_int4.partition`` (d 128:
 # 167 registers, 57 KB of shared memory) leaves room for 3 per SM, the warp-specialized kernel for
-# 1; a grid of 1.29 waves (the old 512 blocks) left the SMs idle 29% of the kernel's cycles, and
-# the split count that makes the grid closest to whole waves was the fastest at every measured
-# shape (H100, bench/RESULTS.md 2026-12-06 (fifth): 4B-like B=8 32K 6 splits 89.3 us vs 8 splits
-# 99.3; 0.5B-like 24 vs 32: 19.5 vs 19.8; B=32 8K 3 vs 2: 95.0 vs 98.7).
-RESIDENT = {1: 3}        # compute warpgroups -> blocks resident per SM (any other count: 1)
+# 1; a grid of 1.29 waves (the old 512 blocks) left the SMs without work for part of the kernel
+# (SMs active 71-92% of its cycles), and the split count that makes the grid closest to whole
+# waves was the fastest at every measured shape (H100, bench/RESULTS.md 2026-12-06 (fifth):
+# 4B-like B=8 32K 6 splits 89.3 us vs 8 splits 99.3; 0.5B-like 24 vs 32: 19.5 vs 19.8; B=32 8K 3
+# vs 2: 95.0 vs 98.7).  Blocks resident per SM by (compute warpgroups, early_v, head dim): d 64 at
+# 3 as measured (its 128 registers would allow 4), early_v's 213 registers at d 128 allow 2 (156
+# at d 64: 3); anything not measured counts 1, so its grid is whole waves of one block per SM.
+RESIDENT = {(1, False, 128): 3, (1, False, 64): 3, (1, True, 128): 2, (1, True, 64): 3}
 SMS = 132                # H100 and H200 SXM, when no GPU is present to ask
 MIN_PAGES = 8            # pages per split at least: 5 pages per split cost 19% at the 0.5B shape
 MAX_SPLITS = 64
@@ -89,19 +92,24 @@ def sm_count() -> int:
   return int(getattr(dev, "core_count", 0) or SMS) if dev.platform == "gpu" else SMS
 
 
-def wave_splits(bh: int, n_pages: int, *, wgs: int = 1, sms: int | None = None) -> int:
+def wave_splits(bh: int, n_pages: int, *, wgs: int = 1, early_v: bool = False, d: int = 128,
+                sms: int | None = None) -> int:
   """Context splits per warpgroup of the int4 pool's kernels for ``bh`` (sequence, KV head)
-  pairs over a table of ``n_pages`` pages: the fewest splits whose grid fills at least 95% of
-  its last wave (``sms`` x ``RESIDENT`` blocks per wave), each split keeping ``MIN_PAGES``;
-  failing that, the best-filled grid."""
-  slots = (sms or sm_count()) * RESIDENT.get(wgs, 1)
+  pairs over a table of ``n_pages`` pages: the fewest splits whose blocks use at least 95% of
+  the block slots of the waves they span (``sms`` x ``RESIDENT`` slots per wave), each split
+  keeping ``MIN_PAGES`` pages; failing that, the best-used grid.  One split where the pairs alone
+  span 4 waves or more (the idle slots of its last wave are then under a fifth of the grid's)."""
+  bh = max(bh, 1)
+  slots = (sms or sm_count()) * RESIDENT.get((wgs, early_v, d), 1)
+  if bh >= 4 * slots:
+    return 1
   top = max(1, min(MAX_SPLITS, n_pages // (MIN_PAGES * wgs)))
-  fill = lambda s: bh * s / (-(-bh * s // slots) * slots)
+  used = lambda s: bh * s / (-(-bh * s // slots) * slots)
   best = 1
   for s in range(1, top + 1):
-    if fill(s) >= 0.95:
+    if used(s) >= 0.95:
       return s
-    if fill(s) > fill(best):
+    if used(s) > used(best):
       best = s
   return best
 
@@ -163,7 +171,7 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   if splits:
     s = splits
   elif lo.format == "int4":
-    s = wave_splits(bh, n_pages, wgs=wgs)
+    s = wave_splits(bh, n_pages, wgs=wgs, early_v=early_v, d=d)
   else:
     s = splits_for(bh, n_pages)
   tbl = jnp.pad(tbl, ((0, 0), (0, (-n_pages) % (s * wgs))))
