@@ -85,6 +85,18 @@ def test_length_bounded_strings_are_json_strings(setup, text, ok):
   assert _accepts(tok, tool_call_grammar(gc, tools, "json_list"), call) is ok
 
 
+def test_a_property_or_value_named_root_stays_root(setup):
+  """The tool-call grammar renames its schema's rule ``root``, never the text ``"root"``."""
+  tok, _, gc = setup
+  tools = [{"type": "function", "function": {"name": "root", "parameters": {
+      "type": "object", "properties": {"root": {"enum": ["root", "a root"]}},
+      "required": ["root"]}}}]
+  g = tool_call_grammar(gc, tools, "json_list")
+  assert _accepts(tok, g, '[{"name": "root", "arguments": {"root": "a root"}}]')
+  assert not _accepts(tok, g, '[{"name": "root", "arguments": {"call": "a root"}}]')
+  assert not _accepts(tok, g, '[{"name": "call", "arguments": {"root": "root"}}]')
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
      "parameters": {"type": "object", "properties": {

@@ -88,8 +88,28 @@ def call_schema(tools: list[dict]) -> dict:
   return out
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _rename_root(ebnf: str, new: str) -> str:
-  return re.sub(r"\broot\b", new, ebnf)
+  """``ebnf`` with its rule ``root`` named ``new``: rule names only, never the text inside a
+  string literal or a character class (a tool's property or enum value "root" stays "root")."""
+  out, i, n = [], 0, len(ebnf)
+  while i < n:
+    c = ebnf[i]
+    if c in "\"[":
+      close, j = ('"' if c == '"' else "]"), i + 1
+      while j < n and ebnf[j] != close:
+        j += 2 if ebnf[j] == "\\" else 1
+      out.append(ebnf[i:j + 1])
+      i = j + 1
+    elif (m := _NAME.match(ebnf, i)):
+      out.append(new if m.group() == "root" else m.group())
+      i = m.end()
+    else:
+      out.append(c)
+      i += 1
+  return "".join(out)
 
 
 def _esc(s: str) -> str:
