@@ -1,8 +1,9 @@
 # Device: issue 22's wave test. The int4 pool's Mosaic GPU kernel runs 3 blocks per SM (168
 # registers and its shared memory each allow 3), so the grid of 512 blocks (the default until
 # 2026-12-06 (fifth), now mgpu_decode.wave_splits; mgpu_decode.BLOCKS: 8 splits x 64
-# (sequence, KV head) at the 4B-like shape, 32 x 16 at the 0.5B) is 1.29 waves on 132 SMs (Nsight Compute: the SMs active 92% of the kernel's cycles with
-# the byte upcast, session 21, and 71% with both operands permuted, session 22: bench/results/
+# (sequence, KV head) at the 4B-like shape, 32 x 16 at the 0.5B) is 1.29 waves on 132 SMs
+# (Nsight Compute: the SMs active 92% of the kernel's cycles with the byte upcast, session 21,
+# and 71% with both operands permuted, session 22: bench/results/
 # 2026-12-06_session2{1/int4_sass/ncu,2/upcast/ncu_perm}.txt). Does a grid of at most one wave
 # (splits 6 / 24: 384 blocks) or of whole waves (12 / 48: 768 = 1.94) run faster? Most valuable
 # first:
@@ -54,9 +55,10 @@ for l in sys.stdin:
           "kernels", r.get("kernels_us"), "int4 body", body, "err", "%.1e" % r["err"])'
 }
 # registers at the device's jax (cols=8 needs jax >= 0.11): which knobs keep 3 blocks per SM
-want regs && timeout -s KILL 90 python3 -m bench.mgpu_regs --cols 8 '{}' '{"k_upcast": "bf16_perm"}' \
-  '{"k_upcast": "bf16_perm", "early_v": true}' '{"k_upcast": "bf16_perm", "v_upcast": "bf16_perm"}' \
-  > $d/regs.md 2>&1; grep -E '^\|' $d/regs.md
+want regs && timeout -s KILL 90 python3 -m bench.mgpu_regs --cols 8 '{}' \
+  '{"k_upcast": "bf16_perm"}' '{"k_upcast": "bf16_perm", "early_v": true}' \
+  '{"k_upcast": "bf16_perm", "v_upcast": "bf16_perm"}' > $d/regs.md 2>&1
+want regs && grep -E '^\|' $d/regs.md
 kern kern_4b 0 '[{"upcast_lo": "bf16"}, {}, {"splits_lo": 4}, {"splits_lo": 5},
   {"splits_lo": 6}, {"splits_lo": 12}, {"splits_lo": 16}, {"wgs_lo": 3},
   {"wgs_lo": 3, "splits_lo": 3}, {"wgs_lo": 2, "splits_lo": 2}, {"wgs_lo": 2, "splits_lo": 3},

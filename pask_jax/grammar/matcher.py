@@ -49,11 +49,13 @@ def schema_ebnf(text: str, indent: int | None = None) -> str:
   xgr = import_xgrammar()
   ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True,
                                           indent=indent))
-  lines = [line.split(" ::= ", 1)[0] + _JSON_CHAR
-           if line.endswith(_BOUNDED_CHAR) and line.split(" ::= ", 1)[0].endswith("_characters")
-           else line for line in ebnf.splitlines()]
-  if any(line.endswith(_JSON_CHAR) for line in lines) and not any(
-      line.startswith("basic_escape ::= ") for line in lines):
+  lines, fixed = [], False
+  for line in ebnf.splitlines():
+    name = line.split(" ::= ", 1)[0]
+    if line.endswith(_BOUNDED_CHAR) and name.endswith("_characters"):
+      line, fixed = name + _JSON_CHAR, True
+    lines.append(line)
+  if fixed and not any(line.startswith("basic_escape ::= ") for line in lines):
     lines.append(_ESCAPE)
   return "\n".join(lines) + "\n"
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from pask_jax import tags as T
 from pask_jax.grammar.fc_adapter import FCAdapter
-from pask_jax.grammar.matcher import (Grammar, GrammarCompiler, GrammarError, schema_ebnf)
+from pask_jax.grammar.matcher import Grammar, GrammarCompiler, GrammarError, schema_ebnf
 from pask_jax.grammar.schema_check import scoped
 
 FORMATS = ("fenced_json", "tool_call_tags", "json_list")
