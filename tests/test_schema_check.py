@@ -43,6 +43,8 @@ XGRAMMAR_GAPS = [
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1"),
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, '"abc"'),
+    ({"type": "string", "format": "date", "minLength": 11}, '"2026-12-06"'),
     ({"anyOf": []}, None),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, None),
 ]
@@ -82,6 +84,8 @@ REFUSED = [
      "'dependentRequired' is not supported"),
     ({"type": "object", "propertyNames": {"maxLength": 1}}, "'propertyNames' is not supported"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "'maxLength' beside 'pattern'"),
+    ({"properties": {"d": {"format": "date", "minLength": 11}}}, "'minLength' beside 'format'"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "can match the same value"),
     ({"properties": {"a": {"$ref": "http://example.com/s.json"}}}, "only local"),
     ({"properties": {"a": {"$ref": "#/$defs/none"}}}, "points nowhere"),
@@ -128,7 +132,19 @@ ACCEPTED = [
     {"type": "integer", "not": False},
     {"type": "array", "items": {"type": "integer", "maximum": 9}, "maxItems": 1,
      "uniqueItems": True},
+    {"type": "string", "format": "not-a-format", "maxLength": 3},
+    {"type": "string", "pattern": "^[a-c]{1,3}$", "minLength": 0},
 ]
+
+
+def test_xgrammar_formats_pinned():
+  """XGRAMMAR_FORMATS is exactly the formats beside which XGrammar drops a length bound."""
+  import xgrammar as xgr
+  from pask_jax.grammar.schema_check import XGRAMMAR_FORMATS
+  for f in sorted(XGRAMMAR_FORMATS) + ["not-a-format", "color"]:
+    g = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "format": f,
+                                                     "maxLength": 7})))
+    assert ("{0, 7}" not in g) == (f in XGRAMMAR_FORMATS), f
 
 
 def _walk(tok, grammar, rng, steps=160):

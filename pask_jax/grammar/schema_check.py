@@ -35,6 +35,8 @@ checked by accepting strings on the compiled grammar; ``tests/test_schema_check.
   ``anyOf``);
 * the unenforced keywords above are refused unless trivially true (``not`` of an unsatisfiable
   schema, ``uniqueItems`` with ``maxItems <= 1``, ``multipleOf`` under ``type: integer``);
+* ``minLength``/``maxLength`` beside a ``pattern`` or a ``format`` XGrammar knows are refused
+  (XGrammar drops the length there with only a log warning);
 * finally a least-fixed-point satisfiability check over ``$ref``: a schema with no finite
   instance (``not: {}``, contradictory ``allOf`` types, ``required`` vs ``additionalProperties:
   false``, a required self-reference, …) is refused up front.
@@ -61,6 +63,11 @@ UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "contains", "minContai
               "maxContains", "dependentRequired", "dependencies", "dependentSchemas",
               "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems",
               "$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor")
+# String formats XGrammar 0.2.9 turns into a grammar (the others are annotations); beside one of
+# them, or beside a pattern, it ignores minLength/maxLength with a warning.
+XGRAMMAR_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
 _TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 _LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
@@ -702,7 +709,16 @@ def prepare(schema: Any, where: str = "schema") -> Any:
 
 
 def _leaf_check(s: Any, at: str) -> Any:
-  if isinstance(s, dict) and "multipleOf" in s and _types(s) != {"integer"}:
+  if not isinstance(s, dict):
+    return s
+  if "multipleOf" in s and _types(s) != {"integer"}:
     raise SchemaError(f"{at}: 'multipleOf' is only enforced under type 'integer' "
                       "(XGrammar cannot enforce it on numbers)")
+  bounded = [k for k in ("minLength", "maxLength") if k in s and (k == "maxLength" or s[k])]
+  if bounded and (_types(s) is None or "string" in _types(s)):
+    shaped = "pattern" if "pattern" in s else (
+        "format" if s.get("format") in XGRAMMAR_FORMATS else None)
+    if shaped:
+      raise SchemaError(f"{at}: {bounded[0]!r} beside {shaped!r} is not supported (XGrammar "
+                        f"drops the length there; bound the length inside the {shaped})")
   return s
