@@ -186,6 +186,9 @@ def main(argv=None):
   ap.add_argument("--fused-variants", default="[{}]",
                   help="JSON list of knob dicts (splits_lo, splits_hi, tile_hi, stages_lo, "
                        "stages_hi): each 'fused' row runs each")
+  ap.add_argument("--bf16-variants", default="[]",
+                  help="JSON list of knob dicts run besides the defaults on the all-BF16 cache "
+                       "(a_bf16), e.g. the Triton partition's num_warps")
   ap.add_argument("--mosaic-variants", default="[{}]",
                   help="JSON list of knob dicts (splits_lo, wgs_lo, upcast_lo, early_v_lo): each "
                        "'mosaic' row runs each; wgs_lo > 1 (warp-specialized), upcast_lo other "
@@ -263,6 +266,8 @@ def main(argv=None):
       if "fused" in kernels:     # one Mosaic GPU launch for both pools, each knob variant
         variants = (variants if lo_len else [knobs]) + [
             {**knobs, "int4_kernel": "fused", **v} for v in json.loads(args.fused_variants)]
+      if mix == "a_bf16":
+        variants += [{**knobs, **v} for v in json.loads(args.bf16_variants)]
       if args.sweep and name.startswith("4B-like b8") and mix == "a_bf16":
         variants += [dict(num_warps=8, num_stages=3), dict(num_warps=4, num_stages=2, block_hi=64),
                      dict(chunk_hi=1024)]
