@@ -334,6 +334,14 @@ _MERGES = ("sets", "concat", "kernel")
 _FUSED = ("fused", "fused_reference")
 
 
+def bf16_warps(d: int) -> int:
+  """Warps of the Triton launch over the BF16 pool and window: 4 at head dim <= 64, else 8.
+  H100, B=8 32K, CUPTI (bench/results/2026-12-06_session24/bf16_warps): at d 64 (0.5B shape) 4
+  warps read the all-BF16 cache in 54.3 us against 8 warps' 66.4 (the B~0.33 call 37.5 vs 38.9);
+  at d 128 (4B-like) 352.0 vs 355.5, within 1%: 8 stays, as tuned on the H200."""
+  return 4 if d <= 64 else 8
+
+
 def stack_inputs(window: Window, hi: HighPool, lo: LowPool, layer):
   """(window, hi, lo, layer) with a leading layer axis: one layer's arrays get a size-1 axis
   (a free reshape) and layer 0."""
@@ -360,7 +368,7 @@ def partials_gpu(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
 def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, layer=None, *,
                  scale: float | None = None, block_lo: int = 64, block_hi: int = 128,
                  block_w: int = 64, chunk_lo: int | None = None, chunk_hi: int | None = None,
-                 num_warps: int = 8, num_stages: int = 2, exact_pv: bool = True,
+                 num_warps: int | None = None, num_stages: int = 2, exact_pv: bool = True,
                  exact_pv_lo: bool | None = None, int4_dequant: str | None = None,
                  int4_prefetch: bool | None = None,
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
@@ -392,6 +400,8 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   and window and adds the layer's row offset to every gathered row, so nothing is copied per
   layer except that layer's fp16 scales (4 B a row, repacked to one u32).
 
+  ``num_warps`` (default :func:`bf16_warps` for a launch over the BF16 pool and window alone, 8
+  where the launch reads INT4 entries too).
   ``fuse=False`` runs the INT4 partition as its own launch (``num_warps_lo`` warps,
   ``num_stages_lo`` stages, ``block_lo`` keys) and the BF16 pool + window as another; the
   partials are concatenated.  ``"auto"`` (default) separates them when the INT4 partition alone
@@ -522,21 +532,23 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
         name=name,
     )(lens, qp, *args)
 
+  warps_bf16 = num_warps or bf16_warps(d)
   if n_lo and int4_kernel != "triton":
     lo_part = mgpu_decode.int4_partials(qp, lo, maps, layer, c=c, g=g, splits=splits_lo,
                                         wgs=wgs_lo, table=table_lo, upcast=upcast_lo,
                                         early_v=early_v_lo,
                                         layout="kernel",
                                         reference=int4_kernel == "mosaic_reference")
-    rest = call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,
+    rest = call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, warps_bf16, num_stages,
                 "pask_decode_attention")
     return [(lo_part, True), (rest, False)]
   if fuse or not n_lo:
     return [(call(n_lo, n_hi, n_w, lo_args + hi_args + w_args, lo_specs + hi_specs + w_specs,
-                  num_warps, num_stages, "pask_decode_attention"), False)]
+                  num_warps or (8 if n_lo else warps_bf16), num_stages,
+                  "pask_decode_attention"), False)]
   return [(call(n_lo, 0, 0, lo_args, lo_specs, num_warps_lo, num_stages_lo,
                 "pask_decode_attention_int4"), False),
-          (call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, num_warps, num_stages,
+          (call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, warps_bf16, num_stages,
                 "pask_decode_attention"), False)]
 
 
