@@ -312,3 +312,13 @@ def prepare(model: Decoder, layout: str = "auto", *, tp: int = 1) -> Decoder:
   if layout == "auto":
     layout = model.layout if getattr(model, "layout_chosen", False) else default_layout()
   return set_layout(model, layout, tp=tp)
+
+
+def split(model: Decoder) -> tuple[Any, dict]:
+  """``(graphdef, params)``: ``nnx.split`` with the state as a plain nested dict
+  (``nnx.to_pure_dict``), the form every runner's jitted functions take (``nnx.merge`` accepts
+  it).  A jit call flattens its arguments on every call, on the host: the 0.5B's ``nnx.State``
+  (172 arrays) cost a trivial jitted function 219 µs per call on the 2-core host, its plain
+  dict 64 µs (flax's State flattens node by node in Python, a dict in C++)."""
+  graphdef, state = nnx.split(model)
+  return graphdef, nnx.to_pure_dict(state)

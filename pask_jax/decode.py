@@ -103,7 +103,7 @@ class Runner:
         lambda *a: _round_out(kv_dense.attend(*a), attn_out_dtype))
     if self.tp_mesh is None:
       decoder.prepare(model)   # the layer layout for this backend (in place; see models.decoder)
-      self.graphdef, self.params = nnx.split(model)
+      self.graphdef, self.params = decoder.split(model)
     else:
       self.graphdef, self.params = tp.prepare_model(model, self.tp_mesh, shard_vocab=shard_vocab)
     self.batch, self.capacity = batch, capacity
@@ -275,7 +275,7 @@ class PaskRunner:
     self._dense = Runner(model, batch=batch, capacity=capacity, cache_dtype=jnp.bfloat16,
                          mesh=self.tp_mesh, shard_vocab=shard_vocab)
     if self.tp_mesh is None:
-      self.graphdef, self.params = nnx.split(model)
+      self.graphdef, self.params = decoder.split(model)
       self._dense.params = self.params
       self.commit = jax.jit(self._commit)
       self.decode_step = jax.jit(self.decode_fn, donate_argnums=(2,))

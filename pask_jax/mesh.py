@@ -175,7 +175,7 @@ def prepare_model(model, mesh: Mesh, *, shard_vocab: bool = True, layout: str = 
   graphdef, params = nnx.split(model)
   params = jax.device_put(params, param_shardings(params, mesh, shard_vocab=shard_vocab))
   nnx.update(model, params)
-  return graphdef, params
+  return graphdef, nnx.to_pure_dict(params)   # the jits' form: models.decoder.split
 
 
 def attention_per_shard(attn, mesh: Mesh):
@@ -262,10 +262,9 @@ def prepare(model, mesh: Mesh | None, *, shard_vocab: bool = True):
   """A runner's model and mesh: ``(tp_mesh, graphdef, params)``.  ``tp_mesh`` is None for no
   mesh or a mesh of one device (then the model takes its backend's layout, unsharded);
   otherwise :func:`prepare_model` (checked, the same layout rule, parameters placed)."""
-  from flax import nnx
   if mesh is None or mesh.size == 1:
     decoder.prepare(model)
-    return (None,) + tuple(nnx.split(model))
+    return (None,) + decoder.split(model)
   return (mesh,) + prepare_model(model, mesh, shard_vocab=shard_vocab)
 
 
