@@ -42,6 +42,7 @@ kern() {  # tag, shape index, variants, cap seconds
   [ $(left) -gt 45 ] || { echo "no time for $1"; return; }
   timeout -k 5 -s KILL $(cap $4) python3 bench/bench_kernels.py --out $d/$1 --lo-page 128 \
     --lo-formats int4 --int4-kernels ${KERNELS:-mosaic} --shapes $2 --no-gqa --cupti \
+    --hi-page ${HI_PAGE:-16} \
     --mosaic-variants "$3" ${FUSED:+--fused-variants "$FUSED"} > $d/$1.log 2>&1
   echo "$1 rc $?"
   grep -E '^FAILED' $d/$1.log | cut -c1-300
@@ -82,7 +83,8 @@ kern kern_4b32 2 '[{}, {"splits_lo": 1}, {"splits_lo": 2}, {"splits_lo": 3}]' 90
 # hi: chunk_hi 1024 / 2048 give 4 / 2 BF16 splits (+ the window's): 320 / 192 programs
 kern hi 0 '[{}, {"chunk_hi": 640}, {"chunk_hi": 1024}, {"chunk_hi": 1366}, {"chunk_hi": 2048},
   {"num_warps": 4}, {"num_warps": 4, "chunk_hi": 1024}]' 150
-# fused: splits of the INT4 and BF16 pools per (sequence, KV head), 64 pairs at this shape
+# fused: splits of the INT4 and BF16 pools per (sequence, KV head), 64 pairs at this shape;
+# BF16 pages of 64 (the fused kernel's minimum; at 16 it refused every b_mix row on 2026-12-06)
 KERNELS=mosaic,fused FUSED='[{"splits_lo": 10, "splits_hi": 6}, {"splits_lo": 4, "splits_hi": 2},
   {"splits_lo": 5, "splits_hi": 1}, {"splits_lo": 3, "splits_hi": 3}, {"splits_lo": 8,
-  "splits_hi": 4}, {"splits_lo": 6, "splits_hi": 6}]' kern fused 0 '[{}]' 200
+  "splits_hi": 4}, {"splits_lo": 6, "splits_hi": 6}]' HI_PAGE=64 kern fused 0 '[{}]' 200
