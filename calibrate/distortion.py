@@ -52,8 +52,8 @@ def capture(model, seqs: list[list[int]], bucket: int = 64, length: int | None =
   D]) in BF16 (what the cache stores), unpadded.  ``length``: the padded length of the forward
   (default: the longest sequence rounded up to ``bucket``); one length for every batch of a
   calibration compiles the forward once."""
-  from flax import nnx
-  graphdef, params = nnx.split(model)
+  from models import decoder
+  graphdef, params = decoder.split(model)
   Tn = -(-max(len(s) for s in seqs) // bucket) * bucket
   if length is not None:
     if length < max(len(s) for s in seqs):

@@ -319,6 +319,8 @@ def split(model: Decoder) -> tuple[Any, dict]:
   (``nnx.to_pure_dict``), the form every runner's jitted functions take (``nnx.merge`` accepts
   it).  A jit call flattens its arguments on every call, on the host: the 0.5B's ``nnx.State``
   (172 arrays) cost a trivial jitted function 219 µs per call on the 2-core host, its plain
-  dict 64 µs (flax's State flattens node by node in Python, a dict in C++)."""
+  dict 64 µs (flax's State flattens node by node in Python, a dict in C++).  The dict holds the
+  arrays as they are now: unlike the State it does not follow later in-place updates of
+  ``model`` (``nnx.update``): split after them."""
   graphdef, state = nnx.split(model)
   return graphdef, nnx.to_pure_dict(state)

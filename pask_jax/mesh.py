@@ -146,8 +146,8 @@ def _name(path) -> tuple[str, bool]:
 
 
 def param_shardings(params, mesh: Mesh, *, shard_vocab: bool = True):
-  """The NamedSharding of every leaf of an ``nnx.split`` state (either layer layout), same
-  tree."""
+  """The NamedSharding of every leaf of an ``nnx.split`` state or its plain dict
+  (``models.decoder.split``; either layer layout), same tree."""
   def one(path, _):
     name, stacked = _name(path)
     return NamedSharding(mesh, spec(name, shard_vocab=shard_vocab, stacked=stacked))
@@ -155,8 +155,8 @@ def param_shardings(params, mesh: Mesh, *, shard_vocab: bool = True):
 
 
 def sharded_weights(params) -> list:
-  """The attention and MLP weights of an ``nnx.split`` state (either layout): what each of N
-  devices holds 1/N of."""
+  """The attention and MLP weights of an ``nnx.split`` state or its plain dict (either layout):
+  what each of N devices holds 1/N of."""
   names = set(SHARDED_WEIGHTS) | set(decoder.FUSED)
   return [x for path, x in jax.tree_util.tree_leaves_with_path(params)
           if _name(path)[0] in names]

@@ -45,6 +45,8 @@ XGRAMMAR_GAPS = [
       "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, '"abc"'),
     ({"type": "string", "format": "date", "minLength": 11}, '"2026-12-06"'),
+    ({"type": "object", "properties": {"d": {"maxLength": 2}}, "required": ["d"]},
+     '{"d": "abcdef"}'),
     ({"anyOf": []}, None),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, None),
 ]
@@ -85,7 +87,10 @@ REFUSED = [
     ({"type": "object", "propertyNames": {"maxLength": 1}}, "'propertyNames' is not supported"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, "'maxLength' beside 'pattern'"),
-    ({"properties": {"d": {"format": "date", "minLength": 11}}}, "'minLength' beside 'format'"),
+    ({"properties": {"d": {"type": "string", "format": "date", "minLength": 11}}},
+     "'minLength' beside 'format'"),
+    ({"type": "object", "properties": {"d": {"maxLength": 2}}}, "'maxLength' without a 'type'"),
+    ({"items": {"pattern": "^a$"}}, "'pattern' without a 'type'"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "can match the same value"),
     ({"properties": {"a": {"$ref": "http://example.com/s.json"}}}, "only local"),
     ({"properties": {"a": {"$ref": "#/$defs/none"}}}, "points nowhere"),
@@ -134,6 +139,9 @@ ACCEPTED = [
      "uniqueItems": True},
     {"type": "string", "format": "not-a-format", "maxLength": 3},
     {"type": "string", "pattern": "^[a-c]{1,3}$", "minLength": 0},
+    {"type": "string", "enum": ["a", "bb"], "pattern": "^a+$", "maxLength": 1},
+    {"type": "string", "const": "2026-01-01", "format": "date", "maxLength": 10},
+    {"type": ["string", "integer"], "maxLength": 2},
 ]
 
 

@@ -36,7 +36,9 @@ checked by accepting strings on the compiled grammar; ``tests/test_schema_check.
 * the unenforced keywords above are refused unless trivially true (``not`` of an unsatisfiable
   schema, ``uniqueItems`` with ``maxItems <= 1``, ``multipleOf`` under ``type: integer``);
 * ``minLength``/``maxLength`` beside a ``pattern`` or a ``format`` XGrammar knows are refused
-  (XGrammar drops the length there with only a log warning);
+  (XGrammar drops the length there with only a log warning), and so are those keywords and
+  ``pattern``/``format`` on a schema without ``type`` (XGrammar reads it as any value); beside
+  ``enum``/``const`` they stay (the listed values are checked against them);
 * finally a least-fixed-point satisfiability check over ``$ref``: a schema with no finite
   instance (``not: {}``, contradictory ``allOf`` types, ``required`` vs ``additionalProperties:
   false``, a required self-reference, …) is refused up front.
@@ -714,11 +716,21 @@ def _leaf_check(s: Any, at: str) -> Any:
   if "multipleOf" in s and _types(s) != {"integer"}:
     raise SchemaError(f"{at}: 'multipleOf' is only enforced under type 'integer' "
                       "(XGrammar cannot enforce it on numbers)")
-  bounded = [k for k in ("minLength", "maxLength") if k in s and (k == "maxLength" or s[k])]
-  if bounded and (_types(s) is None or "string" in _types(s)):
-    shaped = "pattern" if "pattern" in s else (
-        "format" if s.get("format") in XGRAMMAR_FORMATS else None)
-    if shaped:
-      raise SchemaError(f"{at}: {bounded[0]!r} beside {shaped!r} is not supported (XGrammar "
-                        f"drops the length there; bound the length inside the {shaped})")
+  if "enum" in s or "const" in s:
+    return s            # XGrammar emits the listed values, already checked against the siblings
+  shaped = [k for k in ("pattern", "format", "minLength", "maxLength") if k in s and (
+      k in ("pattern", "maxLength") or k == "format" and s[k] in XGRAMMAR_FORMATS
+      or k == "minLength" and s[k])]
+  if not shaped:
+    return s
+  types = _types(s)
+  if types is None:
+    raise SchemaError(f"{at}: {shaped[0]!r} without a 'type' is not enforced (XGrammar reads "
+                      "the schema as any value); add \"type\": \"string\"")
+  bounded = [k for k in shaped if k in ("minLength", "maxLength")]
+  if "string" in types and bounded and shaped[0] in ("pattern", "format"):
+    fix = ("bound the length inside the pattern" if shaped[0] == "pattern" else
+           "use a pattern instead of the format, or drop the length")
+    raise SchemaError(f"{at}: {bounded[0]!r} beside {shaped[0]!r} is not supported (XGrammar "
+                      f"drops the length there); {fix}")
   return s
