@@ -44,6 +44,10 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--chunk-layers", type=int, default=4)
   ap.add_argument("--no-full", action="store_true", help="skip the plain-XLA Full-KV step")
+  ap.add_argument("--state-params", action="store_true",
+                  help="also time the first mix with the weights passed as flax's nnx.State "
+                       "(the runners' form before models.decoder.split): the launch's share of "
+                       "flattening them, same process")
   ap.add_argument("--profile", default=None)
   ap.add_argument("--time-limit", type=float, default=1e9)
   ap.add_argument("--json", default=None)
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
   G, W, S = pol.n_groups, pol.window, a.steps
   # timed() runs 2 S + 1 steps: the pools and the Full-KV cache hold every token they add (a
   # pool that overflows drops rows, and the all-BF16 mix evicts every step into the BF16 pool).
-  room = 2 * S + 2
+  room = (2 * S + 1) * (2 if a.state_params else 1) + 1   # every step timed() runs
   mixes = [tuple(float(x) for x in m.split(",")) for m in a.mixes]
   mixes = [tuple(float(x) / sum(m) for x in m) for m in mixes]
   dev = jax.devices()[0].device_kind
@@ -175,6 +179,21 @@ def main(argv=None) -> int:
             state["s"] = (c, bud, led)
             return logits
           t, t_launch, t_dev = timed(step, S)
+          if a.state_params and not res:
+            from flax import nnx
+            as_state = nnx.split(model)[1]
+
+            def step_state():
+              c, bud, led = state["s"]
+              logits, c, bud, led, _ = runner.decode_step(as_state, pol, c, bud, led, tok, tags,
+                                                          sid, act)
+              state["s"] = (c, bud, led)
+              return logits
+            ts = timed(step_state, S)
+            del as_state
+            print(f"  {layout} b{B} c{C} mix {tuple(round(m, 2) for m in mix)} with nnx.State "
+                  f"weights: {ts[0] * 1e3:.2f} ms (launch {ts[1] * 1e3:.2f}, device "
+                  f"{ts[2] * 1e3:.2f}); plain dict: launch {t_launch * 1e3:.2f}", flush=True)
           if np.asarray(state["s"][0].overflow).any():
             raise SystemExit(f"mix {mix}: the cache overflowed (pools sized too small)")
           hlo = None

@@ -3,7 +3,8 @@
 # of the same process, most valuable first so a short call still returns the goals:
 #   1. whole step, Qwen3-4B shape, B=8, 32K, mixes B≈0.33 and B≈0.20, with all-BF16;
 #   2. one decode call per shape (4B-like and 0.5B, B=8, 32K), CUPTI per kernel;
-#   3. whole step, Qwen2.5-0.5B shape, B=8, 8K (issue 24's ≤ 1.5 ms goal);
+#   3. whole step, Qwen2.5-0.5B shape, B=8, 8K (issue 24's ≤ 1.5 ms goal), the mix also with
+#      the weights passed as flax's nnx.State (the launch's share of flattening them);
 #   4. the all-BF16 step that faulted on an H100 (pools overflowed; fixed in aaf0d3f) under
 #      compute-sanitizer's memcheck.
 #   LIMIT=570 bash scripts/h200_record22.sh      (no wheels or model needed)
@@ -38,7 +39,8 @@ kern() {  # tag, shape index
 }
 want step_4b && step step_4b 200 --shape qwen3-4b --context 32768 --mixes 0.2,0.65,0.15 0.5,0.4,0.1
 want kern_4b && kern 4b 0
-want step_05 && step step_05 80 --shape qwen2.5-0.5b --context 8192 --mixes 0.2,0.65,0.15
+want step_05 && step step_05 80 --shape qwen2.5-0.5b --context 8192 --mixes 0.2,0.65,0.15 \
+  --state-params
 want kern_05 && kern 05 3
 t=$(left)
 if want sanitizer && [ $t -gt 60 ] && command -v compute-sanitizer >/dev/null; then
