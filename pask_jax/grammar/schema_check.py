@@ -718,9 +718,10 @@ def _leaf_check(s: Any, at: str) -> Any:
                       "(XGrammar cannot enforce it on numbers)")
   if "enum" in s or "const" in s:
     return s            # XGrammar emits the listed values, already checked against the siblings
-  shaped = [k for k in ("pattern", "format", "minLength", "maxLength") if k in s and (
-      k in ("pattern", "maxLength") or k == "format" and s[k] in XGRAMMAR_FORMATS
-      or k == "minLength" and s[k])]
+  # the string keywords XGrammar acts on (an unknown format is an annotation, minLength 0 true)
+  acts = {"pattern": "pattern" in s, "format": s.get("format") in XGRAMMAR_FORMATS,
+          "minLength": bool(s.get("minLength")), "maxLength": "maxLength" in s}
+  shaped = [k for k, on in acts.items() if on]
   if not shaped:
     return s
   types = _types(s)
