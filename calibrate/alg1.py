@@ -106,6 +106,12 @@ class Config:
   # the pick: a fitting keep-at-L row would stop the re-aiming of the variant's own overshooting
   # compositions), so the target stages are keyed by it.
   decode_keep: bool = True
+  # A matched decode budget (the paper's ablations compare variants at one decode B): each
+  # decode threshold's greedy path also offers the step whose nominal cost is nearest it, and
+  # every target variant composes the decode candidate whose dev-measured decode B is nearest it
+  # (keep-at-L left out).  None: each variant's own Alg. 1 composition.  Keys the dev stage
+  # onwards (the candidate set changes) only where given.
+  decode_b: float | None = None
 
 
 # A prefill threshold pair under which every floor is R (V̄ are error-rate differences, <= 1):
@@ -427,6 +433,9 @@ class Calibration:
                log: Callable[[str], None] = print, devices=None):
     self.model, self.cfg, self.cal, self.dev = model, cfg, cal, dev
     check_targets(cfg.targets)
+    if cfg.decode_b is not None and not (isinstance(cfg.decode_b, (int, float)) and
+                                         0.0 < cfg.decode_b <= 1.0):
+      raise ValueError(f"decode_b must be in (0, 1], got {cfg.decode_b!r}")
     check_windows(cfg.windows)
     self.ablation = T.check_ablation(cfg.ablation)
     # no-layer: one bucket (i, 0) per key stands for every group; bcost is the bucket cost model.
@@ -512,7 +521,8 @@ class Calibration:
         abl if c["ablation"] in T.KEY_ABLATIONS + ("no-transition",) else {})}}
     dev = {**runtime_v, "development_split": stages.task_fingerprint(self.dev),
            "args": {**runtime_v["args"], **arg("thresholds", "prefill_thresholds", "b_p_grid",
-                                             "path_points", "reserve_k", "reserve_beta"), **abl}}
+                                             "path_points", "reserve_k", "reserve_beta"), **abl,
+                    **(arg("decode_b") if c["decode_b"] is not None else {})}}
     # Windows only where given, so that runs without them resume from earlier runs' stages.
     win = arg("windows") if c["windows"] else {}
     windows = {**dev, "args": {**dev["args"], **arg("windows")}}
@@ -816,6 +826,9 @@ class Calibration:
     if steps is None:
       noms = [nominal(m) for m in path]
       steps = pick_points(noms, self.cfg.path_points)
+      if self.cfg.decode_b is not None:   # the step nearest the matched decode budget too
+        near = int(np.argmin([abs(x - self.cfg.decode_b) for x in noms]))
+        steps = sorted(set(steps) | {near})
     else:
       noms = {j: nominal(path[j]) for j in steps}
     fpol = self.build(self.entries(f, f, None, G), self.ident, n_groups=G)
@@ -1114,6 +1127,15 @@ class Calibration:
       rows.append({**it, "dev": self.dev_row(r), "source": {**src, "aimed_at": it["target"]}})
     return rows
 
+  def matched_decode(self, dec_res) -> int | None:
+    """With ``Config.decode_b``: the decode candidate whose dev-measured decode B is nearest it
+    (ties: the more dev-accurate, then the lower index); else None."""
+    if self.cfg.decode_b is None or not dec_res:
+      return None
+    key = lambda j: (abs(self.stage_cost(dec_res[j], "decode") - self.cfg.decode_b),
+                     self.error(dec_res[j]), j)
+    return min(range(len(dec_res)), key=key)
+
   def variants(self, pool, dec, dec_res, pre, pre_res, ref_dev, di, e_ref):
     """One policy per target t of ``Config.targets``: the most dev-accurate composition whose
     dev-measured total B is <= t (:func:`pick_within`) among everything measured on dev.
@@ -1125,7 +1147,9 @@ class Calibration:
     for a target nothing measured reaches yet: aimed compositions under relaxed floors, and the
     round-1 aimed ones re-aimed by their measured overshoot; for a target already reached, the
     round-1 aimed ones that overshot it yet are more accurate than everything that fits,
-    re-aimed likewise.  Returns (variants, evaluated)."""
+    re-aimed likewise.  With ``Config.decode_b`` every composition uses the one decode candidate
+    of :meth:`matched_decode` (the measured pool too, keep-at-L left out), so that variants of
+    different ablations compare at one decode B.  Returns (variants, evaluated)."""
     cfg = self.cfg
     est = [(dj, pk) + composed_estimate(d_out, p_out)
            for dj, d_out in enumerate(dec_res) for pk, p_out in enumerate(pre_res)]
@@ -1134,8 +1158,13 @@ class Calibration:
     dec_opts = [(di, ref_dev if di is None else dec_res[di])]
     if cheapest is not None and cheapest != di:
       dec_opts.append((cheapest, dec_res[cheapest]))
+    matched = self.matched_decode(dec_res)
+    if matched is not None:   # one decode stage for every target: the matched decode budget
+      dec_opts = [(matched, dec_res[matched])]
+      est = [e for e in est if e[0] == matched]
+      pool = [r for r in pool if r["d"] == matched]
     kept = []
-    if cfg.decode_keep:
+    if cfg.decode_keep and matched is None:
       kj, keep_res = self.decode_keep()
       dec_opts.append((kj, keep_res))
       kept = [{"d": kj, "p": None, "dev": self.dev_row(keep_res), "target": None,

@@ -109,6 +109,11 @@ def add_parser(sub) -> None:
                       "candidates only, never from the decode stage that keeps every generated "
                       "token at L (for ablation comparisons, where that stage makes variants "
                       "alike). The target stages are keyed by it; the earlier stages resume")
+  c.add_argument("--decode-b", type=float, default=None, metavar="B",
+                 help="with targets: a matched decode budget in (0, 1] — every target's variant "
+                      "composes the decode candidate whose dev-measured decode B is nearest B "
+                      "(each decode path also offers its step nearest B), so that ablations "
+                      "compare at one decode B. The dev stage onwards is keyed by it")
   c.add_argument("--windows", type=int, nargs="+", default=(), metavar="W",
                  help="also evaluate the decode candidates at these recent windows (e.g. 8 16 32) "
                       "and select over all of them")
@@ -164,6 +169,12 @@ def run(args) -> int:
   keep_se = keep_se_of(args, targets)
   if args.no_decode_keep and not targets:
     raise SystemExit("error: --no-decode-keep chooses among target variants: give --targets")
+  if args.decode_b is not None:
+    if not targets:
+      raise SystemExit("error: --decode-b matches the target variants' decode stage: give "
+                       "--targets")
+    if not 0.0 < args.decode_b <= 1.0:
+      raise SystemExit(f"error: --decode-b must be in (0, 1], got {args.decode_b:g}")
   try:
     windows = alg1.check_windows(args.windows)
   except ValueError as e:
@@ -222,7 +233,8 @@ def run(args) -> int:
                     min_count=args.min_count,
                     rows=args.rows, max_tokens=args.max_tokens, sink=args.sink,
                     window=args.window, targets=targets, windows=windows, ablation=ablation,
-                    keep_se=keep_se, decode_keep=not args.no_decode_keep)
+                    keep_se=keep_se, decode_keep=not args.no_decode_keep,
+                    decode_b=args.decode_b)
   bar = lambda label, total: tqdm(total=total, desc=label, unit="gen", mininterval=2.0)
   from calibrate.stages import StageMismatch
   main = distributed.is_main()

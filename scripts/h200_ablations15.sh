@@ -20,6 +20,11 @@
 #             full method and no-transition at W 4 were one policy); writes to .../<dirs>-nokeep
 #   MAX_CASES cases per category for calibration and development (default: every case, as the
 #             committed full-method policy; keep it the same over the calls)
+#   DECODE_B  a matched decode budget (`calibrate --decode-b`): every variant's B 0.20 policy
+#             composes its decode candidate whose dev-measured decode B is nearest DECODE_B
+#             (keep-at-L left out, NOKEEP not needed); with WINDOW=4 the default variants are
+#             no-transition no-state, matched to the W 4 full method's decode B (0.209 on dev);
+#             writes to .../<dirs>-bd<DECODE_B> and runs examples/campaign_15b_ablations<sfx>.toml
 #   FULL_WORK the work/ of a full-method calibration with the same flags (e.g. /tmp/cal15c/work
 #             of h200_campaign15.sh on the same machine): its shared stages are copied too
 # Stages a variant does not change are keyed without its ablation and copied in before it starts
@@ -44,7 +49,8 @@ limit=${LIMIT:-560}
 gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 rows=${ROWS:-$([ "${gib:-0}" -gt 100000 ] && echo 1024 || echo 512)}
 win=${WINDOW:-16}
-sfx=$([ "$win" = 16 ] || echo "-w$win")$([ "${NOKEEP:-0}" = 1 ] && echo -nokeep)
+sfx=$([ "$win" = 16 ] || echo "-w$win")$([ "${NOKEEP:-0}" = 1 ] && echo -nokeep)\
+$([ -n "$DECODE_B" ] && echo "-bd$DECODE_B")
 root=/tmp/abl15$sfx
 pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations$sfx
 plan=examples/campaign_15b_ablations$sfx.toml
@@ -61,6 +67,7 @@ all="fixed-order no-floors no-layer no-state no-class no-role no-transition"
 # the parser state), all calibrated at that window (bench/results/2026-12-06_session21: at W 16
 # every decode candidate of every variant is within one dev case of all-high).
 [ "$win" = 16 ] || all="full no-transition no-state"
+[ -n "$DECODE_B" ] && all="no-transition no-state"
 for v in ${VARIANTS:-$all}; do
   [ -f $root/$v/calibration.json ] || [ -f $pol/$v/calibration.json ] && continue
   left=$((limit - SECONDS - 30))
@@ -74,7 +81,7 @@ for v in ${VARIANTS:-$all}; do
   timeout $left python3 -m pask_jax.cli calibrate --model qwen2.5-coder-1.5b-instruct \
     --out $root/$v ${MAX_CASES:+--max-cases $MAX_CASES} --rows $rows --max-tokens 128 \
     --window $win --targets 0.20 --keep-within-se 0 $([ $v = full ] || echo --ablation $v) \
-    $([ "${NOKEEP:-0}" = 1 ] && echo --no-decode-keep) \
+    $([ "${NOKEEP:-0}" = 1 ] && echo --no-decode-keep) ${DECODE_B:+--decode-b $DECODE_B} \
     >> $OUT/abl15${sfx}_$v.log 2>&1 || { tail -c 3000 $OUT/abl15${sfx}_$v.log; exit 0; }
   tail -c 1500 $OUT/abl15${sfx}_$v.log
   tar czf $OUT/abl15${sfx}_$v.tgz -C /tmp abl15$sfx/$v/policy abl15$sfx/$v/calibration.json

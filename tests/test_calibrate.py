@@ -465,6 +465,49 @@ def test_without_decode_keep_no_variant_composes_keep_at_L(targeted, tmp_path):
   assert moved, "no variant composed keep-at-L to begin with: the test checks nothing"
 
 
+def test_decode_b_composes_every_variant_from_the_matched_decode_candidate(targeted, tmp_path):
+  """``decode_b`` (``--decode-b``, the ablations' matched decode budget): the runtime stages
+  resume, a saved dev stage is refused (each greedy path now also offers its step nearest
+  decode_b), and every reached variant composes the one decode candidate whose dev-measured
+  decode B is nearest decode_b, never keep-at-L."""
+  import dataclasses
+  import shutil
+  from calibrate import stages
+  C, rec, out, cfg = targeted
+  costs = sorted({c["dev"]["cost"] for c in rec["decode_candidates"]})
+  assert len(costs) >= 3, "too few distinct decode costs: the test checks nothing"
+  b = float(np.median(costs)) + 1e-3          # between measured costs, not on one
+  cfg2 = dataclasses.replace(cfg, decode_b=b)
+  stale = str(tmp_path / "stale")
+  shutil.copytree(os.path.join(out, "work"), os.path.join(stale, "work"))
+  with pytest.raises(stages.StageMismatch):
+    alg1.Calibration(C.model, C.thash, C.cal, C.dev, stale, cfg2, capacity=CAP,
+                     runner_for=C.runner_for)
+  out2 = str(tmp_path / "matched")
+  shutil.copytree(os.path.join(out, "work"), os.path.join(out2, "work"),
+                  ignore=shutil.ignore_patterns("dev*.npz"))
+  C2 = alg1.Calibration(C.model, C.thash, C.cal, C.dev, out2, cfg2, capacity=CAP,
+                        runner_for=C.runner_for)
+  rec2 = C2.run()
+  assert not {"Runtime-V", "Runtime-D", "dev_keep"} & set(C2.timings) and "dev" in C2.timings
+  assert rec2["config"]["decode_b"] == b
+  for tau in {tuple(c["tau"]) for c in C2.dec_cands}:
+    mine = [c for c in C2.dec_cands if tuple(c["tau"]) == tau]
+    path = mine[0]["path_nominal"]
+    assert min(abs(c["nominal_b"] - b) for c in mine) == min(abs(x - b) for x in path), tau
+  dc = rec2["decode_candidates"]
+  j = min(range(len(dc)), key=lambda k: (abs(dc[k]["dev"]["cost"] - b), -dc[k]["dev"]["acc"], k))
+  reached = [v for v in rec2["variants"] if v["reached"]]
+  assert reached, "no variant reached its target: the test checks nothing"
+  for v in reached:
+    assert v["from"]["decode"] != "all-high" and v["from"]["decode"]["index"] == j, v["target"]
+    assert tuple(v["from"]["decode"]["tau"]) != alg1.KEEP
+  assert C2.matched_decode([]) is None
+  with pytest.raises(ValueError, match="decode_b must be in"):
+    alg1.Calibration(C.model, C.thash, C.cal, C.dev, str(tmp_path / "bad"),
+                     dataclasses.replace(cfg, decode_b=1.5), capacity=CAP, runner_for=C.runner_for)
+
+
 def test_a_saved_variant_measures_what_its_record_says(targeted):
   C, rec, out, cfg = targeted
   v = next(v for v in rec["variants"] if v["target"] == 0.5)

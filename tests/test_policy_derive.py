@@ -193,6 +193,14 @@ def test_calibrate_no_decode_keep_needs_targets(tmp_path):
     main(["calibrate", "--out", str(tmp_path / "o"), "--no-decode-keep"])
   assert str(e.value) == ("error: --no-decode-keep chooses among target variants: give "
                           "--targets")
+  assert _calibrate_args("--targets", "0.2", "--decode-b", "0.21").decode_b == 0.21
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate", "--out", str(tmp_path / "o"), "--decode-b", "0.21"])
+  assert str(e.value) == ("error: --decode-b matches the target variants' decode stage: give "
+                          "--targets")
+  with pytest.raises(SystemExit) as e:
+    main(["calibrate", "--out", str(tmp_path / "o"), "--targets", "0.2", "--decode-b", "0"])
+  assert str(e.value) == "error: --decode-b must be in (0, 1], got 0"
   assert _calibrate_args().min_count == 1 and _calibrate_args("--min-count", "8").min_count == 8
   with pytest.raises(SystemExit) as e:
     main(["calibrate", "--out", str(tmp_path / "o"), "--min-count", "0"])
