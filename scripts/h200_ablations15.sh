@@ -25,6 +25,7 @@
 #             (keep-at-L left out, NOKEEP not needed); with WINDOW=4 the default variants are
 #             no-transition no-state, matched to the W 4 full method's decode B (0.209 on dev);
 #             writes to .../<dirs>-bd<DECODE_B> and runs examples/campaign_15b_ablations<sfx>.toml
+#   CELLS     1: with VARIANTS, also run the plan's cells of the variants whose policies exist
 #   FULL_WORK the work/ of a full-method calibration with the same flags (e.g. /tmp/cal15c/work
 #             of h200_campaign15.sh on the same machine): its shared stages are copied too
 # Stages a variant does not change are keyed without its ablation and copied in before it starts
@@ -87,8 +88,9 @@ for v in ${VARIANTS:-$all}; do
   tar czf $OUT/abl15${sfx}_$v.tgz -C /tmp abl15$sfx/$v/policy abl15$sfx/$v/calibration.json
 done
 echo "ablations: all calibrated"
-# The plan names all seven variants: with a VARIANTS subset, calibration only.
-[ -n "$VARIANTS" ] && exit 0
+# The plan names every variant: with a VARIANTS subset, calibration only, unless CELLS=1 (then
+# the plan's methods whose policy is not there yet are left out of this call's campaign).
+[ -n "$VARIANTS" ] && [ "${CELLS:-0}" != 1 ] && exit 0
 # Every call sends the committed tree: the policies calibrated here go where the plan reads them
 # (committed ones stay as they are).
 for v in $all; do
@@ -97,6 +99,17 @@ for v in $all; do
     && cp $root/$v/calibration.json $pol/$v/
 done
 mkdir -p /tmp/c15a$sfx
+if [ "${CELLS:-0}" = 1 ]; then
+  python3 - $plan /tmp/plan_abl.toml <<'PY'
+import os, re, sys
+text = open(sys.argv[1]).read()
+head, *blocks = re.split(r"(?m)^(?=\[)", text)
+keep = [b for b in blocks if not b.startswith("[methods.") or os.path.isdir(
+    re.search(r'policy = "([^"]+)"', b).group(1).format(budget=0.20))]
+open(sys.argv[2], "w").write(head + "".join(keep))
+PY
+  plan=/tmp/plan_abl.toml
+fi
 # A campaign cell can run past --time-limit (its estimate is a guess): leave 60 s for the tar.
 t=$((limit - SECONDS - 60))
 [ $t -gt 60 ] && timeout $((t + 40)) python3 -m pask_jax.cli campaign \
