@@ -127,6 +127,8 @@ TARGET_RULE = 4
 # Decode thresholds under which every floor is L: V̄(q,R) >= V̄(q,L) >= 0 > -1 (no R floor) and
 # V̄(q,L) <= 1 (no H floor).  Step 0 of its greedy path stores every generated token at INT4.
 KEEP = (-1.0, 1.0)
+MATCH_TOL = 0.005       # Config.decode_b: a decode candidate measured this near it is matched
+MATCH_ROUNDS = 3        # re-aimed decode candidates evaluated at most (one dev run of 1 each)
 PAIRS_PER_TARGET = 4     # estimated (decode, prefill) compositions evaluated per target
 REAIM_MARGIN = 0.01      # re-aimed B_P lands this far under the target (estimate noise)
 
@@ -495,7 +497,8 @@ class Calibration:
   STAGES = ("reference", "runtime_v", "runtime_d", "dev", "dev_composed")
   # Written only with ``Config.windows`` (decode candidates at the other windows) and
   # ``Config.targets`` (compositions for the targets).
-  OPTIONAL_STAGES = ("dev_windows", "dev_keep", "dev_targets", "dev_targets_more")
+  OPTIONAL_STAGES = ("dev_windows", "dev_decode_matched", "dev_keep", "dev_targets",
+                     "dev_targets_more")
 
   def _fingerprints(self) -> dict[str, dict]:
     """Per stage, what its saved numbers depend on (each later stage adds to the earlier)."""
@@ -532,8 +535,8 @@ class Calibration:
     targets = {**composed, "args": {**composed["args"], **arg("targets"), **nokeep,
                                     "target_rule": TARGET_RULE}}
     return {"reference": ref, "runtime_v": runtime_v, "runtime_d": runtime_d, "dev": dev,
-            "dev_windows": windows, "dev_composed": composed, "dev_keep": targets,
-            "dev_targets": targets, "dev_targets_more": targets}
+            "dev_windows": windows, "dev_decode_matched": windows, "dev_composed": composed,
+            "dev_keep": targets, "dev_targets": targets, "dev_targets_more": targets}
 
   def _check_work(self) -> None:
     """Before any work: refuse unkeyed pickles of older versions and every saved stage whose
@@ -937,6 +940,7 @@ class Calibration:
     if len(dec) > n:
       dec_res = dec_res + self._dev_eval("dev_windows", [c["policy"] for c in dec[n:]],
                                          [c["window"] for c in dec[n:]])
+    dec_res = self.match_decode(dec, dec_res)
     di, drows, e_ref = self.select("decode", dec, dec_res, ref_dev, cfg.alpha_d)
     pi, prows, _ = self.select("prefill", pre, pre_res, ref_dev, cfg.alpha_p)
     self.log(f"dev: reference accuracy {1 - e_ref:.3f}; decode pick {di}, prefill pick {pi}")
@@ -1127,6 +1131,47 @@ class Calibration:
       rows.append({**it, "dev": self.dev_row(r), "source": {**src, "aimed_at": it["target"]}})
     return rows
 
+  def match_decode(self, dec: list[dict], dec_res: list) -> list:
+    """With ``Config.decode_b``: re-aim the decode candidate measured nearest it until one
+    lands within :data:`MATCH_TOL` (at most :data:`MATCH_ROUNDS` more dev evaluations, stage
+    ``dev_decode_matched``).  A path step's dev-measured decode B differs from its nominal one
+    (measured on the model's own trajectory, under the controller), by 15% for no-transition's
+    position bins on the 1.5B: the step nearest ``decode_b`` in nominal cost then measures well
+    under it.  Each round takes the step of that candidate's path whose nominal cost is nearest
+    ``nominal · decode_b / measured``.  Appends to ``dec`` (the candidates, ``aim`` "matched")
+    and returns ``dec_res`` with their outcomes."""
+    b = self.cfg.decode_b
+    if b is None or not dec_res:
+      return dec_res
+    cands, states = self._ref_decode()
+    added: list[dict] = []
+    res = list(dec_res)
+    for _ in range(MATCH_ROUNDS):
+      j = self.matched_decode(res)
+      c, got = dec[j], self.stage_cost(res[j], "decode")
+      if abs(got - b) <= MATCH_TOL or not got > 0 or len(c["path_nominal"]) < 2:
+        break
+      noms = c["path_nominal"]
+      want = c["nominal_b"] * b / got
+      k = int(np.argmin([abs(x - want) for x in noms]))
+      if any(tuple(x["tau"]) == tuple(c["tau"]) and x["step"] == k and
+             x["window"] == c["window"] for x in dec):
+        break                               # the path has no step nearer than those measured
+      new = self._decode_path(c["tau"], cands, states, steps=[k])[0]
+      new = {**new, "path_nominal": noms, "window": c["window"], "aim": "matched",
+             "policy": self._decode_policy(new, c["window"])}
+      added.append(new)
+      dec.append(new)
+      out = self._dev_eval("dev_decode_matched", [x["policy"] for x in added],
+                           [x["window"] for x in added])
+      res = list(dec_res) + out
+    if added:
+      j = self.matched_decode(res)
+      self.log(f"decode B matched to {b:g}: candidate {j} (tau {tuple(dec[j]['tau'])}, step "
+               f"{dec[j]['step']}) measured {self.stage_cost(res[j], 'decode'):.4f} after "
+               f"{len(added)} re-aimed step(s)")
+    return res
+
   def matched_decode(self, dec_res) -> int | None:
     """With ``Config.decode_b``: the decode candidate whose dev-measured decode B is nearest it
     (ties: the more dev-accurate, then the lower index); else None."""
@@ -1279,7 +1324,8 @@ class Calibration:
         "rho": {"decode": {f"{d(i)}:{gn(g)}": list(v) for (i, g), v in self.rho_dec.items()},
                 "prefill": {f"{d(i)}:{gn(g)}": list(v) for (i, g), v in self.rho_pre.items()}},
         "decode_candidates": [{"tau": list(c["tau"]), "step": c["step"], "path_len": c["path_len"],
-                               "nominal_b": c["nominal_b"], "window": c["window"], "dev": r}
+                               "nominal_b": c["nominal_b"], "window": c["window"], "dev": r,
+                               **({"aim": c["aim"]} if "aim" in c else {})}
                               for c, r in zip(dec, drows)],
         "prefill_candidates": [{"tau": list(c["tau"]), "b_p": c["b_p"], "dev": r}
                                for c, r in zip(pre, prows)],

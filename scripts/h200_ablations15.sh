@@ -25,6 +25,8 @@
 #             (keep-at-L left out, NOKEEP not needed); with WINDOW=4 the default variants are
 #             no-transition no-state, matched to the W 4 full method's decode B (0.209 on dev);
 #             writes to .../<dirs>-bd<DECODE_B> and runs examples/campaign_15b_ablations<sfx>.toml
+#   TAG       appended to the suffix of every directory and of the plan's name (e.g. -reaim: a
+#             second calibration beside a committed one, which would otherwise be skipped)
 #   CELLS     1: with VARIANTS, also run the plan's cells of the variants whose policies exist
 #   FULL_WORK the work/ of a full-method calibration with the same flags (e.g. /tmp/cal15c/work
 #             of h200_campaign15.sh on the same machine): its shared stages are copied too
@@ -51,7 +53,7 @@ gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/n
 rows=${ROWS:-$([ "${gib:-0}" -gt 100000 ] && echo 1024 || echo 512)}
 win=${WINDOW:-16}
 sfx=$([ "$win" = 16 ] || echo "-w$win")$([ "${NOKEEP:-0}" = 1 ] && echo -nokeep)\
-$([ -n "$DECODE_B" ] && echo "-bd$DECODE_B")
+$([ -n "$DECODE_B" ] && echo "-bd$DECODE_B")${TAG:-}
 root=/tmp/abl15$sfx
 pol=policies/qwen2.5-coder-1.5b-instruct-bfcl-ablations$sfx
 plan=examples/campaign_15b_ablations$sfx.toml

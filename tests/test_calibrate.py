@@ -476,7 +476,11 @@ def test_decode_b_composes_every_variant_from_the_matched_decode_candidate(targe
   C, rec, out, cfg = targeted
   costs = sorted({c["dev"]["cost"] for c in rec["decode_candidates"]})
   assert len(costs) >= 3, "too few distinct decode costs: the test checks nothing"
-  b = float(np.median(costs)) + 1e-3          # between measured costs, not on one
+  # the middle of the widest gap between measured costs: no path point measures near it, so the
+  # candidates are re-aimed by their measured cost
+  gap, lo = max((hi - lo, lo) for lo, hi in zip(costs, costs[1:]))
+  assert gap > 4 * alg1.MATCH_TOL, "measured costs too close: the re-aim is not exercised"
+  b = float(lo + gap / 2)
   cfg2 = dataclasses.replace(cfg, decode_b=b)
   stale = str(tmp_path / "stale")
   shutil.copytree(os.path.join(out, "work"), os.path.join(stale, "work"))
@@ -497,6 +501,17 @@ def test_decode_b_composes_every_variant_from_the_matched_decode_candidate(targe
     assert min(abs(c["nominal_b"] - b) for c in mine) == min(abs(x - b) for x in path), tau
   dc = rec2["decode_candidates"]
   j = min(range(len(dc)), key=lambda k: (abs(dc[k]["dev"]["cost"] - b), -dc[k]["dev"]["acc"], k))
+  # re-aimed by the measured decode B where the path's nearest step measured off it: never
+  # farther than the best path point, each a step not measured before
+  first = [c for c in dc if "aim" not in c]
+  again = [c for c in dc if c.get("aim") == "matched"]
+  best = min(abs(c["dev"]["cost"] - b) for c in first)
+  assert abs(dc[j]["dev"]["cost"] - b) <= best
+  assert best > alg1.MATCH_TOL
+  assert again and "dev_decode_matched" in C2.timings, "nothing re-aimed though off the aim"
+  assert len(again) <= alg1.MATCH_ROUNDS
+  seen = [(tuple(c["tau"]), c["step"], c["window"]) for c in dc]
+  assert len(seen) == len(set(seen))
   reached = [v for v in rec2["variants"] if v["reached"]]
   assert reached, "no variant reached its target: the test checks nothing"
   for v in reached:
