@@ -33,6 +33,33 @@ def outcomes(folder: str) -> dict[str, dict[str, bool]]:
   return out
 
 
+def budgets(folder: str) -> dict[str, dict[str, float]]:
+  """``{name: {"total", "prefill", "decode"}}``: each policy's measured B over all its cells in
+  ``folder`` (named as :func:`outcomes` names them), the cells' ratios averaged with their case
+  counts as weights.  A comparison of retention policies is only as fair as their budgets are
+  equal, the decode one included (a variant that spends less decode B loses accuracy for that
+  alone), so the table shows them beside the accuracies."""
+  sums: dict[str, dict[str, float]] = {}
+  for path in sorted(glob.glob(os.path.join(folder, "*", "cell.json"))):
+    with open(path) as f:
+      cell = json.load(f)
+    b, n = cell.get("measured_B"), cell.get("n")
+    if not isinstance(b, dict) or not n:
+      continue
+    pol = ((cell.get("material") or {}).get("settings") or {}).get("policy") or {}
+    name = (f"{cell['policy']}#{pol.get('content', '?')[:8]}" if cell.get("policy")
+            else f"{cell['method']}@{cell['budget']}")
+    acc = sums.setdefault(name, {"n": 0.0, "total": 0.0, "prefill": 0.0, "decode": 0.0})
+    acc["n"] += n
+    for k in ("total", "prefill", "decode"):
+      acc[k] += n * float(b.get(f"{k}_B", float("nan")))
+  return {k: {x: v[x] / v["n"] for x in ("total", "prefill", "decode")} for k, v in sums.items()}
+
+
+def _b(b: dict | None) -> str:
+  return "–" if not b else f"{b['total']:.3f} / {b['prefill']:.3f} / {b['decode']:.3f}"
+
+
 def mcnemar(b: int, c: int) -> float:
   """Exact two-sided McNemar p for ``b`` and ``c`` discordant pairs."""
   n = b + c
@@ -42,10 +69,15 @@ def mcnemar(b: int, c: int) -> float:
   return min(1.0, 2 * tail)
 
 
-def table(runs: dict, ref: dict[str, bool], ref_name: str) -> str:
-  rows = [f"Reference: `{ref_name}`.", "",
+def table(runs: dict, ref: dict[str, bool], ref_name: str, spent: dict | None = None,
+          ref_spent: dict | None = None) -> str:
+  """The paired table; ``spent``: :func:`budgets` of ``runs``, ``ref_spent`` the reference's
+  (measured B total / prefill / decode over all of each policy's cells)."""
+  spent = spent or {}
+  rows = [f"Reference: `{ref_name}` (measured B total / prefill / decode {_b(ref_spent)}).", "",
           "| policy | n (shared cases) | accuracy | reference | difference | only this | "
-          "only reference | McNemar p |", "|---|---|---|---|---|---|---|---|"]
+          "only reference | McNemar p | measured B total / prefill / decode |",
+          "|---|---|---|---|---|---|---|---|---|"]
   for name, res in sorted(runs.items()):
     ids = [i for i in res if i in ref]
     if not ids:
@@ -54,7 +86,8 @@ def table(runs: dict, ref: dict[str, bool], ref_name: str) -> str:
     b = sum(res[i] and not ref[i] for i in ids)
     c = sum(ref[i] and not res[i] for i in ids)
     rows.append(f"| `{name}` | {len(ids)} | {100 * a / len(ids):.2f} | {100 * r / len(ids):.2f} | "
-                f"{100 * (a - r) / len(ids):+.2f} pp | {b} | {c} | {mcnemar(b, c):.3f} |")
+                f"{100 * (a - r) / len(ids):+.2f} pp | {b} | {c} | {mcnemar(b, c):.3f} | "
+                f"{_b(spent.get(name))} |")
   return "\n".join(rows)
 
 
@@ -75,7 +108,8 @@ def main(argv=None) -> None:
   if ref_name not in refs:
     raise SystemExit(f"error: no cells of {ref_name!r} in {a.reference} "
                      f"(it has {len(refs)} policies or methods)")
-  text = table(outcomes(a.results), refs[ref_name], ref_name)
+  text = table(outcomes(a.results), refs[ref_name], ref_name, budgets(a.results),
+               budgets(a.reference).get(ref_name))
   print(text)
   if a.out:
     with open(a.out, "w") as f:

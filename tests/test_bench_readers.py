@@ -40,7 +40,10 @@ def _cells(root, name, policy, outcomes):
   d.mkdir(parents=True)
   (d / "cell.json").write_text(json.dumps({"policy": policy, "method": "pask", "budget": 0.2,
                                           "material": {"settings": {"policy": {
-                                              "content": "abcdef0123"}}}}))
+                                              "content": "abcdef0123"}}},
+                                          "n": len(outcomes), "measured_B": {
+                                              "total_B": 0.2, "prefill_B": 0.19,
+                                              "decode_B": 0.1 + 0.01 * len(outcomes)}}))
   (d / "cases.jsonl").write_text("".join(json.dumps({"id": i, "passed": p}) + "\n"
                                          for i, p in outcomes.items()))
 
@@ -52,7 +55,15 @@ def test_paired_cells_compare_on_shared_cases_only(tmp_path):
   out = tmp_path / "t.md"
   paired_cells.main([str(tmp_path / "abl"), "--reference", str(tmp_path / "ref"),
                      "--reference-policy", "full#abcdef01", "--out", str(out)])
-  assert "| `no-x#abcdef01` | 3 | 66.67 | 66.67 | +0.00 pp | 1 | 1 | 1.000 |" in out.read_text()
+  text = out.read_text()
+  assert ("| `no-x#abcdef01` | 3 | 66.67 | 66.67 | +0.00 pp | 1 | 1 | 1.000 | "
+          "0.200 / 0.190 / 0.140 |") in text
+  assert "(measured B total / prefill / decode 0.200 / 0.190 / 0.140)" in text
+  # two cells of one policy: their B weighted by their cases
+  _cells(tmp_path / "abl", "c", "no-x", {"a": True, "b": True, "c": True, "d": True, "e": True,
+                                         "f": True})
+  got = paired_cells.budgets(str(tmp_path / "abl"))["no-x#abcdef01"]
+  assert abs(got["decode"] - (4 * 0.14 + 6 * 0.16) / 10) < 1e-12 and abs(got["total"] - 0.2) < 1e-12
   assert paired_cells.mcnemar(0, 10) < 0.002 and paired_cells.mcnemar(3, 3) == 1.0
   with pytest.raises(SystemExit, match="^error: no cells of 'other'"):
     paired_cells.main([str(tmp_path / "abl"), "--reference", str(tmp_path / "ref"),
