@@ -129,6 +129,7 @@ TARGET_RULE = 4
 KEEP = (-1.0, 1.0)
 MATCH_TOL = 0.005       # Config.decode_b: a decode candidate measured this near it is matched
 MATCH_ROUNDS = 3        # re-aimed decode candidates evaluated at most (one dev run of 1 each)
+MATCH_RULE = 1          # how they are re-aimed (match_decode), in the stages' keys with the above
 PAIRS_PER_TARGET = 4     # estimated (decode, prefill) compositions evaluated per target
 REAIM_MARGIN = 0.01      # re-aimed B_P lands this far under the target (estimate noise)
 
@@ -529,13 +530,18 @@ class Calibration:
     # Windows only where given, so that runs without them resume from earlier runs' stages.
     win = arg("windows") if c["windows"] else {}
     windows = {**dev, "args": {**dev["args"], **arg("windows")}}
-    composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p"), **win}}
+    # The re-aim rule of a matched decode budget (match_decode) decides which candidates exist
+    # after dev: it keys them and everything composed from them, where decode_b is given.
+    match = ({"decode_match": [MATCH_TOL, MATCH_ROUNDS, MATCH_RULE]}
+             if c["decode_b"] is not None else {})
+    matched = {**windows, "args": {**windows["args"], **match}}
+    composed = {**dev, "args": {**dev["args"], **arg("alpha_d", "alpha_p"), **win, **match}}
     # decode_keep only where off, so that runs with it resume from earlier runs' stages
     nokeep = {} if c["decode_keep"] else arg("decode_keep")
     targets = {**composed, "args": {**composed["args"], **arg("targets"), **nokeep,
                                     "target_rule": TARGET_RULE}}
     return {"reference": ref, "runtime_v": runtime_v, "runtime_d": runtime_d, "dev": dev,
-            "dev_windows": windows, "dev_decode_matched": windows, "dev_composed": composed,
+            "dev_windows": windows, "dev_decode_matched": matched, "dev_composed": composed,
             "dev_keep": targets, "dev_targets": targets, "dev_targets_more": targets}
 
   def _check_work(self) -> None:
@@ -1173,13 +1179,18 @@ class Calibration:
     return res
 
   def matched_decode(self, dec_res) -> int | None:
-    """With ``Config.decode_b``: the decode candidate whose dev-measured decode B is nearest it
-    (ties: the more dev-accurate, then the lower index); else None."""
+    """With ``Config.decode_b``: the decode candidate at ``Config.window`` whose dev-measured
+    decode B is nearest it (ties: the more dev-accurate, then the lower index); else None."""
     if self.cfg.decode_b is None or not dec_res:
       return None
-    key = lambda j: (abs(self.stage_cost(dec_res[j], "decode") - self.cfg.decode_b),
-                     self.error(dec_res[j]), j)
-    return min(range(len(dec_res)), key=key)
+
+    def key(j):
+      off = abs(self.stage_cost(dec_res[j], "decode") - self.cfg.decode_b)
+      return (off if np.isfinite(off) else np.inf, self.error(dec_res[j]), j)
+
+    # at the run's own window W: a matched comparison of variants is at one W too
+    mine = [j for j in range(len(dec_res)) if self.dec_cands[j]["window"] == self.cfg.window]
+    return min(mine or range(len(dec_res)), key=key)
 
   def variants(self, pool, dec, dec_res, pre, pre_res, ref_dev, di, e_ref):
     """One policy per target t of ``Config.targets``: the most dev-accurate composition whose

@@ -43,6 +43,10 @@ if [ "${NOKEEP:-0}" = 1 ] && [ "${WINDOW:-16}" = 16 ]; then
   echo "NOKEEP=1 is for the W 4 plan (examples/campaign_15b_ablations-w4-nokeep.toml): give WINDOW=4"
   exit 2
 fi
+if [ -n "$DECODE_B" ] && [ "${WINDOW:-16}" = 16 ]; then
+  echo "DECODE_B is for the W 4 plans (examples/campaign_15b_ablations-w4-bd<B>.toml): give WINDOW=4"
+  exit 2
+fi
 set -x
 . scripts/h200_env.sh
 limit=${LIMIT:-560}
@@ -95,7 +99,7 @@ echo "ablations: all calibrated"
 [ -n "$VARIANTS" ] && [ "${CELLS:-0}" != 1 ] && exit 0
 # Every call sends the committed tree: the policies calibrated here go where the plan reads them
 # (committed ones stay as they are).
-for v in $all; do
+for v in $all ${VARIANTS:-}; do
   [ -f $root/$v/calibration.json ] || continue
   rm -rf $pol/$v && mkdir -p $pol/$v && cp -r $root/$v/policy/. $pol/$v/ \
     && cp $root/$v/calibration.json $pol/$v/
@@ -106,8 +110,11 @@ if [ "${CELLS:-0}" = 1 ]; then
 import os, re, sys
 text = open(sys.argv[1]).read()
 head, *blocks = re.split(r"(?m)^(?=\[)", text)
-keep = [b for b in blocks if not b.startswith("[methods.") or os.path.isdir(
-    re.search(r'policy = "([^"]+)"', b).group(1).format(budget=0.20))]
+def kept(block):   # a method whose policy is not there yet is left out; anything else stays
+  m = re.search(r'policy = "([^"]+)"', block)
+  return not block.startswith("[methods.") or not m or os.path.isdir(
+      m.group(1).format(budget=0.20))
+keep = [b for b in blocks if kept(b)]
 open(sys.argv[2], "w").write(head + "".join(keep))
 PY
   plan=/tmp/plan_abl.toml

@@ -465,7 +465,8 @@ def test_without_decode_keep_no_variant_composes_keep_at_L(targeted, tmp_path):
   assert moved, "no variant composed keep-at-L to begin with: the test checks nothing"
 
 
-def test_decode_b_composes_every_variant_from_the_matched_decode_candidate(targeted, tmp_path):
+def test_decode_b_composes_every_variant_from_the_matched_decode_candidate(targeted, tmp_path,
+                                                                         monkeypatch):
   """``decode_b`` (``--decode-b``, the ablations' matched decode budget): the runtime stages
   resume, a saved dev stage is refused (each greedy path now also offers its step nearest
   decode_b), and every reached variant composes the one decode candidate whose dev-measured
@@ -481,6 +482,9 @@ def test_decode_b_composes_every_variant_from_the_matched_decode_candidate(targe
   gap, lo = max((hi - lo, lo) for lo, hi in zip(costs, costs[1:]))
   assert gap > 4 * alg1.MATCH_TOL, "measured costs too close: the re-aim is not exercised"
   b = float(lo + gap / 2)
+  # no tolerance: the re-aim runs whatever the path's own steps measure (the rule's limits still
+  # stop it: a step already measured, MATCH_ROUNDS)
+  monkeypatch.setattr(alg1, "MATCH_TOL", 0.0)
   cfg2 = dataclasses.replace(cfg, decode_b=b)
   stale = str(tmp_path / "stale")
   shutil.copytree(os.path.join(out, "work"), os.path.join(stale, "work"))
@@ -517,6 +521,17 @@ def test_decode_b_composes_every_variant_from_the_matched_decode_candidate(targe
   for v in reached:
     assert v["from"]["decode"] != "all-high" and v["from"]["decode"]["index"] == j, v["target"]
     assert tuple(v["from"]["decode"]["tau"]) != alg1.KEEP
+  # resumed from its own work/: nothing runs again, the same variants (the re-aim replays)
+  C3 = alg1.Calibration(C.model, C.thash, C.cal, C.dev, out2, cfg2, capacity=CAP,
+                        runner_for=C.runner_for)
+  rec3 = C3.run()
+  assert not {"dev", "dev_decode_matched", "dev_composed", "dev_targets"} & set(C3.timings)
+  assert rec3["variants"] == rec2["variants"]
+  # another re-aim rule keys the stages from it on: a work/ of this one is refused
+  monkeypatch.setattr(alg1, "MATCH_ROUNDS", alg1.MATCH_ROUNDS + 1)
+  with pytest.raises(stages.StageMismatch):
+    alg1.Calibration(C.model, C.thash, C.cal, C.dev, out2, cfg2, capacity=CAP,
+                     runner_for=C.runner_for)
   assert C2.matched_decode([]) is None
   with pytest.raises(ValueError, match="decode_b must be in"):
     alg1.Calibration(C.model, C.thash, C.cal, C.dev, str(tmp_path / "bad"),
