@@ -132,7 +132,7 @@ CELL = "cell.json"
 PARTIAL = ".partial-"
 DTYPES = ("auto", "float32", "bfloat16")
 # Budget-matched methods: their settings are solved from the target and the estimate ĝ.
-MATCHED = ("streaming", "h2o", "snapkv", "mikv")
+MATCHED = ("streaming", "h2o", "snapkv", "mikv", "rocketkv")
 _TOP = {"name", "task", "seed", "batch", "max_tokens", "case_seconds", "load_seconds", "models",
         "methods", "splits", "length", "tail"}
 _METHOD = {"method", "budgets", "policy", "knobs"}

@@ -49,16 +49,19 @@ GRIDS = {
               "h2o": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
               "mikv": {"sink": [2, 4, 8], "recent": [16, 32, 64, 128]},
               "snapkv": {"obs": [16, 32, 64, 128], "pool": ["avg", "max"], "kernel": [3, 5, 7]},
+              "rocketkv": {"obs": [16, 32, 64, 128], "kernel": list(BL.rocketkv.KERNELS)},
               "triaxial": BL.triaxial.GRID},
     "small": {"streaming": {"sink": [4]},
               "h2o": {"sink": [4], "recent": [16, 64]},
               "mikv": {"sink": [4], "recent": [16, 64]},
               "snapkv": {"obs": [16, 64], "pool": ["avg", "max"], "kernel": [7]},
+              "rocketkv": {"obs": [16, 64], "kernel": [63]},
               "triaxial": {"prefix": [4], "bits": [[2, 4], [4, 4]], "window": [32, 128]}},
 }
 DEFAULT_KNOBS = {"gen": 48.0, "streaming": {"sink": 4}, "int4": {"sink": 4, "window": 32},
                  "h2o": {"sink": 4, "recent": 32}, "mikv": {"sink": 4, "recent": 32},
                  "snapkv": {"obs": 32, "pool": "max", "kernel": 7},
+                 "rocketkv": {"obs": 32, "kernel": 63},
                  "triaxial": {"prefix": 4, "bits": [2, 4], "window": 32},
                  **{m: {"sink": 4, "window": 32} for m in SV.METHODS}}
 

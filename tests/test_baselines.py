@@ -11,7 +11,7 @@ from models import random_model
 from pask_jax.testing import cache as tcache
 from pask_jax import ledger
 from pask_jax.baselines import budget as BU
-from pask_jax.baselines import h2o, int4, mikv, snapkv, streaming
+from pask_jax.baselines import h2o, int4, mikv, rocketkv, snapkv, streaming
 from pask_jax.baselines.masked import Config, MaskedRunner, plan, qdq
 from pask_jax.decode import PaskRunner, Runner, Sampling, generate
 
@@ -83,6 +83,22 @@ def test_snapkv_keeps_what_the_window_attends_with_pooling():
       assert (keep == want).all(), (is_max, kernel)
 
 
+def test_snapkv_max_pool_is_exact_for_every_kernel_and_ragged_prefix():
+  """Max pooling by the sparse table: exactly the max over the window's prefix entries (-inf
+  where it has none) for kernels 1-127 (RocketKV's 31-127 included), rows of ragged prefixes and
+  different kernels in one call."""
+  for S in (1, 6, 300):
+    x = RNG.random((4, S)).astype(np.float32)
+    n = RNG.integers(1, S + 1, 4)
+    prefix = np.arange(S)[None] < n[:, None]
+    ks = np.array([1, 31, 63, 127]) if S > 1 else np.array([1, 3, 5, 7])
+    mx = np.asarray(snapkv.pool(*arr(x, prefix, ks, [True] * 4)))
+    for r, k in enumerate(ks):
+      for i in range(S):
+        idx = [j for j in range(i - k // 2, i + k // 2 + 1) if 0 <= j < S and prefix[r, j]]
+        assert mx[r, i] == (max(x[r, idx]) if idx else -np.inf), (S, k, i)
+
+
 def test_snapkv_pool_matches_reference():
   S, n = 40, 33
   x = RNG.random(S).astype(np.float32)
@@ -127,9 +143,10 @@ def tiny():
 
 def test_masked_methods_equal_full_kv_at_b1(tiny):
   m, prompts, ref, mr = tiny
-  for meth in ("h2o", "snapkv", "mikv"):
-    out = generate(mr.configure(Config(meth, ratio=1.0, target=1.0, gen=0)), Tok(), prompts,
-                   sampling=Sampling(max_tokens=24))
+  for meth in ("h2o", "snapkv", "mikv", "rocketkv"):
+    # RocketKV: every prompt entry kept (ratio 1) and a read budget over all of them
+    out = generate(mr.configure(Config(meth, ratio=1.0, target=1.0, gen=0, read_frac=8.0)),
+                   Tok(), prompts, sampling=Sampling(max_tokens=24))
     assert [o.tokens for o in out] == [r.tokens for r in ref], meth
     assert all(o.ledger["measured_B"] == 1.0 for o in out)
   assert mr.traces["step"] == 1 and mr.traces["compress"] == 1   # one compile for all methods
@@ -142,7 +159,7 @@ def test_masked_statistics_come_from_the_right_queries(tiny):
   from pask_jax.decode import pad_prompts
   tokens, lengths = pad_prompts(prompts, 4, 256)
   G = m.cfg.n_heads // m.cfg.n_kv_heads
-  for meth, obs in (("h2o", 32), ("snapkv", 7)):
+  for meth, obs in (("h2o", 32), ("snapkv", 7), ("rocketkv", 7)):
     mr.configure(Config(meth, ratio=1.0, target=1.0, obs=obs))
     _, st = mr.begin(tokens, lengths)
     tot = np.asarray(st.score).sum(-1)                      # [L, B, Hkv]
@@ -200,6 +217,89 @@ def test_snapkv_runner_keeps_window_and_generated(tiny):
     if o.tokens:   # the random model may stop at once (stop id 0): no decode entries, B is NaN
       assert o.ledger["decode_B"] == 1.0
     assert o.ledger["prefill_B"] == pytest.approx(cap / len(p))
+
+
+def test_rocketkv_runner_keeps_its_prompt_ratio_and_every_generated_entry(tiny):
+  """RocketKV: ceil(r·n) prompt entries per (layer, KV head) after prefill, the observation
+  window among them; generated entries all kept (decode B 1); the sparse reads change no stored
+  byte, so B is the same at any read budget, and reading less changes what is generated."""
+  m, prompts, ref, mr = tiny
+  r, obs = 0.4, 8
+  outs = {}
+  for frac in (0.05, 0.5, 8.0):
+    outs[frac] = generate(mr.configure(Config("rocketkv", ratio=r, obs=obs, kernel=31,
+                                              read_frac=frac)), Tok(), prompts,
+                          sampling=Sampling(max_tokens=24))
+    for o, p in zip(outs[frac], prompts):
+      cap = rocketkv.prompt_cap(r, len(p), obs)
+      assert cap == max(obs, math.ceil(r * len(p)))
+      assert o.ledger["prefill_B"] == pytest.approx(cap / len(p))
+      if o.tokens:
+        assert o.ledger["decode_B"] == 1.0
+  # the same stored entries; a step that reads a few of them differs from one that reads all
+  from pask_jax.decode import pad_prompts
+  import jax
+  tokens, lengths = pad_prompts(prompts, 4, 256)
+  off = jnp.full((4, 4), -1, jnp.int32)
+  args = (off, jnp.full((4,), -1, jnp.int32), jnp.ones((4,), bool),
+          jnp.full((4, (m.cfg.vocab_size + 31) // 32), -1, jnp.int32), jax.random.key(0),
+          jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32))
+  step = {}
+  for frac in (0.05, 8.0):
+    mr.configure(Config("rocketkv", ratio=r, obs=obs, kernel=31, read_frac=frac))
+    _, st = mr.begin(tokens, lengths)
+    before = np.asarray(st.keep)      # the step donates the state
+    _, logits, after = mr.advance_logits(st, jnp.ones((4,), jnp.int32), *args)
+    step[frac] = (before, np.asarray(after.keep), np.asarray(logits))
+  np.testing.assert_array_equal(step[0.05][0], step[8.0][0])
+  np.testing.assert_array_equal(step[0.05][1], step[8.0][1])
+  assert not np.allclose(step[0.05][2][:3], step[8.0][2][:3])
+  keep = step[0.05][0]
+  for b, n in enumerate(lengths[:3]):
+    assert keep[:, b, :, n - obs:n].all() and not keep[:, b, :, n:].any()
+  assert mr.traces["step"] == 1      # one compile with the other masked methods
+
+
+def test_rocketkv_read_mask_matches_reference_on_ragged_stores():
+  """The sketch's read set equals a per-(request, head) numpy reference for every GQA ratio of
+  the test models, ragged stored sets, budgets below and above what is stored and any number of
+  scored channels; it is a subset of the stored entries with min(budget, stored) of them, plus
+  the current token."""
+  for B, S, Hkv, G, D in ((3, 37, 2, 1, 8), (2, 64, 1, 7, 16), (4, 19, 2, 2, 8)):
+    q = RNG.standard_normal((B, Hkv, G, D)).astype(np.float32)
+    k = RNG.standard_normal((B, S, Hkv, D)).astype(np.float32)
+    stored = RNG.random((B, Hkv, S)) < RNG.uniform(0.2, 0.9)
+    cur = RNG.integers(0, S, B)
+    stored[np.arange(B), :, cur] = True
+    budget = RNG.integers(1, S + 8, B)
+    top_r = RNG.integers(1, D + 1, B)
+    got = np.asarray(rocketkv.read_mask(*arr(q, k, stored, cur, budget, top_r)))
+    want, gap = rocketkv.read_mask_reference(q, k, stored, cur, budget, top_r, margin=True)
+    # equal wherever float32 rounding cannot move an entry across the cut (its chunk's score
+    # 1e-5 of the scale away from the last one read, or on the cut's own chunk)
+    sure = (gap > 1e-5) | (gap == 0)
+    np.testing.assert_array_equal(got[sure], want[sure])
+    assert sure.mean() > 0.9
+    assert not (got & ~stored).any()
+    n = stored.sum(-1)
+    lo = np.minimum(budget[:, None], n)
+    assert ((got.sum(-1) == lo) | (got.sum(-1) == lo + 1)).all()
+    assert got[np.arange(B), :, cur].all()
+
+
+def test_rocketkv_config_and_budget():
+  with pytest.raises(ValueError, match="max only"):
+    Config("rocketkv", pool="avg")
+  with pytest.raises(ValueError, match="kernel must be odd and <= 15 with avg"):
+    Config("snapkv", pool="avg", kernel=31)
+  Config("snapkv", pool="max", kernel=127)
+  lengths = [(int(p), int(g)) for p, g in zip(RNG.integers(200, 600, 40), RNG.integers(20, 90, 40))]
+  floor = rocketkv.predict_b(0.0, lengths, 32)      # the observation window + generated tokens
+  for t in (floor + 0.05, floor + 0.2):
+    r = plan("rocketkv", t, lengths, obs=32)
+    assert 0 < r < 1 and abs(rocketkv.predict_b(r, lengths, 32) - t) < 0.01
+  with pytest.warns(UserWarning, match="below the floor"):
+    assert plan("rocketkv", floor - 0.03, lengths, obs=32) == 0.0
 
 
 def test_streaming_and_int4_policies_on_the_pask_cache():

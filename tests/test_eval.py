@@ -92,8 +92,8 @@ def runs(session, tmp_path_factory):
                progress=False)
   gen = full["categories"]["overall"]["gen_len"]
   knobs = {"gen": gen, "h2o": {"sink": 2, "recent": 8}, "mikv": {"sink": 2, "recent": 8},
-           "snapkv": {"obs": 8}, "streaming": {"sink": 4}}
-  for m in ("pask", "streaming", "h2o", "snapkv", "mikv", "int4"):
+           "snapkv": {"obs": 8}, "rocketkv": {"obs": 8, "kernel": 31}, "streaming": {"sink": 4}}
+  for m in ("pask", "streaming", "h2o", "snapkv", "mikv", "int4", "rocketkv"):
     if m == "int4":  # streaming's window: the two uniform policies share one compiled step
       knobs["int4"] = {"sink": 4, "window": out["streaming"]["settings"]["window"]}
     rc = E.RunConfig(m, 0.5, "test", max_tokens=48, policy=str(pol) if m == "pask" else None,
@@ -134,9 +134,10 @@ def test_measured_budgets(runs):
   assert b["full"]["total_B"] == 1.0
   for m in ("h2o", "mikv"):   # matched by construction
     assert abs(b[m]["total_B"] - 0.5) <= 0.01, m
-  for m in ("streaming", "snapkv"):   # matched through the generated-length estimate
+  for m in ("streaming", "snapkv", "rocketkv"):   # matched through the generated-length estimate
     assert abs(b[m]["total_B"] - 0.5) <= 0.03, m
-  assert b["snapkv"]["decode_B"] == 1.0 and b["snapkv"]["prefill_B"] < 0.5
+  for m in ("snapkv", "rocketkv"):
+    assert b[m]["decode_B"] == 1.0 and b[m]["prefill_B"] < 0.5, m
   assert 0.3 < b["int4"]["total_B"] < 0.5          # m(L)/m(H) = (4·16+32)/(16·16) = 0.375, d=8
   assert b["pask"]["total_B"] < 1.0
 

@@ -190,7 +190,8 @@ alloc = {"knobs": kn.asdict(), "budget": 0.5, "n_groups": 3,
          "units": {str(lab[0]): [2, 4, 8], str(lab[1]): [8, 3, 2],
                    str(T.fc(T.Cls.FREE_GENERATION)): [4, 2, 8]}}
 methods = (Config("h2o", ratio=0.5, sink=2, recent=4), Config("mikv", ratio=0.4, sink=2, recent=4),
-           Config("snapkv", target=0.5, obs=4, gen=8))
+           Config("snapkv", target=0.5, obs=4, gen=8),
+           Config("rocketkv", ratio=0.5, obs=4, kernel=31))
 step_args = lambda r, st, *extra: (r.params, st, jnp.zeros(B, jnp.int32)) + extra + (
     jnp.ones(B, bool), bits0) + samp
 for n in (1, 2):

@@ -35,11 +35,12 @@ from flax import nnx
 
 from pallas_kernels import int4
 from pask_jax import mesh as tp
-from pask_jax.baselines import budget, h2o, mikv, snapkv
+from pask_jax.baselines import budget, h2o, mikv, rocketkv, snapkv
 from pask_jax.decode import Runner
 from pask_jax.traces import Traces
 
-KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2}
+KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2, "rocketkv": 3}
+PROMPT_ONLY = ("snapkv", "rocketkv")   # select over the prompt once, keep every generated entry
 # Prompt queries per prefill attention block.  One chunk's [B, Hkv, G, T, S] float32 probabilities
 # outweigh the whole cache at evaluation sizes (Qwen2.5-0.5B at B 100, S 3072, T 512: 8.2 GiB per
 # layer, the cache 7 GiB), and a layer's column sums feed no later layer, so a scheduler may keep
@@ -52,8 +53,10 @@ QUERY_BLOCK = 64
 class Config:
   """A masked method with its knobs (host side).
 
-  ``ratio``: H2O's capacity ratio r / MiKV's high ratio h (see :func:`plan`); ``target``: the B
-  SnapKV aims at; ``gen``: expected generated tokens (SnapKV's prompt capacity).
+  ``ratio``: H2O's capacity ratio r / MiKV's high ratio h / RocketKV's prompt ratio (see
+  :func:`plan`); ``target``: the B SnapKV aims at; ``gen``: expected generated tokens (SnapKV's
+  prompt capacity); ``read_frac`` / ``top_r``: RocketKV's decode read budget (a fraction of its
+  prompt capacity) and scored key channels (a fraction of the head dimension).
   """
   method: str
   ratio: float = 1.0
@@ -64,14 +67,23 @@ class Config:
   kernel: int = 7
   pool: str = "max"
   gen: float = 48.0
+  read_frac: float = rocketkv.READ_FRAC
+  top_r: float = rocketkv.TOP_R
 
   def __post_init__(self):
     if self.method not in KINDS:
       raise ValueError(f"unknown masked method {self.method!r}; choose from {sorted(KINDS)}")
     if self.pool not in ("avg", "max"):
       raise ValueError(f"pool must be avg or max, got {self.pool!r}")
-    if self.kernel % 2 == 0 or not 1 <= self.kernel <= snapkv.MAX_KERNEL:
-      raise ValueError(f"kernel must be odd and <= {snapkv.MAX_KERNEL}, got {self.kernel}")
+    if self.method == "rocketkv" and self.pool != "max":
+      raise ValueError("rocketkv pools its votes by max only, got pool 'avg'")
+    if not (0.0 < self.read_frac and 0.0 < self.top_r <= 1.0):
+      raise ValueError(f"read_frac must be > 0 and top_r in (0, 1], got {self.read_frac} and "
+                       f"{self.top_r}")
+    top = snapkv.MAX_KERNEL if self.pool == "max" else snapkv.AVG_KERNEL
+    if self.kernel % 2 == 0 or not 1 <= self.kernel <= top:
+      raise ValueError(f"kernel must be odd and <= {top} with {self.pool} pooling, got "
+                       f"{self.kernel}")
 
 
 class Rule(NamedTuple):
@@ -84,6 +96,8 @@ class Rule(NamedTuple):
   kernel: jax.Array
   is_max: jax.Array
   cap: jax.Array
+  read: jax.Array      # RocketKV: entries a decode step reads per KV head
+  top_r: jax.Array     # RocketKV: key channels its sketch scores
 
 
 class State(NamedTuple):
@@ -191,10 +205,16 @@ class MaskedRunner:
     if c is None:
       raise RuntimeError("MaskedRunner.configure(Config(...)) first")
     full = lambda x, dt: jnp.full((B,), x, dt)
-    cap = [snapkv.prompt_cap(c.target, int(n), c.obs, c.gen) for n in lengths]
+    if c.method == "rocketkv":
+      cap = [rocketkv.prompt_cap(c.ratio, int(n), c.obs) for n in lengths]
+    else:
+      cap = [snapkv.prompt_cap(c.target, int(n), c.obs, c.gen) for n in lengths]
+    read = [rocketkv.read_budget(x, c.read_frac) for x in cap]
+    top_r = max(1, int(round(c.top_r * self.cfg.head_dim)))
     return Rule(jnp.int32(KINDS[c.method]), full(c.sink, jnp.int32), full(c.recent, jnp.int32),
                 full(c.ratio, jnp.float32), full(c.obs, jnp.int32), full(c.kernel, jnp.int32),
-                full(c.pool == "max", bool), jnp.asarray(cap, jnp.int32))
+                full(c.pool == "max", bool), jnp.asarray(cap, jnp.int32),
+                jnp.asarray(read, jnp.int32), full(top_r, jnp.int32))
 
   def new_state(self, lengths: np.ndarray) -> State:
     c, B, S = self.cfg, self.batch, self.capacity
@@ -223,7 +243,8 @@ class MaskedRunner:
     n = lengths.astype(jnp.int32)
     r = st.rule
     obs_q = pos >= (n - r.obs)[:, None]
-    wq = ((pos < n[:, None]) & ((r.kind != KINDS["snapkv"]) | obs_q)).astype(jnp.float32)
+    prompt_only = (r.kind == KINDS["snapkv"]) | (r.kind == KINDS["rocketkv"])
+    wq = ((pos < n[:, None]) & (~prompt_only | obs_q)).astype(jnp.float32)
     bi = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     slot = jnp.arange(self.capacity)
     vis = (slot[None, None, :] <= pos[:, :, None]) & (slot[None, None, :] < n[:, None, None])
@@ -249,7 +270,8 @@ class MaskedRunner:
     sk = snapkv.select(st.score, bc(n), bc(r.obs), bc(r.kernel), bc(r.is_max), bc(r.cap))
     valid = jnp.arange(S) < bc(n)[..., None]
     is_mikv = r.kind == KINDS["mikv"]
-    keep = jnp.where(r.kind == KINDS["snapkv"], sk, jnp.where(is_mikv, valid, hk))
+    prompt_only = (r.kind == KINDS["snapkv"]) | (r.kind == KINDS["rocketkv"])
+    keep = jnp.where(prompt_only, sk, jnp.where(is_mikv, valid, hk))
     low = is_mikv & valid & ~hk
     lw = jnp.swapaxes(low, 2, 3)[..., None]                 # [L, B, S, Hkv, 1]
     k = jnp.where(lw, qdq(st.k), st.k)
@@ -278,14 +300,20 @@ class MaskedRunner:
     here = slot[None, :] == pos[:, None]              # [B, S]
     cap = h2o.capacity(r.ratio, t)                    # [B]
     prot = h2o.protected(slot, t, r.sink, r.recent)   # [B, S]
-    evicts = (r.kind != KINDS["snapkv"]) & active     # [B]
+    is_rocket = r.kind == KINDS["rocketkv"]
+    evicts = (r.kind != KINDS["snapkv"]) & ~is_rocket & active     # [B]
     is_mikv = r.kind == KINDS["mikv"]
 
-    demote = _demote_rows
+    demote, sketch = _demote_rows, rocketkv.read_mask
     if self.tp_mesh is not None:   # per device: the rows of its own KV heads (no gather)
       kv, by_head = (tp.by_kv_head(self.tp_mesh, n, a).spec for n, a in ((5, 3), (2, 1)))
+      rep = jax.sharding.PartitionSpec()
       demote = jax.shard_map(demote, mesh=self.tp_mesh, out_specs=(kv, kv),
-                             in_specs=(kv, kv, jax.sharding.PartitionSpec(), by_head, by_head))
+                             in_specs=(kv, kv, rep, by_head, by_head))
+      # RocketKV's read selection is per (sequence, KV head): each device its own heads'
+      q_h, k_h, m_h = (tp.by_kv_head(self.tp_mesh, n, a).spec for n, a in ((4, 1), (4, 2), (3, 1)))
+      sketch = jax.shard_map(sketch, mesh=self.tp_mesh, out_specs=m_h,
+                             in_specs=(q_h, k_h, m_h, rep, rep, rep))
 
     def attend(st, layer, q, k, v, positions):
       kc = st.k.at[layer, bi, pos].set(
@@ -297,7 +325,12 @@ class MaskedRunner:
       keep = st.keep[layer] | (here & active[:, None])[:, None]        # [B, Hkv, S]
       low = st.low[layer]
       vis = (keep | here[:, None]) & (slot <= pos[:, None])[:, None]
-      p = _probs(q, kc[layer], vis[:, :, None])                          # [B, Hkv, G, 1, S]
+      # RocketKV reads a sketch-selected part of what is stored (what it skips stays stored)
+      Hkv = vis.shape[1]
+      qg = q[:, 0].reshape(B, Hkv, q.shape[2] // Hkv, q.shape[3])
+      read = jax.lax.cond(is_rocket, lambda: sketch(qg, kc[layer], vis, pos, r.read, r.top_r),
+                          lambda: vis)
+      p = _probs(q, kc[layer], read[:, :, None])                         # [B, Hkv, G, 1, S]
       o = _out(p, vc[layer], q)
       score = st.score[layer] + jnp.sum(p[:, :, :, 0], axis=2) * active[:, None, None]
       # One-in/one-out: the lowest-scoring unprotected high entry leaves (H2O) or drops to INT4.
@@ -360,10 +393,20 @@ class MaskedRunner:
 
 def plan(method: str, target: float, lengths, *, sink: int = 4, recent: int = 32, q: float = 0.0,
          obs: int = 32, gen: float = 48.0) -> float:
-  """The budget knob for ``target``: H2O's r / MiKV's h solved by bisection so that the predicted
-  mean B over ``lengths`` [(n_prompt, n_gen)] matches (protected sinks/recent and rounding
-  included); SnapKV needs none (its per-request capacity comes from the target) -> ``target``."""
+  """The budget knob for ``target``: H2O's r / MiKV's h / RocketKV's prompt ratio solved by
+  bisection so that the predicted mean B over ``lengths`` [(n_prompt, n_gen)] matches (protected
+  sinks/recent, the observation window and rounding included); SnapKV needs none (its per-request
+  capacity comes from the target) -> ``target``."""
   target = budget.check_target(target)
+  if method == "rocketkv":
+    f = lambda r: rocketkv.predict_b(r, lengths, obs)
+    floor = f(0.0)
+    if target < floor - 1e-3:
+      warnings.warn(f"rocketkv: target B {target:.3f} is below the floor {floor:.3f} set by the "
+                    f"{obs}-token observation window and the generated tokens on these lengths; "
+                    f"using ratio 0 (B {floor:.3f})", stacklevel=2)
+      return 0.0
+    return budget.bisect(f, target)
   if method == "h2o":
     f = lambda r: h2o.predict_b(r, lengths, sink, recent)
   elif method == "mikv":

@@ -19,27 +19,60 @@ import numpy as np
 
 from pask_jax.baselines._rank import rank_desc
 
-MAX_KERNEL = 15
+MAX_KERNEL = 127      # max pooling (RocketKV's kernels 31-127); avg pooling up to AVG_KERNEL
+AVG_KERNEL = 15
+_LEVELS = MAX_KERNEL.bit_length()   # sparse-table levels: windows of 1, 2, 4, ..., 64 entries
+
+
+def _max_pool(x, lo, hi):
+  """max of ``x[..., lo:hi + 1]`` per position (``lo``, ``hi`` int [..., S], lo <= hi, inside
+  [0, S)): a sparse table — level j holds the max of 2^j entries from each position — and two
+  overlapping lookups per window, so any traced window length costs the same."""
+  S = x.shape[-1]
+  levels = [x]
+  for j in range(1, _LEVELS):
+    prev, w = levels[-1], 1 << (j - 1)
+    shifted = jnp.concatenate([prev[..., w:], jnp.full(prev.shape[:-1] + (w,), -jnp.inf,
+                                                       prev.dtype)], -1)[..., :S]
+    levels.append(jnp.maximum(prev, shifted))
+    if (1 << j) >= S:
+      break
+  table = jnp.stack(levels, 0)                                   # [J, ..., S]
+  n = hi - lo + 1
+  # the largest level whose span fits the window: floor(log2(n)), made exact at powers of two
+  j = jnp.floor(jnp.log2(n.astype(jnp.float32))).astype(jnp.int32)
+  j = jnp.where(jnp.left_shift(1, j + 1) <= n, j + 1, j)
+  j = jnp.where(jnp.left_shift(1, j) > n, j - 1, j)
+  j = jnp.clip(j, 0, len(levels) - 1)
+  flat = table.reshape(len(levels), -1, S)
+  jf, lof = j.reshape(-1, S), lo.reshape(-1, S)
+  hif = (hi - jnp.left_shift(1, j) + 1).reshape(-1, S)
+  rows = jnp.arange(flat.shape[1])[:, None]
+  a = flat[jf, rows, lof]
+  b = flat[jf, rows, hif]
+  return jnp.maximum(a, b).reshape(x.shape)
 
 
 def pool(vote, prefix, kernel, is_max):
   """1-D pooling of ``vote[..., S]`` over the ``prefix`` positions (same padding, like
   ``max_pool1d`` with -inf padding / ``avg_pool1d`` with zero padding counted in the mean).
-  ``kernel`` int [...] (odd, <= MAX_KERNEL) and ``is_max`` bool [...] may differ per row."""
+  ``kernel`` int [...] (odd; <= MAX_KERNEL for max, <= AVG_KERNEL for avg) and ``is_max`` bool
+  [...] may differ per row."""
   S = vote.shape[-1]
   x = jnp.where(prefix, vote.astype(jnp.float32), 0.0)
   half = kernel[..., None] // 2
-  mx = jnp.full(x.shape, -jnp.inf, jnp.float32)
-  sm = jnp.zeros(x.shape, jnp.float32)
   slot = jnp.arange(S)
-  for o in range(-(MAX_KERNEL // 2), MAX_KERNEL // 2 + 1):
+  lo = jnp.clip(slot - half, 0, S - 1)
+  hi = jnp.clip(slot + half, 0, S - 1)
+  mx = _max_pool(jnp.where(prefix, x, -jnp.inf), jnp.broadcast_to(lo, x.shape),
+                 jnp.broadcast_to(hi, x.shape))
+  sm = jnp.zeros(x.shape, jnp.float32)
+  for o in range(-(AVG_KERNEL // 2), AVG_KERNEL // 2 + 1):
     src = slot + o
     inside = (src >= 0) & (src < S)
     sh = jnp.take(x, jnp.clip(src, 0, S - 1), axis=-1)
     pre = jnp.take(prefix, jnp.clip(src, 0, S - 1), axis=-1) & inside
-    use = jnp.abs(o) <= half
-    mx = jnp.where(use & pre, jnp.maximum(mx, sh), mx)
-    sm = sm + jnp.where(use & pre, sh, 0.0)
+    sm = sm + jnp.where((jnp.abs(o) <= half) & pre, sh, 0.0)
   return jnp.where(is_max[..., None], mx, sm / kernel[..., None].astype(jnp.float32))
 
 
