@@ -432,7 +432,9 @@ def _setup(s: Session, rc: RunConfig, preps: list[Prompt],
   ratio = BL.plan(m, rc.budget, lengths, sink=int(k.get("sink", 4)),
                   recent=int(k.get("recent", 32)), q=q, obs=int(k.get("obs", 32)), gen=gen)
   conf = BL.Config(m, ratio=ratio, target=rc.budget, gen=gen, **k)
-  used.update(dataclasses.asdict(conf))
+  # the settings a run records (merge and campaigns compare them): only the fields the method reads
+  used.update({f: v for f, v in dataclasses.asdict(conf).items()
+               if m == "rocketkv" or f not in BL.masked.ROCKET_ONLY})
   return s.runner("masked", batch).configure(conf), used
 
 

@@ -214,6 +214,9 @@ for n in (1, 2):
   if n > 1:   # the same collectives as the other runners (the MiKV demotion is per shard)
     st = mr.new_state(np.array([len(p) for p in long]))
     check_step("masked", mr, n, step_args(mr, st), (st.k, st.v), "stacked")
+    # the prompt selection (SnapKV's pooling, shared by every masked method) is per KV head too
+    hlo = mr.compress.lower(st).compile().as_text()
+    assert not re.search(r"all-gather|all-to-all|collective-permute", hlo), "masked compress"
     st = tx.new_state(ptags, np.array([len(p) for p in long]))
     check_step("triaxial", tx, n, step_args(tx, st, jnp.zeros((B, 4), jnp.int32)),
                (st.cache.k, st.cache.v), "unrolled")

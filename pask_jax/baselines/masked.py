@@ -40,7 +40,7 @@ from pask_jax.decode import Runner
 from pask_jax.traces import Traces
 
 KINDS = {"h2o": 0, "snapkv": 1, "mikv": 2, "rocketkv": 3}
-PROMPT_ONLY = ("snapkv", "rocketkv")   # select over the prompt once, keep every generated entry
+ROCKET_ONLY = ("read_frac", "top_r")   # Config fields only RocketKV reads
 # Prompt queries per prefill attention block.  One chunk's [B, Hkv, G, T, S] float32 probabilities
 # outweigh the whole cache at evaluation sizes (Qwen2.5-0.5B at B 100, S 3072, T 512: 8.2 GiB per
 # layer, the cache 7 GiB), and a layer's column sums feed no later layer, so a scheduler may keep

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -70,9 +71,10 @@ def read_mask(q, k, stored, current, budget, top_r):
   chunk = jnp.where(stored, (jnp.cumsum(stored, -1) - 1) // CHUNK, nc)   # nc: unstored
   bi = jnp.arange(B)[:, None, None]
   hi = jnp.arange(Hkv)[None, :, None]
-  big = jnp.float32(jnp.finfo(jnp.float32).max)
-  kmax = jnp.full((B, Hkv, nc + 1, D), -big).at[bi, hi, chunk].max(kt)
-  kmin = jnp.full((B, Hkv, nc + 1, D), big).at[bi, hi, chunk].min(kt)
+  kmax = jnp.full((B, Hkv, nc + 1, D), -jnp.inf).at[bi, hi, chunk].max(kt)
+  kmin = jnp.full((B, Hkv, nc + 1, D), jnp.inf).at[bi, hi, chunk].min(kt)
+  # chunks that hold no entry (never looked up) scored 0 rather than from infinities
+  kmax, kmin = (jnp.where(jnp.isfinite(x), x, 0.0) for x in (kmax, kmin))
   # head-dimension reduction: the channels where the group's queries are largest
   qf = q.astype(jnp.float32)
   mag = jnp.sum(jnp.abs(qf), axis=2)                                # [B, Hkv, D]
@@ -81,8 +83,9 @@ def read_mask(q, k, stored, current, budget, top_r):
   # Σ_g Σ_d max(q·kmax, q·kmin) = Σ_d (Σ_g q⁺)·kmax + (Σ_g q⁻)·kmin (kmax >= kmin in every
   # chunk that holds an entry): no [G, chunks, D] product is formed
   pos, neg = jnp.sum(jnp.maximum(qc, 0.0), 2), jnp.sum(jnp.minimum(qc, 0.0), 2)
-  score = (jnp.einsum("bhd,bhcd->bhc", pos, kmax) +
-           jnp.einsum("bhd,bhcd->bhc", neg, kmin))                  # [B, Hkv, nc+1]
+  hp = jax.lax.Precision.HIGHEST                                    # not TF32 on a GPU
+  score = (jnp.einsum("bhd,bhcd->bhc", pos, kmax, precision=hp) +
+           jnp.einsum("bhd,bhcd->bhc", neg, kmin, precision=hp))    # [B, Hkv, nc+1]
   tok = jnp.take_along_axis(score, jnp.minimum(chunk, nc), axis=-1)  # [B, Hkv, S]
   read = stored & (rank_desc(tok, stored) < budget[:, None, None])
   here = jnp.arange(S)[None, None, :] == current[:, None, None]

@@ -44,13 +44,11 @@ def _max_pool(x, lo, hi):
   j = jnp.where(jnp.left_shift(1, j + 1) <= n, j + 1, j)
   j = jnp.where(jnp.left_shift(1, j) > n, j - 1, j)
   j = jnp.clip(j, 0, len(levels) - 1)
-  flat = table.reshape(len(levels), -1, S)
-  jf, lof = j.reshape(-1, S), lo.reshape(-1, S)
-  hif = (hi - jnp.left_shift(1, j) + 1).reshape(-1, S)
-  rows = jnp.arange(flat.shape[1])[:, None]
-  a = flat[jf, rows, lof]
-  b = flat[jf, rows, hif]
-  return jnp.maximum(a, b).reshape(x.shape)
+  # gathers along S and then along the level axis only, so that the leading axes (a KV head
+  # axis sharded under tensor parallelism among them) are never merged
+  at = lambda start: jnp.take_along_axis(
+      jnp.take_along_axis(table, jnp.broadcast_to(start[None], table.shape), -1), j[None], 0)[0]
+  return jnp.maximum(at(lo), at(hi - jnp.left_shift(1, j) + 1))
 
 
 def pool(vote, prefix, kernel, is_max):
