@@ -398,16 +398,11 @@ def plan(method: str, target: float, lengths, *, sink: int = 4, recent: int = 32
   sinks/recent, the observation window and rounding included); SnapKV needs none (its per-request
   capacity comes from the target) -> ``target``."""
   target = budget.check_target(target)
+  held = f"{sink} sink + {recent} recent protected entries"   # what B 0 of the knob still keeps
   if method == "rocketkv":
     f = lambda r: rocketkv.predict_b(r, lengths, obs)
-    floor = f(0.0)
-    if target < floor - 1e-3:
-      warnings.warn(f"rocketkv: target B {target:.3f} is below the floor {floor:.3f} set by the "
-                    f"{obs}-token observation window and the generated tokens on these lengths; "
-                    f"using ratio 0 (B {floor:.3f})", stacklevel=2)
-      return 0.0
-    return budget.bisect(f, target)
-  if method == "h2o":
+    held = f"{obs}-token observation window and the generated tokens"
+  elif method == "h2o":
     f = lambda r: h2o.predict_b(r, lengths, sink, recent)
   elif method == "mikv":
     mikv.high_ratio(target, q)  # raises below q
@@ -418,10 +413,9 @@ def plan(method: str, target: float, lengths, *, sink: int = 4, recent: int = 32
     raise ValueError(f"unknown masked method {method!r}")
   floor = f(0.0)
   if target < floor - 1e-3:
-    # the protected sink/recent entries alone cost more than the target on these lengths: the
+    # what the knob cannot remove already costs more than the target on these lengths: the
     # closest reachable budget is the floor (knob 0), and the caller is told so
     warnings.warn(f"{method}: target B {target:.3f} is below the floor {floor:.3f} set by the "
-                  f"{sink} sink + {recent} recent protected entries on these lengths; using knob 0 "
-                  f"(B {floor:.3f})", stacklevel=2)
+                  f"{held} on these lengths; using knob 0 (B {floor:.3f})", stacklevel=2)
     return 0.0
   return budget.bisect(f, target)
