@@ -1,15 +1,15 @@
 # Device (H200): tune the baselines' knobs on Qwen2.5-Coder-1.5B's dev split at B 0.33 / 0.20 /
 # 0.15 (paper C.3; one Full-KV run for the three), then run a campaign plan with them.
-# Resumable: /tmp/tune15<TAG> and /tmp/c15<TAG> survive between calls on a warm machine, and
-# `pask-jax tune` measures only the grid points still missing, so call it again until it says
-# "tuned".
+# Resumable: /tmp/tune15<TAG> and /tmp/c15<TAG> survive between calls on a warm machine (a
+# committed results/tune/qwen15-bfcl<TAG> seeds a fresh one), and `pask-jax tune` measures only
+# the grid points still missing, so call it again until it says "tuned"; the campaign skips the
+# cells committed under results/campaign/qwen15-bfcl/.
 #   LIMIT=585 bash scripts/h200_tune15.sh   (carry .whl; the model uploaded to /tmp/m beforehand)
 #   METHODS  the methods tuned at the three budgets (default: triaxial snapkv h2o streaming, then
 #            MiKV at 0.33 only, into the same folder, and examples/campaign_15b_tuned.toml)
 #   TAG      suffix of the tune and cells folders and of results/tune/qwen15-bfcl<TAG>
 #   PLAN     the campaign plan run once tuned
-#   RocketKV: METHODS=rocketkv TAG=-rocketkv PLAN=examples/campaign_15b_rocketkv.toml (the tree
-#   may be held without results/: that plan's cells are RocketKV's only)
+#   RocketKV: METHODS=rocketkv TAG=-rocketkv PLAN=examples/campaign_15b_rocketkv.toml
 # Results come back as $OUT/tune15<TAG>.tgz (knobs.json + tune.csv per budget) and
 # $OUT/c15<TAG>.tgz; commit results/tune/qwen15-bfcl<TAG>/ and the cells into
 # results/campaign/qwen15-bfcl/.
@@ -19,6 +19,10 @@ limit=${LIMIT:-560}
 tag=${TAG:-}
 tune=/tmp/tune15$tag cells=/tmp/c15$tag
 plan=${PLAN:-examples/campaign_15b_tuned.toml}
+# A tune committed by an earlier call (results/tune/qwen15-bfcl<TAG>) seeds this one: a fresh
+# machine measures only the grid points still missing (none once it is complete) and goes on to
+# the plan's cells.
+[ -d results/tune/qwen15-bfcl$tag ] && mkdir -p $tune && cp -rn results/tune/qwen15-bfcl$tag/. $tune/
 timeout $((limit - 60)) python3 -m pask_jax.cli tune --model qwen2.5-coder-1.5b-instruct \
   --methods ${METHODS:-triaxial snapkv h2o streaming} --budget 0.33 0.20 0.15 --grid small \
   --split dev --categories simple_python multiple --max-tokens 128 --batch 120 --key-center on \
