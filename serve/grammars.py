@@ -198,10 +198,59 @@ def _nice_thread(nice: int) -> None:
     pass
 
 
+class Gate:
+  """A lane's idle workers, handed to waiters first come first served, across event loops.
+
+  A pool may be shared by apps that run on different event loops (``create_app(grammars=)``;
+  each uvicorn server has its own): an ``asyncio.Semaphore`` binds to the first loop that waits
+  on it and then fails every other loop's wait ("bound to a different event loop"), which
+  turned one slow compile into 500s for the other app.  Here a waiter is a future of its own
+  loop, resolved through that loop's ``call_soon_threadsafe``."""
+
+  def __init__(self, workers):
+    self._lock = threading.Lock()
+    self._idle = collections.deque(workers)
+    self._waiters: collections.deque = collections.deque()   # (loop, future)
+
+  async def take(self):
+    loop = asyncio.get_running_loop()
+    with self._lock:
+      if self._idle and not self._waiters:
+        return self._idle.popleft()
+      fut = loop.create_future()
+      self._waiters.append((loop, fut))
+    try:
+      return await fut
+    except asyncio.CancelledError:
+      with self._lock:
+        if (loop, fut) in self._waiters:
+          self._waiters.remove((loop, fut))
+      if fut.done() and not fut.cancelled():   # handed a worker as it was cancelled
+        self.give(fut.result())
+      raise
+
+  def give(self, w) -> None:
+    with self._lock:
+      while self._waiters:
+        loop, fut = self._waiters.popleft()
+        try:
+          loop.call_soon_threadsafe(self._hand, fut, w)
+          return
+        except RuntimeError:   # that loop is closed: the next waiter
+          continue
+      self._idle.append(w)
+
+  def _hand(self, fut, w) -> None:   # on the waiter's loop
+    if fut.done():   # cancelled meanwhile
+      self.give(w)
+    else:
+      fut.set_result(w)
+
+
 class _Lane:
   def __init__(self, name, workers, timeout):
     self.name, self.workers, self.timeout = name, list(workers), timeout
-    self.idle = collections.deque(self.workers)
+    self.gate = Gate(self.workers)
     self.waiting = 0
 
 
@@ -232,11 +281,11 @@ class GrammarPool:
     self.cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
     self.cache_entries, self.cache_bytes, self.bytes = cache_entries, cache_bytes, 0
     self.failed: collections.OrderedDict[str, str] = collections.OrderedDict()
-    self.inflight: dict[str, asyncio.Future] = {}
+    # keyed by (event loop, job): a task belongs to its loop (apps on other loops compile anew)
+    self.inflight: dict[tuple, asyncio.Future] = {}
     self.lock = threading.Lock()
     self.stats = collections.Counter(dict.fromkeys(
         ("hits", "misses", "failures", "timeouts", "busy", "compile_s"), 0))
-    self._sems: dict[str, asyncio.Semaphore] = {}
 
   # --- public -----------------------------------------------------------------------------
 
@@ -255,13 +304,15 @@ class GrammarPool:
     if why is not None:
       self.stats["hits"] += 1
       raise CompileError(why)
-    task = self.inflight.get(key)
+    slot = (asyncio.get_running_loop(), key)
+    task = self.inflight.get(slot)
     if task is None:   # one compilation per job, not tied to the request that started it
-      task = self.inflight[key] = asyncio.ensure_future(self._job(key, job, len(text)))
+      task = self.inflight[slot] = asyncio.ensure_future(self._job(slot, job, len(text)))
       task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return await asyncio.shield(task)
 
-  async def _job(self, key: str, job: dict, size: int):
+  async def _job(self, slot: tuple, job: dict, size: int):
+    key = slot[1]
     try:
       g = await self._compile(job, size)
     except CompileError as e:
@@ -271,7 +322,7 @@ class GrammarPool:
           self.failed.popitem(last=False)
       raise
     finally:
-      self.inflight.pop(key, None)
+      self.inflight.pop(slot, None)
     self._put(key, g)
     return g
 
@@ -289,12 +340,6 @@ class GrammarPool:
             "queued_large": self.lanes["large"].waiting}
 
   # --- internals --------------------------------------------------------------------------
-
-  def _sem(self, lane: _Lane) -> asyncio.Semaphore:
-    s = self._sems.get(lane.name)
-    if s is None:
-      s = self._sems[lane.name] = asyncio.Semaphore(len(lane.workers))
-    return s
 
   async def _compile(self, job: dict, size: int):
     self.stats["misses"] += 1
@@ -327,15 +372,14 @@ class GrammarPool:
     lane.waiting += 1
     queued = True
     try:
-      async with self._sem(lane):
-        lane.waiting -= 1
-        queued = False
-        w = lane.idle.popleft()
-        try:
-          loop = asyncio.get_running_loop()
-          return await loop.run_in_executor(self.threads, w.run, job, timeout)
-        finally:
-          lane.idle.append(w)
+      w = await lane.gate.take()
+      lane.waiting -= 1
+      queued = False
+      try:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.threads, w.run, job, timeout)
+      finally:
+        lane.gate.give(w)
     finally:
       if queued:   # cancelled while waiting for a worker
         lane.waiting -= 1

@@ -342,3 +342,56 @@ def test_afterwards_nothing_leaked(base):
   assert pages_all_free(m)
   assert m['pask_requests_total{outcome="error"}'] == 0
   assert httpx.get(base + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_worker_gate_serves_waiters_on_other_event_loops():
+  """A grammar pool shared by apps on different event loops (``create_app(grammars=)``; each
+  uvicorn server has its own loop): a compile waiting for a lane's worker on one loop gets it
+  when a compile on another loop gives it back, first come first served, and a waiter cancelled
+  while waiting loses nothing (an asyncio.Semaphore bound itself to the first loop that waited
+  and failed the other's wait: "bound to a different event loop", a 500)."""
+  import asyncio
+
+  from serve.grammars import Gate
+
+  gate = Gate(["w0"])
+  order: list = []
+  held = threading.Event()
+
+  def on_loop(coro):
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(coro)))
+    t.start()
+    return t, out
+
+  async def holder():
+    w = await gate.take()
+    order.append(("a", w))
+    held.set()
+    await asyncio.sleep(0.3)
+    gate.give(w)
+
+  async def waiter(name, cancel_after=None):
+    held.wait(5)
+    task = asyncio.ensure_future(gate.take())
+    if cancel_after is not None:
+      await asyncio.sleep(cancel_after)
+      task.cancel()
+      with pytest.raises(asyncio.CancelledError):
+        await task
+      order.append((name, "cancelled"))
+      return
+    w = await asyncio.wait_for(task, 10)
+    order.append((name, w))
+    gate.give(w)
+
+  threads = [on_loop(holder())]
+  held.wait(5)
+  threads.append(on_loop(waiter("c", cancel_after=0.05)))   # waits, then gives up
+  time.sleep(0.1)
+  threads.append(on_loop(waiter("b")))
+  for t, _ in threads:
+    t.join(15)
+    assert not t.is_alive()
+  assert order == [("a", "w0"), ("c", "cancelled"), ("b", "w0")]
+  assert asyncio.run(asyncio.wait_for(gate.take(), 5)) == "w0"   # given back, not lost
