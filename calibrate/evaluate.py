@@ -509,6 +509,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   if progress:
     bar = progress(total=len(preps), desc=f"{rc.method} B={label(rc.budget)} {rc.split}")
   stops = set(s.tok.stop_ids)
+  segmented = getattr(runner, "reads_segments", False)   # W2's document: ω's retrieved weight
   t0 = time.perf_counter()
   for st in range(0, len(order), batch):
     idx = order[st:st + batch]
@@ -522,7 +523,9 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
 
     trackers = [_Counted(tracker(p), stops, rc.max_tokens, done) for p in ps]
     res = generate(runner, s.tok, [p.ids for p in ps], trackers=trackers,
-                   prompt_tags=[p.tags for p in ps] if tagged else None, sampling=sampling)
+                   prompt_tags=[p.tags for p in ps] if tagged else None,
+                   prompt_segments=[p.retrieved for p in ps] if segmented else None,
+                   sampling=sampling)
     if bar is not None and told[0] < len(idx):   # a row generate() ended by another rule
       bar.update(len(idx) - told[0])
     for i, p, r in zip(idx, ps, res):

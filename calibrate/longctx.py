@@ -262,6 +262,7 @@ class NeedleCase:
   text: str = ""           # the rendered prompt (set by prepare)
 
 
+DOC_OPEN, DOC_CLOSE = "<document>\n", "\n</document>"   # around the retrieved evidence
 INSTRUCTION = ("Read the document below. Somewhere in it are statements about access codes. "
                "Answer the question with the 6-digit access code only.")
 
@@ -322,7 +323,7 @@ class NeedleSuite:
   def _render(self, case: NeedleCase, lines: list[str]) -> str:
     from pask_jax.prompt import render
     doc = "\n".join(lines)
-    msg = f"{INSTRUCTION}\n\n<document>\n{doc}\n</document>\n\nQuestion: {case.question}"
+    msg = f"{INSTRUCTION}\n\n{DOC_OPEN}{doc}{DOC_CLOSE}\n\nQuestion: {case.question}"
     if not getattr(self.tok, "chat_template", None):
       return msg + "\nAnswer:"
     return render(self.tok, [{"role": "user", "content": msg}])
@@ -356,13 +357,17 @@ class NeedleSuite:
     return lines
 
   def prepare(self, cases, prompt_labels: bool):
-    from pask_jax.prompt import Prompt, encode
+    """Prompts with the document (every haystack line and needle) marked as retrieved
+    evidence (``Prompt.retrieved``: §2.4's retrieved segment)."""
+    from pask_jax.prompt import Prompt, encode, mark
     out = []
     for c in cases:
       text = self._render(c, self.haystack(c))
-      ids, tags = encode(self.tok, text, prompt_labels)
+      a = text.index(DOC_OPEN) + len(DOC_OPEN)
+      ids, retrieved = mark(self.tok, text, [(a, text.index(DOC_CLOSE, a))])
+      tags = encode(self.tok, text, True)[1] if prompt_labels else None
       c.text = text
-      out.append(Prompt(text, ids, tags, None, case=c))
+      out.append(Prompt(text, ids, tags, None, case=c, retrieved=retrieved))
     return out
 
   def free_text(self, p) -> bool:

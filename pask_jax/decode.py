@@ -530,12 +530,15 @@ def runner_hbm(runner, state, reports: Sequence[dict | None]) -> list[dict | Non
 def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
              grammars: Sequence[Grammar | None] | None = None,
              trackers: Sequence[Tracker] | None = None, prompt_tags: Sequence[Any] | None = None,
+             prompt_segments: Sequence[Any] | None = None,
              sampling: Sampling = Sampling()) -> list[Result]:
   """Generate for up to ``runner.batch`` prompts of different lengths.
 
   Each request has a :class:`Tracker` (its grammar matcher and tag adapter), built from
   ``grammars`` when ``trackers`` is not given.  ``prompt_tags``: optional per-prompt
-  ``int32[n, 4]`` prompt-span label candidates for the PASK prefill plan.  With a
+  ``int32[n, 4]`` prompt-span label candidates for the PASK prefill plan.  ``prompt_segments``:
+  optional per-prompt ``bool[n]`` marks of retrieved evidence (a document, a tool output), for a
+  runner that prices segments (``reads_segments``: Spherical KV's RDR).  With a
   :class:`PaskRunner` each result carries the request's ledger in ``Result.ledger``.
   """
   B, V = runner.batch, runner.cfg.vocab_size
@@ -547,6 +550,10 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
       raise CapacityError(
           f"prompt {i} has {len(p)} tokens; with max_tokens={sampling.max_tokens} it needs "
           f"{len(p) + sampling.max_tokens} > capacity {runner.capacity}")
+  if (prompt_segments is not None and any(s is not None for s in prompt_segments)
+      and not getattr(runner, "reads_segments", False)):
+    raise ValueError(f"prompt_segments given, but {type(runner).__name__} does not read "
+                     "segments (only Spherical KV's runner prices retrieved evidence)")
   if trackers is None:
     grammars = list(grammars) if grammars is not None else [None] * n
     trackers = [Tracker(g) for g in grammars]
@@ -575,7 +582,10 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
 
   t0 = time.perf_counter()
   tokens, lengths = pad_prompts(prompts, B, runner.capacity)
-  logits, state = runner.begin(tokens, lengths, prompt_tags)
+  if prompt_segments is None or all(s is None for s in prompt_segments):
+    logits, state = runner.begin(tokens, lengths, prompt_tags)
+  else:
+    logits, state = runner.begin(tokens, lengths, prompt_tags, segments=prompt_segments)
   active = [True] * n + [False] * (B - n)
   fill(active)
   key, sub = jax.random.split(key)

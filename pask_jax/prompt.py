@@ -25,6 +25,8 @@ import copy
 import dataclasses
 from typing import Any, Sequence
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
@@ -37,6 +39,7 @@ class Prompt:
   tools: list[dict] | None = None
   fmt: str | None = None            # the tool-call format of the answer (with tools)
   case: Any = None                  # what it was prepared from, for scoring (a benchmark case)
+  retrieved: Any = None             # bool[len(ids)]: retrieved evidence (a document), or None
 
 
 def style(arch: str, tool_format: str | None = None) -> tuple[str, int | None]:
@@ -126,6 +129,20 @@ def takes_tools(tokenizer, template: str | None = None) -> bool:
   if hasattr(tokenizer, "takes_tools"):
     return tokenizer.takes_tools(template)
   return "tools" in (template or tokenizer.chat_template or "")
+
+
+def mark(tokenizer, text: str, spans: Sequence[tuple[int, int]]) -> tuple[list[int], np.ndarray]:
+  """``(ids, marks)``: ``ids == tokenizer.encode(text)``, ``marks`` bool[len(ids)] True on each
+  token whose characters overlap one of ``spans`` (``[start, end)`` character ranges of
+  ``text``: a workload's retrieved evidence)."""
+  from pask_jax.grammar.prompt_spans import encode as encode_offsets
+  ids, offsets = encode_offsets(tokenizer, text)
+  marks = np.zeros(len(ids), bool)
+  for a, b in spans:
+    if not 0 <= a <= b <= len(text):
+      raise ValueError(f"span [{a}, {b}) is outside the text of {len(text)} characters")
+    marks |= np.array([s < b and e > a for s, e in offsets], bool).reshape(-1)
+  return list(ids), marks
 
 
 def encode(tokenizer, text: str, labels: bool = False) -> tuple[list[int], Any]:

@@ -61,7 +61,8 @@ def test_w1_documents_are_seeded_and_exactly_long(tok):
     LC.LMSuite(tok, length=200, tail=198)
 
 
-def test_w1_nll_is_the_teacher_forced_nll_and_w2_runs_in_the_harness(loaded, tmp_path):
+def test_w1_nll_is_the_teacher_forced_nll_and_w2_runs_in_the_harness(loaded, tmp_path,
+                                                                    monkeypatch):
   """Full KV through the forced-token path = one whole-sequence forward; W2 (free generation,
   exact match) through the same session's runner."""
   # W1's prompt (211) and W2's (<= 200) share the prefill bucket of 256: one prefill compile
@@ -84,6 +85,21 @@ def test_w1_nll_is_the_teacher_forced_nll_and_w2_runs_in_the_harness(loaded, tmp
              progress=False)
   assert qa["task"] == "w2:L200" and qa["categories"]["overall"]["n"] == 2
   assert set(qa["categories"]) == {"hop1", "hop2", "overall"}
+  # a runner that reads segments gets W2's document marks (Spherical KV's retrieved weight)
+  seen = []
+
+  def spy(runner, tok, prompts, **kw):
+    seen.append(kw.get("prompt_segments"))
+    return generate(runner, tok, prompts, **kw)
+
+  import pask_jax.decode as D
+  generate = D.generate
+  monkeypatch.setattr(D, "generate", spy)
+  E.run(s, E.RunConfig("sphkv-retrieved", 0.35, "test", max_cases=1, max_tokens=2), None,
+        progress=False)
+  E.run(s, E.RunConfig("full", 1.0, "test", max_cases=1, max_tokens=2), None, progress=False)
+  assert len(seen) == 2 and seen[1] is None
+  assert all(m.dtype == bool and 0 < m.sum() < len(m) for m in seen[0])
 
 
 def test_w1_slices_merge_and_report(tmp_path):
@@ -123,6 +139,15 @@ def test_w2_cells_needles_and_exact_match(tok):
   ps = s.prepare(cs, False)
   for p, c in zip(ps, cs):
     assert 0.8 * 600 <= len(p.ids) <= 600 + 8 and all(n in p.text for n in c.needles)
+    # the document is the retrieved segment: one run of tokens holding every needle, not the
+    # instruction or the question
+    m = p.retrieved
+    assert m.dtype == bool and m.shape == (len(p.ids),) and p.ids == tok.encode(p.text)
+    on = np.flatnonzero(m)
+    assert on.size and np.all(np.diff(on) == 1) and 0 < on[0] and on[-1] < len(p.ids) - 1
+    doc = tok.decode([p.ids[i] for i in on])
+    assert all(n in doc for n in c.needles) and "Question" not in doc
+    assert "Read the document" not in doc and "<document>" not in doc
   late = next(c for c in hop1 if c.position == "late")
   early = next(c for c in hop1 if c.position == "early")
   depth = lambda c: c.text.index(c.needles[0]) / len(c.text)

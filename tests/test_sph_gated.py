@@ -135,3 +135,49 @@ def test_segment_weights_move_bytes_toward_the_heavier_segment():
   assert flat["recent"] <= a0["recent"] + 1e-6 <= r4["recent"] + 2e-6
   assert flat["prefix"] + 1e-6 >= a0["prefix"] >= r4["prefix"] - 1e-6
   assert r4["recent"] - r4["prefix"] > flat["recent"] - flat["prefix"]      # the sweep moves it
+
+
+def test_retrieved_marks_weigh_as_omega_says():
+  """§2.4's retrieved segment: tokens a workload marks (``prefill(segments=)``) are priced with
+  ω's middle weight.  Under A0 (ω = 1, 1, 2: retrieved weighs as the prefix) the marks change no
+  route; under ``sphkv-retrieved`` (1, 2, 2) the marked tokens' items rise in tier and the
+  unmarked prefix's never do, within the budget; unmarked, both plans are A0's.  Marks of the
+  wrong length and marks for a runner that does not read them are one-line errors."""
+  from pask_jax.decode import Runner, generate
+  assert V.variant("sphkv-retrieved").omega == (1.0, 2.0, 2.0)
+  model = tiny_llama(61, seed=7)
+  rng = np.random.default_rng(5)
+  n = 160
+  tokens = rng.integers(1, 61, (2, n)).astype(np.int32)
+  lengths = np.asarray([n, n - 24], np.int32)
+  marks = [np.zeros(int(ln), bool) for ln in lengths]
+  for m, (a, b) in zip(marks, ((20, 70), (40, 96))):
+    m[a:b] = True
+  routes = {}
+  for meth in ("spherical", "sphkv-retrieved"):
+    r = SphRunner.for_method(model, meth, batch=2, capacity=192, window=8, sink=2,
+                             n_groups=2).configure(0.3)
+    for marked in (False, True):
+      plan = r.prefill(tokens, lengths, segments=marks if marked else None)[3]
+      assert np.all(np.asarray(plan.bytes) <= np.asarray(plan.budget) + 1e-3)
+      routes[meth, marked] = (np.asarray(plan.route).astype(np.int32), np.asarray(plan.prot))
+  a0 = routes["spherical", False][0]
+  np.testing.assert_array_equal(routes["spherical", True][0], a0)
+  np.testing.assert_array_equal(routes["sphkv-retrieved", False][0], a0)
+  (off, prot), (on, _) = routes["sphkv-retrieved", False], routes["sphkv-retrieved", True]
+  rise = []
+  for b, ln in enumerate(lengths):
+    t = np.arange(ln)
+    free = ~prot[b, :ln]
+    prefix = (t >= 2) & (t < ln - 64) & ~marks[b]
+    inside = free & marks[b][:, None, None]
+    rise.append(on[b, :ln][inside].mean() - off[b, :ln][inside].mean())
+    outside = free & prefix[:, None, None]
+    assert on[b, :ln][outside].mean() <= off[b, :ln][outside].mean() + 1e-6
+  assert min(rise) >= 0 and max(rise) > 0
+  with pytest.raises(ValueError, match="^prompt 1's segment marks cover 160 tokens, its length "
+                                       "is 136$"):
+    r.prefill(tokens, lengths, segments=[marks[0], np.zeros(n, bool)])
+  with pytest.raises(ValueError, match="^prompt_segments given, but Runner does not read"):
+    generate(Runner(model, batch=2, capacity=192), None, [[1, 2, 3]],
+             prompt_segments=[np.ones(3, bool)])

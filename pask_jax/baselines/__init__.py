@@ -20,6 +20,7 @@ grammars, greedy decoding and payload cost model), one module per baseline:
   :class:`pask_jax.spherical.runner.SphRunner` (reference attention over the tier pools).
   Its ablations and hybrids (``sphkv-rd``, ``sphkv-angle``, ``sphkv-retain``, ``sphkv-quant``,
   ``sphkv-gated``, ``sphkv-shared``, ``sphkv-compact``, ``sphkv-flat``, ``sphkv-recent4``,
+  ``sphkv-retrieved``,
   ``rdr+tags``, ``pask+ada``) are configurations of the same runner:
   :mod:`pask_jax.spherical.variants`.
 

@@ -21,9 +21,10 @@ Features of the distortion model (§2.4), and what is simplified [ours, this run
 ``â_i`` = attention mass from the observation window, mean over the group's layers and the KV
 head's query heads, max-pooled over ±3 positions; ``ε^θ``, ``ε^r`` measured by encoding every
 prompt item at every tier (drop: ``‖·‖² = 2``, ``(r − r̃)² = r²``); the reuse proxy ``û`` and the
-stability proxy ``ŝ`` are constants (û = 1, ŝ = 0) and the segments are prefix / recent (the last
-64 prompt tokens, ω = 2) — no retrieved spans; μ (centering) is an optional argument, 0 by
-default (no calibration yet).
+stability proxy ``ŝ`` are constants (û = 1, ŝ = 0); the segments are recent (the last 64 prompt
+tokens), retrieved (the tokens a workload marks as retrieved evidence: ``prefill(segments=)``,
+W2's document) and prefix (the rest), recent winning where both hold; μ (centering) is an
+optional argument, 0 by default (no calibration yet).
 
 **Decode rule** ("fixed" with the balance of §2.4): per (sequence, group) a balance gains
 ``rho · Hkv · dense_g`` per generated token; the new token takes the highest tier whose item cost
@@ -87,6 +88,26 @@ PAPER_LADDER = ("A2", "A42", "A4")   # §2.3's paper ladder, BF16 values, ascend
 RECENT = 64                          # prompt tokens of the "recent" segment (§2.4)
 
 
+def retrieved_mask(segments, lengths, Tn: int, batch: int) -> np.ndarray | None:
+  """Per-prompt retrieved-evidence marks (``bool [n]`` each, or None) -> ``bool [batch, Tn]``
+  (False past a prompt's length and on padding rows), or None when no prompt marks any."""
+  if segments is None or all(s is None for s in segments):
+    return None
+  segments = list(segments)
+  if len(segments) > batch:
+    raise ValueError(f"got segments for {len(segments)} prompts, the runner's batch is {batch}")
+  out = np.zeros((batch, Tn), bool)
+  for b, s in enumerate(segments):
+    if s is None:
+      continue
+    s = np.asarray(s, bool).reshape(-1)
+    if s.shape[0] != int(lengths[b]):
+      raise ValueError(f"prompt {b}'s segment marks cover {s.shape[0]} tokens, its length is "
+                       f"{int(lengths[b])}")
+    out[b, :s.shape[0]] = s
+  return out
+
+
 def ladder(head_dim: int, layouts=PAPER_LADDER, values="bf16") -> tuple[TierSpec, ...]:
   """The tiers of ``layouts`` at ``head_dim``; ``values`` one value format for every tier or one
   per tier."""
@@ -125,6 +146,8 @@ class SphRunner:
   ``stats``: the full-precision prefill with observation statistics, a
   :class:`~pask_jax.baselines.masked.MaskedRunner` of this batch and capacity that several
   runners of one model may share (one compile); configured here as SnapKV with ``obs``."""
+  reads_segments = True   # begin(..., segments=): retrieved evidence priced by ω (decode.generate)
+
 
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
                window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
@@ -207,7 +230,7 @@ class SphRunner:
       cs, ss = self.state_sharding()
       kv, score = tp.by_kv_head(m, 5, 3), tp.by_kv_head(m, 4, 2)
       state = (cs, ss, rep, rep, rep)
-      self.commit = jax.jit(self._commit, in_shardings=(kv, kv, score) + (rep,) * 4,
+      self.commit = jax.jit(self._commit, in_shardings=(kv, kv, score) + (rep,) * 5,
                             out_shardings=(cs, ss, rep))
       self.step = jax.jit(self._step, donate_argnums=(2,),
                           in_shardings=(ps, rep, state) + (rep,) * 8,
@@ -332,9 +355,10 @@ class SphRunner:
     radius = jnp.einsum("lbth,lg->btgh", r, onehot) / per_g[:, None]
     return eps_t, eps_r, att, radius
 
-  def _commit(self, k, v, score, lengths, rho, tpol=None, cands=None):
+  def _commit(self, k, v, score, lengths, rho, tpol=None, cands=None, retrieved=None):
     """Dense prefill K/V [L, B, T, H, D] + statistics (+ with ``tags`` the PASK policy and the
-    prompt's tag candidates [B, T, N_CAND]) -> (plan, base cache, tier state)."""
+    prompt's tag candidates [B, T, N_CAND]; + ``retrieved`` bool [B, T], the tokens in the
+    retrieved segment) -> (plan, base cache, tier state)."""
     self.traces["commit"] += 1
     W, G = self.window, self.n_groups
     B, Tn, H = k.shape[1], k.shape[2], k.shape[3]
@@ -355,7 +379,8 @@ class SphRunner:
       plan = rdr.Plan(route, jnp.zeros(route.shape, bool), zeros, spent, budget, deficit)
     else:
       eps_t, eps_r, att, radius = self._features(k, score, n)
-      seg = jnp.where(jnp.arange(Tn)[None, :] >= n[:, None] - RECENT, 2, 0)       # [B, T]
+      seg = jnp.zeros((B, Tn), jnp.int32) if retrieved is None else retrieved.astype(jnp.int32)
+      seg = jnp.where(jnp.arange(Tn)[None, :] >= n[:, None] - RECENT, 2, seg)     # [B, T]
       one = jnp.ones((G, H), jnp.float32)
       dist = jax.vmap(lambda et, er, sg: rdr.distortion(
           et, er, one, 0.0 * one, sg, omega=self.omega, kappa_drop=self.kappa_drop))(
@@ -406,9 +431,11 @@ class SphRunner:
         consts=type(sph.consts)(rep, tp.by_kv_head(m, 3, 1)))
     return tp.pask_cache_sharding(m, cache), ss
 
-  def prefill(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
+  def prefill(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None, segments=None):
     """Prefill and commit -> (logits, base cache, tier state, plan, rho [B]).  ``prompt_tags``:
-    per prompt ``int32 [n, N_CAND]`` label candidates or None (read with ``tags`` only)."""
+    per prompt ``int32 [n, N_CAND]`` label candidates or None (read with ``tags`` only);
+    ``segments``: per prompt ``bool [n]``, True on its retrieved evidence, or None (priced by
+    ω's middle weight in RDR's distortion; the fixed and PASK plans do not read it)."""
     if self.rho is None:
       raise RuntimeError("SphRunner.configure(budget) first")
     self._stats.configure(Config("snapkv", obs=self.obs))   # a shared runner: ours again
@@ -420,12 +447,15 @@ class SphRunner:
     if self.needs_policy:
       cands = jnp.asarray(prompt_candidates(prompt_tags, lengths, Tn))
       tpol = self.tag_policy
+    retrieved = retrieved_mask(segments, lengths, Tn, self.batch)
+    if retrieved is not None:
+      retrieved = self._put(retrieved)
     cache, sph, plan = self.commit(st.k[:, :, :Tn], st.v[:, :, :Tn], st.score[..., :Tn],
-                                   jnp.asarray(lengths), rho, tpol, cands)
+                                   jnp.asarray(lengths), rho, tpol, cands, retrieved)
     return logits, cache, sph, plan, rho
 
-  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
-    logits, cache, sph, plan, rho = self.prefill(tokens, lengths, prompt_tags)
+  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None, segments=None):
+    logits, cache, sph, plan, rho = self.prefill(tokens, lengths, prompt_tags, segments)
     n_prompt = self._put(np.asarray(lengths, np.int32))
     return logits, (cache, sph, rho, n_prompt, plan.deficit)
 

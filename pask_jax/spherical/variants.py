@@ -33,8 +33,10 @@ sphkv-flat      A4     A0 with the segment weights ω = (1, 1, 1): the prompt's 
                        of §2.4's distortion (generated tokens take the fixed rule here; ω
                        reaches them only under the gated rule)
 sphkv-recent4   A4     A0 with ω = (1, 1, 4): recent tokens weigh twice A0's — the other side
-                       of the ω sweep (no workload marks retrieved spans yet: ω's middle
-                       weight is unused)
+                       of the ω sweep
+sphkv-retrieved A4     A0 with ω = (1, 2, 2): retrieved evidence (the spans a workload marks:
+                       W2's document) weighs as the recent tokens — ω's middle weight (A0
+                       prices it as the prefix; W1 and W3 mark none, so there it is A0)
 pask+ada        ext.   PASK's policy and controller (R/L/H from tags, PASK's budget) with its L
                        items stored at tier A4 keys + INT4 values (the compact ladder's t2, the
                        bytes of PASK's INT4 L) instead of INT4 K+V — isolates the key format
@@ -157,6 +159,9 @@ VARIANTS: dict[str, Variant] = {
     "sphkv-recent4": Variant("A4", omega=(1.0, 1.0, 4.0),
                              isolates="segment weights: recent tokens weigh twice A0's "
                                       "(ω = 1, 1, 4)"),
+    "sphkv-retrieved": Variant("A4", omega=(1.0, 2.0, 2.0),
+                               isolates="segment weights: retrieved evidence weighs as the "
+                                        "recent tokens (ω = 1, 2, 2)"),
     "pask+ada": Variant("ext", layouts=("A4",), values="int4", plan="pask",
                         isolates="key format under PASK: L items angle-coded, not INT4"),
 }
