@@ -665,7 +665,8 @@ def test_the_frontier_plan_sizes_its_cells_for_an_8_minute_call(monkeypatch):
                  "sphkv-shared": ("sphkv-shared", (0.35, 0.15), None),
                  "sphkv-compact": ("sphkv-compact", (0.35, 0.25, 0.15), None),
                  "sphkv-flat": ("sphkv-flat", (0.35, 0.15), None),
-                 "sphkv-recent4": ("sphkv-recent4", (0.35, 0.15), None)}
+                 "sphkv-recent4": ("sphkv-recent4", (0.35, 0.15), None),
+                 "sphkv-retrieved": ("sphkv-retrieved", (0.35, 0.15), None)}
   cs = C.cells(plan)
   assert len({c.key for c in cs}) == len(cs)
   per: dict[str, set] = {}
