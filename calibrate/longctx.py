@@ -359,13 +359,12 @@ class NeedleSuite:
   def prepare(self, cases, prompt_labels: bool):
     """Prompts with the document (every haystack line and needle) marked as retrieved
     evidence (``Prompt.retrieved``: §2.4's retrieved segment)."""
-    from pask_jax.prompt import Prompt, encode, mark
+    from pask_jax.prompt import Prompt, mark
     out = []
     for c in cases:
       text = self._render(c, self.haystack(c))
       a = text.index(DOC_OPEN) + len(DOC_OPEN)
-      ids, retrieved = mark(self.tok, text, [(a, text.index(DOC_CLOSE, a))])
-      tags = encode(self.tok, text, True)[1] if prompt_labels else None
+      ids, tags, retrieved = mark(self.tok, text, [(a, text.index(DOC_CLOSE, a))], prompt_labels)
       c.text = text
       out.append(Prompt(text, ids, tags, None, case=c, retrieved=retrieved))
     return out

@@ -550,8 +550,9 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
       raise CapacityError(
           f"prompt {i} has {len(p)} tokens; with max_tokens={sampling.max_tokens} it needs "
           f"{len(p) + sampling.max_tokens} > capacity {runner.capacity}")
-  if (prompt_segments is not None and any(s is not None for s in prompt_segments)
-      and not getattr(runner, "reads_segments", False)):
+  if prompt_segments is not None and all(s is None for s in prompt_segments):
+    prompt_segments = None   # nothing marked: every runner's begin as before
+  if prompt_segments is not None and not getattr(runner, "reads_segments", False):
     raise ValueError(f"prompt_segments given, but {type(runner).__name__} does not read "
                      "segments (only Spherical KV's runner prices retrieved evidence)")
   if trackers is None:
@@ -582,10 +583,8 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
 
   t0 = time.perf_counter()
   tokens, lengths = pad_prompts(prompts, B, runner.capacity)
-  if prompt_segments is None or all(s is None for s in prompt_segments):
-    logits, state = runner.begin(tokens, lengths, prompt_tags)
-  else:
-    logits, state = runner.begin(tokens, lengths, prompt_tags, segments=prompt_segments)
+  segments = {} if prompt_segments is None else {"segments": prompt_segments}
+  logits, state = runner.begin(tokens, lengths, prompt_tags, **segments)
   active = [True] * n + [False] * (B - n)
   fill(active)
   key, sub = jax.random.split(key)

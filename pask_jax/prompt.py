@@ -131,18 +131,22 @@ def takes_tools(tokenizer, template: str | None = None) -> bool:
   return "tools" in (template or tokenizer.chat_template or "")
 
 
-def mark(tokenizer, text: str, spans: Sequence[tuple[int, int]]) -> tuple[list[int], np.ndarray]:
-  """``(ids, marks)``: ``ids == tokenizer.encode(text)``, ``marks`` bool[len(ids)] True on each
+def mark(tokenizer, text: str, spans: Sequence[tuple[int, int]], labels: bool = False
+         ) -> tuple[list[int], Any, np.ndarray]:
+  """``(ids, tags, marks)`` from one tokenization: ``ids == tokenizer.encode(text)``, ``tags``
+  as :func:`encode` gives them (None unless ``labels``), ``marks`` bool[len(ids)] True on each
   token whose characters overlap one of ``spans`` (``[start, end)`` character ranges of
   ``text``: a workload's retrieved evidence)."""
-  from pask_jax.grammar.prompt_spans import encode as encode_offsets
-  ids, offsets = encode_offsets(tokenizer, text)
+  from pask_jax.grammar import prompt_spans
+  ids, offsets = prompt_spans.encode(tokenizer, text)
+  off = np.asarray(offsets, np.int64).reshape(-1, 2)
   marks = np.zeros(len(ids), bool)
   for a, b in spans:
     if not 0 <= a <= b <= len(text):
       raise ValueError(f"span [{a}, {b}) is outside the text of {len(text)} characters")
-    marks |= np.array([s < b and e > a for s, e in offsets], bool).reshape(-1)
-  return list(ids), marks
+    marks |= (off[:, 0] < b) & (off[:, 1] > a)
+  tags = prompt_spans.labels(text, offsets) if labels else None
+  return list(ids), tags, marks
 
 
 def encode(tokenizer, text: str, labels: bool = False) -> tuple[list[int], Any]:

@@ -148,6 +148,10 @@ def test_w2_cells_needles_and_exact_match(tok):
     doc = tok.decode([p.ids[i] for i in on])
     assert all(n in doc for n in c.needles) and "Question" not in doc
     assert "Read the document" not in doc and "<document>" not in doc
+  from pask_jax.prompt import encode   # with labels: the same ids and marks, encode's tags
+  lab = s.prepare(cs[:1], True)[0]
+  assert lab.ids == ps[0].ids and np.array_equal(lab.retrieved, ps[0].retrieved)
+  np.testing.assert_array_equal(lab.tags, encode(tok, lab.text, True)[1])
   late = next(c for c in hop1 if c.position == "late")
   early = next(c for c in hop1 if c.position == "early")
   depth = lambda c: c.text.index(c.needles[0]) / len(c.text)

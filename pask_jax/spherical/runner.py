@@ -148,7 +148,6 @@ class SphRunner:
   runners of one model may share (one compile); configured here as SnapKV with ``obs``."""
   reads_segments = True   # begin(..., segments=): retrieved evidence priced by ω (decode.generate)
 
-
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
                window: int = P.DEFAULT_WINDOW, sink: int = P.DEFAULT_SINK, page: int = 16,
                n_groups: int = 3, tiers=None, mu=None, obs: int = 32, kappa_drop: float = 1.0,
