@@ -84,6 +84,13 @@ def resolve(policy: FrozenPolicy, tag_ids: jax.Array):
   return res_a0, res_fl, res_pr, crit, unique
 
 
+def _unroll(G: int) -> bool | int:
+  """Unroll Alg. 2's 2·G-step loops when G is small (every model here: 3 groups): a rolled loop
+  is a ``while`` thunk on the GPU, launched step by step from the host outside the step's CUDA
+  graphs (issue 24); unrolled, its few ops fuse into the step's straight-line kernels."""
+  return True if 2 * G <= 16 else 4
+
+
 def _demote(a, floor, prio, cost, budget):
   """Alg. 2 Demote over one token's groups.  a, floor: int32[G]; prio f32[G, 2]; cost f32[3, G]."""
   G = a.shape[0]
@@ -101,7 +108,7 @@ def _demote(a, floor, prio, cost, budget):
     do = (m > budget) & jnp.any(elig)
     return a.at[best].add(jnp.where(do, -1, 0))
 
-  return jax.lax.fori_loop(0, 2 * G, body, a)
+  return jax.lax.fori_loop(0, 2 * G, body, a, unroll=_unroll(G))
 
 
 def _promote(a, prio, cost, budget):
@@ -122,7 +129,7 @@ def _promote(a, prio, cost, budget):
     do = can & fits
     return a.at[best].add(jnp.where(do, 1, 0)), stopped | (can & ~fits) | ~jnp.any(elig)
 
-  a, _ = jax.lax.fori_loop(0, 2 * G, body, (a, jnp.bool_(False)))
+  a, _ = jax.lax.fori_loop(0, 2 * G, body, (a, jnp.bool_(False)), unroll=_unroll(G))
   return a
 
 

@@ -290,3 +290,13 @@ def test_prefill_plan_candidates_padding_budget():
     floors = sum(cost[np.asarray(C.resolve(pol, cands[b, t])[1]), np.arange(3)].sum()
                  for t in range(n))
     assert used <= max(0.6 * n * 768, floors) + 1e-3
+
+
+def test_control_batch_has_no_loop(hand):
+  """Alg. 2's 2·G-step loops are unrolled: a rolled loop is a `while` thunk that the GPU runtime
+  steps from the host outside the decode step's CUDA graphs (issue 24)."""
+  B = 4
+  text = jax.jit(C.control_batch).lower(
+      hand, jnp.broadcast_to(T.candidates(CRIT), (B, T.N_CAND)), jnp.full((B,), -1, jnp.int32),
+      jnp.full((B,), 300.0, jnp.float32)).as_text()
+  assert "while" not in text
