@@ -9,15 +9,23 @@ compiles the whole jitted step (``PaskRunner.decode_step``, the unrolled layer l
 
   python bench/count_step_kernels.py --shape qwen2.5-0.5b --knobs '{"merge": "sets"}'
 
-Prints one JSON line: thunks per step and per layer, by op and by fusion name.
+Prints one JSON line: thunks per step and per layer, by op and by fusion name; and
+``host_launches``: the top-level thunks of XLA's thunk sequence after its thunk passes (from an
+XLA dump of the step), which is what the host launches one by one per step — a
+``kCommandBuffer`` is one CUDA-graph launch of the kernels it captured, a ``kWhile`` steps its
+body from the host, a ``kCustomCall`` (a Mosaic GPU kernel on jax 0.10) is launched on its own and
+splits the graphs around it.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import json
 import os
 import re
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -59,6 +67,23 @@ def count(hlo: str) -> dict:
           "by_name": dict(names.most_common())}
 
 
+_TOP = re.compile(r"^\d{3}: (k\w+)", re.M)
+
+
+def host_launches(thunks: str) -> dict:
+  """Top-level thunks of XLA's thunk-sequence dump (``*thunk_sequence_after_thunk_passes.txt``),
+  by kind: what the host launches per step (nested thunks, indented, run inside their parent)."""
+  return dict(collections.Counter(_TOP.findall(thunks)).most_common())
+
+
+def _dumped_launches(dump: str) -> dict | None:
+  got = sorted(glob.glob(os.path.join(dump, "*decode_fn*thunk_sequence_after_thunk_passes.txt")))
+  if not got:
+    return None
+  with open(got[-1]) as f:
+    return host_launches(f.read())
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -68,6 +93,11 @@ def main(argv=None) -> int:
   ap.add_argument("--knobs", default='{"int4_kernel": "mosaic"}',
                   help="JSON kernel knobs (pallas_kernels.decode_attention)")
   a = ap.parse_args(argv)
+  # XLA reads its flags at the first compile: the step's thunk sequence is dumped for
+  # host_launches (set here, not at import, so importing count() changes no flag)
+  dump = tempfile.mkdtemp(prefix="step_thunks_")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_dump_to={dump} --xla_dump_hlo_module_re=decode_fn").strip()
   cfg = ModelConfig(**SHAPES[a.shape])
   pol = P.demo(cfg)
   B, C = a.batch, a.context + 17
@@ -84,6 +114,8 @@ def main(argv=None) -> int:
                             jnp.broadcast_to(jnp.asarray(FREE_TAG), (B, 4)), z - 1,
                             jnp.ones((B,), bool))
   got = count(hlo)
+  got["host_launches"] = _dumped_launches(dump)
+  shutil.rmtree(dump, ignore_errors=True)
   print(json.dumps({"shape": a.shape, "batch": B, "context": a.context, "knobs": a.knobs,
                     "layers": cfg.n_layers, "per_layer": round(got["thunks"] / cfg.n_layers, 2),
                     **got}))
