@@ -410,15 +410,22 @@ def reference_calls(case: Case) -> list[dict]:
 
 
 def score(case: Case, text: str, *, complete: bool = True, fmt: str | None = None) -> dict:
-  """Decode and check one output: {calls, passed, per_call, error}."""
+  """Decode and check one output: {calls, passed, per_call, error, valid}; ``valid``: the
+  output's calls parse and validate against the case's tool schemas
+  (:func:`pask_jax.grammar.call_problem`; what an unconstrained run is also scored by)."""
   if not complete:
-    return {"calls": None, "passed": False, "per_call": 0.0, "error": "incomplete output"}
+    return {"calls": None, "passed": False, "per_call": 0.0, "error": "incomplete output",
+            "valid": False}
+  from pask_jax.grammar import call_problem
+  valid = call_problem(case.tools, text) is None
   try:
     calls = decode(text, fmt)
   except ValueError as e:
-    return {"calls": None, "passed": False, "per_call": 0.0, "error": f"unparseable: {e}"}
+    return {"calls": None, "passed": False, "per_call": 0.0, "error": f"unparseable: {e}",
+            "valid": valid}
   ok, err = check(case, calls)
-  return {"calls": calls, "passed": ok, "per_call": per_call(case, calls), "error": err}
+  return {"calls": calls, "passed": ok, "per_call": per_call(case, calls), "error": err,
+          "valid": valid}
 
 
 def summary(records: Sequence[Record]) -> dict[str, dict]:

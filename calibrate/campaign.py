@@ -143,7 +143,7 @@ POLICY_METHODS = ("pask",) + SV.TAGGED
 # fixed-rate Spherical KV ablations, whose rate is their tier's).
 UNBUDGETED = ("full", "int4") + tuple(n for n, v in SV.VARIANTS.items() if v.plan == "fixed")
 _SPLIT = {"split", "categories", "skip", "cases", "chunk", "ids", "task", "length", "tail",
-          "max_tokens", "batch", "case_seconds", "sampling"}
+          "max_tokens", "batch", "case_seconds", "sampling", "constrained"}
 _SAMPLING = {"temperature", "top_p", "seeds"}
 _MODEL = {"model", "dtype", "key_center"}
 
@@ -187,6 +187,7 @@ class Split:
   batch: int = 64                # most sequences per generation batch (not in the key)
   case_seconds: float = 2.0      # per case, until a cell of this workload ran
   sampling: tuple | None = None  # (temperature, top_p, seeds): one cell per seed; None greedy
+  constrained: bool = True       # bfcl / w3: False decodes without the tool-call grammar
 
   @property
   def workload(self) -> str:
@@ -336,9 +337,15 @@ def load_plan(path: str, results: str | None = None) -> Plan:
                         _get(v, "batch", where, int, batch, ok=pos, rule="a positive integer"),
                         _get(v, "case_seconds", where, float, case_s, ok=lambda x: x >= 0,
                              rule="seconds >= 0"),
-                        _sampling(v, where, wl[0])))
+                        _sampling(v, where, wl[0]), _constrained(v, where, wl[0])))
   if not splits:
     raise PlanError("splits: the plan has no splits (add e.g. [splits.test] split = \"test\")")
+  free = [s for s in splits if not s.constrained]
+  tagged = [m for m in methods if m.method in E.TAGGED]
+  if free and tagged:
+    raise PlanError(f"splits.{free[0].label}.constrained: method {tagged[0].method} (methods."
+                    f"{tagged[0].label}) reads the grammar's parser tags, which an unconstrained "
+                    f"split does not have: give the unconstrained splits a plan of their own")
   long = [s for s in splits if s.task in LC.TASKS]
   if length is not None and not any("length" not in t["splits"][s.label] for s in long):
     raise PlanError("plan.length: no split takes it (only tasks w1, w2, w3 take a length)")
@@ -348,6 +355,17 @@ def load_plan(path: str, results: str | None = None) -> Plan:
   folder = os.path.join(results or RESULTS, name)
   return Plan(name, path, folder, task, seed, batch, max_tokens, case_s, load_s, tuple(models),
               tuple(methods), tuple(splits))
+
+
+def _constrained(v: dict, where: str, task: str) -> bool:
+  """A split entry's ``constrained`` (default true); false only where the task's answers are
+  tool calls under a grammar (bfcl, w3; a registered task's suite says so by ``tool_calls``,
+  checked when its cells run)."""
+  c = _get(v, "constrained", where, bool, True)
+  if not c and task in ("w1", "w2"):
+    raise PlanError(f"{where}.constrained: task {task} has no tool-call grammar to leave out "
+                    f"(bfcl and w3 have)")
+  return c
 
 
 def _sampling(v: dict, where: str, task: str) -> tuple | None:
@@ -745,6 +763,8 @@ def cells(plan: Plan, task: Any = None) -> list[Cell]:
             knobs, policy, settings = resolved[me.label, b, sp.max_tokens]
             material = {**task_m, "model": model_fp, "method": me.method, "budget": b,
                         "settings": settings, "split": E.SPLIT_NAMES[sp.split], "cases": ids}
+            if not sp.constrained:   # constrained cells keep their keys
+              material["constrained"] = False
             for seed in (None,) if sp.sampling is None else sp.sampling[2]:
               m = material if seed is None else {**material, "sampling": {
                   "temperature": sp.sampling[0], "top_p": sp.sampling[1], "seed": seed}}
@@ -841,7 +861,8 @@ def run_cell(session: E.Session, cell: Cell, plan: Plan, *, load_s: float | None
   rc = E.RunConfig(cell.method.method, cell.budget, cell.split.split, cell.split.categories,
                    max_tokens=cell.split.max_tokens, policy=cell.policy, knobs=cell.knobs,
                    temperature=smp.get("temperature", 0.0), top_p=smp.get("top_p", 1.0),
-                   sample_seed=smp.get("seed", 0))
+                   sample_seed=smp.get("seed", 0),
+                   constrained=cell.material.get("constrained", True))
   try:
     started, t0 = _stamp(), clock()
     meta = E.run(session, rc, part, progress=progress,
@@ -1104,12 +1125,19 @@ def sampling_of(r: dict) -> dict | None:
   return (r.get("material") or {}).get("sampling") or r.get("sampling")
 
 
+def constrained_of(r: dict) -> bool:
+  """Whether a run or cell decoded under its tool-call grammar (every run before the option)."""
+  return (r.get("material") or {}).get("constrained", r.get("constrained", True))
+
+
 def _section(r: dict) -> tuple[str, str]:
   """(key, title) of the table a run goes in: one per model and split (and sampling
   temperature / top-p: the seeds of one sampling share a table)."""
   smp = sampling_of(r)
   how = [] if smp is None else [[smp["temperature"], smp["top_p"]]]
   tag = "" if smp is None else f", sampled T={smp['temperature']:g} top-p {smp['top_p']:g}"
+  if not constrained_of(r):
+    how, tag = how + ["unconstrained"], tag + ", unconstrained"
   if "material" in r:
     m = r["material"]
     key = canonical([m["model"], m["task"], m["split"], *how])

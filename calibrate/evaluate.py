@@ -73,6 +73,7 @@ class BFCLSuite:
   cases an evaluation runs, their prepared prompts and their scores.  (The calibration oracle
   over prepared requests is :class:`calibrate.tasks.BFCLTask`.)"""
   name = "bfcl"
+  tool_calls = True   # answers are tool calls under a grammar: may also run unconstrained
 
   def __init__(self, tokenizer, arch: str, compiler, seed: int = 0):
     from calibrate import bfcl
@@ -172,6 +173,7 @@ class RunConfig:
   temperature: float = 0.0           # > 0: nucleus sampling (G5's seeded disagreement); 0 greedy
   top_p: float = 1.0
   sample_seed: int = 0               # the sampling key's seed (rows share a key per step)
+  constrained: bool = True           # False: tool-call tasks decode without their grammar
 
 
 _VARIANT = re.compile(r"B(\d+(?:\.\d+)?)")
@@ -265,6 +267,13 @@ def check_config(rc: RunConfig) -> None:
     raise ValueError(f"temperature must be >= 0 (0: greedy), got {rc.temperature}")
   if not 0 < rc.top_p <= 1:
     raise ValueError(f"top_p must be in (0, 1], got {rc.top_p}")
+  if not rc.constrained and rc.method in TAGGED:
+    raise ValueError(f"--method {rc.method} reads the grammar's parser tags, which an "
+                     f"unconstrained run does not have: run it constrained")
+
+
+# Methods that read the parser's structural tags (and so need the grammar's parser).
+TAGGED = ("pask", "triaxial") + SV.TAGGED
 
 
 def merged_knobs(knobs: dict | None) -> dict:
@@ -476,8 +485,13 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   if not cases:
     raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
   pask = rc.method in PASK_POLICY
-  tagged = rc.method in ("pask", "triaxial") + SV.TAGGED   # methods that read the parser's tags
+  tagged = rc.method in TAGGED   # methods that read the parser's tags
   preps = s.task.prepare(cases, prompt_labels=tagged)
+  if not rc.constrained:
+    if not getattr(s.task, "tool_calls", False):
+      raise ValueError(f"task {s.task.name!r} has no tool-call grammar to leave out: only bfcl "
+                       f"and w3 run unconstrained")
+    preps = [dataclasses.replace(p, grammar=None) for p in preps]
   s.ensure_capacity(preps, rc.max_tokens)
   batch = batch_size(len(preps), s.batch)
   runner, used = _setup(s, rc, preps, batch)
@@ -535,7 +549,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
       rows[i] = {"id": p.case.id, "category": p.case.category, "split": rc.split,
                  "method": rc.method, "budget": rc.budget, "text": r.text, "calls": sc["calls"],
                  "passed": bool(sc["passed"]), "per_call": float(sc["per_call"]),
-                 "error": sc["error"], "finish": r.finish, "prompt_len": r.prompt_len,
+                 "error": sc["error"], "valid": sc.get("valid"), "finish": r.finish,
+                 "prompt_len": r.prompt_len,
                  "gen_len": len(r.tokens), "kv_gen_len": int(n_gen), **b,
                  "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                  "tokens": [int(t) for t in r.tokens]}
@@ -551,6 +566,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   if rc.temperature > 0:
     meta["sampling"] = {"temperature": rc.temperature, "top_p": rc.top_p,
                         "seed": rc.sample_seed}
+  if not rc.constrained:
+    meta["constrained"] = False
   if out:
     write(out, rows, meta)
   return meta
@@ -718,7 +735,9 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
     n_all = sum(r["prompt_len"] + r["kv_gen_len"] for r in v)
     w = sum(r["total_B"] * (r["prompt_len"] + r["kv_gen_len"]) for r in v) / n_all if n_all else \
         float("nan")
+    valid = [r["valid"] for r in v if r.get("valid") is not None]
     out[k] = {"n": len(v), "accuracy": mean("passed"), "per_call": mean("per_call"),
+              "valid": float(np.mean(valid)) if valid else None,
               "prefill_B": mean("prefill_B"), "decode_B": mean("decode_B"),
               "total_B": mean("total_B"), "total_B_weighted": w,
               "gen_len": mean("gen_len"), "prompt_len": mean("prompt_len"), **hbm_means(v)}

@@ -385,6 +385,7 @@ class NeedleSuite:
 class BFCLLongSuite:
   """W3: BFCL simple_python + multiple cases padded with distractor tools to ``length`` tokens."""
   kind = "bfcl"
+  tool_calls = True   # answers are tool calls under a grammar: may also run unconstrained
 
   def __init__(self, tokenizer, arch: str, compiler, *, length: int, seed: int = 0):
     from calibrate import bfcl

@@ -20,7 +20,11 @@ Cases are matched by (category, id); over the matched cases:
   parse to calls, the method's call a different multiset of functions than dense's (another
   tool, or another number of calls) **[ours: §4 names derailment without defining it; a
   grammar-constrained call cannot leave the tool format, so derailment is choosing another
-  course of action than dense did]**.
+  course of action than dense did]**; *invalid* — where the task scores tool calls and the rows
+  say (``valid``, written since schema validity was added), an output whose calls do not parse
+  and validate against the case's tool schemas (:func:`pask_jax.grammar.call_problem`): §4's
+  schema validity, which an unconstrained run (``pask-jax eval --unconstrained``, a campaign
+  split's ``constrained = false``) measures; under the grammar only a cut-off output is invalid.
 
 Runs that sample (``pask-jax eval --temperature``, a campaign split's ``sampling``) compare
 each seed's run with Full KV's run of the same seed (the sampling key is the same, so the two
@@ -83,7 +87,7 @@ def compare(rows: Sequence[dict], dense: Sequence[dict], *, calls: bool) -> dict
   None when no case is shared.  Keys: n, dtok_abs_median, dtok_mean, disagree (fraction),
   diverge_median (tokens; None without token ids or without a differing case), by_tokens
   (every pair compared by token ids), looping, early_stop, malformed and derailed (None when
-  ``calls`` is off)."""
+  ``calls`` is off), invalid (None when ``calls`` is off or a row does not say)."""
   ref = {(d["category"], d["id"]): d for d in dense}
   pairs = [(r, ref[(r["category"], r["id"])]) for r in rows if (r["category"], r["id"]) in ref]
   if not pairs:
@@ -110,7 +114,9 @@ def compare(rows: Sequence[dict], dense: Sequence[dict], *, calls: bool) -> dict
           "malformed": sum(r.get("calls") is None for r, _ in pairs) if calls else None,
           "derailed": sum(_names(r) != _names(d) for r, d in pairs
                           if r.get("calls") is not None and d.get("calls") is not None)
-          if calls else None}
+          if calls else None,
+          "invalid": sum(not r["valid"] for r, _ in pairs)
+          if calls and all(r.get("valid") is not None for r, _ in pairs) else None}
 
 
 def _names(row: dict) -> list[str]:
@@ -138,9 +144,9 @@ def seed_disagreement(runs: Sequence[Sequence[dict]]) -> dict | None:
 
 
 FIELDS = ("n", "dtok_abs_median", "dtok_mean", "disagree", "diverge_median", "looping",
-          "early_stop", "malformed", "derailed")
+          "early_stop", "malformed", "derailed", "invalid")
 HEAD = ("n", "median \\|Δ_tok\\|", "mean Δ_tok", "disagreement", "median first divergence",
-        "looping", "early stop", "malformed", "derailed")
+        "looping", "early stop", "malformed", "derailed", "invalid")
 
 
 def cells(s: dict | None) -> list[str]:
@@ -154,7 +160,8 @@ def cells(s: dict | None) -> list[str]:
           "–" if div is None or (isinstance(div, float) and math.isnan(div)) else f"{div:g}",
           str(s["looping"]), str(s["early_stop"]),
           "–" if s["malformed"] is None else str(s["malformed"]),
-          "–" if s.get("derailed") is None else str(s["derailed"])]
+          "–" if s.get("derailed") is None else str(s["derailed"]),
+          "–" if s.get("invalid") is None else str(s["invalid"])]
 
 
 __all__ = ["EARLY", "FIELDS", "HEAD", "LOOP_CHARS", "LOOP_PERIOD", "LOOP_REPEATS", "cells",

@@ -173,11 +173,15 @@ def cmd_eval(args) -> int:
                    tuple(args.categories) if args.categories else None, args.max_cases,
                    args.max_tokens, args.policy,
                    E.read_knobs(args.knobs) if args.knobs else None, args.skip_cases,
-                   args.temperature, args.top_p, args.sample_seed)
+                   args.temperature, args.top_p, args.sample_seed,
+                   constrained=not args.unconstrained)
   try:
     E.check_config(rc)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  if args.unconstrained and args.task not in ("bfcl", "w3"):
+    raise SystemExit(f"error: --unconstrained leaves out a tool-call grammar: only --task bfcl "
+                     f"and w3 have one (got --task {args.task})")
   if args.task == "w1" and args.temperature > 0:
     raise SystemExit("error: --task w1 feeds the document's own tokens (teacher forcing) and "
                      "samples nothing: leave --temperature at 0")
@@ -198,8 +202,9 @@ def cmd_eval(args) -> int:
       print(f"{k:>18}: n={d['n']:4d} nll={d['nll']:.4f} ppl={d['ppl']:.3f} B prefill/decode/"
             f"total={d['prefill_B']:.3f}/{d['decode_B']:.3f}/{d['total_B']:.3f}")
       continue
+    valid = "" if d.get("valid") is None else f" schema-valid={100 * d['valid']:6.2f}%"
     print(f"{k:>18}: n={d['n']:4d} acc={100 * d['accuracy']:6.2f}% per-call="
-          f"{100 * d['per_call']:6.2f}% B prefill/decode/total={d['prefill_B']:.3f}/"
+          f"{100 * d['per_call']:6.2f}%{valid} B prefill/decode/total={d['prefill_B']:.3f}/"
           f"{d['decode_B']:.3f}/{d['total_B']:.3f}")
   print(f"wrote {args.out}/cases.jsonl, summary.csv, summary.json ({meta['wall_s']:.1f} s)",
         file=sys.stderr)
@@ -565,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
                  help="> 0: nucleus sampling with --top-p and --sample-seed (default 0: greedy)")
   e.add_argument("--top-p", type=float, default=1.0)
   e.add_argument("--sample-seed", type=int, default=0)
+  e.add_argument("--unconstrained", action="store_true",
+                 help="bfcl / w3: decode without the tool-call grammar (the answer is still "
+                      "scored by the checker, and each row says whether its calls parse and "
+                      "validate against the tool schemas: 'valid'); not for methods that read "
+                      "the parser's tags (pask, triaxial, pask+ada)")
   e.add_argument("--batch", type=int, default=64,
                  help="most sequences per generation batch (fewer cases: fewer rows, no padding)")
   e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")

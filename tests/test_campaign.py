@@ -7,6 +7,7 @@ the sizes of the Spherical KV frontier plan.  (W1/W2 plans end to end: tests/tes
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -364,6 +365,35 @@ def test_sampled_split_makes_a_cell_per_seed_and_runs_it_sampled(env, task, monk
   assert "**Seed disagreement**" in md and "| full | – | 2 | 3 |" in md
 
 
+def test_unconstrained_split_runs_without_the_grammar(env, task, monkeypatch):
+  """``constrained = false`` on a split: its cells carry it in their key (constrained keys as
+  before) and run without the tool-call grammar; methods reading the parser's tags and the
+  free-text workloads are refused in one line."""
+  one = PLAN.replace("budgets = [0.5, 0.4]", "budgets = [0.5]")
+  held = C.cells(C.load_plan(write_plan(env, one), str(env / "r")), task)
+  text = one.replace("cases = 1\n", "cases = 1\nconstrained = false\n")
+  plan = C.load_plan(write_plan(env, text, name="u.toml"), str(env / "results"))
+  free = C.cells(plan, task)
+  assert all(c.material["constrained"] is False for c in free)
+  assert {c.key for c in free}.isdisjoint(c.key for c in held)
+  assert all("constrained" not in c.material for c in held)
+  monkeypatch.setattr(EnumEval, "tool_calls", True, raising=False)
+  calls = counting_run(monkeypatch)
+  C.run(plan, task=task, log=lambda s: None)
+  assert sorted((rc.method, rc.constrained) for rc in calls) == [("full", False), ("h2o", False)]
+  doc = read_json(os.path.join(free[0].dir, "cell.json"))
+  assert doc["constrained"] is False
+  for bad, why in [
+      (text.replace("[methods.full]", "[methods.pask]\npolicy = \"demo\"\nbudgets = [0.5]"),
+       "splits.test.constrained: method pask (methods.pask) reads the grammar's parser tags"),
+      (text.replace('split = "test"', 'split = "test"\ntask = "w2"\nlength = 128'),
+       "splits.test.constrained: task w2 has no tool-call grammar to leave out"),
+      (PLAN.replace("cases = 1", "cases = 1\nconstrained = 0"),
+       "splits.test.constrained: expected bool")]:
+    with pytest.raises(C.PlanError, match=re.escape(why)):
+      C.load_plan(write_plan(env, bad, name="bad.toml"), str(env / "results"))
+
+
 def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
   cases = [
       (PLAN.replace("cases = 1", "cases = 1\nsampling = {{ top_p = 0.9 }}"),
@@ -495,7 +525,13 @@ def test_stability_metrics_are_exact():
   assert ST.compare(METHOD, DENSE, calls=True) == {
       "n": 4, "dtok_abs_median": pytest.approx(0.1), "dtok_mean": pytest.approx(-7 / 60),
       "disagree": 0.75, "diverge_median": 1.0, "by_tokens": True, "looping": 1,
-      "early_stop": 1, "malformed": 1, "derailed": 0}
+      "early_stop": 1, "malformed": 1, "derailed": 0, "invalid": None}   # rows without 'valid'
+  # schema validity (rows since the field): invalid counts the method's rows that say False
+  vm = [{**r, "valid": r["calls"] is not None and r["id"] != "c3"} for r in METHOD]
+  vd = [{**r, "valid": True} for r in DENSE]
+  assert ST.compare(vm, vd, calls=True)["invalid"] == 2
+  assert ST.compare(vm, vd, calls=False)["invalid"] is None
+  assert ST.compare(vm[:1] + METHOD[1:], vd, calls=True)["invalid"] is None   # a row without
   other = [{**r, "calls": [{"g": {}}, {"f": {}}]} if r["id"] == "c3" else r for r in METHOD]
   assert ST.compare(other, DENSE, calls=True)["derailed"] == 1   # another course than dense's
   assert ST.compare(other, DENSE, calls=False)["derailed"] is None
@@ -518,13 +554,15 @@ def test_stability_metrics_are_exact():
     ST.periodic_tail("abc", 0)
 
 
-def hand_cell(root, method, budget, rows, task, sampling=None):
+def hand_cell(root, method, budget, rows, task, sampling=None, constrained=True):
   material = {"task": task, "seed": 0, "model": {"sha256": "0" * 64, "dtype": "auto",
                                                   "key_center": True},
               "method": method, "budget": budget, "settings": {"max_tokens": 16},
               "split": "test", "cases": sorted(f"{r['category']}/{r['id']}" for r in rows)}
   if sampling is not None:
     material["sampling"] = sampling
+  if not constrained:
+    material["constrained"] = False
   key = C.cell_key(material)
   (root / key).mkdir(parents=True)
   (root / key / "cell.json").write_text(json.dumps({
@@ -560,12 +598,29 @@ def test_report_writes_stability_tables_from_stored_cells(tmp_path):
   assert "| spherical | 0.35 | 0.300 / 0.300 / 0.300 | 80.00 ± 17.89 | 80.00 | 5 |" in w2
   csv_ = (tmp_path / "rep" / "02-m_auto_w3_L64_test" / "stability.csv").read_text().splitlines()
   assert csv_[0] == "method,budget,n,dtok_abs_median,dtok_mean,disagree,diverge_median,looping," \
-      "early_stop,malformed,derailed" and len(csv_) == 4
+      "early_stop,malformed,derailed,invalid" and len(csv_) == 4
   assert all(os.path.getsize(f) > 1000 for f in files if f.endswith(".png"))
   only = C.report([str(root / next(p.name for p in root.iterdir()
                                    if "spherical" in (p / "cell.json").read_text()))],
                   str(tmp_path / "one"), log=lambda s: None)[0]
   assert "no Full-KV run (method full) in this table" in only
+
+
+def test_unconstrained_cells_get_their_own_table_with_schema_validity(tmp_path):
+  """Cells decoded without the grammar (``constrained = false``) form their own table (their
+  Full KV is the unconstrained one), whose stability counts the schema-invalid outputs."""
+  root = tmp_path / "cells"
+  valid = lambda rows, bad=(): [{**r, "valid": r["id"] not in bad} for r in rows]
+  hand_cell(root, "full", 1.0, valid(DENSE), "w3:L64")
+  hand_cell(root, "full", 1.0, valid(DENSE, {"c1"}), "w3:L64", constrained=False)
+  hand_cell(root, "spherical", 0.35, valid(METHOD, {"c1", "c2", "c3"}), "w3:L64",
+            constrained=False)
+  md, _ = C.report([str(root)], str(tmp_path / "rep"), log=lambda s: None)
+  greedy, free = sorted(md.split("## ")[1:], key=lambda t: "unconstrained" in t)
+  assert free.startswith("m (auto), w3:L64 test, unconstrained") and "spherical" in free
+  assert "spherical" not in greedy
+  assert "| full | – | 4 | 0.0% | +0.0% | 0.0% | – | 0 | 0 | 0 | 0 | 1 |" in free
+  assert "| spherical | 0.35 | 4 | 10.0% | -11.7% | 75.0% | 1 | 1 | 1 | 1 | 0 | 3 |" in free
 
 
 def test_seed_disagreement_is_exact():

@@ -826,3 +826,47 @@ def test_pask_ada_runs_pask_s_controller_with_l_at_the_tier(session, sph_runs):
   allow = float(pol.b_d * pol.c_full)
   np.testing.assert_allclose(bal[1], bal0[1] + allow - mine[Act.L].sum(), rtol=1e-5)
   np.testing.assert_allclose(bal[2], bal0[2], rtol=1e-6)        # inactive: no charge
+
+
+class ToolTask(EnumTask):
+  """EnumTask as a tool-call task (bfcl, w3): may run unconstrained; scored for schema validity
+  by pask_jax.grammar.call_problem like calibrate.bfcl.score."""
+  name = "enum-tools"
+  tool_calls = True
+
+  def score(self, case, text, complete):
+    from pask_jax.grammar import call_problem
+    valid = complete and call_problem([TOOL], text) is None
+    try:
+      sc = super().score(case, text, complete)
+    except json.JSONDecodeError:
+      sc = {"calls": None, "passed": False, "per_call": 0.0, "error": "unparseable"}
+    return {**sc, "valid": valid}
+
+
+def test_unconstrained_runs_leave_the_grammar_out_and_score_schema_validity(session, tmp_path):
+  """``constrained=False``: the same cases decoded without the tool-call grammar (the random
+  model's free text is no call), each row saying whether it is schema-valid; under the grammar
+  every complete answer is.  Methods that read the parser's tags and tasks without a tool-call
+  grammar are refused in one line."""
+  task = ToolTask(session.tok, session.compiler)
+  s = E.Session(session.m, task, batch=4, compiler=session.compiler)
+  rc = lambda **kw: E.RunConfig("full", 1.0, "test", max_tokens=24, max_cases=1, **kw)
+  free = E.run(s, rc(constrained=False), str(tmp_path / "free"), progress=False)
+  held = E.run(s, rc(), str(tmp_path / "held"), progress=False)
+  fr, hr = rows(tmp_path / "free"), rows(tmp_path / "held")
+  assert free["constrained"] is False and "constrained" not in held
+  assert all(r["valid"] for r in hr if r["finish"] == "stop")
+  assert [r["tokens"] for r in fr] != [r["tokens"] for r in hr]
+  assert all(r["valid"] == (r["finish"] == "stop" and
+                            _problem(r["text"]) is None) for r in fr)
+  assert free["categories"]["overall"]["valid"] == pytest.approx(np.mean([r["valid"] for r in fr]))
+  with pytest.raises(ValueError, match="reads the grammar's parser tags"):
+    E.check_config(E.RunConfig("pask", 0.5, policy="demo", constrained=False))
+  with pytest.raises(ValueError, match="no tool-call grammar to leave out"):
+    E.run(session, rc(constrained=False), None, progress=False)
+
+
+def _problem(text):
+  from pask_jax.grammar import call_problem
+  return call_problem([TOOL], text)

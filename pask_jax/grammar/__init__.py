@@ -12,9 +12,9 @@ from pask_jax.grammar.frontier import Frontier, FrontierError, StateVocab
 from pask_jax.grammar.prompt_spans import char_labels, label_prompt
 from pask_jax.grammar.schema_check import SchemaError
 from pask_jax.grammar.schema_check import prepare as prepare_schema
-from pask_jax.grammar.toolcall import split_calls
+from pask_jax.grammar.toolcall import call_problem, split_calls
 from pask_jax.grammar.sql import SQLAdapter, schema_from_ddl, sql_grammar
 
 __all__ += ["FCAdapter", "Frontier", "FrontierError", "StateVocab", "char_labels", "label_prompt",
             "SQLAdapter", "schema_from_ddl", "sql_grammar", "SchemaError", "prepare_schema",
-            "split_calls"]
+            "split_calls", "call_problem"]

@@ -26,6 +26,7 @@ strings admit no value and are dropped) and refuses 3 (the same flaw on a requir
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -185,11 +186,10 @@ _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S)
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def parse_calls(text: str, fmt: str | None = None) -> list[dict[str, Any]]:
-  """Calls written in any of :data:`FORMATS` (lenient: the constrained output is a subset).
-
-  Returns ``[{"name": str, "arguments": dict}, ...]``; raises ValueError if nothing parses.
-  """
+def _call_objects(text: str) -> list[Any]:
+  """The JSON values an answer's call blocks hold, flattened (a block may hold a list): the
+  ``<tool_call>`` blocks, else the fenced blocks, else the whole text as JSON.  Raises ValueError
+  when none parses."""
   blobs: list[Any] = []
   for rx in (_TAG, _FENCE):
     for m in rx.finditer(text):
@@ -204,15 +204,64 @@ def parse_calls(text: str, fmt: str | None = None) -> list[dict[str, Any]]:
       blobs.append(json.loads(text.strip()))
     except json.JSONDecodeError:
       raise ValueError(f"no tool call could be parsed from {text[:200]!r}") from None
+  return [c for b in blobs for c in (b if isinstance(b, list) else [b])]
+
+
+def parse_calls(text: str, fmt: str | None = None) -> list[dict[str, Any]]:
+  """Calls written in any of :data:`FORMATS` (lenient: the constrained output is a subset).
+
+  Returns ``[{"name": str, "arguments": dict}, ...]``; raises ValueError if nothing parses.
+  """
   calls = []
-  for b in blobs:
-    for c in (b if isinstance(b, list) else [b]):
-      if isinstance(c, dict) and isinstance(c.get("name"), str):
-        args = c.get("arguments", c.get("parameters", {}))
-        calls.append({"name": c["name"], "arguments": args if isinstance(args, dict) else {}})
+  for c in _call_objects(text):
+    if isinstance(c, dict) and isinstance(c.get("name"), str):
+      args = c.get("arguments", c.get("parameters", {}))
+      calls.append({"name": c["name"], "arguments": args if isinstance(args, dict) else {}})
   if not calls:
     raise ValueError(f"no tool call could be parsed from {text[:200]!r}")
   return calls
+
+
+@functools.lru_cache(maxsize=512)
+def _validator(schema_json: str):
+  import jsonschema
+  schema = json.loads(schema_json)
+  return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(
+      schema)
+
+
+def call_problem(tools: list[dict], text: str) -> str | None:
+  """Why ``text`` is not a schema-valid tool-call answer for ``tools`` (OpenAI-style or bare
+  function dicts), or None when it is: its call blocks (as :func:`parse_calls` finds them) hold at
+  least one call, and every call is an object naming one of the tools with an ``arguments`` (or
+  ``parameters``) object that validates against the tool's ``parameters`` JSON schema as given
+  (``jsonschema``; no rewriting).  What an unconstrained run is scored by beside the checker
+  (docs/SPHERICAL_KV.md §4, schema validity); a grammar-constrained answer that was not cut off
+  always passes."""
+  try:
+    objs = _call_objects(text)
+  except ValueError:
+    return "no call block parses as JSON"
+  if not objs:
+    return "no call"
+  params = {}
+  for t in tools:
+    f = t.get("function", t)
+    params[f["name"]] = f.get("parameters") or {"type": "object", "properties": {}}
+  for i, c in enumerate(objs):
+    if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+      return f"call {i}: not an object with a string 'name'"
+    if c["name"] not in params:
+      return f"call {i}: unknown tool {c['name']!r}"
+    args = c.get("arguments", c.get("parameters"))
+    if not isinstance(args, dict):
+      return f"call {i} ({c['name']}): arguments are not an object"
+    err = next(iter(_validator(json.dumps(params[c["name"]], sort_keys=True)).iter_errors(args)),
+               None)
+    if err is not None:
+      loc = "".join(f"/{p}" for p in err.absolute_path)
+      return f"call {i} ({c['name']}): arguments#{loc}: {err.message[:200]}"
+  return None
 
 
 def split_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
