@@ -245,17 +245,17 @@ def test_step_host_launches_count_top_level_thunks_only():
   """bench/count_step_kernels.host_launches: the top-level thunks of XLA's thunk-sequence dump
   (what the host launches per step); thunks nested in a command buffer or a while body are not."""
   from bench.count_step_kernels import host_launches
-  seq = """000: kCommandBuffer [source       | next=009 (1)] 
+  seq = """000: kCommandBuffer [source       | next=009 (1)]
     001: kCopy         [source       | next=007 (6)] kCopy
     002: kCustomKernel [source       | next=003 (1)] input_reduce_fusion_2 grid: [1, 1, 1]
-009: kWhile         [prev=000 (1) | next=015 (1)]   
+009: kWhile         [prev=000 (1) | next=015 (1)]
 condition:
     010: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
   body:
-    000: kCommandBuffer [source | sink] 
+    000: kCommandBuffer [source | sink]
         020: kCustomKernel [source       | next=021 (1)] loop_and_fusion grid: [1, 1, 1]
 015: kCustomCall    [prev=009 (1) | next=000 (1)] kCustomCall
-000: kCommandBuffer [prev=015 (1) | sink] 
+000: kCommandBuffer [prev=015 (1) | sink]
     016: kCustomKernel [source       | sink] wrapped_iota grid: [1, 1, 1]
 """
   assert host_launches(seq) == {"kCommandBuffer": 2, "kWhile": 1, "kCustomCall": 1}
