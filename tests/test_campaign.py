@@ -734,6 +734,21 @@ def test_the_frontier_plan_sizes_its_cells_for_an_8_minute_call(monkeypatch):
   assert max(est.seconds(c, loaded=False) for c in cs) <= 8 * 60
 
 
+def test_the_schema_plan_is_the_frontier_w3_slice_unconstrained(monkeypatch):
+  """examples/campaign_sph_schema.toml: the frontier plan's first W3 8K slice (the same cases),
+  decoded without the grammar, by methods that do not read the parser's tags."""
+  monkeypatch.setattr(C, "model_path", lambda m: "/weights")
+  monkeypatch.setattr(C, "fingerprint", lambda p: "0" * 64)
+  ex = os.path.join(os.path.dirname(__file__), "..", "examples")
+  free = C.cells(C.load_plan(os.path.join(ex, "campaign_sph_schema.toml"), "/nonexistent"))
+  front = C.cells(C.load_plan(os.path.join(ex, "campaign_sph_frontier.toml"), "/nonexistent"))
+  w3 = lambda cs: {c.material["task"]: sorted(c.material["cases"]) for c in cs
+                   if c.split.label == "w3-8k"}
+  assert {c.material["constrained"] for c in free} == {False}
+  assert {c.material["task"]: sorted(c.material["cases"]) for c in free} == w3(front)
+  assert not {c.method.method for c in free} & set(E.TAGGED)
+
+
 def test_committed_cells_still_report_with_stability(tmp_path):
   """Cells committed before token ids were stored (results/campaign/qwen15-bfcl): a Full-KV cell
   and a PASK cell of the same cases load and report, their disagreement compared by text."""
