@@ -362,9 +362,9 @@ def _constrained(v: dict, where: str, task: str) -> bool:
   tool calls under a grammar (bfcl, w3; a registered task's suite says so by ``tool_calls``,
   checked when its cells run)."""
   c = _get(v, "constrained", where, bool, True)
-  if not c and task in ("w1", "w2"):
+  if not c and task in ("w1", "w2", "w3mt"):
     raise PlanError(f"{where}.constrained: task {task} has no tool-call grammar to leave out "
-                    f"(bfcl and w3 have)")
+                    f"(bfcl and w3 have; w3mt's answers are free text or calls already)")
   return c
 
 
@@ -582,7 +582,7 @@ def check_task_data(plan: "Plan") -> None:
   (bfcl, w3) and the pinned W1/W2 corpus."""
   from calibrate import bfcl
   names = task_names(plan)
-  if {"bfcl", "w3"} & set(names):
+  if {"bfcl", "w3", "w3mt"} & set(names):
     try:
       bfcl.require()
     except bfcl.BFCLMissing as e:
@@ -843,6 +843,8 @@ def _stamp() -> str:
 def _split_rule(task: str, seed: int) -> str:
   if task in ("bfcl", "w3"):
     return f"calibrate.bfcl.assign_splits, seed {seed}"
+  if task == "w3mt":
+    return f"calibrate.multiturn.load (sha256 order, 1:1:3), seed {seed}"
   if task in LC.TASKS:
     return f"calibrate.longctx seeded generators, seed {seed}"
   return task
@@ -1164,6 +1166,9 @@ def quality_note(rs: Sequence[dict]) -> str:
   if task.startswith("w3:"):
     return ("Quality: AST accuracy (BFCL's checker) of the unpadded case, simple_python + "
             "multiple.")
+  if task.startswith("w3mt:"):
+    return ("Quality: multi-turn success (bfcl-eval's multi-turn checker: the API state and "
+            "call results after every turn) of episodes against the simulated APIs.")
   return ""
 
 

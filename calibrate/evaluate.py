@@ -464,6 +464,36 @@ def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | 
   return out
 
 
+def _trackers(s: Session, rc: RunConfig, runner):
+  """The per-prompt tracker factory of a run: the grammar, and for methods that read the
+  parser's tags the tool-call adapter (PASK's with the policy's parser-state vocabulary)."""
+  from pask_jax.tracker import Tracker
+  # A task may tag some answers as free generation (a JSON-schema case of a JSONL task).
+  free = getattr(s.task, "free_text", lambda p: False)
+  if rc.method in PASK_POLICY:
+    from pask_jax import policy as P
+    from pask_jax.grammar.fc_adapter import FCAdapter
+    # parser-state ids of the calibrated reserve Γ
+    vocab = P.state_vocab(runner.policy if rc.method == "pask" else s.load_policy(rc.policy))
+    return lambda p: (Tracker(p.grammar) if free(p) or p.grammar is None else
+                      Tracker(p.grammar, FCAdapter(p.grammar, s.tok, vocab=vocab)))
+  if rc.method in TAGGED:
+    from pask_jax.grammar.fc_adapter import FCAdapter
+    return lambda p: (Tracker(p.grammar) if free(p) or p.grammar is None else
+                      Tracker(p.grammar, FCAdapter(p.grammar, s.tok)))
+  return lambda p: Tracker(p.grammar)
+
+
+def _bar(progress: Any, total: int, desc: str):
+  """``progress`` (True: tqdm; False/None: none; else a factory) -> a bar or None."""
+  if progress is True:
+    import functools
+
+    from tqdm.auto import tqdm
+    progress = functools.partial(tqdm, unit="case")
+  return progress(total=total, desc=desc) if progress else None
+
+
 def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = True,
         cases: list | None = None) -> dict:
   """Evaluate one (method, budget, split); returns the summary dict (and writes ``out``).
@@ -473,9 +503,10 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   False for none, or a factory ``progress(total=, desc=)`` of an object with ``update(n)`` and
   ``close()``."""
   from pask_jax.decode import Sampling, generate
-  from pask_jax.tracker import Tracker
   if getattr(s.task, "kind", None) == "lm":   # W1: teacher-forced NLL, not generation
     return run_lm(s, rc, out, cases=cases)
+  if getattr(s.task, "kind", None) == "episodes":   # W3's multi-turn rollouts
+    return run_episodes(s, rc, out, progress=progress, cases=cases)
   check_config(rc)
   if rc.method in PASK_POLICY:   # the variant for the budget; the label is its own target
     pol, target = pick_policy(rc.policy, rc.budget)
@@ -484,7 +515,6 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
     cases = s.task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
   if not cases:
     raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
-  pask = rc.method in PASK_POLICY
   tagged = rc.method in TAGGED   # methods that read the parser's tags
   preps = s.task.prepare(cases, prompt_labels=tagged)
   if not rc.constrained:
@@ -495,33 +525,12 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   s.ensure_capacity(preps, rc.max_tokens)
   batch = batch_size(len(preps), s.batch)
   runner, used = _setup(s, rc, preps, batch)
-  # A task may tag some answers as free generation (a JSON-schema case of a JSONL task).
-  free = getattr(s.task, "free_text", lambda p: False)
-  if pask:
-    from pask_jax import policy as P
-    from pask_jax.grammar.fc_adapter import FCAdapter
-    # parser-state ids of the calibrated reserve Γ
-    vocab = P.state_vocab(runner.policy if rc.method == "pask" else s.load_policy(rc.policy))
-    tracker = lambda p: (Tracker(p.grammar) if free(p) else
-                         Tracker(p.grammar, FCAdapter(p.grammar, s.tok, vocab=vocab)))
-  elif tagged:
-    from pask_jax.grammar.fc_adapter import FCAdapter
-    tracker = lambda p: (Tracker(p.grammar) if free(p) else
-                         Tracker(p.grammar, FCAdapter(p.grammar, s.tok)))
-  else:
-    tracker = lambda p: Tracker(p.grammar)
+  tracker = _trackers(s, rc, runner)
   sampling = Sampling(max_tokens=rc.max_tokens, temperature=rc.temperature, top_p=rc.top_p,
                       seed=rc.sample_seed)
   order = sorted(range(len(preps)), key=lambda i: len(preps[i].ids))
   rows: list[dict | None] = [None] * len(preps)
-  bar = None
-  if progress is True:
-    import functools
-
-    from tqdm.auto import tqdm
-    progress = functools.partial(tqdm, unit="case")
-  if progress:
-    bar = progress(total=len(preps), desc=f"{rc.method} B={label(rc.budget)} {rc.split}")
+  bar = _bar(progress, len(preps), f"{rc.method} B={label(rc.budget)} {rc.split}")
   stops = set(s.tok.stop_ids)
   segmented = getattr(runner, "reads_segments", False)   # W2's document: ω's retrieved weight
   t0 = time.perf_counter()
@@ -568,6 +577,112 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
                         "seed": rc.sample_seed}
   if not rc.constrained:
     meta["constrained"] = False
+  if out:
+    write(out, rows, meta)
+  return meta
+
+
+# --- W3's multi-turn episodes (calibrate.multiturn) ----------------------------------------------
+
+def run_episodes(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = True,
+                 cases: list | None = None) -> dict:
+  """W3's multi-turn episodes (``s.task.kind == "episodes"``: :class:`calibrate.multiturn.
+  EpisodeSuite`) for one (method, budget): every episode rolls out against its simulated APIs
+  (each answer a generation over the conversation so far, in lockstep batches of the active
+  episodes), then bfcl-eval's multi-turn checker scores it.  A row per episode: ``passed``,
+  ``error``, ``answers`` (generations), ``calls`` (the call strings of every answer, per turn),
+  ``tokens`` (every answer's tokens, in order), ``prompt_len`` (the last conversation's),
+  ``gen_len``, and the measured B as the token-weighted mean over the episode's answers;
+  ``finish`` is "stop" for an episode that ran all its turns, else why it ended ("context
+  full": the conversation outgrew the suite's ``length``)."""
+  from pask_jax.decode import Sampling, generate
+  from pask_jax.prompt import Prompt
+  task = s.task
+  check_config(rc)
+  if not rc.constrained:
+    raise ValueError("multi-turn episodes decode under their tool-call grammar (choice auto: "
+                     "the model may already answer in free text); run them constrained")
+  if rc.method in PASK_POLICY:
+    pol, target = pick_policy(rc.policy, rc.budget)
+    rc = dataclasses.replace(rc, policy=pol, budget=target)
+  if cases is None:
+    cases = task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
+  if not cases:
+    raise ValueError(f"no episodes for split {rc.split!r} and categories {rc.categories}")
+  room = task.length - rc.max_tokens   # the longest conversation an answer may follow
+  if room < 64:
+    raise ValueError(f"length {task.length} leaves no room for a conversation before "
+                     f"{rc.max_tokens} new tokens")
+  tagged = rc.method in TAGGED
+  tag = f"{rc.method}_{label(rc.budget)}_{rc.sample_seed}_{os.getpid()}_{id(cases)}"
+  rolls = [task.rollout(e, f"{tag}_{i}") for i, e in enumerate(cases)]
+  first = [task.prompt(r, tagged) for r in rolls]
+  s.ensure_capacity([Prompt("", [0] * max(room, max(len(p.ids) for p in first)))],
+                    rc.max_tokens)
+  batch = batch_size(len(rolls), s.batch)
+  runner, used = _setup(s, rc, first, batch)
+  tracker = _trackers(s, rc, runner)
+  sampling = Sampling(max_tokens=rc.max_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                      seed=rc.sample_seed)
+  steps: list[list[tuple[dict, int]]] = [[] for _ in rolls]
+  last = [0] * len(rolls)
+  secs = [[0.0, 0.0] for _ in rolls]
+  bar = _bar(progress, len(rolls), f"{rc.method} B={label(rc.budget)} {rc.split} episodes")
+  t0 = time.perf_counter()
+  pending = {i: p for i, p in enumerate(first)}
+  while pending:
+    live = sorted(pending, key=lambda i: len(pending[i].ids))
+    for st in range(0, len(live), batch):
+      idx = live[st:st + batch]
+      ps = [pending[i] for i in idx]
+      res = generate(runner, s.tok, [p.ids for p in ps], trackers=[tracker(p) for p in ps],
+                     prompt_tags=[p.tags for p in ps] if tagged else None, sampling=sampling)
+      for i, r in zip(idx, res):
+        rolls[i].feed(r.text, r.tokens, r.finish)
+        n_gen = r.ledger["n_gen"] if r.ledger else len(r.tokens)
+        steps[i].append((_measured(rc, used, r.prompt_len, len(r.tokens), r.ledger, r.hbm),
+                         r.prompt_len + int(n_gen)))
+        last[i] = r.prompt_len
+        secs[i][0] += r.prefill_s
+        secs[i][1] += r.decode_s
+    pending = {}
+    for i in live:
+      r = rolls[i]
+      if not r.done:
+        p = task.prompt(r, tagged)
+        if len(p.ids) > room:
+          r.stop("context full")
+        else:
+          pending[i] = p
+      if r.done and bar is not None:
+        bar.update(1)
+  if bar is not None:
+    bar.close()
+  rows = []
+  for i, r in enumerate(rolls):
+    sc = r.score()
+    w = sum(n for _, n in steps[i]) or 1
+    b = {k: sum(d[k] * n for d, n in steps[i]) / w
+         for k in ("prefill_B", "decode_B", "total_B")} if steps[i] else \
+        {"prefill_B": float("nan"), "decode_B": float("nan"), "total_B": float("nan")}
+    rows.append({"id": r.ep.id, "category": r.ep.category, "split": rc.split,
+                 "method": rc.method, "budget": rc.budget, "text": "\n".join(r.texts),
+                 "calls": r.decoded, "passed": sc["passed"], "per_call": float(sc["passed"]),
+                 "error": sc["error"], "finish": "stop" if r.stopped == "done" else r.stopped,
+                 "turns": len(r.ep.turns), "turns_run": min(r.turn, len(r.ep.turns)),
+                 "answers": r.answers, "prompt_len": last[i], "gen_len": len(r.tokens),
+                 "kv_gen_len": len(r.tokens), **b, "prefill_s": secs[i][0],
+                 "decode_s": secs[i][1], "tokens": r.tokens})
+  wall = time.perf_counter() - t0
+  summ = summarize(rows)
+  meta = {"method": rc.method, "budget": rc.budget,
+          "measured_B": summ["overall"]["total_B"], "split": rc.split, "model": s.cfg.arch,
+          "model_identity": _ident(s), "task": task.name, "n_cases": len(rows),
+          "max_tokens": rc.max_tokens, "batch": batch, "capacity": s.capacity,
+          "settings": used, "wall_s": wall, "categories": summ}
+  if rc.temperature > 0:
+    meta["sampling"] = {"temperature": rc.temperature, "top_p": rc.top_p,
+                        "seed": rc.sample_seed}
   if out:
     write(out, rows, meta)
   return meta

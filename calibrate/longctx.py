@@ -63,7 +63,7 @@ POSITIONS = {"early": 0.1, "middle": 0.5, "late": 0.9}
 DISTRACTORS = (0, 4, 16)
 HOPS = ("hop1", "hop2")
 W3_CATEGORIES = ("simple_python", "multiple")
-TASKS = ("w1", "w2", "w3")
+TASKS = ("w1", "w2", "w3", "w3mt")
 W1_DOCUMENTS = 64    # documents per split (§4: 64 per length)
 W2_PROMPTS = 300     # prompts per split and hop (§4: 300 per (length, hop) for frontiers)
 _SPLIT_ID = {"cal": 0, "calibration": 0, "dev": 1, "development": 1, "test": 2}
@@ -489,7 +489,7 @@ class BFCLLongSuite:
 
 def name_of(task: str, length: int, tail: int | None = None) -> str:
   """The name a workload's suite (and its summaries, and a campaign cell's key) goes by:
-  ``w1:L<length>:K<tail>``, ``w2:L<length>``, ``w3:L<length>``."""
+  ``w1:L<length>:K<tail>``, ``w2:L<length>``, ``w3:L<length>``, ``w3mt:L<length>``."""
   if task not in TASKS:
     raise ValueError(f"unknown long-context workload {task!r}; choose from {', '.join(TASKS)}")
   return f"{task}:L{length}" + (f":K{tail}" if task == "w1" else "")
@@ -530,12 +530,18 @@ def stubs(task: str, split: str, categories: Sequence[str] | None = None,
     if bad:
       raise ValueError(f"W3 categories are {', '.join(W3_CATEGORIES)}, got {', '.join(bad)}")
     return bfcl.load(cats, split=SPLIT_NAMES[split], seed=seed)
+  if task == "w3mt":
+    from calibrate import multiturn
+    return multiturn.load(tuple(categories) if categories else multiturn.CATEGORIES,
+                          split=split, seed=seed)
   raise ValueError(f"unknown long-context workload {task!r}; choose from {', '.join(TASKS)}")
 
 
 def suite(task: str, loaded, compiler, *, length: int, tail: int = 1024, seed: int = 0,
           check_only: bool = False):
-  """The harness task of workload ``task`` (w1, w2, w3) for a loaded model; ``check_only``:
+  """The harness task of workload ``task`` (w1, w2, w3, w3mt: W3's multi-turn episodes,
+  :mod:`calibrate.multiturn`, ``length`` the context an episode may fill) for a loaded model;
+  ``check_only``:
   only check the arguments (one-line ValueError; no model needed) and return None."""
   if task not in TASKS:
     raise ValueError(f"unknown long-context workload {task!r}; choose from {', '.join(TASKS)}")
@@ -551,6 +557,10 @@ def suite(task: str, loaded, compiler, *, length: int, tail: int = 1024, seed: i
     return NeedleSuite(loaded.tokenizer, length=length, seed=seed)
   if task == "w3":
     return BFCLLongSuite(loaded.tokenizer, loaded.cfg.arch, compiler, length=length, seed=seed)
+  if task == "w3mt":
+    from calibrate import multiturn
+    return multiturn.EpisodeSuite(loaded.tokenizer, loaded.cfg.arch, compiler, length=length,
+                                  seed=seed)
   raise ValueError(f"unknown long-context workload {task!r}; choose from {', '.join(TASKS)}")
 
 

@@ -113,12 +113,12 @@ def _task_cases(args, split: str, skip: int = 0):
   if args.task != "jsonl":
     if args.data is not None:
       raise SystemExit("error: --data applies to --task jsonl")
-    long = args.task in ("w1", "w2", "w3")
+    long = args.task in ("w1", "w2", "w3", "w3mt")
     if not long and (args.length is not None or args.tail is not None):
-      raise SystemExit("error: --length and --tail apply to --task w1, w2, w3")
+      raise SystemExit("error: --length and --tail apply to --task w1, w2, w3, w3mt")
     if args.task == "w1" and args.categories:
       raise SystemExit("error: --task w1 has no categories")
-    if args.task in ("bfcl", "w3"):
+    if args.task in ("bfcl", "w3", "w3mt"):
       from calibrate import bfcl
       bfcl.need()
     if long:
@@ -148,7 +148,7 @@ def _task_cases(args, split: str, skip: int = 0):
 def _session(m, args, cases):
   """The evaluation session of ``eval`` / ``tune``: BFCL, or the JSONL task's cases."""
   from calibrate import evaluate as E
-  if args.task in ("w1", "w2", "w3"):
+  if args.task in ("w1", "w2", "w3", "w3mt"):
     from calibrate import longctx
     from pask_jax.grammar import GrammarCompiler
     gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
@@ -387,15 +387,18 @@ _utilization = _arg(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 def _task_args(p) -> None:
   """--task / --data / --seed, as eval and tune take them."""
-  p.add_argument("--task", choices=["bfcl", "jsonl", "w1", "w2", "w3"], default="bfcl",
+  p.add_argument("--task", choices=["bfcl", "jsonl", "w1", "w2", "w3", "w3mt"], default="bfcl",
                  help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
                       "calibrate --task jsonl reads (split test: every case of the file; cal / "
                       "dev: calibration's 1:1 split of it by --seed); w1 / w2 / w3: the "
                       "long-context workloads of docs/SPHERICAL_KV.md §4 (calibrate/longctx.py: "
                       "LM NLL of the last --tail tokens, needle retrieval EM, BFCL padded with "
-                      "distractor tools), prompts of --length tokens (default: bfcl)")
+                      "distractor tools), prompts of --length tokens; w3mt: W3's multi-turn "
+                      "BFCL episodes against bfcl-eval's simulated APIs (calibrate/multiturn.py; "
+                      "--length: the context an episode may fill) (default: bfcl)")
   p.add_argument("--length", type=_positive, default=None,
-                 help="--task w1/w2/w3: document / prompt length in tokens (default 8192)")
+                 help="--task w1/w2/w3: document / prompt length in tokens; w3mt: the context "
+                      "an episode may fill (default 8192)")
   p.add_argument("--tail", type=_positive, default=None,
                  help="--task w1: tokens scored at the end of each document (default 1024)")
   p.add_argument("--data", default=None, metavar="FILE",

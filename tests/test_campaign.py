@@ -435,7 +435,7 @@ def test_bad_plans_are_one_line_errors_naming_the_key(env, capsys):
       (PLAN.replace('split = "test"', 'split = "test"\ntask = "w2"\nlength = 128\ntail = 8'),
        "splits.test.tail: only task w1 takes a tail"),
       (PLAN.replace('split = "test"', 'split = "test"\nlength = 512'),
-       "splits.test.length: only tasks w1, w2, w3 take a length"),
+       "splits.test.length: only tasks w1, w2, w3, w3mt take a length"),
       (PLAN.replace("seed = 3", "seed = 3\nlength = 512"), "plan.length: no split takes it"),
       (PLAN.replace('split = "test"', 'split = "test"\ntask = "w1"\nlength = 100\ntail = 99'),
        "splits.test.tail: a tail of 99 leaves no prompt in a document of 100 tokens"),

@@ -1,0 +1,180 @@
+"""W3's multi-turn episodes (calibrate/multiturn.py): the splits, rollouts against bfcl-eval's
+simulated APIs scored by its multi-turn checker (the ground truth passes, a wrong call fails),
+and episodes through the harness, the CLI and a campaign plan with a tiny random model."""
+import ast
+import os
+
+import numpy as np
+import pytest
+
+from calibrate import evaluate as E
+from calibrate import longctx as LC
+from calibrate import multiturn as MT
+from models import Loaded, ModelConfig, random_model
+from pask_jax.grammar.toolcall import render_calls
+from pask_jax.testing import stored_tokenizer
+
+pytestmark = pytest.mark.fast_compile
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "qwen_tokenizer.json.gz")
+
+
+def _calls(strings):
+  """BFCL's ground-truth call strings -> {"name", "arguments"}; None for one with positional
+  arguments (our calls are keyword-only JSON objects)."""
+  out = []
+  for s in strings:
+    t = ast.parse(s, mode="eval").body
+    if t.args:
+      return None
+    out.append({"name": t.func.id,
+                "arguments": {k.arg: ast.literal_eval(k.value) for k in t.keywords}})
+  return out
+
+
+def _oracle(ep, fmt="fenced_json", indent=2, takes_calls=True, name="oracle"):
+  """A rollout fed the ground truth: per turn its calls in one answer (as the model writes
+  them), then a text answer; None for an episode whose ground truth has positional calls."""
+  turns = [_calls(t) for t in ep.ground_truth]
+  if any(t is None for t in turns):
+    return None
+  r = MT.Rollout(ep, name, fmt=fmt, indent=indent, takes_calls=takes_calls)
+  for t in turns:
+    if t:
+      r.feed(render_calls(t, fmt, indent), [1, 2], "stop")
+    r.feed("Done.", [3], "stop")
+  return r
+
+
+def test_splits_are_seeded_disjoint_and_one_one_three():
+  every = MT.load(seed=0)
+  parts = {s: MT.load(split=s, seed=0) for s in ("cal", "dev", "test")}
+  for cat in MT.CATEGORIES:
+    n = [sum(e.category == cat for e in parts[s]) for s in ("cal", "dev", "test")]
+    assert n == [40, 40, 120] and sum(e.category == cat for e in every) == 200
+  ids = [{e.id for e in p} for p in parts.values()]
+  assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
+  assert [e.id for e in MT.load(split="test", seed=0)] == [e.id for e in parts["test"]]
+  assert {e.id for e in MT.load(split="test", seed=1)} != ids[2]
+  with pytest.raises(ValueError, match="multi-turn categories are"):
+    MT.load(["multi_turn_miss_func"])
+  with pytest.raises(ValueError, match="unknown split 'train'"):
+    MT.load(split="train")
+
+
+def test_the_ground_truth_passes_and_a_wrong_call_fails():
+  """Rollouts fed the ground truth pass bfcl-eval's checker (the calls executed as our answers
+  carry them, the tool messages in the conversation); a wrong argument fails it; an answer
+  without calls where the ground truth has some fails the turn."""
+  eps = [e for e in MT.load(split="dev") if e.category == "multi_turn_base"][:12]
+  ran = 0
+  for i, ep in enumerate(eps):
+    r = _oracle(ep, takes_calls=i % 2 == 0, name=f"oracle{i}")
+    if r is None:
+      continue
+    assert r.done and r.answers == len(ep.turns) + sum(1 for t in ep.ground_truth if t)
+    tools = [m for m in r.messages if m["role"] == "tool"]
+    assert len(tools) == sum(len(t) for t in ep.ground_truth)
+    assert all("Error during execution" not in m["content"] for m in tools)
+    assert r.score() == {"passed": True, "error": ""}
+    ran += 1
+  assert ran >= 8
+  ep = next(e for e in eps if _oracle(e, name="probe") is not None
+            and any(_calls(t) and any(c["arguments"] for c in _calls(t))
+                    for t in e.ground_truth))
+  r = MT.Rollout(ep, "wrong", fmt="fenced_json", indent=2, takes_calls=True)
+  for t in ep.ground_truth:
+    calls = _calls(t)
+    if calls:
+      calls = [dict(c, arguments={k: (v + "_x" if isinstance(v, str) else v)
+                                  for k, v in c["arguments"].items()}) for c in calls]
+      r.feed(render_calls(calls, "fenced_json", 2), [1], "stop")
+    r.feed("Done.", [3], "stop")
+  assert not r.score()["passed"]
+  quiet = MT.Rollout(ep, "quiet", fmt="fenced_json", indent=2, takes_calls=True)
+  while not quiet.done:
+    quiet.feed("I cannot help with that.", [5], "stop")
+  s = quiet.score()
+  assert not s["passed"] and "empty_turn_model_response" in s["error"]
+  assert quiet.decoded == [[] for _ in ep.turns]
+
+
+def test_a_cut_off_answer_ends_the_turn_and_steps_are_bounded():
+  ep = MT.load(split="test")[0]
+  r = MT.Rollout(ep, "cut", fmt="fenced_json", indent=2, takes_calls=True, max_steps=3)
+  block = render_calls([{"name": "pwd", "arguments": {}}], "fenced_json", 2)
+  r.feed(block, [1], "length")            # cut off: no call runs, the turn ends
+  assert r.turn == 1 and r.decoded[0] == []
+  for _ in range(3):                      # at most max_steps answers with calls per turn
+    r.feed(block, [1], "stop")
+  assert r.turn == 2 and r.decoded[1] == [["pwd()"]] * 3
+  r.score()
+
+
+@pytest.fixture(scope="module")
+def session():
+  tok = stored_tokenizer(DATA)
+  cfg = ModelConfig(arch="qwen2", vocab_size=tok.vocab_size, hidden=32, intermediate=48,
+                    n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, rope_theta=1e6,
+                    tie_embeddings=True)
+  m = Loaded(cfg, random_model(cfg, seed=int(np.random.default_rng().integers(1 << 30))), tok)
+  from pask_jax.grammar import GrammarCompiler
+  gc = GrammarCompiler(tok, cfg.vocab_size)
+  return E.Session(m, LC.suite("w3mt", m, gc, length=4096), batch=2, compiler=gc)
+
+
+def test_episodes_run_in_the_harness(session, tmp_path):
+  """A tiny random model's episodes (one per category): every turn answered, rows with the
+  checker's verdict, the answers' tokens in order and the measured B as the token-weighted mean
+  over the answers; the summary's task names the workload."""
+  meta = E.run(session, E.RunConfig("full", 1.0, "test", max_cases=1, max_tokens=6),
+               str(tmp_path / "full"), progress=False)
+  rows = E.read_cases(str(tmp_path / "full"))
+  assert meta["task"] == "w3mt:L4096" and meta["n_cases"] == 2
+  assert [r["category"] for r in rows] == list(MT.CATEGORIES)
+  for r in rows:
+    assert r["answers"] >= r["turns_run"] and r["turns_run"] == r["turns"] or \
+        r["finish"] == "context full"
+    assert r["gen_len"] == len(r["tokens"]) and 0 < r["gen_len"] <= 6 * r["answers"]
+    assert r["total_B"] == pytest.approx(1.0) and isinstance(r["passed"], bool)
+    assert len(r["calls"]) == r["turns"]
+  assert meta["categories"]["overall"]["accuracy"] == np.mean([r["passed"] for r in rows])
+  with pytest.raises(ValueError, match="decode under their tool-call grammar"):
+    E.run(session, E.RunConfig("full", 1.0, "test", max_cases=1, constrained=False), None,
+          progress=False)
+
+
+def test_stubs_and_names():
+  assert LC.name_of("w3mt", 16384) == "w3mt:L16384"
+  got = LC.stubs("w3mt", "dev", ["multi_turn_base"], seed=0)
+  assert [e.id for e in got] == [e.id for e in MT.load(["multi_turn_base"], split="dev")]
+
+
+def test_a_campaign_plan_names_episode_cells_without_a_model(tmp_path, monkeypatch):
+  """A plan split ``task = "w3mt"``: its cells name the episodes of the split (no model loaded),
+  keyed by the workload with its length; unconstrained is refused (the answers are already free
+  text or calls)."""
+  from calibrate import campaign as C
+  monkeypatch.setattr(C, "model_path", lambda m: "/weights")
+  monkeypatch.setattr(C, "fingerprint", lambda p: "0" * 64)
+  text = """name = "mt"
+[models]
+q = "qwen2.5-coder-0.5b-instruct"
+[methods.full]
+[splits.mt]
+task = "w3mt"
+length = 16384
+split = "test"
+cases = 3
+"""
+  p = tmp_path / "mt.toml"
+  p.write_text(text)
+  cs = C.cells(C.load_plan(str(p), str(tmp_path / "r")))
+  assert [c.material["task"] for c in cs] == ["w3mt:L16384"]
+  ids = cs[0].material["cases"]
+  first = [f"{e.category}/{e.id}" for c in MT.CATEGORIES
+           for e in MT.load([c], split="test")[:3]]
+  assert sorted(ids) == sorted(first)
+  p.write_text(text + "constrained = false\n")
+  with pytest.raises(C.PlanError, match="task w3mt has no tool-call grammar to leave out"):
+    C.load_plan(str(p), str(tmp_path / "r"))
