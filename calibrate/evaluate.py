@@ -464,6 +464,21 @@ def _measured(rc: RunConfig, used: dict, n_prompt: int, n_gen: int, led: dict | 
   return out
 
 
+def _resolved(s: Session, rc: RunConfig, cases: list | None, what: str) -> tuple:
+  """``(rc, cases)`` of a run: the config checked, a PASK policy's variant for the budget (the
+  label its own target), and the cases (default: the task's for the config); one-line
+  ValueError for no cases (``what`` names them)."""
+  check_config(rc)
+  if rc.method in PASK_POLICY:   # the variant for the budget; the label is its own target
+    pol, target = pick_policy(rc.policy, rc.budget)
+    rc = dataclasses.replace(rc, policy=pol, budget=target)
+  if cases is None:
+    cases = s.task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
+  if not cases:
+    raise ValueError(f"no {what} for split {rc.split!r} and categories {rc.categories}")
+  return rc, cases
+
+
 def _trackers(s: Session, rc: RunConfig, runner):
   """The per-prompt tracker factory of a run: the grammar, and for methods that read the
   parser's tags the tool-call adapter (PASK's with the policy's parser-state vocabulary)."""
@@ -507,14 +522,7 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
     return run_lm(s, rc, out, cases=cases)
   if getattr(s.task, "kind", None) == "episodes":   # W3's multi-turn rollouts
     return run_episodes(s, rc, out, progress=progress, cases=cases)
-  check_config(rc)
-  if rc.method in PASK_POLICY:   # the variant for the budget; the label is its own target
-    pol, target = pick_policy(rc.policy, rc.budget)
-    rc = dataclasses.replace(rc, policy=pol, budget=target)
-  if cases is None:
-    cases = s.task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
-  if not cases:
-    raise ValueError(f"no cases for split {rc.split!r} and categories {rc.categories}")
+  rc, cases = _resolved(s, rc, cases, "cases")
   tagged = rc.method in TAGGED   # methods that read the parser's tags
   preps = s.task.prepare(cases, prompt_labels=tagged)
   if not rc.constrained:
@@ -598,17 +606,10 @@ def run_episodes(s: Session, rc: RunConfig, out: str | None = None, *, progress:
   from pask_jax.decode import Sampling, generate
   from pask_jax.prompt import Prompt
   task = s.task
-  check_config(rc)
   if not rc.constrained:
     raise ValueError("multi-turn episodes decode under their tool-call grammar (choice auto: "
                      "the model may already answer in free text); run them constrained")
-  if rc.method in PASK_POLICY:
-    pol, target = pick_policy(rc.policy, rc.budget)
-    rc = dataclasses.replace(rc, policy=pol, budget=target)
-  if cases is None:
-    cases = task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
-  if not cases:
-    raise ValueError(f"no episodes for split {rc.split!r} and categories {rc.categories}")
+  rc, cases = _resolved(s, rc, cases, "episodes")
   room = task.length - rc.max_tokens   # the longest conversation an answer may follow
   if room < 64:
     raise ValueError(f"length {task.length} leaves no room for a conversation before "
@@ -723,14 +724,7 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
   from pask_jax.prompt import Prompt
   from pask_jax.tracker import FREE_TAG
   task = s.task
-  check_config(rc)
-  if rc.method in PASK_POLICY:
-    pol, target = pick_policy(rc.policy, rc.budget)
-    rc = dataclasses.replace(rc, policy=pol, budget=target)
-  if cases is None:
-    cases = task.cases(rc.split, rc.categories, rc.max_cases, skip=rc.skip_cases)
-  if not cases:
-    raise ValueError(f"no W1 documents for split {rc.split!r}")
+  rc, cases = _resolved(s, rc, cases, "W1 documents")
   K = task.tail
   # The budget-matched baselines plan for ``gen`` generated tokens: here exactly the tail.
   # (a tuned knobs file's per-method ĝ too: the generated length is K, not a dev estimate)

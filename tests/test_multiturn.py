@@ -10,9 +10,8 @@ import pytest
 from calibrate import evaluate as E
 from calibrate import longctx as LC
 from calibrate import multiturn as MT
-from models import Loaded, ModelConfig, random_model
 from pask_jax.grammar.toolcall import render_calls
-from pask_jax.testing import stored_tokenizer
+from pask_jax.testing import stored_tokenizer, tiny_qwen
 
 pytestmark = pytest.mark.fast_compile
 
@@ -113,13 +112,9 @@ def test_a_cut_off_answer_ends_the_turn_and_steps_are_bounded():
 
 @pytest.fixture(scope="module")
 def session():
-  tok = stored_tokenizer(DATA)
-  cfg = ModelConfig(arch="qwen2", vocab_size=tok.vocab_size, hidden=32, intermediate=48,
-                    n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, rope_theta=1e6,
-                    tie_embeddings=True)
-  m = Loaded(cfg, random_model(cfg, seed=int(np.random.default_rng().integers(1 << 30))), tok)
+  m = tiny_qwen(stored_tokenizer(DATA), seed=int(np.random.default_rng().integers(1 << 30)))
   from pask_jax.grammar import GrammarCompiler
-  gc = GrammarCompiler(tok, cfg.vocab_size)
+  gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
   return E.Session(m, LC.suite("w3mt", m, gc, length=4096), batch=2, compiler=gc)
 
 

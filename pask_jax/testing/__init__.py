@@ -14,9 +14,9 @@ from pask_jax.testing.fixtures import (TINY, accepts_text, export_tokenizer, fas
                                        full_logprobs, grammar_compiler, load_tokenizer, relerr,
                                        smollm2,
                                        smollm2_grammars, smollm2_tokenizer, stored_tokenizer,
-                                       tiny_llama, xla_flags)
+                                       tiny_llama, tiny_qwen, xla_flags)
 
 __all__ = ["TINY", "accepts_text", "export_tokenizer", "fast_compile", "full_logprobs",
            "grammar_compiler",
            "load_tokenizer", "relerr", "smollm2", "smollm2_grammars", "smollm2_tokenizer",
-           "stored_tokenizer", "tiny_llama", "xla_flags"]
+           "stored_tokenizer", "tiny_llama", "tiny_qwen", "xla_flags"]

@@ -68,6 +68,16 @@ def tiny_llama(vocab: int, seed: int = 0):
   return random_model(cfg, seed=seed)
 
 
+def tiny_qwen(tok, seed: int = 0):
+  """A ``models.Loaded`` 2-layer random-weight qwen2 decoder (GQA 4:2, head dim 8) over
+  ``tok``'s vocabulary, with ``tok`` (the harness's tests: BFCL prompts need qwen's template)."""
+  from models import Loaded
+  cfg = ModelConfig(arch="qwen2", vocab_size=tok.vocab_size, hidden=32, intermediate=48,
+                    n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, rope_theta=1e6,
+                    tie_embeddings=True)
+  return Loaded(cfg, random_model(cfg, seed=seed), tok)
+
+
 def full_logprobs(model, ids) -> np.ndarray:
   """Teacher-forced log-softmax over a whole sequence [T, V] (one forward, dense cache)."""
   import jax
