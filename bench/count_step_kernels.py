@@ -94,10 +94,13 @@ def main(argv=None) -> int:
                   help="JSON kernel knobs (pallas_kernels.decode_attention)")
   a = ap.parse_args(argv)
   # XLA reads its flags at the first compile: the step's thunk sequence is dumped for
-  # host_launches (set here, not at import, so importing count() changes no flag)
-  dump = tempfile.mkdtemp(prefix="step_thunks_")
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_dump_to={dump} --xla_dump_hlo_module_re=decode_fn").strip()
+  # host_launches (set here, not at import, so importing count() changes no flag); a dump
+  # folder already named in XLA_FLAGS is used and kept
+  given = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+  dump = given.group(1) if given else tempfile.mkdtemp(prefix="step_thunks_")
+  if not given:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_dump_to={dump} --xla_dump_hlo_module_re=decode_fn").strip()
   cfg = ModelConfig(**SHAPES[a.shape])
   pol = P.demo(cfg)
   B, C = a.batch, a.context + 17
@@ -115,7 +118,8 @@ def main(argv=None) -> int:
                             jnp.ones((B,), bool))
   got = count(hlo)
   got["host_launches"] = _dumped_launches(dump)
-  shutil.rmtree(dump, ignore_errors=True)
+  if not given:
+    shutil.rmtree(dump, ignore_errors=True)
   print(json.dumps({"shape": a.shape, "batch": B, "context": a.context, "knobs": a.knobs,
                     "layers": cfg.n_layers, "per_layer": round(got["thunks"] / cfg.n_layers, 2),
                     **got}))
