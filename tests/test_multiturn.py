@@ -173,3 +173,20 @@ cases = 3
   p.write_text(text + "constrained = false\n")
   with pytest.raises(C.PlanError, match="task w3mt has no tool-call grammar to leave out"):
     C.load_plan(str(p), str(tmp_path / "r"))
+
+
+def test_the_episodes_plan_fits_its_cells_in_an_8_minute_call(monkeypatch):
+  """examples/campaign_sph_episodes.toml: W3's episodes for G5, greedy and three seeds of the same
+  episodes, every cell expected within 8 minutes with the model's load."""
+  from calibrate import campaign as C
+  monkeypatch.setattr(C, "model_path", lambda m: "/weights")
+  monkeypatch.setattr(C, "fingerprint", lambda p: "0" * 64)
+  plan = C.load_plan(os.path.join(os.path.dirname(__file__), "..", "examples",
+                                  "campaign_sph_episodes.toml"), "/nonexistent")
+  cs = C.cells(plan)
+  assert {c.material["task"] for c in cs} == {"w3mt:L16384"}
+  greedy = [c for c in cs if c.sample_seed is None]
+  assert len(cs) == 4 * len(greedy) and len({c.key for c in cs}) == len(cs)
+  assert {len(c.cases) for c in cs} == {20}
+  est = C.Estimator(plan, [])
+  assert max(est.seconds(c, loaded=False) for c in cs) <= 8 * 60
