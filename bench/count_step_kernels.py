@@ -67,7 +67,7 @@ def count(hlo: str) -> dict:
           "by_name": dict(names.most_common())}
 
 
-_TOP = re.compile(r"^\d{3}: (k\w+)", re.M)
+_TOP = re.compile(r"^\d+: (k\w+)", re.M)   # nested thunks are indented
 
 
 def host_launches(thunks: str) -> dict:
@@ -77,10 +77,10 @@ def host_launches(thunks: str) -> dict:
 
 
 def _dumped_launches(dump: str) -> dict | None:
-  got = sorted(glob.glob(os.path.join(dump, "*decode_fn*thunk_sequence_after_thunk_passes.txt")))
+  got = glob.glob(os.path.join(dump, "*decode_fn*thunk_sequence_after_thunk_passes.txt"))
   if not got:
     return None
-  with open(got[-1]) as f:
+  with open(max(got, key=os.path.getmtime)) as f:   # this run's, in a kept dump folder
     return host_launches(f.read())
 
 

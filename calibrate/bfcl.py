@@ -409,15 +409,17 @@ def reference_calls(case: Case) -> list[dict]:
   return out
 
 
-def score(case: Case, text: str, *, complete: bool = True, fmt: str | None = None) -> dict:
+def score(case: Case, text: str, *, complete: bool = True, fmt: str | None = None,
+          tools: Sequence[dict] | None = None) -> dict:
   """Decode and check one output: {calls, passed, per_call, error, valid}; ``valid``: the
-  output's calls parse and validate against the case's tool schemas
-  (:func:`pask_jax.grammar.call_problem`; what an unconstrained run is also scored by)."""
+  output's calls parse and validate against the case's tool schemas, or ``tools``: the ones the
+  prompt offered when they differ (W3's padded list) (:func:`pask_jax.grammar.call_problem`;
+  what an unconstrained run is also scored by)."""
   if not complete:
     return {"calls": None, "passed": False, "per_call": 0.0, "error": "incomplete output",
             "valid": False}
   from pask_jax.grammar import call_problem
-  valid = call_problem(case.tools, text) is None
+  valid = call_problem(list(case.tools if tools is None else tools), text) is None
   try:
     calls = decode(text, fmt)
   except ValueError as e:

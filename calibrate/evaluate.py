@@ -600,11 +600,12 @@ def run_episodes(s: Session, rc: RunConfig, out: str | None = None, *, progress:
   episodes), then bfcl-eval's multi-turn checker scores it.  A row per episode: ``passed``,
   ``error``, ``answers`` (generations), ``calls`` (the call strings of every answer, per turn),
   ``tokens`` (every answer's tokens, in order), ``prompt_len`` (the last conversation's),
-  ``gen_len``, and the measured B as the token-weighted mean over the episode's answers;
-  ``finish`` is "stop" for an episode that ran all its turns, else why it ended ("context
-  full": the conversation outgrew the suite's ``length``)."""
-  from pask_jax.decode import Sampling, generate
-  from pask_jax.prompt import Prompt
+  ``gen_len``, and the measured B as the token-weighted mean over the episode's answers
+  (``kv_tokens``: the tokens they weigh, every answer's conversation and output, which the
+  summary's weighted B weighs the episode by); ``finish`` is "stop" for an episode that ran all
+  its turns, else why it ended ("context full": the conversation outgrew the suite's
+  ``length``; "step limit": more than :data:`calibrate.multiturn.MAX_STEPS` answers with calls
+  in a turn, failed as BFCL fails it)."""
   task = s.task
   if not rc.constrained:
     raise ValueError("multi-turn episodes decode under their tool-call grammar (choice auto: "
@@ -614,14 +615,37 @@ def run_episodes(s: Session, rc: RunConfig, out: str | None = None, *, progress:
   if room < 64:
     raise ValueError(f"length {task.length} leaves no room for a conversation before "
                      f"{rc.max_tokens} new tokens")
+  if rc.method == "triaxial" and not merged_knobs(rc.knobs)["triaxial"].get("allocation"):
+    raise ValueError("triaxial calibrates its allocation on single-answer cases: give its knobs "
+                     "an allocation (e.g. one tuned on w3) to run it on episodes")
   tagged = rc.method in TAGGED
-  tag = f"{rc.method}_{label(rc.budget)}_{rc.sample_seed}_{os.getpid()}_{id(cases)}"
-  rolls = [task.rollout(e, f"{tag}_{i}") for i, e in enumerate(cases)]
-  first = [task.prompt(r, tagged) for r in rolls]
-  s.ensure_capacity([Prompt("", [0] * max(room, max(len(p.ids) for p in first)))],
-                    rc.max_tokens)
+  rolls = [task.rollout(e, rc.method) for e in cases]
+  try:
+    return _episodes(s, rc, out, rolls, room, tagged, progress)
+  finally:   # an exception mid-run: no API instance is left in bfcl-eval's globals
+    for r in rolls:
+      r.free()
+
+
+def _episodes(s: Session, rc: RunConfig, out: str | None, rolls: list, room: int, tagged: bool,
+              progress: Any) -> dict:
+  """:func:`run_episodes`'s rollouts, rows and summary."""
+  from pask_jax.decode import Sampling, generate
+  from pask_jax.prompt import Prompt
+  task = s.task
+  first = {}
+  for i, r in enumerate(rolls):
+    p = task.prompt(r, tagged)
+    if len(p.ids) > room:   # the first turn's conversation does not fit the context
+      r.stop("context full")
+    else:
+      first[i] = p
+  # Budget-matched methods are fitted to the first answers' conversations; later answers follow
+  # longer ones, and each answer's measured B is what the row reports.
+  fit = list(first.values()) or [Prompt("", [0] * room)]
+  s.ensure_capacity([Prompt("", [0] * room)], rc.max_tokens)
   batch = batch_size(len(rolls), s.batch)
-  runner, used = _setup(s, rc, first, batch)
+  runner, used = _setup(s, rc, fit, batch)
   tracker = _trackers(s, rc, runner)
   sampling = Sampling(max_tokens=rc.max_tokens, temperature=rc.temperature, top_p=rc.top_p,
                       seed=rc.sample_seed)
@@ -629,8 +653,10 @@ def run_episodes(s: Session, rc: RunConfig, out: str | None = None, *, progress:
   last = [0] * len(rolls)
   secs = [[0.0, 0.0] for _ in rolls]
   bar = _bar(progress, len(rolls), f"{rc.method} B={label(rc.budget)} {rc.split} episodes")
+  if bar is not None and len(first) < len(rolls):
+    bar.update(len(rolls) - len(first))
   t0 = time.perf_counter()
-  pending = {i: p for i, p in enumerate(first)}
+  pending = first
   while pending:
     live = sorted(pending, key=lambda i: len(pending[i].ids))
     for st in range(0, len(live), batch):
@@ -662,9 +688,9 @@ def run_episodes(s: Session, rc: RunConfig, out: str | None = None, *, progress:
   rows = []
   for i, r in enumerate(rolls):
     sc = r.score()
-    w = sum(n for _, n in steps[i]) or 1
+    w = sum(n for _, n in steps[i])
     b = {k: sum(d[k] * n for d, n in steps[i]) / w
-         for k in ("prefill_B", "decode_B", "total_B")} if steps[i] else \
+         for k in ("prefill_B", "decode_B", "total_B")} if w else \
         {"prefill_B": float("nan"), "decode_B": float("nan"), "total_B": float("nan")}
     rows.append({"id": r.ep.id, "category": r.ep.category, "split": rc.split,
                  "method": rc.method, "budget": rc.budget, "text": "\n".join(r.texts),
@@ -672,7 +698,7 @@ def run_episodes(s: Session, rc: RunConfig, out: str | None = None, *, progress:
                  "error": sc["error"], "finish": "stop" if r.stopped == "done" else r.stopped,
                  "turns": len(r.ep.turns), "turns_run": min(r.turn, len(r.ep.turns)),
                  "answers": r.answers, "prompt_len": last[i], "gen_len": len(r.tokens),
-                 "kv_gen_len": len(r.tokens), **b, "prefill_s": secs[i][0],
+                 "kv_gen_len": len(r.tokens), "kv_tokens": w, **b, "prefill_s": secs[i][0],
                  "decode_s": secs[i][1], "tokens": r.tokens})
   wall = time.perf_counter() - t0
   summ = summarize(rows)
@@ -829,6 +855,13 @@ def _ident(s: Session) -> dict:
   return P.identity_of(s.cfg, s.tok.hash())
 
 
+def _nanmean(xs) -> float:
+  """The mean of the numbers that are not NaN (NaN when none is)."""
+  a = np.asarray(xs, np.float64)
+  a = a[~np.isnan(a)]
+  return float(a.mean()) if a.size else float("nan")
+
+
 def summarize(rows: Sequence[dict]) -> dict[str, dict]:
   """Per category, ``simple+multiple`` and ``overall``: accuracy, per-call and B means."""
   groups: dict[str, list[dict]] = {}
@@ -840,10 +873,11 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
   groups["overall"] = list(rows)
   out = {}
   for k, v in groups.items():
-    mean = lambda f: float(np.nanmean([r[f] for r in v])) if v else float("nan")
-    n_all = sum(r["prompt_len"] + r["kv_gen_len"] for r in v)
-    w = sum(r["total_B"] * (r["prompt_len"] + r["kv_gen_len"]) for r in v) / n_all if n_all else \
-        float("nan")
+    mean = lambda f: _nanmean([r[f] for r in v])
+    # a row's tokens: an episode's (W3's multi-turn) are every answer's conversation and output
+    tok = lambda r: r.get("kv_tokens", r["prompt_len"] + r["kv_gen_len"])
+    n_all = sum(tok(r) for r in v)
+    w = sum(r["total_B"] * tok(r) for r in v if tok(r)) / n_all if n_all else float("nan")
     valid = [r["valid"] for r in v if r.get("valid") is not None]
     out[k] = {"n": len(v), "accuracy": mean("passed"), "per_call": mean("per_call"),
               "valid": float(np.mean(valid)) if valid else None,

@@ -484,7 +484,7 @@ class BFCLLongSuite:
 
   def score(self, case, text: str, complete: bool) -> dict:
     return self.bfcl.score(self.original.get(case.id, case), text, complete=complete,
-                           fmt=self.fmt)
+                           fmt=self.fmt, tools=case.tools)   # valid: against the padded tools
 
 
 def name_of(task: str, length: int, tail: int | None = None) -> str:

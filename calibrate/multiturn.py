@@ -7,8 +7,9 @@ TwitterAPI, …, the function docs bfcl-eval ships for them).  Per turn the mode
 its answer holds calls (the tool-call grammar with ``choice="auto"``: free text, or call blocks
 in the model's format), the calls run against the episode's API instances (bfcl-eval's
 ``execute_multi_turn_func_call``), their results come back as ``tool`` messages and the model
-answers again — at most :data:`MAX_STEPS` answers per turn (BFCL's limit) — until an answer
-holds no call; then the next user turn comes.  Every answer is a fresh generation over the
+answers again until an answer holds no call; then the next user turn comes.  A turn with more
+than :data:`MAX_STEPS` answers holding calls ends the episode, failed (BFCL forces the model to
+quit there).  Every answer is a fresh generation over the
 whole conversation so far (the method compresses the conversation's cache as it would a prompt),
 as BFCL's own harness queries a model.  The checker (``multi_turn_checker``) replays the calls of
 every turn on fresh instances and compares the instances' state and the calls' results with the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -34,6 +36,7 @@ from typing import Any
 CATEGORIES = ("multi_turn_base", "multi_turn_long_context")
 MAX_STEPS = 20     # answers per turn (bfcl_eval.constants.default_prompts.MAXIMUM_STEP_LIMIT)
 MAX_CALLS = 8      # call blocks per answer
+_RUNS = itertools.count()   # rollouts of this process: their API instances never share a name
 SPLIT_NAMES = {"cal": "calibration", "dev": "development", "test": "test",
                "calibration": "calibration", "development": "development"}
 
@@ -115,6 +118,13 @@ def _instances() -> dict:
   return vars(multi_turn_utils)
 
 
+def held(prefix: str = "") -> list[str]:
+  """The names of the API instances bfcl-eval holds (as its module's globals) that start with
+  ``prefix``: a finished or failed run leaves none of its own."""
+  return sorted(k for k, v in list(_instances().items())
+                if k.startswith(prefix) and k.endswith("_instance") and not callable(v))
+
+
 def _forget(prefix: str) -> None:
   """Drop the API instances bfcl-eval keeps (as module globals) for names starting ``prefix``."""
   g = _instances()
@@ -124,8 +134,9 @@ def _forget(prefix: str) -> None:
 
 class Rollout:
   """One episode as it runs: the conversation so far, the calls of every answer per turn, the
-  generated tokens.  ``name``: a tag unique to the run (bfcl-eval keeps each episode's API
-  instances under the model name and the episode id)."""
+  generated tokens.  ``name``: a tag unique to the rollout (bfcl-eval keeps each episode's API
+  instances in its module's globals under the model name and the episode id; :meth:`score`
+  and :meth:`free` drop them)."""
 
   def __init__(self, ep: Episode, name: str, *, fmt: str, indent: int | None,
                takes_calls: bool, max_steps: int = MAX_STEPS):
@@ -175,8 +186,12 @@ class Rollout:
     self.messages += [{"role": "tool", "content": r, "tool_call_id": i, "name": c["name"]}
                       for i, c, r in zip(ids, calls, results)]
     self.step += 1
-    if self.step >= self.max_steps:
-      self._next_turn()
+    if self.step >= self.max_steps:   # BFCL forces the model to quit and fails the episode
+      self.stop("step limit")
+
+  def free(self) -> None:
+    """Drop the API instances bfcl-eval keeps for this rollout (and for the checker's replay)."""
+    _forget(self.name)
 
   def stop(self, why: str) -> None:
     """End the episode here (e.g. the conversation no longer fits the context)."""
@@ -202,11 +217,15 @@ class Rollout:
     """bfcl-eval's multi-turn checker over the calls of every turn: {passed, error}; frees the
     API instances of the episode and of the checker's replay."""
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
+    if self.stopped == "step limit":
+      self.free()
+      return {"passed": False, "error": f"multi_turn:force_quit: more than {self.max_steps} "
+                                        f"answers with calls in turn {self.turn}"}
     try:
       r = multi_turn_checker(self.decoded, [list(t) for t in self.ep.ground_truth],
                              self.ep.entry, self.ep.category, self.name)
     finally:
-      _forget(self.name)
+      self.free()
     err = "" if r["valid"] else f"{r.get('error_type', '')}: {r.get('error_message', '')}"
     return {"passed": bool(r["valid"]), "error": err[:500]}
 
@@ -236,8 +255,10 @@ class EpisodeSuite:
   def materialize(self, stubs: Sequence[Episode]) -> list[Episode]:
     return list(stubs)
 
-  def rollout(self, ep: Episode, name: str) -> Rollout:
-    return Rollout(ep, f"{name}_{self.seed}", fmt=self.fmt, indent=self.indent,
+  def rollout(self, ep: Episode, name: str = "pask") -> Rollout:
+    """A new rollout of ``ep``, its API instances under a name no other rollout of the process
+    has."""
+    return Rollout(ep, f"{name}_{next(_RUNS)}", fmt=self.fmt, indent=self.indent,
                    takes_calls=self.takes_calls)
 
   def prompt(self, r: Rollout, labels: bool = False):
@@ -261,4 +282,4 @@ class EpisodeSuite:
 
 
 __all__ = ["CATEGORIES", "Episode", "EpisodeSuite", "MAX_CALLS", "MAX_STEPS", "Rollout",
-           "call_text", "load"]
+           "call_text", "held", "load"]

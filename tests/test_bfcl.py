@@ -122,6 +122,38 @@ def test_reference_answers_fit_schema_and_checker(cases):
   assert unfit == ["parallel_multiple_21", "parallel_multiple_94"]
 
 
+def test_schema_validity_of_answers(cases):
+  """``valid`` (pask_jax.grammar.call_problem): the reference answer written in each format
+  is valid; a wrong type, an unknown tool, a block that does not parse or is not closed, and
+  an answer with no call are not; W3's score checks against the padded tools it offered."""
+  from pask_jax.grammar import call_problem
+  from pask_jax.grammar.toolcall import render_calls
+  c = cases["simple_python_0"]
+  calls = [{"name": fn, "arguments": a} for call in bfcl.reference_calls(c)
+           for fn, a in call.items()]
+  for fmt, indent in (("fenced_json", 2), ("tool_call_tags", None), ("json_list", None)):
+    text = render_calls(calls, fmt, indent)
+    assert call_problem(c.tools, text) is None
+    assert bfcl.score(c, text, fmt=fmt)["valid"] is True
+  block = render_calls(calls, "fenced_json", 2)
+  arg = next(iter(calls[0]["arguments"]))
+  bad = [dict(calls[0], arguments={**calls[0]["arguments"], arg: [1, 2]})]
+  assert "arguments#/" in call_problem(c.tools, render_calls(bad, "fenced_json", 2))
+  other = [dict(calls[0], name="nope")]
+  assert "unknown tool 'nope'" in call_problem(c.tools, render_calls(other, "json_list", None))
+  assert call_problem(c.tools, block + "\n```json\n{\"name\": \n```") == \
+      "call block 1 does not parse as JSON"
+  assert call_problem(c.tools, block + "\n```json\n{\"name\": ") == "a call block is not closed"
+  assert call_problem(c.tools, "I would call it.") == "no call block parses as JSON"
+  assert bfcl.score(c, block, complete=False)["valid"] is False
+  # another case's tool: invalid against this case's tools, valid against a list holding it
+  d = next(x for x in cases.values() if x.category == "simple_python" and x.tools != c.tools)
+  theirs = render_calls([{"name": fn, "arguments": a} for call in bfcl.reference_calls(d)
+                         for fn, a in call.items()], "fenced_json", 2)
+  assert bfcl.score(c, theirs, fmt="fenced_json")["valid"] is False
+  assert bfcl.score(c, theirs, fmt="fenced_json", tools=c.tools + d.tools)["valid"] is True
+
+
 # --- the official checker ------------------------------------------------------------------------
 
 def test_checker_hand_written(cases):

@@ -98,16 +98,22 @@ def test_the_ground_truth_passes_and_a_wrong_call_fails():
   assert quiet.decoded == [[] for _ in ep.turns]
 
 
-def test_a_cut_off_answer_ends_the_turn_and_steps_are_bounded():
+def test_a_cut_off_answer_ends_the_turn_and_the_step_limit_fails_the_episode():
+  """A cut-off answer runs no call and ends its turn; a turn of more answers with calls than
+  the limit ends the episode, failed, as BFCL forces the model to quit; instances are freed."""
   ep = MT.load(split="test")[0]
   r = MT.Rollout(ep, "cut", fmt="fenced_json", indent=2, takes_calls=True, max_steps=3)
   block = render_calls([{"name": "pwd", "arguments": {}}], "fenced_json", 2)
   r.feed(block, [1], "length")            # cut off: no call runs, the turn ends
   assert r.turn == 1 and r.decoded[0] == []
-  for _ in range(3):                      # at most max_steps answers with calls per turn
+  for _ in range(3):
+    assert not r.done
     r.feed(block, [1], "stop")
-  assert r.turn == 2 and r.decoded[1] == [["pwd()"]] * 3
-  r.score()
+  assert r.done and r.stopped == "step limit" and r.decoded[1] == [["pwd()"]] * 3
+  assert MT.held("cut_")
+  s = r.score()
+  assert not s["passed"] and "force_quit" in s["error"]
+  assert not MT.held("cut_")
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +140,14 @@ def test_episodes_run_in_the_harness(session, tmp_path):
     assert r["total_B"] == pytest.approx(1.0) and isinstance(r["passed"], bool)
     assert len(r["calls"]) == r["turns"]
   assert meta["categories"]["overall"]["accuracy"] == np.mean([r["passed"] for r in rows])
+  short = E.Session(session.m, LC.suite("w3mt", session.m, session.compiler, length=2048),
+                    batch=2, compiler=session.compiler)
+  meta = E.run(short, E.RunConfig("full", 1.0, "test", max_cases=1, max_tokens=4,
+                                  categories=("multi_turn_base",)), str(tmp_path / "short"),
+               progress=False)   # its first conversation (~2.8K tokens) does not fit 2048
+  r, = E.read_cases(str(tmp_path / "short"))
+  assert r["finish"] == "context full" and r["answers"] == 0 and not r["passed"]
+  assert not MT.held("full_")
   with pytest.raises(ValueError, match="decode under their tool-call grammar"):
     E.run(session, E.RunConfig("full", 1.0, "test", max_cases=1, constrained=False), None,
           progress=False)

@@ -233,11 +233,22 @@ def _validator(schema_json: str):
 def call_problem(tools: list[dict], text: str) -> str | None:
   """Why ``text`` is not a schema-valid tool-call answer for ``tools`` (OpenAI-style or bare
   function dicts), or None when it is: its call blocks (as :func:`parse_calls` finds them) hold at
-  least one call, and every call is an object naming one of the tools with an ``arguments`` (or
-  ``parameters``) object that validates against the tool's ``parameters`` JSON schema as given
+  least one call, every block opened is closed and parses as JSON, and every call is an object
+  naming one of the tools with an ``arguments`` (or ``parameters``) object that validates
+  against the tool's ``parameters`` JSON schema as given
   (``jsonschema``; no rewriting).  What an unconstrained run is scored by beside the checker
   (docs/SPHERICAL_KV.md §4, schema validity); a grammar-constrained answer that was not cut off
   always passes."""
+  tags = _TAG.findall(text)
+  blocks = tags or ([] if "<tool_call>" in text else _FENCE.findall(text))
+  opened = text.count("<tool_call>") if tags or "<tool_call>" in text else text.count("```") // 2
+  if len(blocks) < opened or "```" in text and not tags and text.count("```") % 2:
+    return "a call block is not closed"
+  for i, b in enumerate(blocks):
+    try:
+      json.loads(b)
+    except json.JSONDecodeError:
+      return f"call block {i} does not parse as JSON"
   try:
     objs = _call_objects(text)
   except ValueError:
