@@ -13,8 +13,11 @@ Prints one JSON line: thunks per step and per layer, by op and by fusion name; a
 ``host_launches``: the top-level thunks of XLA's thunk sequence after its thunk passes (from an
 XLA dump of the step), which is what the host launches one by one per step — a
 ``kCommandBuffer`` is one CUDA-graph launch of the kernels it captured, a ``kWhile`` steps its
-body from the host, a ``kCustomCall`` (a Mosaic GPU kernel on jax 0.10) is launched on its own and
-splits the graphs around it.
+body from the host, a ``kCustomCall`` is launched on its own and splits the graphs around it.
+The deviceless compile leaves the Mosaic GPU kernels (``mosaic_gpu_v2``) outside the graphs;
+on an H100 with jax 0.11.2 XLA captures them too, and the whole step is one graph
+(bench/RESULTS.md, "Session of 2026-12-07 (second)"): read Mosaic custom calls here as an upper
+bound, and dump the thunk sequence on the device for the real one.
 """
 from __future__ import annotations
 
