@@ -362,9 +362,9 @@ def _constrained(v: dict, where: str, task: str) -> bool:
   tool calls under a grammar (bfcl, w3; a registered task's suite says so by ``tool_calls``,
   checked when its cells run)."""
   c = _get(v, "constrained", where, bool, True)
-  if not c and task in ("w1", "w2", "w3mt"):
+  if not c and task in LC.TASKS and task not in E.UNCONSTRAINED_TASKS:
     raise PlanError(f"{where}.constrained: task {task} has no tool-call grammar to leave out "
-                    f"(bfcl and w3 have; w3mt's answers are free text or calls already)")
+                    f"({' and '.join(E.UNCONSTRAINED_TASKS)} have)")
   return c
 
 

@@ -274,6 +274,9 @@ def check_config(rc: RunConfig) -> None:
 
 # Methods that read the parser's structural tags (and so need the grammar's parser).
 TAGGED = ("pask", "triaxial") + SV.TAGGED
+# Tasks whose answers are tool calls under a grammar an unconstrained run leaves out (a
+# registered task's suite says so by ``tool_calls``).
+UNCONSTRAINED_TASKS = ("bfcl", "w3")
 
 
 def merged_knobs(knobs: dict | None) -> dict:
@@ -527,8 +530,8 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
   preps = s.task.prepare(cases, prompt_labels=tagged)
   if not rc.constrained:
     if not getattr(s.task, "tool_calls", False):
-      raise ValueError(f"task {s.task.name!r} has no tool-call grammar to leave out: only bfcl "
-                       f"and w3 run unconstrained")
+      raise ValueError(f"task {s.task.name!r} has no tool-call grammar to leave out: only "
+                       f"{' and '.join(UNCONSTRAINED_TASKS)} run unconstrained")
     preps = [dataclasses.replace(p, grammar=None) for p in preps]
   s.ensure_capacity(preps, rc.max_tokens)
   batch = batch_size(len(preps), s.batch)
@@ -573,7 +576,13 @@ def run(s: Session, rc: RunConfig, out: str | None = None, *, progress: Any = Tr
                  "tokens": [int(t) for t in r.tokens]}
   if bar is not None:
     bar.close()
-  wall = time.perf_counter() - t0
+  return _finish(s, rc, out, rows, batch, used, time.perf_counter() - t0)
+
+
+def _finish(s: Session, rc: RunConfig, out: str | None, rows: list[dict], batch: int,
+            used: dict, wall: float) -> dict:
+  """A generating run's summary (the rows summarized, the sampling and an unconstrained run
+  said), written to ``out`` with the rows."""
   summ = summarize(rows)
   meta = {"method": rc.method, "budget": rc.budget,
           "measured_B": summ["overall"]["total_B"], "split": rc.split, "model": s.cfg.arch,
@@ -700,19 +709,7 @@ def _episodes(s: Session, rc: RunConfig, out: str | None, rolls: list, room: int
                  "answers": r.answers, "prompt_len": last[i], "gen_len": len(r.tokens),
                  "kv_gen_len": len(r.tokens), "kv_tokens": w, **b, "prefill_s": secs[i][0],
                  "decode_s": secs[i][1], "tokens": r.tokens})
-  wall = time.perf_counter() - t0
-  summ = summarize(rows)
-  meta = {"method": rc.method, "budget": rc.budget,
-          "measured_B": summ["overall"]["total_B"], "split": rc.split, "model": s.cfg.arch,
-          "model_identity": _ident(s), "task": task.name, "n_cases": len(rows),
-          "max_tokens": rc.max_tokens, "batch": batch, "capacity": s.capacity,
-          "settings": used, "wall_s": wall, "categories": summ}
-  if rc.temperature > 0:
-    meta["sampling"] = {"temperature": rc.temperature, "top_p": rc.top_p,
-                        "seed": rc.sample_seed}
-  if out:
-    write(out, rows, meta)
-  return meta
+  return _finish(s, rc, out, rows, batch, used, time.perf_counter() - t0)
 
 
 # --- the LM task (teacher forcing through the method's cache) -------------------------------

@@ -170,10 +170,8 @@ class Rollout:
     strings = [call_text(c) for c in calls]
     self.decoded[self.turn].append(strings)
     results = self._execute(strings)
-    ids = []
-    for c in calls:
-      self._n += 1
-      ids.append(f"call_{self._n}")
+    ids = [f"call_{self._n + k}" for k in range(1, len(calls) + 1)]
+    self._n += len(calls)
     if self.takes_calls:
       msg = {"role": "assistant", "content": content or "",
              "tool_calls": [{"id": i, "type": "function",
@@ -238,12 +236,12 @@ class EpisodeSuite:
   tool_calls = True
 
   def __init__(self, tokenizer, arch: str, compiler, *, length: int, seed: int = 0):
-    from pask_jax.prompt import style
+    from pask_jax.prompt import style, takes_calls
     self.tok, self.arch, self.compiler, self.length, self.seed = (tokenizer, arch, compiler,
                                                                   length, seed)
     self.name = f"w3mt:L{length}"
     self.fmt, self.indent = style(arch)
-    self.takes_calls = "tool_calls" in (tokenizer.chat_template or "")
+    self.takes_calls = takes_calls(tokenizer)
     self._grammars: dict[str, Any] = {}
 
   def cases(self, split: str, categories: Sequence[str] | None = None,

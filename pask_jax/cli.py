@@ -15,6 +15,13 @@ KEY_CENTER_HELP = ("subtract a fixed per-channel mean from the post-RoPE keys (m
                    "the same attention, far smaller INT4 key error on models whose keys carry a "
                    "channel offset (Qwen2.5)")
 
+
+# The long-context workloads (calibrate.longctx.TASKS: a test keeps the two equal; the CLI parses
+# its arguments without importing calibrate) and the tasks whose tool-call grammar an
+# unconstrained run may leave out (calibrate.evaluate.UNCONSTRAINED_TASKS).
+LONG_TASKS = ("w1", "w2", "w3", "w3mt")
+UNCONSTRAINED_TASKS = ("bfcl", "w3")
+
 def _read_json(path: str, what: str):
   if not os.path.exists(path):
     raise SystemExit(f"error: {what} file not found: {path}")
@@ -113,9 +120,9 @@ def _task_cases(args, split: str, skip: int = 0):
   if args.task != "jsonl":
     if args.data is not None:
       raise SystemExit("error: --data applies to --task jsonl")
-    long = args.task in ("w1", "w2", "w3", "w3mt")
+    long = args.task in LONG_TASKS
     if not long and (args.length is not None or args.tail is not None):
-      raise SystemExit("error: --length and --tail apply to --task w1, w2, w3, w3mt")
+      raise SystemExit(f"error: --length and --tail apply to --task {', '.join(LONG_TASKS)}")
     if args.task == "w1" and args.categories:
       raise SystemExit("error: --task w1 has no categories")
     if args.task in ("bfcl", "w3", "w3mt"):
@@ -148,7 +155,7 @@ def _task_cases(args, split: str, skip: int = 0):
 def _session(m, args, cases):
   """The evaluation session of ``eval`` / ``tune``: BFCL, or the JSONL task's cases."""
   from calibrate import evaluate as E
-  if args.task in ("w1", "w2", "w3", "w3mt"):
+  if args.task in LONG_TASKS:
     from calibrate import longctx
     from pask_jax.grammar import GrammarCompiler
     gc = GrammarCompiler(m.tokenizer, m.cfg.vocab_size)
@@ -179,7 +186,7 @@ def cmd_eval(args) -> int:
     E.check_config(rc)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  if args.unconstrained and args.task not in ("bfcl", "w3"):
+  if args.unconstrained and args.task not in UNCONSTRAINED_TASKS:
     raise SystemExit(f"error: --unconstrained leaves out a tool-call grammar: only --task bfcl "
                      f"and w3 have one (got --task {args.task})")
   if args.task == "w1" and args.temperature > 0:
@@ -387,7 +394,7 @@ _utilization = _arg(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 
 def _task_args(p) -> None:
   """--task / --data / --seed, as eval and tune take them."""
-  p.add_argument("--task", choices=["bfcl", "jsonl", "w1", "w2", "w3", "w3mt"], default="bfcl",
+  p.add_argument("--task", choices=["bfcl", "jsonl", *LONG_TASKS], default="bfcl",
                  help="bfcl: BFCL's splits; jsonl: the cases of --data FILE, the format "
                       "calibrate --task jsonl reads (split test: every case of the file; cal / "
                       "dev: calibration's 1:1 split of it by --seed); w1 / w2 / w3: the "

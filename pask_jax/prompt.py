@@ -131,6 +131,12 @@ def takes_tools(tokenizer, template: str | None = None) -> bool:
   return "tools" in (template or tokenizer.chat_template or "")
 
 
+def takes_calls(tokenizer, template: str | None = None) -> bool:
+  """Whether the chat template renders an assistant message's ``tool_calls`` (else a past
+  answer's calls are written into its text, in the model's format)."""
+  return "tool_calls" in (template or tokenizer.chat_template or "")
+
+
 def mark(tokenizer, text: str, spans: Sequence[tuple[int, int]], labels: bool = False
          ) -> tuple[list[int], Any, np.ndarray]:
   """``(ids, tags, marks)`` from one tokenization: ``ids == tokenizer.encode(text)``, ``tags``

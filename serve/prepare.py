@@ -59,14 +59,14 @@ class Preparer:
                default_max_tokens: int = DEFAULT_MAX_TOKENS,
                tool_format: str | None = None, template: str | None = None):
     from pask_jax import policy as P
-    from pask_jax.prompt import style
+    from pask_jax.prompt import style, takes_calls
     self.engine, self.tok, self.cfg, self.grammars = engine, tokenizer, cfg, grammars
     self.style = style(cfg.arch, tool_format)
     self.template = template   # a chat template (text) in place of the tokenizer's, or None
     self.vocab = min(cfg.vocab_size, len(tokenizer.token_bytes()))
     self.state_vocab = P.state_vocab(engine.policy)   # parser-state ids of the reserve Γ
     self.default_max_tokens = default_max_tokens
-    self.takes_calls = "tool_calls" in (template or tokenizer.chat_template or "")
+    self.takes_calls = takes_calls(tokenizer, template)
     # No token is longer than this many bytes: a text of n bytes has at least n / this tokens,
     # so an obviously over-long prompt is refused before it is tokenized.
     self.max_token_bytes = max(1, max(len(b) for b in tokenizer.token_bytes()))

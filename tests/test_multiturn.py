@@ -154,6 +154,8 @@ def test_episodes_run_in_the_harness(session, tmp_path):
 
 
 def test_stubs_and_names():
+  from pask_jax import cli
+  assert cli.LONG_TASKS == LC.TASKS and cli.UNCONSTRAINED_TASKS == E.UNCONSTRAINED_TASKS
   assert LC.name_of("w3mt", 16384) == "w3mt:L16384"
   got = LC.stubs("w3mt", "dev", ["multi_turn_base"], seed=0)
   assert [e.id for e in got] == [e.id for e in MT.load(["multi_turn_base"], split="dev")]

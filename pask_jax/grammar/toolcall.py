@@ -186,18 +186,25 @@ _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S)
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def _call_objects(text: str) -> list[Any]:
+def _call_objects(text: str, strict: bool = False) -> list[Any]:
   """The JSON values an answer's call blocks hold, flattened (a block may hold a list): the
   ``<tool_call>`` blocks, else the fenced blocks, else the whole text as JSON.  Raises ValueError
-  when none parses."""
+  when none parses; with ``strict`` also when a block is not closed or does not parse (the
+  lenient reading skips such blocks)."""
   blobs: list[Any] = []
-  for rx in (_TAG, _FENCE):
-    for m in rx.finditer(text):
+  for rx, opener in ((_TAG, "<tool_call>"), (_FENCE, "```")):
+    found = rx.findall(text)
+    # an opener without its closer (a fence is its own closer: an odd count leaves one open)
+    opened = text.count(opener) if opener == "<tool_call>" else -(-text.count(opener) // 2)
+    if strict and len(found) < opened:
+      raise ValueError("a call block is not closed")
+    for i, b in enumerate(found):
       try:
-        blobs.append(json.loads(m.group(1)))
+        blobs.append(json.loads(b))
       except json.JSONDecodeError:
-        pass
-    if blobs:
+        if strict:
+          raise ValueError(f"call block {i} does not parse as JSON") from None
+    if blobs or strict and opened:
       break
   if not blobs:
     try:
@@ -239,20 +246,10 @@ def call_problem(tools: list[dict], text: str) -> str | None:
   (``jsonschema``; no rewriting).  What an unconstrained run is scored by beside the checker
   (docs/SPHERICAL_KV.md §4, schema validity); a grammar-constrained answer that was not cut off
   always passes."""
-  tags = _TAG.findall(text)
-  blocks = tags or ([] if "<tool_call>" in text else _FENCE.findall(text))
-  opened = text.count("<tool_call>") if tags or "<tool_call>" in text else text.count("```") // 2
-  if len(blocks) < opened or "```" in text and not tags and text.count("```") % 2:
-    return "a call block is not closed"
-  for i, b in enumerate(blocks):
-    try:
-      json.loads(b)
-    except json.JSONDecodeError:
-      return f"call block {i} does not parse as JSON"
   try:
-    objs = _call_objects(text)
-  except ValueError:
-    return "no call block parses as JSON"
+    objs = _call_objects(text, strict=True)
+  except ValueError as e:
+    return "no call block parses as JSON" if str(e).startswith("no tool call") else str(e)
   if not objs:
     return "no call"
   params = {}
