@@ -49,6 +49,26 @@ def merge(o: jax.Array, m: jax.Array, l: jax.Array, axis: int) -> tuple[jax.Arra
   return out, den
 
 
+def round_bf16(x: jax.Array) -> jax.Array:
+  """f32 -> f32 rounded to the nearest bf16 (ties to even), by integer ops on the bits.
+
+  ``x.astype(bf16).astype(f32)`` says the same, but XLA's GPU pipeline (excess precision allowed,
+  its default) folds such round trips away, so on a GPU it returns ``x`` unrounded; bit ops it
+  cannot fold.  Finite inputs (NaN payloads are not preserved)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  odd = jax.lax.shift_right_logical(bits, jnp.uint32(16)) & jnp.uint32(1)
+  bits = (bits + jnp.uint32(0x7FFF) + odd) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """f32 -> (hi, lo) bf16 with hi + lo == x to ~2^-17, safe in XLA graphs (:func:`round_bf16`:
+  with ``astype`` round trips XLA on a GPU makes lo zero, and two-pass products lose their low
+  half).  Inside Triton kernels ``gpu.decode.split_bf16`` (plain converts) is exact."""
+  hi = round_bf16(x)
+  return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+
+
 def f16_bits_to_f32(h: jax.Array) -> jax.Array:
   """int32 holding fp16 bits in its low 16 bits -> f32, with integer ops only.
 

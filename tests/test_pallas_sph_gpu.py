@@ -10,6 +10,7 @@ shapes, with ptxas's registers / spills / shared memory checked against Hopper's
 tests/test_pallas_aot.py nothing skips: a missing CUDA plugin or ptxas is a failure.
 """
 import os
+import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -157,3 +158,30 @@ def test_tier_kernel_compiles_to_sm90a_within_limits(shape):
     print(shape, r.name, r.summary())
     assert ".target sm_90a" in r.ptx
     assert r.ok(), (r.name, r.summary())
+
+
+def test_bf16_split_survives_xla_on_gpu():
+  """The rotated query's hi/lo split happens in XLA, whose GPU pipeline folds f32 -> bf16 -> f32
+  round trips: with ``astype`` the low half became ``x - x = 0`` and the three-pass logits were
+  one bf16 pass (2e-3 on an H100).  common.split_bf16 rounds by bit ops; it must equal the
+  plain conversion on the host and keep its subtraction in the sm_90 compile."""
+  rng = np.random.default_rng(7)
+  x = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096),
+                      np.float32(1 + np.arange(-8, 9) * 2.0 ** -8),   # ties: round to even
+                      [0.0, -0.0, 1e-40, -3e38]]).astype(np.float32)
+  want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(common.round_bf16(jnp.asarray(x))), want)
+  hi, lo = common.split_bf16(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(hi.astype(jnp.float32)), want)
+  big = np.abs(x) > 1e-30
+  err = np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - x)[big] / np.abs(x[big])
+  assert err.max() <= 2.0 ** -16
+  folded = r"subtract\((%[\w.-]+), \1\)"
+  plain = gpu_aot.compile_hlo(jax.jit(lambda v: gpu_sph.split_bf16(v * 1.5)), jnp.ones((16, 64)))
+  assert re.search(folded, plain), "XLA no longer folds the round trip: revisit common.split_bf16"
+  d = 64
+  sph = sph_synth.zeros([TierSpec("A4", "bf16", d)], b=1, hkv=2, page=16, n=4, layers=1)
+  hlo = gpu_aot.compile_hlo(jax.jit(sph_partials_gpu), jnp.ones((1, 8, d), jnp.bfloat16), sph,
+                            jnp.int32(0))
+  assert not re.search(folded, hlo)
+  assert "subtract" in hlo

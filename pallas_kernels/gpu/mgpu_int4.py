@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from pallas_kernels.gpu import mgpu_upcast
 from pallas_kernels.gpu.mgpu_common import (  # noqa: F401 - N_PAD, HAS_CONCAT, ...: re-exported
     FLOOR as _FLOOR, HAS_CONCAT, LOG2E, N_PAD, SM90_SMEM, check_cols as _check_cols,
@@ -716,7 +717,7 @@ def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, 
     hi, lo = (jnp.einsum("bgd,bnd->bng", q[:, i].astype(jnp.float32), kf) for i in (0, 1))
     s = (hi + lo * (1.0 / Q_LO)) * qscale[:, None, None]
   else:
-    s = jnp.einsum("bgd,bnd->bng", q.astype(jnp.bfloat16).astype(jnp.float32), kf)
+    s = jnp.einsum("bgd,bnd->bng", common.round_bf16(q), kf)
   s = s * (ks * qk_scale)[..., None]
   valid = jnp.arange(n)[None, :] < lens[:, None]
   s = jnp.where(valid[..., None], s, -jnp.inf)
@@ -733,7 +734,7 @@ def partition_reference(q, k, ks, v, vs, lens, qscale=None, *, tile: int = 128, 
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, :, None, :])
     l = l * alpha[:, :, None, :] + p
-    pb = (p * vs[..., None]).astype(jnp.bfloat16).astype(jnp.float32)
+    pb = common.round_bf16(p * vs[..., None])
     acc = acc * alpha[:, :, None, :] + jnp.einsum("bstd,bstg->bsdg", v, pb)
     return (m_new, l, acc), None
 

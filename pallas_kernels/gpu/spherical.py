@@ -331,8 +331,8 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   qf = jnp.pad(qf, ((0, 0), (0, 0), (0, m_rows - g), (0, 0)))
   qr = jnp.einsum("bhgd,ed->bhge", qf, sph_rotation(signs), precision=HIGHEST)
   beta = jnp.einsum("bhgd,hd->bhg", qf, mu.astype(jnp.float32), precision=HIGHEST)
-  qe_h, qe_l = split_bf16(qr[..., 0::2])
-  qo_h, qo_l = split_bf16(qr[..., 1::2])
+  qe_h, qe_l = common.split_bf16(qr[..., 0::2])     # XLA-side split (see common.split_bf16)
+  qo_h, qo_l = common.split_bf16(qr[..., 1::2])
   qs = jnp.stack([qe_h, qe_l, qo_h, qo_l], 2)                         # [B, Hkv, 4, M, D/2]
   c = common.default_scale(d, scale) * common.LOG2E
   if interpret and int4_dequant == "asm":

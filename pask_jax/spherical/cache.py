@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import int4
+from pallas_kernels import common, int4
 from pallas_kernels import spherical
 from pallas_kernels.sph_types import SphConsts, SphInputs, SphMaps, SphPool, TierSpec
 from pask_jax import actions as Act
@@ -207,7 +207,7 @@ def _encode_rows(state: SphState, ts: TierSpec, k, v, layers):
   """K/V rows ``[Lc, ..., Hkv, D]`` of layers ``layers [Lc]`` -> (packed angles, side words,
   value stream) in tier ``ts``'s format; keys and values first rounded to BF16 (what the window
   held)."""
-  kb = k.astype(jnp.bfloat16).astype(jnp.float32)
+  kb = common.round_bf16(k)
   vb = v.astype(jnp.bfloat16)
   extra = (1,) * (k.ndim - 3)
   mu = state.consts.mu[layers].reshape((len(layers),) + extra + state.consts.mu.shape[1:])

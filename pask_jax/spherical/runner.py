@@ -66,7 +66,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from pallas_kernels import spherical
+from pallas_kernels import common, spherical
 from pallas_kernels.sph_types import TierSpec
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pask_jax import cache as pcache
@@ -282,7 +282,7 @@ class SphRunner:
     and the radius ``r`` (after centering and rotation)."""
     L, D = k.shape[0], k.shape[-1]
     H = k.shape[-2]
-    kb = k.astype(jnp.bfloat16).astype(jnp.float32)
+    kb = common.round_bf16(k)
     mu = jnp.zeros((L, H, D), jnp.float32) if self.mu is None else jnp.asarray(self.mu,
                                                                                 jnp.float32)
     mu = mu.reshape((L,) + (1,) * (k.ndim - 3) + (H, D))
