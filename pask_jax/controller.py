@@ -61,76 +61,138 @@ def resolve(policy: FrozenPolicy, tag_ids: jax.Array):
 
   Returns (a0 int32[G], floor int32[G], prio f32[G, 2], crit bool, unique bool): resolved base
   actions, floors, scores (NaN unless exactly one candidate), whether the tag is critical, and
-  whether exactly one valid candidate was given.
+  whether exactly one valid candidate was given.  The candidate axis is unrolled (it has
+  ``N_CAND`` = 4 entries): elementwise selects instead of reductions over it keep the batched
+  decode step's controller in a few fused kernels (issue 24).
   """
   ids = jnp.asarray(tag_ids, jnp.int32)
-  valid = ids >= 0                                   # [C]; PAD and STOP are negative
-  known = valid & (ids < policy.action.shape[0])     # outside the table: no entry -> H
-  safe = jnp.where(known, ids, 0)
+  n_tags = policy.action.shape[0]
   H = jnp.int32(Act.H)
-  a0 = jnp.where(known[:, None], policy.action[safe].astype(jnp.int32), H)   # [C, G]
-  fl = jnp.where(known[:, None], policy.floor[safe].astype(jnp.int32), H)
-  pr = jnp.where(known[:, None, None], policy.prio[safe], jnp.nan)          # [C, G, 2]
-  n_valid = jnp.sum(valid)
+  rows = []
+  for c in range(ids.shape[0]):
+    i = ids[c]
+    valid = i >= 0                                   # PAD and STOP are negative
+    known = valid & (i < n_tags)                     # outside the table: no entry -> H
+    safe = jnp.where(known, i, 0)
+    rows.append((valid, known,
+                 jnp.where(known, policy.action[safe].astype(jnp.int32), H),      # [G]
+                 jnp.where(known, policy.floor[safe].astype(jnp.int32), H),
+                 jnp.where(known, policy.prio[safe], jnp.nan),                   # [G, 2]
+                 known & policy.crit[safe]))
+  n_valid = sum(r[0].astype(jnp.int32) for r in rows)
   unique = n_valid == 1
-  first = jnp.argmax(valid)                          # the valid one when unique
+  # The valid candidate when unique: the first valid one (later ones are PAD).
+  a0, fl, pr = rows[-1][2:5]
+  for valid, _, ra, rf, rp, _ in reversed(rows[:-1]):
+    a0, fl, pr = (jnp.where(valid, x, y) for x, y in ((ra, a0), (rf, fl), (rp, pr)))
   # Several candidates: action = floor = max over every candidate's action and floor.
-  amax = jnp.max(jnp.where(valid[:, None], jnp.maximum(a0, fl), -1), axis=0)
+  amax = jnp.full_like(a0, -1)
+  for valid, _, ra, rf, _, _ in rows:
+    amax = jnp.maximum(amax, jnp.where(valid, jnp.maximum(ra, rf), -1))
   amax = jnp.where(n_valid > 0, amax, H)             # all pads: H
-  res_a0 = jnp.where(unique, a0[first], amax)
-  res_fl = jnp.where(unique, fl[first], amax)
-  res_pr = jnp.where(unique, pr[first], jnp.nan)
-  crit = jnp.any(known & policy.crit[safe])
-  return res_a0, res_fl, res_pr, crit, unique
+  crit = rows[0][5]
+  for r in rows[1:]:
+    crit = crit | r[5]
+  return (jnp.where(unique, a0, amax), jnp.where(unique, fl, amax),
+          jnp.where(unique, pr, jnp.nan), crit, unique)
 
 
-def _unroll(G: int) -> bool | int:
-  """Unroll Alg. 2's 2·G-step loops when G is small (every model here: 3 groups): a rolled loop
-  is a ``while`` thunk on the GPU, launched step by step from the host outside the step's CUDA
-  graphs (issue 24); unrolled, its few ops fuse into the step's straight-line kernels."""
-  return True if 2 * G <= 16 else 4
+# Alg. 2's loops below hold one token's per-group state as Python lists of scalars (G is static
+# and small): every step is then elementwise on the batch, with first/last arg-extrema by
+# sequential compares instead of reductions and gathers, so XLA fuses the whole batched
+# controller into a few kernels; as a batched ``.at[best]`` loop it was ~50 kernels of the GPU
+# decode step's graph, each a launch (issue 24).
+
+
+def _group_cost(cost, g: int, a):
+  """m(a, g) for action ``a`` of group ``g`` (cost f32[3, G]) by selects, not a gather."""
+  return jnp.where(a == 0, cost[0, g], jnp.where(a == 1, cost[1, g], cost[2, g]))
+
+
+def _cost_sum(cost, a):
+  m = _group_cost(cost, 0, a[0])
+  for g in range(1, len(a)):
+    m = m + _group_cost(cost, g, a[g])
+  return m
+
+
+def _any(xs):
+  out = xs[0]
+  for x in xs[1:]:
+    out = out | x
+  return out
+
+
+def _argext(keys, better):
+  """Index of the extreme key, ``better(new, best)`` deciding replacement in group order."""
+  best, bk = jnp.int32(0), keys[0]
+  for g in range(1, len(keys)):
+    take = better(keys[g], bk)
+    best, bk = jnp.where(take, g, best), jnp.where(take, keys[g], bk)
+  return best
+
+
+def _loop(n: int, body, a: list, extra=()):
+  """``n`` steps of ``body(a, *extra) -> (a, *extra)`` over lists of scalars: unrolled when
+  small (no ``while`` thunk), else a ``fori_loop`` over the stacked state."""
+  if n <= 16:
+    for _ in range(n):
+      a, *extra = body(a, *extra)
+    return a
+  G = len(a)
+
+  def step(_, carry):
+    a, *rest = body([carry[0][g] for g in range(G)], *carry[1:])
+    return (jnp.stack(a), *rest)
+
+  out = jax.lax.fori_loop(0, n, step, (jnp.stack(a), *extra), unroll=4)
+  return [out[0][g] for g in range(G)]
 
 
 def _demote(a, floor, prio, cost, budget):
-  """Alg. 2 Demote over one token's groups.  a, floor: int32[G]; prio f32[G, 2]; cost f32[3, G]."""
-  G = a.shape[0]
-  gi = jnp.arange(G)
+  """Alg. 2 Demote over one token's groups: a, floor lists of G int32; prio G pairs of f32
+  (ρ(R→L), ρ(L→H)); cost f32[3, G]."""
+  G = len(a)
+  fmax = jnp.finfo(jnp.float32).max
 
-  def body(_, a):
-    m = jnp.sum(cost[a, gi])
-    elig = a > floor
-    # Priority of the demotion = ρ of the upgrade it undoes: H→L undoes L→H (index 1), L→R undoes
-    # R→L (index 0): index a-1.
-    p = prio[gi, jnp.clip(a - 1, 0, 1)]
+  def body(a):
+    elig = [a[g] > floor[g] for g in range(G)]
+    # Priority of the demotion = ρ of the upgrade it undoes: H→L undoes L→H, L→R undoes R→L.
     # NaN (no score) ranks after every score but before ineligible groups (+inf).
-    key = jnp.where(elig, jnp.where(jnp.isnan(p), jnp.finfo(jnp.float32).max, p), jnp.inf)
-    best = jnp.argmin(key)  # the first minimum: ties go to the lower group
-    do = (m > budget) & jnp.any(elig)
-    return a.at[best].add(jnp.where(do, -1, 0))
+    key = []
+    for g in range(G):
+      p = jnp.where(a[g] >= 2, prio[g][1], prio[g][0])
+      key.append(jnp.where(elig[g], jnp.where(jnp.isnan(p), fmax, p), jnp.inf))
+    best = _argext(key, lambda new, old: new < old)   # first minimum: ties go to the lower group
+    do = (_cost_sum(cost, a) > budget) & _any(elig)
+    return ([a[g] - jnp.where(do & (best == g), 1, 0) for g in range(G)],)
 
-  return jax.lax.fori_loop(0, 2 * G, body, a, unroll=_unroll(G))
+  return _loop(2 * G, body, a)
 
 
 def _promote(a, prio, cost, budget):
   """Alg. 2 Promote: descending priority while M(a) + Δ <= budget (stop at the first misfit)."""
-  G = a.shape[0]
-  gi = jnp.arange(G)
+  G = len(a)
 
-  def body(_, carry):
-    a, stopped = carry
-    p = prio[gi, jnp.clip(a, 0, 1)]           # R→L is index 0, L→H index 1
-    elig = (a < Act.H) & ~jnp.isnan(p)
-    key = jnp.where(elig, p, -jnp.inf)
-    # Ties go to the upper group: argmax over the reversed axis.
-    best = G - 1 - jnp.argmax(key[::-1])
-    delta = cost[jnp.clip(a[best] + 1, 0, 2), best] - cost[a[best], best]
-    fits = jnp.sum(cost[a, gi]) + delta <= budget
-    can = jnp.any(elig) & ~stopped
+  def body(a, stopped):
+    key, delta, elig = [], [], []
+    for g in range(G):
+      p = jnp.where(a[g] >= 1, prio[g][1], prio[g][0])     # R→L, L→H
+      elig.append((a[g] < Act.H) & ~jnp.isnan(p))
+      key.append(jnp.where(elig[g], p, -jnp.inf))
+      delta.append(_group_cost(cost, g, jnp.minimum(a[g] + 1, 2)) - _group_cost(cost, g, a[g]))
+    best = _argext(key, lambda new, old: new >= old)  # last maximum: ties go to the upper group
+    d = delta[0]
+    for g in range(1, G):
+      d = jnp.where(best == g, delta[g], d)
+    fits = _cost_sum(cost, a) + d <= budget
+    some = _any(elig)
+    can = some & ~stopped
     do = can & fits
-    return a.at[best].add(jnp.where(do, 1, 0)), stopped | (can & ~fits) | ~jnp.any(elig)
+    return ([a[g] + jnp.where(do & (best == g), 1, 0) for g in range(G)],
+            stopped | (can & ~fits) | ~some)
 
-  a, _ = jax.lax.fori_loop(0, 2 * G, body, (a, jnp.bool_(False)), unroll=_unroll(G))
-  return a
+  return _loop(2 * G, body, a, (jnp.bool_(False),))
 
 
 def control(policy: FrozenPolicy, tag_ids: jax.Array, state_id: jax.Array, balance: jax.Array,
@@ -143,17 +205,19 @@ def control(policy: FrozenPolicy, tag_ids: jax.Array, state_id: jax.Array, balan
   ids = jnp.asarray(tag_ids, jnp.int32)
   assert ids.shape == (T.N_CAND,), f"tag_ids must be [{T.N_CAND}], got {ids.shape}"
   balance = jnp.asarray(balance, jnp.float32)
-  stop = jnp.asarray(is_stop, bool) | jnp.any(ids == T.STOP)
+  stop = jnp.asarray(is_stop, bool) | _any([ids[c] == T.STOP for c in range(T.N_CAND)])
   a0, floor, prio, crit, unique = resolve(policy, ids)
-  a = jnp.maximum(a0, floor)                                        # Eq. 11
+  G = policy.n_groups
+  cost = policy.cost
+  floor = [floor[g] for g in range(G)]
+  prio = [(prio[g, 0], prio[g, 1]) for g in range(G)]
+  a = [jnp.maximum(a0[g], floor[g]) for g in range(G)]               # Eq. 11
   budget = jnp.maximum(balance - policy.gamma(state_id), 0.0)       # B_t
-  a = _demote(a, floor, prio, policy.cost, budget)
-  promoted = _promote(a, prio, policy.cost, budget)
-  a = jnp.where(crit & unique, promoted, a)
-  a = jnp.where(stop, Act.R, a)
-  spent = total_cost(policy, a)
-  new_balance = jnp.where(stop, balance, balance - spent + policy.allowance)
-  return a.astype(jnp.int8), new_balance
+  a = _demote(a, floor, prio, cost, budget)
+  promoted = _promote(a, prio, cost, budget)
+  a = [jnp.where(stop, Act.R, jnp.where(crit & unique, p, x)) for p, x in zip(promoted, a)]
+  new_balance = jnp.where(stop, balance, balance - _cost_sum(cost, a) + policy.allowance)
+  return jnp.stack(a).astype(jnp.int8), new_balance
 
 
 def control_batch(policy: FrozenPolicy, tag_ids: jax.Array, state_ids: jax.Array,

@@ -239,7 +239,9 @@ def test_history_independent_cost():
 
   assert body_text(8) == body_text(512)
   single = jax.make_jaxpr(lambda p, i, b: C.control(p, i, -1, b))(pol, jnp.zeros(4, jnp.int32), bal)
-  assert len(single.jaxpr.eqns) < 200
+  # Fixed size: the 2·G-step loops unrolled into per-group selects (~1.7K equations at G = 3;
+  # they fuse into a few kernels, see test_control_batch_has_no_loop)
+  assert len(single.jaxpr.eqns) < 2000
 
 
 def test_batch_vmap(hand):
@@ -300,3 +302,84 @@ def test_control_batch_has_no_loop(hand):
       hand, jnp.broadcast_to(T.candidates(CRIT), (B, T.N_CAND)), jnp.full((B,), -1, jnp.int32),
       jnp.full((B,), 300.0, jnp.float32)).as_text()
   assert "while" not in text
+
+
+# ---- against a plain-Python Alg. 2 (the module docstring, step by step) -------------------------
+
+
+def _alg2(pol, ids, state, bal, stop):
+  """One token of Alg. 2 in NumPy, loops written as the paper reads."""
+  act, fl_t, pr_t = (np.asarray(x) for x in (pol.action, pol.floor, pol.prio))
+  crit_t, cost = np.asarray(pol.crit), np.asarray(pol.cost, np.float64)
+  G = cost.shape[1]
+  ids = [int(i) for i in ids]
+  if stop or T.STOP in ids:
+    return [R] * G, bal
+  valid = [i for i in ids if i >= 0]
+  known = [i for i in valid if i < act.shape[0]]
+  if len(valid) == 1:
+    i = valid[0]
+    a0 = act[i].astype(int) if i in known else np.full(G, H)
+    fl = fl_t[i].astype(int) if i in known else np.full(G, H)
+    pr = pr_t[i] if i in known else np.full((G, 2), np.nan)
+  else:   # several candidates (or none): action = floor = max of all actions and floors
+    per = [np.maximum(act[i], fl_t[i]) if i in known else np.full(G, H) for i in valid]
+    a0 = fl = np.max(per, axis=0).astype(int) if per else np.full(G, H)
+    pr = np.full((G, 2), np.nan)
+  crit = any(crit_t[i] for i in known)
+  a = np.maximum(a0, fl)
+  s = int(state)
+  res = np.asarray(pol.reserve)
+  gam = (res[s] if 0 <= s < len(res) else float(pol.pooled)) * float(pol.c_full)
+  budget = max(bal - gam, 0.0)
+  m = lambda a: sum(cost[a[g], g] for g in range(G))
+  for _ in range(2 * G):                                          # demote
+    el = [g for g in range(G) if a[g] > fl[g]]
+    if m(a) <= budget or not el:
+      break
+    p = lambda g: pr[g, a[g] - 1]          # the ρ of the upgrade the demotion undoes
+    a[min(el, key=lambda g: (bool(np.isnan(p(g))), 0.0 if np.isnan(p(g)) else p(g), g))] -= 1
+  if crit and len(valid) == 1:                                    # promote
+    for _ in range(2 * G):
+      el = [g for g in range(G) if a[g] < H and not np.isnan(pr[g, min(a[g], 1)])]
+      if not el:
+        break
+      best = max(el, key=lambda g: (pr[g, min(a[g], 1)], g))
+      d = cost[a[best] + 1, best] - cost[a[best], best]
+      if m(a) + d > budget:
+        break
+      a[best] += 1
+  return list(a), bal - m(a) + float(pol.allowance)
+
+
+@pytest.mark.parametrize("groups", [1, 3, 9])
+def test_matches_plain_alg2(groups):
+  """control_batch (its loops unrolled into selects, or rolled past 16 steps at G = 9) against the
+  NumPy Alg. 2 on random policies: NaN scores, ties, floors, reserves, stop tokens, several and
+  unknown candidates."""
+  model = {"n_layers": 9, "n_kv_heads": 1, "head_dim": 8}
+  rng = np.random.default_rng(groups)
+  base = P.all_high(model, n_groups=groups)
+  n = T.N_IDS
+  fl = rng.integers(0, 3, (n, groups))
+  act = np.maximum(fl, rng.integers(0, 3, (n, groups)))
+  prio = rng.integers(0, 4, (n, groups, 2)).astype(np.float32)    # small integers: many ties
+  prio[rng.uniform(size=prio.shape) < 0.25] = np.nan
+  run = jax.jit(C.control_batch)
+  for trial in range(6):
+    pol = base.replace(action=jnp.asarray(act, jnp.int8), floor=jnp.asarray(fl, jnp.int8),
+                       prio=jnp.asarray(prio), crit=jnp.asarray(rng.uniform(size=n) < 0.5),
+                       reserve=jnp.asarray(rng.uniform(0, 0.5, 5), jnp.float32),
+                       pooled=jnp.float32(0.2), b_d=jnp.float32(rng.choice([0.0, 0.2, 0.5, 1.0])))
+    B = 256
+    ids = rng.choice([*IDS.tolist(), T.PAD, T.PAD, T.PAD, T.PAD, T.STOP, n + 3], (B, T.N_CAND))
+    ids[: B // 2, 1:] = T.PAD                                          # half unique
+    states = rng.integers(-1, 7, B).astype(np.int32)
+    bal = rng.uniform(-100, 3 * float(np.asarray(base.cost).sum()), B).astype(np.float32)
+    stops = rng.uniform(size=B) < 0.1
+    got_a, got_b = run(pol, jnp.asarray(ids, jnp.int32), jnp.asarray(states), jnp.asarray(bal),
+                       jnp.asarray(stops))
+    for b in range(B):
+      want_a, want_b = _alg2(pol, ids[b], states[b], float(bal[b]), bool(stops[b]))
+      assert list(np.asarray(got_a[b])) == want_a, (trial, b, ids[b])
+      assert float(got_b[b]) == pytest.approx(want_b, rel=1e-6, abs=1e-3)
