@@ -5,7 +5,8 @@
    normalized partial; poisoned invisible slots), and ``decode_attention(sph=, backend="gpu")``
    against ``decode_attention_sph_reference``.
 2. G2 of docs/SPHERICAL_KV.md §4 (B = 8, 32K keys per (sequence, KV head), one layer): the
-   tier partition's time and GB/s of stored bytes; the reconstruct-then-attend path on the same
+   tier partition's time and GB/s of stored bytes (each ``--variants`` trig/expand pair); the
+   reconstruct-then-attend path on the same
    storage (XLA decodes the tier into a dense BF16 K in HBM, then the BF16 partition reads it);
    the INT4 partition (Triton, page 16; and "auto" at page 128: Mosaic GPU on Hopper) on the
    same key count.  Prints one line per measurement; exit 1 when a rel err exceeds its bound.
@@ -73,15 +74,18 @@ def correctness() -> bool:
     # One bf16 pass for q·k and p·V: if the default's error is this one's, the hi/lo passes
     # (FP32-grade by design) do not take effect on the GPU.
     coarse = sph_partials_gpu(q, sph, jnp.int32(1), qk_passes=1, exact_pv=False)
+    table = sph_partials_gpu(q, sph, jnp.int32(1), trig="table", expand="direct")
     for k, ts in enumerate(tiers):
       one = lambda x: common.merge(x[0][:, :, k:k + 1], x[1][:, :, k:k + 1], x[2][:, :, k:k + 1],
                                    axis=2)[0]
-      e, eh, gh, ch = (rel(one(got), one(want)), rel(one(got), one(host)),
-                       rel(one(want), one(host)), rel(one(coarse), one(host)))
-      ok &= e < TOL
+      e, eh, gh, ch, et = (rel(one(got), one(want)), rel(one(got), one(host)),
+                           rel(one(want), one(host)), rel(one(coarse), one(host)),
+                           rel(one(table), one(want)))
+      ok &= e < TOL and et < TOL
       print(f"correct {name} {ts.layout}/{ts.values}: tier partial rel err {e:.2e} "
-            f"(bound {TOL:.0e}); kernel vs host-CPU reference {eh:.2e}, GPU reference vs "
-            f"host-CPU reference {gh:.2e}, one bf16 pass vs host {ch:.2e}")
+            f"(bound {TOL:.0e}); trig table + direct expansion {et:.2e}; kernel vs host-CPU "
+            f"reference {eh:.2e}, GPU reference vs host-CPU reference {gh:.2e}, one bf16 pass "
+            f"vs host {ch:.2e}")
     # The whole call: base partitions + tiers, one merge, vs the reference (f32 merged -> bf16).
     s = synth.Shape(b=b, hq=hq, hkv=hkv, d=d, page=page, w=32, lo_cap=512, hi_cap=128)
     args = synth.stack_layers(synth.make(s, (500, 37), (100, 0), (32, 5), seed=d))
@@ -122,7 +126,10 @@ def empty_base(b, hkv, d, hq):
   return window, hi, lo
 
 
-def g2(batch, keys, iters):
+VARIANTS = ("poly/joins", "table/direct", "table/joins", "poly/direct")
+
+
+def g2(batch, keys, iters, variants=VARIANTS):
   page = 16
   n = keys // page
   for name, (hq, hkv, d) in SHAPES.items():
@@ -136,7 +143,13 @@ def g2(batch, keys, iters):
       pool, tbl = tier_storage(jax.random.PRNGKey(3), ts, batch, hkv, n, page)
       sph = SphInputs((pool,), SphMaps((tbl,), (lens,)), SphConsts(signs, mu), (ts,))
       stored = batch * hkv * keys * ts.bytes
-      t_k = timed(jax.jit(lambda q, s: sph_partials_gpu(q, s)), q, sph, iters=iters)
+      t_var = {}
+      for v in variants:
+        trig, expand = v.split("/")
+        f = jax.jit(lambda q, s, trig=trig, expand=expand: sph_partials_gpu(
+            q, s, trig=trig, expand=expand))
+        t_var[v] = timed(f, q, sph, iters=iters)
+      t_k = t_var[variants[0]]
 
       # Reconstruct-then-attend on the same storage: dense BF16 K in HBM, then the BF16
       # partition (each (sequence, KV head) as a sequence of one KV head, its tier table).
@@ -171,6 +184,8 @@ def g2(batch, keys, iters):
             f"({stored / t_k / 1e9:.0f} GB/s of {ts.bytes} B/key stored) | reconstruct+attend "
             f"{t_both * 1e3:.3f} ms (rebuild {t_rb * 1e3:.3f} + BF16 partition "
             f"{t_at * 1e3:.3f}) -> {t_both / t_k:.2f}x")
+      print(f"G2 {name} {lay}/{val} variants (trig/expand): " + ", ".join(
+          f"{v} {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)" for v, t in t_var.items()))
 
     # The INT4 partition on the same key count (B, Hkv, keys): Triton at page 16; "auto"
     # (Mosaic GPU on Hopper) at page 128.
@@ -205,12 +220,15 @@ def main() -> int:
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--quick", action="store_true", help="correctness only")
+  ap.add_argument("--variants", default=",".join(VARIANTS),
+                  help="tier kernel trig/expand variants timed in G2 (the first is the one "
+                       "compared with reconstruct-then-attend)")
   a = ap.parse_args()
   print(f"backend {jax.default_backend()} {jax.devices()[0].device_kind} jax {jax.__version__}")
   ok = correctness()
   print("correctness", "OK" if ok else "FAILED")
   if not a.quick:
-    g2(a.batch, a.keys, a.iters)
+    g2(a.batch, a.keys, a.iters, tuple(a.variants.split(",")))
   return 0 if ok else 1
 
 

@@ -22,6 +22,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import common
 from pallas_kernels import reference
+from pallas_kernels import spherical
 from pallas_kernels.gpu import aot as gpu_aot
 from pallas_kernels.gpu import decode_attention_sph_gpu, sph_partials_gpu
 from pallas_kernels.gpu import spherical as gpu_sph
@@ -50,11 +51,13 @@ def test_sincos_polynomial():
   assert np.abs(np.asarray(s) - np.sin(t)).max() < 2e-7
 
 
-def test_every_format_ragged_empty_and_shuffled():
+@pytest.mark.parametrize("trig,expand", [("poly", "joins"), ("table", "direct"),
+                                         ("poly", "direct"), ("table", "joins")])
+def test_every_format_ragged_empty_and_shuffled(trig, expand):
   """All three layouts in one call (one launch per tier; A4 int4 and A42 bf16 are in
   test_gqa_ratios_and_shapes), GQA 4, D 64: ragged lengths, a (sequence, head) with no rows,
   exactly one full page, an all-empty tier, shuffled page tables with garbage past each head's
-  pages, split-KV with partial blocks."""
+  pages, split-KV with partial blocks; every trig source and tree expansion."""
   d, b, hkv, g, page = 64, 2, 2, 4, 16
   tiers = [TierSpec("A4", "bf16", d), TierSpec("A42", "int4", d), TierSpec("A2", "int4", d),
            TierSpec("A2", "bf16", d)]
@@ -65,8 +68,21 @@ def test_every_format_ragged_empty_and_shuffled():
   lens[3][:] = 0                                      # an all-empty tier
   sph = sph_synth.layer_of(sph_synth.make(tiers, lens, b=b, hkv=hkv, page=page, seed=52), 0)
   q = jax.random.normal(jax.random.PRNGKey(53), (b, hkv * g, d), jnp.float32)
-  err = _compare(q, sph, splits=2, block=16)
+  err = _compare(q, sph, splits=2, block=16, trig=trig, expand=expand)
   assert err < TOL, err
+
+
+def test_trig_table_is_the_reference_table():
+  for lay in ("A4", "A42", "A2"):
+    sp = TierSpec(lay, "bf16", 64).key
+    tab, offs = gpu_sph.trig_table(sp)
+    ct, st = spherical.trig_tables(sp)
+    for lvl in range(1, sp.levels + 1):
+      row = 64 - 64 // 2 ** (lvl - 1)
+      n = 2 ** (sp.b1 if lvl == 1 else sp.bh)
+      got = tab[offs[lvl - 1]: offs[lvl - 1] + 2 * n].reshape(n, 2)
+      np.testing.assert_array_equal(got, np.stack([ct[row, :n], st[row, :n]], -1))
+      assert (lvl == sp.levels) == (offs[lvl - 1] + 2 * n == tab.size)
 
 
 @pytest.mark.parametrize("g,d,tier,page", [(1, 128, ("A42", "bf16"), 16),

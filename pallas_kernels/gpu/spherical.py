@@ -45,6 +45,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -62,7 +63,9 @@ MIN_D = 32   # q'_even · U_eᵀ contracts over D/2: Triton's MMA needs K >= 16
 _HALF_PI_HI = 1.5707963705062866    # f32(π/2)
 _HALF_PI_LO = -4.371139000186243e-08  # π/2 - f32(π/2)
 _KNOBS = ("scale", "block", "splits", "chunk", "num_warps", "num_stages", "qk_passes",
-          "exact_pv", "int4_dequant", "interpret")
+          "exact_pv", "int4_dequant", "trig", "expand", "interpret")
+TRIG = ("poly", "table")
+EXPAND = ("joins", "direct")
 
 
 # --- static format helpers (Python ints / floats per tier and level) ---------------------------
@@ -114,6 +117,20 @@ def sincos(theta):
   return cos, sin
 
 
+def trig_table(sp: spherical.Spec) -> tuple[np.ndarray, tuple[int, ...]]:
+  """(table f32 [T], offset per level): level ℓ's entry ``off[ℓ-1] + 2·code + t`` holds the cos
+  (t = 0) or sin (t = 1) of the code's decoded angle, the exact values of
+  ``spherical.trig_tables`` (the reference's)."""
+  ct, st = spherical.trig_tables(sp)
+  parts, offs, at = [], [], 0
+  for lvl in range(1, sp.levels + 1):
+    row, n = _level_range(sp.d, lvl)[0], 2 ** (sp.b1 if lvl == 1 else sp.bh)
+    parts.append(np.stack([ct[row, :n], st[row, :n]], -1).reshape(-1))
+    offs.append(at)
+    at += 2 * n
+  return np.concatenate(parts).astype(np.float32), tuple(offs)
+
+
 def _gather(ref, rows, cols, valid, other):
   """ref [R, C], rows [bk], cols [w] -> [bk, w] (masked rows read ``other``)."""
   return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=valid[:, None], other=other)
@@ -122,14 +139,16 @@ def _gather(ref, rows, cols, valid, other):
 # --- the kernel ----------------------------------------------------------------------------------
 
 
-def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref, m_ref, l_ref, *,
-            ts: TierSpec, g, page, n_pages, n_pool_pages, splits, bk, c, qk_passes, exact_pv,
-            int4_dequant):
+def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_ref, o_ref, m_ref,
+            l_ref, *, ts: TierSpec, g, page, n_pages, n_pool_pages, splits, bk, c, qk_passes,
+            exact_pv, int4_dequant, trig, expand, tab_off):
   # meta_ref [4] i32 (length, layer's first flat row, -, -); tbl_ref [n] i32 (this head's pages);
   # q_ref [4, M, D/2] bf16 (q'_even hi, lo, q'_odd hi, lo); beta_ref [M] f32 (q·μ);
-  # ang_ref [L*P*page, NB] u8; side_ref [L*P*page] u32; v_ref [L*P*page, D] bf16 or [.., D/2] u8.
+  # tab_ref [T] f32 (trig_table); ang_ref [L*P*page, NB] u8; side_ref [L*P*page] u32;
+  # v_ref [L*P*page, D] bf16 or [.., D/2] u8.
   sp = ts.key
   d, h2 = sp.d, sp.d // 2
+  trig_mode = trig
   int4_values = ts.values == "int4"
   m_rows = q_ref.shape[1]
   split = pl.program_id(1)
@@ -150,11 +169,32 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref,
     byte, shift = _byte_shift(sp, off + jnp.arange(w))
     levels.append((lvl, byte, shift) + _affine(sp, lvl))
 
-  def trig(lvl_info, rows, valid):
+  def codes(lvl_info, rows, valid, pos=None):
+    """Level codes [bk, w], or at the level-1 width ``pos`` of the level's positions."""
     lvl, byte, shift, a, dl, mask = lvl_info
-    raw = _gather(ang_ref, rows, byte, valid, 0).astype(jnp.int32)        # [bk, w]
-    code = (raw >> shift[None, :]) & mask                           # codes >= 0
+    if pos is not None:
+      byte, shift = _byte_shift(sp, _level_range(d, lvl)[0] + pos)
+    raw = _gather(ang_ref, rows, byte, valid, 0).astype(jnp.int32)
+    return (raw >> shift[None, :]) & mask                           # codes >= 0
+
+  def trig(lvl_info, rows, valid, pos=None):
+    lvl, _, _, a, dl, _ = lvl_info
+    code = codes(lvl_info, rows, valid, pos)
+    if trig_mode == "table":
+      at = tab_off[lvl - 1] + 2 * code
+      return plgpu.load(tab_ref.at[at]), plgpu.load(tab_ref.at[at + 1])
     return sincos(a + code.astype(jnp.float32) * dl)
+
+  def factor(lvl_info, rows, valid, col):
+    """Level ℓ's factor of every level-1 position i: cos or sin (bit ℓ-2 of i) of φ^ℓ_{i>>(ℓ-1)}
+    [bk, D/2] (the direct expansion: no joins, so no layout shuffles in the loop)."""
+    lvl, _, _, a, dl, _ = lvl_info
+    code = codes(lvl_info, rows, valid, col >> (lvl - 1))
+    t = (col >> (lvl - 2)) & 1
+    if trig_mode == "table":
+      return plgpu.load(tab_ref.at[tab_off[lvl - 1] + 2 * code + t[None, :]])
+    cl, sl = sincos(a + code.astype(jnp.float32) * dl)
+    return jnp.where(t[None, :] == 1, sl, cl)
 
   def dot3(qh, ql, u):
     uh, ul = split_bf16(u)
@@ -170,11 +210,16 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref,
     pid = plgpu.load(tbl_ref.at[lax.div(pos, page)], mask=valid, other=0)
     pid = jnp.clip(pid, 0, n_pool_pages - 1)
     rows = jnp.where(valid, base + pid * page + lax.rem(pos, page), 0)
-    # Top-down expansion: u^n = 1, u^{l-1} = interleave(u^l cos φ^l, u^l sin φ^l).
-    u = jnp.ones((bk, 1), jnp.float32)
-    for info in reversed(levels[1:]):
-      cl, sl = trig(info, rows, valid)
-      u = jnp.stack([u * cl, u * sl], axis=-1).reshape(bk, 2 * u.shape[1])
+    if expand == "direct":   # u¹_i = Π_{ℓ=n..2} factor_ℓ(i), in the joins' order of products
+      col = jnp.arange(h2)
+      u = jnp.ones((bk, h2), jnp.float32)
+      for info in reversed(levels[1:]):
+        u = u * factor(info, rows, valid, col)
+    else:  # top-down: u^n = 1, u^{l-1} = interleave(u^l cos φ^l, u^l sin φ^l)
+      u = jnp.ones((bk, 1), jnp.float32)
+      for info in reversed(levels[1:]):
+        cl, sl = trig(info, rows, valid)
+        u = jnp.stack([u * cl, u * sl], axis=-1).reshape(bk, 2 * u.shape[1])
     c1, s1 = trig(levels[0], rows, valid)                                 # [bk, D/2]
     dot = dot3(qeh, qel, u * c1) + dot3(qoh, qol, u * s1)                 # [M, bk]
     word = plgpu.load(side_ref.at[rows], mask=valid, other=0)             # [bk] u32
@@ -218,7 +263,8 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, ang_ref, side_ref, v_ref, o_ref,
 
 
 def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, block, splits,
-          chunk, num_warps, num_stages, qk_passes, exact_pv, int4_dequant, interpret):
+          chunk, num_warps, num_stages, qk_passes, exact_pv, int4_dequant, trig, expand,
+          interpret):
   """One tier: qs [B, Hkv, 4, M, D/2] bf16, beta [B, Hkv, M] -> o [B, Hkv, M, D], m, l
   [B, Hkv, M] (unnormalized, log2 units; rows >= g are zero)."""
   b, hkv, _, m_rows, h2 = qs.shape
@@ -245,9 +291,11 @@ def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, 
     if not offsets_fit(x):
       raise ValueError(f"a tier stream of {x.size} elements of {x.dtype} overflows Pallas "
                        "Triton's 32-bit signed offsets: use fewer layers per call")
+  tab, offs = trig_table(ts.key)
   kernel = functools.partial(
       _kernel, ts=ts, g=g, page=page, n_pages=n, n_pool_pages=n_pool, splits=splits, bk=block,
-      c=c, qk_passes=qk_passes, exact_pv=exact_pv, int4_dequant=int4_dequant)
+      c=c, qk_passes=qk_passes, exact_pv=exact_pv, int4_dequant=int4_dequant, trig=trig,
+      expand=expand, tab_off=offs)
   whole = lambda *shape: pl.BlockSpec(shape, lambda h, s, i: (0,) * len(shape))
   o, m, l = pl.pallas_call(
       kernel,
@@ -256,7 +304,8 @@ def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, 
                 pl.BlockSpec((None, None, n), lambda h, s, i: (i, h, 0)),
                 pl.BlockSpec((None, None, 4, m_rows, h2), lambda h, s, i: (i, h, 0, 0, 0)),
                 pl.BlockSpec((None, None, m_rows), lambda h, s, i: (i, h, 0)),
-                whole(rows, ts.code_bytes), whole(rows), whole(rows, ts.value_width)],
+                whole(tab.size), whole(rows, ts.code_bytes), whole(rows),
+                whole(rows, ts.value_width)],
       out_specs=[pl.BlockSpec((None, None, None, m_rows, d), lambda h, s, i: (i, h, s, 0, 0)),
                  pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0)),
                  pl.BlockSpec((None, None, None, m_rows), lambda h, s, i: (i, h, s, 0))],
@@ -266,7 +315,7 @@ def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, 
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=f"sph_tier_{ts.layout}_{ts.values}_gpu",
-  )(meta, pages.astype(jnp.int32), qs, beta, ang, side, val)
+  )(meta, pages.astype(jnp.int32), qs, beta, jnp.asarray(tab), ang, side, val)
   if splits == 1:
     return o[:, :, 0], m[:, :, 0], l[:, :, 0]
   return common.combine_partials(o, m, l, axis=2)
@@ -298,7 +347,8 @@ def check(q: jax.Array, sph: SphInputs, stacked: bool = False) -> None:
 def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = None,
                      block: int = 32, splits: int | None = None, chunk: int | None = None,
                      num_warps: int = 8, num_stages: int = 2, qk_passes: int = 3,
-                     exact_pv: bool = True, int4_dequant: str = "bits", interpret: bool = False):
+                     exact_pv: bool = True, int4_dequant: str = "bits", trig: str = "poly",
+                     expand: str = "joins", interpret: bool = False):
   """The tier partials of ``reference.sph_partials`` by the kernel: q [B, Hq, D] ->
   o [B, Hkv, K, g, D], m, l [B, Hkv, K, g] (FP32, log2 units, ``sph.spec`` order; an empty tier
   has l = 0).  ``layer``: None, or the (traced) index into pools and constants stacked on a
@@ -307,8 +357,15 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   (sequence, head) (default: from ``chunk`` keys per split, else enough to fill the GPU),
   ``num_warps``/``num_stages``, ``qk_passes`` (3: FP32-grade logits by bf16 hi/lo MMAs, 1: one
   bf16 pass), ``exact_pv``, ``int4_dequant`` ("bits", "cvt", "asm": ``gpu.decode``'s modes;
-  "asm" falls back to "bits" in interpret mode), ``interpret``."""
+  "asm" falls back to "bits" in interpret mode), ``trig`` ("poly": cos/sin by polynomials,
+  "table": read from :func:`trig_table`, L1-resident), ``expand`` ("joins": the tree expanded
+  level by level by width-doubling joins, "direct": each level-1 position's product of level
+  factors, no joins), ``interpret``."""
   check(q, sph, stacked=layer is not None)
+  if trig not in TRIG:
+    raise ValueError(f"trig must be one of {TRIG}, got {trig!r}")
+  if expand not in EXPAND:
+    raise ValueError(f"expand must be one of {EXPAND}, got {expand!r}")
   if qk_passes not in (1, 3):
     raise ValueError(f"qk_passes must be 1 or 3, got {qk_passes}")
   if block < 16 or block & (block - 1):
@@ -339,7 +396,8 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
     int4_dequant = "bits"
   parts = [_tier(qs, beta, pool, pages, length, ts, layer, g=g, c=c, block=block, splits=splits,
                  chunk=chunk, num_warps=num_warps, num_stages=num_stages, qk_passes=qk_passes,
-                 exact_pv=exact_pv, int4_dequant=int4_dequant, interpret=interpret)
+                 exact_pv=exact_pv, int4_dequant=int4_dequant, trig=trig, expand=expand,
+                 interpret=interpret)
            for pool, pages, length, ts in zip(pools, sph.maps.pages, sph.maps.length, sph.spec)]
   o, m, l = (jnp.stack(x, axis=2) for x in zip(*parts))             # [B, Hkv, K, M, ...]
   return o[:, :, :, :g], m[..., :g], l[..., :g]
