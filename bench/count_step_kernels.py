@@ -87,6 +87,25 @@ def _dumped_launches(dump: str) -> dict | None:
     return host_launches(f.read())
 
 
+def compile_step(cfg: ModelConfig, batch: int, context: int, knobs: dict,
+                 lo_format: str = "int4") -> str:
+  """Optimized HLO of one PASK decode step (``PaskRunner.decode_step``, unrolled layers, the
+  demo policy, random weights) compiled for sm_90 on this host."""
+  pol = P.demo(cfg)
+  B, C = batch, context + 17
+  model = random_model(cfg, dtype=jnp.bfloat16)
+  decoder.prepare(model, "unrolled")
+  r = PaskRunner(model, pol, batch=B, capacity=C, backend="gpu", kernel_knobs=knobs)
+  cache = jax.eval_shape(lambda: pc.init_for(cfg, B, pol, capacity=C, page=r.page, lo_page=128,
+                                             lo_format=lo_format, hi_capacity=C // 4,
+                                             lo_capacity=C // 2))
+  z = jnp.zeros((B,), jnp.int32)
+  return gpu_aot.compile_hlo(r.decode_step, r.params, pol, cache, jnp.zeros((B,), jnp.float32),
+                             ledger.init(B, pol.n_groups), z,
+                             jnp.broadcast_to(jnp.asarray(FREE_TAG), (B, 4)), z - 1,
+                             jnp.ones((B,), bool))
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
@@ -105,25 +124,12 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_dump_to={dump} --xla_dump_hlo_module_re=decode_fn").strip()
   cfg = ModelConfig(**SHAPES[a.shape])
-  pol = P.demo(cfg)
-  B, C = a.batch, a.context + 17
-  model = random_model(cfg, dtype=jnp.bfloat16)
-  decoder.prepare(model, "unrolled")
-  r = PaskRunner(model, pol, batch=B, capacity=C, backend="gpu",
-                 kernel_knobs=json.loads(a.knobs))
-  cache = jax.eval_shape(lambda: pc.init_for(cfg, B, pol, capacity=C, page=r.page, lo_page=128,
-                                             lo_format=a.lo_format, hi_capacity=C // 4,
-                                             lo_capacity=C // 2))
-  z = jnp.zeros((B,), jnp.int32)
-  hlo = gpu_aot.compile_hlo(r.decode_step, r.params, pol, cache, jnp.zeros((B,), jnp.float32),
-                            ledger.init(B, pol.n_groups), z,
-                            jnp.broadcast_to(jnp.asarray(FREE_TAG), (B, 4)), z - 1,
-                            jnp.ones((B,), bool))
+  hlo = compile_step(cfg, a.batch, a.context, json.loads(a.knobs), a.lo_format)
   got = count(hlo)
   got["host_launches"] = _dumped_launches(dump)
   if not given:
     shutil.rmtree(dump, ignore_errors=True)
-  print(json.dumps({"shape": a.shape, "batch": B, "context": a.context, "knobs": a.knobs,
+  print(json.dumps({"shape": a.shape, "batch": a.batch, "context": a.context, "knobs": a.knobs,
                     "layers": cfg.n_layers, "per_layer": round(got["thunks"] / cfg.n_layers, 2),
                     **got}))
   return 0

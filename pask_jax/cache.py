@@ -445,9 +445,11 @@ def evict_step(cache: Cache, plan: StepPlan) -> Cache:
   Lyr, B, W = lay.win_k.shape[:3]
   bi = jnp.arange(B)
   read = jnp.minimum(plan.slot, W - 1)
-  # The barrier materializes the evicted rows before the window is written (see write_step).
-  old_k, old_v = jax.lax.optimization_barrier(
-      (lay.win_k[:, bi, read], lay.win_v[:, bi, read]))             # [L, B, Hkv, D]
+  # The barrier materializes the evicted rows before the window is written (see write_step);
+  # the window arrays go through it too, so no layer's window write can be scheduled before
+  # these reads (XLA then copied the whole stacked window to keep the old rows readable).
+  old_k, old_v, win_k, win_v = jax.lax.optimization_barrier(
+      (lay.win_k[:, bi, read], lay.win_v[:, bi, read], lay.win_k, lay.win_v))   # [L, B, Hkv, D]
   gl = jnp.asarray(cache.group_of, jnp.int32)
   dh, dl = plan.dest_hi[gl], plan.dest_lo[gl]                        # [L, B]
   li = jnp.arange(Lyr)[:, None]
@@ -457,7 +459,7 @@ def evict_step(cache: Cache, plan: StepPlan) -> Cache:
 
   kq, vq, sc = _quant_kv(old_k, old_v, cache.lo_format)
   return cache.replace(layers=lay.replace(
-      hi_k=put(lay.hi_k, dh, old_k), hi_v=put(lay.hi_v, dh, old_v),
+      win_k=win_k, win_v=win_v, hi_k=put(lay.hi_k, dh, old_k), hi_v=put(lay.hi_v, dh, old_v),
       **_put_lo(lay, li, dl, kq, vq, sc)))
 
 

@@ -259,3 +259,24 @@ condition:
     016: kCustomKernel [source       | sink] wrapped_iota grid: [1, 1, 1]
 """
   assert host_launches(seq) == {"kCommandBuffer": 2, "kWhile": 1, "kCustomCall": 1}
+
+
+def test_decode_step_for_sm90_copies_no_window_and_fuses_the_controller():
+  """The whole PASK decode step compiled for sm_90 (deviceless): the evicted rows are read
+  before any window write is scheduled (no copy of a stacked window: it was 1.5 MB and two
+  launches per 0.5B step), and Alg. 2 fuses into a few kernels (~49 as a batched loop)."""
+  import re
+  from bench.count_step_kernels import compile_step
+  from models import ModelConfig
+  # The 0.5B's layers at a small vocabulary: smaller models did not show the copy (scheduling)
+  cfg = ModelConfig(arch="qwen2", vocab_size=512, hidden=896, intermediate=4864, n_layers=24,
+                    n_heads=14, n_kv_heads=2, head_dim=64)
+  hlo = compile_step(cfg, 8, 1024, {"int4_kernel": "mosaic"})
+  entry = hlo[hlo.index("\nENTRY "):]
+  copies = re.findall(r"= (bf16\[[\d,]+\])\S* copy\(", entry)
+  assert not copies, copies
+  names = {m.group(1): m.group(2) for m in re.finditer(r"\n%([\w.-]+) \([^\n]*\{\n(.*?)\n\}",
+                                                       hlo, re.S)}
+  called = re.findall(r"fusion\(.*calls=%([\w.-]+)", entry)
+  ctl = [c for c in called if "/controller/" in names.get(c, "")]
+  assert 0 < len(ctl) <= 8, ctl
