@@ -31,8 +31,9 @@ Steps for one token (Alg. 2):
 
 Stop tokens (B.7) charge nothing: if ``is_stop`` or any candidate equals ``tags.STOP`` (-2), the
 actions are all R (the token's KV is never stored) and the balance is returned unchanged (no
-charge and no allowance).  Each group moves at most two adjacent steps per direction, so both
-loops run a fixed 2·G iterations: the per-token work is O(G) and independent of history length.
+charge and no allowance).  Each group moves at most two adjacent steps per direction, so each
+loop has at most 2·G steps and is computed in closed form (below): the per-token work is O(G²)
+and independent of history length.
 """
 from __future__ import annotations
 
@@ -97,11 +98,18 @@ def resolve(policy: FrozenPolicy, tag_ids: jax.Array):
           jnp.where(unique, pr, jnp.nan), crit, unique)
 
 
-# Alg. 2's loops below hold one token's per-group state as Python lists of scalars (G is static
-# and small): every step is then elementwise on the batch, with first/last arg-extrema by
-# sequential compares instead of reductions and gathers, so XLA fuses the whole batched
-# controller into a few kernels; as a batched ``.at[best]`` loop it was ~50 kernels of the GPU
-# decode step's graph, each a launch (issue 24).
+# Alg. 2's demote and promote loops in closed form.  Each group moves at most two adjacent steps
+# per direction, and each loop applies the steps of every group in one order: by key (demote:
+# ascending, promote: descending), a group's second step after its first (its key is the worse
+# of the two: the max ascending, the min descending), ties to the lower group (demote) or the
+# upper group (promote); demote takes steps while the cost before the step exceeds the budget,
+# promote while the cost after it fits.  Costs are sums of integer bit counts, so the
+# cumulative sums below are exact and the greedy loops' choices are reproduced exactly (tests:
+# a NumPy Alg. 2, loops written as the paper reads).  One token's state is a list of G scalars,
+# every quantity elementwise on the batch: O(G²) ops without a sequential chain, which XLA fuses
+# into a few kernels (as a batched ``.at[best]`` loop it was ~50 kernels of the GPU decode
+# step's graph, each a launch (issue 24); as an unrolled chain of selects, XLA's CPU fusion
+# re-evaluated the chain per use, exponentially).
 
 
 def _group_cost(cost, g: int, a):
@@ -123,76 +131,63 @@ def _any(xs):
   return out
 
 
-def _argext(keys, better):
-  """Index of the extreme key, ``better(new, best)`` deciding replacement in group order."""
-  best, bk = jnp.int32(0), keys[0]
-  for g in range(1, len(keys)):
-    take = better(keys[g], bk)
-    best, bk = jnp.where(take, g, best), jnp.where(take, keys[g], bk)
-  return best
-
-
-def _loop(n: int, body, a: list, extra=()):
-  """``n`` steps of ``body(a, *extra) -> (a, *extra)`` over lists of scalars: unrolled when
-  small (no ``while`` thunk), else a ``fori_loop`` over the stacked state."""
-  if n <= 16:
-    for _ in range(n):
-      a, *extra = body(a, *extra)
-    return a
-  G = len(a)
-
-  def step(_, carry):
-    a, *rest = body([carry[0][g] for g in range(G)], *carry[1:])
-    return (jnp.stack(a), *rest)
-
-  out = jax.lax.fori_loop(0, n, step, (jnp.stack(a), *extra), unroll=4)
-  return [out[0][g] for g in range(G)]
+def _taken(keys, elig, amount, ahead, fits):
+  """Steps taken by a greedy walk in the order ``ahead(j, i)`` (j goes before i): step i is
+  taken iff eligible and ``fits(cum_i, amount_i)``, cum_i the eligible amounts up to and with i
+  in that order (monotone: the taken steps are a prefix)."""
+  n = len(keys)
+  out = []
+  for i in range(n):
+    cum = amount[i]
+    for j in range(n):
+      if j != i:
+        cum = cum + jnp.where(elig[j] & ahead(j, i), amount[j], 0.0)
+    out.append(elig[i] & fits(cum, amount[i]))
+  return out
 
 
 def _demote(a, floor, prio, cost, budget):
-  """Alg. 2 Demote over one token's groups: a, floor lists of G int32; prio G pairs of f32
-  (ρ(R→L), ρ(L→H)); cost f32[3, G]."""
+  """Alg. 2 Demote: a, floor lists of G int32; prio G pairs (ρ(R→L), ρ(L→H)); cost f32[3, G].
+  A demotion's priority is the ρ of the upgrade it undoes (H→L: ρ(L→H), L→R: ρ(R→L)); NaN (no
+  score) ranks after every score."""
   G = len(a)
   fmax = jnp.finfo(jnp.float32).max
-
-  def body(a):
-    elig = [a[g] > floor[g] for g in range(G)]
-    # Priority of the demotion = ρ of the upgrade it undoes: H→L undoes L→H, L→R undoes R→L.
-    # NaN (no score) ranks after every score but before ineligible groups (+inf).
-    key = []
-    for g in range(G):
-      p = jnp.where(a[g] >= 2, prio[g][1], prio[g][0])
-      key.append(jnp.where(elig[g], jnp.where(jnp.isnan(p), fmax, p), jnp.inf))
-    best = _argext(key, lambda new, old: new < old)   # first minimum: ties go to the lower group
-    do = (_cost_sum(cost, a) > budget) & _any(elig)
-    return ([a[g] - jnp.where(do & (best == g), 1, 0) for g in range(G)],)
-
-  return _loop(2 * G, body, a)
+  ranked = lambda p: jnp.where(jnp.isnan(p), fmax, p)
+  keys, elig, saving = [], [], []
+  for g in range(G):
+    k0 = ranked(jnp.where(a[g] >= 2, prio[g][1], prio[g][0]))
+    e0 = a[g] > floor[g]
+    keys += [k0, jnp.maximum(k0, ranked(prio[g][0]))]     # second step: L→R, after H→L
+    elig += [e0, e0 & (a[g] - 2 >= floor[g])]
+    saving += [_group_cost(cost, g, a[g]) - _group_cost(cost, g, jnp.maximum(a[g] - 1, 0)),
+               jnp.broadcast_to(cost[1, g] - cost[0, g], a[g].shape)]
+  # Ascending key; ties: lower group, then first step (index order 2g + step).
+  ahead = lambda j, i: (keys[j] < keys[i]) | ((keys[j] == keys[i]) & (j < i))
+  m = _cost_sum(cost, a)
+  take = _taken(keys, elig, saving, ahead, lambda cum, own: m - cum + own > budget)
+  return [a[g] - take[2 * g].astype(jnp.int32) - take[2 * g + 1].astype(jnp.int32)
+          for g in range(G)]
 
 
 def _promote(a, prio, cost, budget):
-  """Alg. 2 Promote: descending priority while M(a) + Δ <= budget (stop at the first misfit)."""
+  """Alg. 2 Promote: descending priority while M(a) + Δ <= budget (stop at the first misfit);
+  upgrades without a score are not taken."""
   G = len(a)
-
-  def body(a, stopped):
-    key, delta, elig = [], [], []
-    for g in range(G):
-      p = jnp.where(a[g] >= 1, prio[g][1], prio[g][0])     # R→L, L→H
-      elig.append((a[g] < Act.H) & ~jnp.isnan(p))
-      key.append(jnp.where(elig[g], p, -jnp.inf))
-      delta.append(_group_cost(cost, g, jnp.minimum(a[g] + 1, 2)) - _group_cost(cost, g, a[g]))
-    best = _argext(key, lambda new, old: new >= old)  # last maximum: ties go to the upper group
-    d = delta[0]
-    for g in range(1, G):
-      d = jnp.where(best == g, delta[g], d)
-    fits = _cost_sum(cost, a) + d <= budget
-    some = _any(elig)
-    can = some & ~stopped
-    do = can & fits
-    return ([a[g] + jnp.where(do & (best == g), 1, 0) for g in range(G)],
-            stopped | (can & ~fits) | ~some)
-
-  return _loop(2 * G, body, a, (jnp.bool_(False),))
+  keys, elig, delta = [], [], []
+  for g in range(G):
+    p0 = jnp.where(a[g] >= 1, prio[g][1], prio[g][0])      # R→L or L→H
+    e0 = (a[g] < Act.H) & ~jnp.isnan(p0)
+    keys += [p0, jnp.minimum(p0, prio[g][1])]             # second step: L→H, after R→L
+    elig += [e0, e0 & (a[g] == Act.R) & ~jnp.isnan(prio[g][1])]
+    delta += [_group_cost(cost, g, jnp.minimum(a[g] + 1, 2)) - _group_cost(cost, g, a[g]),
+              jnp.broadcast_to(cost[2, g] - cost[1, g], a[g].shape)]
+  # Descending key; ties: upper group, then first step.
+  order = lambda i: (i // 2, -(i % 2))
+  ahead = lambda j, i: (keys[j] > keys[i]) | ((keys[j] == keys[i]) & (order(j) > order(i)))
+  m = _cost_sum(cost, a)
+  take = _taken(keys, elig, delta, ahead, lambda cum, own: m + cum <= budget)
+  return [a[g] + take[2 * g].astype(jnp.int32) + take[2 * g + 1].astype(jnp.int32)
+          for g in range(G)]
 
 
 def control(policy: FrozenPolicy, tag_ids: jax.Array, state_id: jax.Array, balance: jax.Array,
