@@ -436,6 +436,15 @@ def set_pending(cache: Cache, actions: jax.Array, mask: jax.Array) -> Cache:
       _force_sink(actions, p, cache.sink), mode="drop"))
 
 
+def _read_evicted(lay: LayerKV, layer, bi, read):
+  """(old K rows, old V rows, window K, window V): the window rows ``read[b]`` of sequence b
+  in layer(s) ``layer``, behind one barrier with the windows themselves, so no window write
+  (which takes the returned windows) can be scheduled before these reads; otherwise XLA GPU
+  copied whole stacked windows to keep the old rows readable."""
+  return jax.lax.optimization_barrier(
+      (lay.win_k[layer, bi, read], lay.win_v[layer, bi, read], lay.win_k, lay.win_v))
+
+
 def evict_step(cache: Cache, plan: StepPlan) -> Cache:
   """Materialize the token leaving the window, in every layer at once (one scatter per pool
   array for the whole stack), before any layer writes its new K/V.  Then ``write_step(...,
@@ -445,11 +454,7 @@ def evict_step(cache: Cache, plan: StepPlan) -> Cache:
   Lyr, B, W = lay.win_k.shape[:3]
   bi = jnp.arange(B)
   read = jnp.minimum(plan.slot, W - 1)
-  # The barrier materializes the evicted rows before the window is written (see write_step);
-  # the window arrays go through it too, so no layer's window write can be scheduled before
-  # these reads (XLA then copied the whole stacked window to keep the old rows readable).
-  old_k, old_v, win_k, win_v = jax.lax.optimization_barrier(
-      (lay.win_k[:, bi, read], lay.win_v[:, bi, read], lay.win_k, lay.win_v))   # [L, B, Hkv, D]
+  old_k, old_v, win_k, win_v = _read_evicted(lay, slice(None), bi, read)   # [L, B, Hkv, D]
   gl = jnp.asarray(cache.group_of, jnp.int32)
   dh, dl = plan.dest_hi[gl], plan.dest_lo[gl]                        # [L, B]
   li = jnp.arange(Lyr)[:, None]
@@ -486,10 +491,7 @@ def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array, 
     return cache.replace(layers=lay.replace(win_k=win(lay.win_k, k), win_v=win(lay.win_v, v)))
   g = group_array(cache)[layer]
   read = jnp.minimum(plan.slot, W - 1)
-  # The barrier materializes the evicted rows before the window is written: without it XLA GPU
-  # copied the whole stacked window (twice) to scatter into it in place.
-  old_k, old_v = jax.lax.optimization_barrier(
-      (lay.win_k[layer, bi, read], lay.win_v[layer, bi, read]))     # [B, Hkv, D]
+  old_k, old_v, win_k, win_v = _read_evicted(lay, layer, bi, read)         # [B, Hkv, D]
   dh, dl = plan.dest_hi[g], plan.dest_lo[g]                                # [B]
 
   def put(x, rows, val):   # [L, P, page, ...] pool: row ``rows`` of layer ``layer`` <- val
@@ -497,7 +499,7 @@ def write_step(cache: Cache, plan: StepPlan, layer, k: jax.Array, v: jax.Array, 
 
   kq, vq, s = _quant_kv(old_k, old_v, cache.lo_format)
   return cache.replace(layers=LayerKV(
-      win_k=win(lay.win_k, k), win_v=win(lay.win_v, v),
+      win_k=win(win_k, k), win_v=win(win_v, v),
       hi_k=put(lay.hi_k, dh, old_k), hi_v=put(lay.hi_v, dh, old_v),
       **_put_lo(lay, layer, dl, kq, vq, s)))
 

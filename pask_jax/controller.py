@@ -91,9 +91,7 @@ def resolve(policy: FrozenPolicy, tag_ids: jax.Array):
   for valid, _, ra, rf, _, _ in rows:
     amax = jnp.maximum(amax, jnp.where(valid, jnp.maximum(ra, rf), -1))
   amax = jnp.where(n_valid > 0, amax, H)             # all pads: H
-  crit = rows[0][5]
-  for r in rows[1:]:
-    crit = crit | r[5]
+  crit = _any([r[5] for r in rows])
   return (jnp.where(unique, a0, amax), jnp.where(unique, fl, amax),
           jnp.where(unique, pr, jnp.nan), crit, unique)
 

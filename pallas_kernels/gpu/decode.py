@@ -59,7 +59,9 @@ def _online(carry, s, valid):
 
 
 def split_bf16(x):
-  """f32 -> (hi, lo) bf16 with hi + lo == x to ~2^-17: two MMAs give a near-FP32 p @ V."""
+  """f32 -> (hi, lo) bf16 with hi + lo == x to ~2^-17: two MMAs give a near-FP32 p @ V.  Inside
+  Triton kernels only: in an XLA graph on a GPU the round trip is folded (lo = 0); there use
+  ``common.split_bf16``."""
   hi = x.astype(jnp.bfloat16)
   return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 

@@ -148,7 +148,6 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
   # v_ref [L*P*page, D] bf16 or [.., D/2] u8.
   sp = ts.key
   d, h2 = sp.d, sp.d // 2
-  trig_mode = trig
   int4_values = ts.values == "int4"
   m_rows = q_ref.shape[1]
   split = pl.program_id(1)
@@ -170,17 +169,18 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     levels.append((lvl, byte, shift) + _affine(sp, lvl))
 
   def codes(lvl_info, rows, valid, pos=None):
-    """Level codes [bk, w], or at the level-1 width ``pos`` of the level's positions."""
+    """A level's codes [bk, w] (its own positions), or [bk, len(pos)] at positions ``pos`` of
+    the level (indices into its width, repeats allowed)."""
     lvl, byte, shift, a, dl, mask = lvl_info
     if pos is not None:
       byte, shift = _byte_shift(sp, _level_range(d, lvl)[0] + pos)
     raw = _gather(ang_ref, rows, byte, valid, 0).astype(jnp.int32)
     return (raw >> shift[None, :]) & mask                           # codes >= 0
 
-  def trig(lvl_info, rows, valid, pos=None):
+  def level_trig(lvl_info, rows, valid):
     lvl, _, _, a, dl, _ = lvl_info
-    code = codes(lvl_info, rows, valid, pos)
-    if trig_mode == "table":
+    code = codes(lvl_info, rows, valid)
+    if trig == "table":
       at = tab_off[lvl - 1] + 2 * code
       return plgpu.load(tab_ref.at[at]), plgpu.load(tab_ref.at[at + 1])
     return sincos(a + code.astype(jnp.float32) * dl)
@@ -191,7 +191,7 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     lvl, _, _, a, dl, _ = lvl_info
     code = codes(lvl_info, rows, valid, col >> (lvl - 1))
     t = (col >> (lvl - 2)) & 1
-    if trig_mode == "table":
+    if trig == "table":
       return plgpu.load(tab_ref.at[tab_off[lvl - 1] + 2 * code + t[None, :]])
     cl, sl = sincos(a + code.astype(jnp.float32) * dl)
     return jnp.where(t[None, :] == 1, sl, cl)
@@ -218,9 +218,9 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     else:  # top-down: u^n = 1, u^{l-1} = interleave(u^l cos φ^l, u^l sin φ^l)
       u = jnp.ones((bk, 1), jnp.float32)
       for info in reversed(levels[1:]):
-        cl, sl = trig(info, rows, valid)
+        cl, sl = level_trig(info, rows, valid)
         u = jnp.stack([u * cl, u * sl], axis=-1).reshape(bk, 2 * u.shape[1])
-    c1, s1 = trig(levels[0], rows, valid)                                 # [bk, D/2]
+    c1, s1 = level_trig(levels[0], rows, valid)                                 # [bk, D/2]
     dot = dot3(qeh, qel, u * c1) + dot3(qoh, qol, u * s1)                 # [M, bk]
     word = plgpu.load(side_ref.at[rows], mask=valid, other=0)             # [bk] u32
     f16 = lambda x: lax.bitcast_convert_type(x.astype(jnp.uint16), jnp.float16).astype(
