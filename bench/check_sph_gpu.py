@@ -220,13 +220,17 @@ def main() -> int:
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--quick", action="store_true", help="correctness only")
+  ap.add_argument("--no-check", action="store_true",
+                  help="G2 timings only (correctness measured by an earlier run of the same tree)")
   ap.add_argument("--variants", default=",".join(VARIANTS),
                   help="tier kernel trig/expand variants timed in G2 (the first is the one "
                        "compared with reconstruct-then-attend)")
   a = ap.parse_args()
   print(f"backend {jax.default_backend()} {jax.devices()[0].device_kind} jax {jax.__version__}")
-  ok = correctness()
-  print("correctness", "OK" if ok else "FAILED")
+  ok = True
+  if not a.no_check:
+    ok = correctness()
+    print("correctness", "OK" if ok else "FAILED")
   if not a.quick:
     g2(a.batch, a.keys, a.iters, tuple(a.variants.split(",")))
   return 0 if ok else 1

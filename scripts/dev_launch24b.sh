@@ -7,6 +7,7 @@
 #   skiptemp  --xla_gpu_command_buffer_update_mode=SKIP_TEMP (temp buffers at fixed addresses)
 #   skipprof  --xla_gpu_command_buffer_update_mode=SKIP_PROFILED (also stable params/outputs)
 #   color     --xla_gpu_temp_buffer_use_separate_color=true
+#   old       with OLD=dir: controller.py and cache.py of an earlier tree (then base2: base again)
 #   LIMIT=300 bash scripts/dev_launch24b.sh
 # Raw output: $OUT/launch24b.tgz.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -24,6 +25,13 @@ step() {  # tag, args...
   echo "$tag rc $?"; grep -E "mix \(|all|Error|error|host calls" $d/$tag.log | cut -c1-300
 }
 step base
+if [ -n "$OLD" ]; then  # OLD=dir holding controller.py and cache.py of an earlier tree
+  cp pask_jax/controller.py /tmp/ctl_new.py && cp pask_jax/cache.py /tmp/cache_new.py
+  cp "$OLD/controller.py" pask_jax/controller.py && cp "$OLD/cache.py" pask_jax/cache.py
+  step old
+  cp /tmp/ctl_new.py pask_jax/controller.py && cp /tmp/cache_new.py pask_jax/cache.py
+  step base2
+fi
 TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_executor=1,command_buffer_thunk=1 STEPS=4 step vlog
 grep -c "Updated" $d/vlog.log; grep -m 6 -E "Updated|skipped" $d/vlog.log | cut -c1-300
 XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP step skiptemp
