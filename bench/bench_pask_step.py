@@ -49,6 +49,9 @@ def main(argv=None) -> int:
                        "(the runners' form before models.decoder.split): the launch's share of "
                        "flattening them, same process")
   ap.add_argument("--profile", default=None)
+  ap.add_argument("--donate-state", action="store_true",
+                  help="donate the balances and the ledger with the cache (the runner donates "
+                       "the cache only), so no per-step output but the logits is a new buffer")
   ap.add_argument("--time-limit", type=float, default=1e9)
   ap.add_argument("--json", default=None)
   ap.add_argument("--kernel-knobs", default="{}",
@@ -165,6 +168,8 @@ def main(argv=None) -> int:
             break
           runner = PaskRunner(model, pol, batch=B, capacity=C + room,
                               kernel_knobs=json.loads(a.kernel_knobs))
+          if a.donate_state:
+            runner.decode_step = jax.jit(runner.decode_fn, donate_argnums=(2, 3, 4))
           cache = pask_cache(runner, B, C, mix, seed=len(res) + 1)
           live_b = float(np.asarray(ledger.live_payload(cache, pol.cost, pol.c_full)).mean()) / (
               C * float(pol.c_full))
