@@ -190,6 +190,8 @@ def main(argv=None) -> int:
               out = rec(params, policy, c, bud, led, spent["l"], *rest)
               spent["l"] = out[0]
               return out
+            step_rec.lower = lambda params, policy, c, bud, led, *rest, rec=rec, spent=spent: (
+                rec.lower(params, policy, c, bud, led, spent["l"], *rest))
             runner.decode_step = step_rec
           elif a.donate_state:
             runner.decode_step = jax.jit(runner.decode_fn, donate_argnums=(2, 3, 4))
