@@ -53,9 +53,10 @@ def main(argv=None) -> int:
                   help="donate the balances and the ledger with the cache (the runner donates "
                        "the cache only), so no per-step output but the logits is a new buffer")
   ap.add_argument("--recycle-logits", action="store_true",
-                  help="with --donate-state: the previous step's logits donated too, so the "
-                       "new logits (and the intermediates XLA places in their buffer) keep one "
-                       "address and the CUDA graph is not re-parameterized per step")
+                  help="the balances, the ledger and the previous step's logits donated with "
+                       "the cache (pask_jax.recycle): the new logits, and the intermediates XLA "
+                       "places in their buffer, keep one address, so the step's CUDA graph is "
+                       "not re-parameterized per step")
   ap.add_argument("--time-limit", type=float, default=1e9)
   ap.add_argument("--json", default=None)
   ap.add_argument("--kernel-knobs", default="{}",
@@ -77,6 +78,7 @@ def main(argv=None) -> int:
   from models import decoder
   from pask_jax import cache as pc, controller, ledger, policy as P
   from pask_jax.decode import PaskRunner, Runner
+  from pask_jax.recycle import Recycler
   from pask_jax.tracker import FREE_TAG
 
   t_start = time.perf_counter()
@@ -180,19 +182,9 @@ def main(argv=None) -> int:
           runner = PaskRunner(model, pol, batch=B, capacity=C + room,
                               kernel_knobs=json.loads(a.kernel_knobs))
           if a.recycle_logits:
-            def recycled(params, policy, c, bud, led, spent, *rest, fn=runner.decode_fn):
-              del spent   # donated: its buffer holds the new logits
-              return fn(params, policy, c, bud, led, *rest)
-            rec = jax.jit(recycled, donate_argnums=(2, 3, 4, 5), keep_unused=True)
-            spent = {"l": jnp.zeros((B, cfg.vocab_size), jnp.float32)}
-
-            def step_rec(params, policy, c, bud, led, *rest, rec=rec, spent=spent):
-              out = rec(params, policy, c, bud, led, spent["l"], *rest)
-              spent["l"] = out[0]
-              return out
-            step_rec.lower = lambda params, policy, c, bud, led, *rest, rec=rec, spent=spent: (
-                rec.lower(params, policy, c, bud, led, spent["l"], *rest))
-            runner.decode_step = step_rec
+            runner.decode_step = Recycler(
+                runner.decode_fn, jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32),
+                donate_argnums=(2, 3, 4))
           elif a.donate_state:
             runner.decode_step = jax.jit(runner.decode_fn, donate_argnums=(2, 3, 4))
           cache = pask_cache(runner, B, C, mix, seed=len(res) + 1)

@@ -486,12 +486,26 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
     def spy(r, finish, error=None, e=e, acts=acts, fin=type(e)._finish):   # actions at the end
       acts[r.rid] = e.pages.acts[r.slot, :e.count[r.slot]].copy()
       fin(e, r, finish, error)
+    fwd_logits = []
+
+    def fwd(*args, inner=e.step._fwd, seen=fwd_logits):   # the forwards' logits
+      out = inner(*args)
+      seen.append(out[0][0])
+      return out
     with monkeypatch.context() as mp:
       mp.setattr(e, "overlap_wanted", ov)
       mp.setattr(e, "_finish", spy)
+      mp.setattr(e.step, "_fwd", fwd)
       assert e.overlap == ov and e.window >= 3
       res, streamed = run(e, rs)
     check_clean(e)
+    # each forward wrote its logits into the previous forward's logits buffer (donated: one
+    # address per step, pask_jax.recycle), after the pick had read them
+    if ov:
+      assert len(fwd_logits) > 10
+      assert all(x.is_deleted() for x in fwd_logits[:-1]) and not fwd_logits[-1].is_deleted()
+    else:
+      assert not fwd_logits
     got[ov] = res, streamed, [acts[r.rid] for r in rs], e.m["preemptions"]
   (a, sa, aa, pa), (b, sb, ab, pb) = got[False], got[True]
   if policy == "demo":   # its tight pools preempt (replay) in both modes; "sparse"'s do not

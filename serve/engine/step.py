@@ -36,6 +36,7 @@ from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
+from pask_jax.recycle import Recycler
 from pask_jax.sample import apply_bitmask, nucleus
 from serve.engine.pages import NoPages, PagePools
 from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, worst_pages
@@ -75,6 +76,12 @@ def pick_packed(logits, packed, *, gather=None):
               packed[:, nw + 1], f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0, gather=gather)
 
 
+def logits_like(cfg, slots: int, sharding=None) -> jax.ShapeDtypeStruct:
+  """The forward's logits: float32 ``[slots, vocab]`` (``models.decoder``'s head), placed as the
+  forward's ``out_shardings`` place them."""
+  return jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.float32, sharding=sharding)
+
+
 def lp_row(lp, b: int):
   """Row ``b`` of the sampler's log-prob outputs (host arrays), or None."""
   if lp is None:
@@ -107,6 +114,15 @@ class Step:
     if self.mesh is None:
       return jax.jit(fn, donate_argnums=(donate,))
     return jax.jit(fn, donate_argnums=(donate,), in_shardings=ins, out_shardings=outs)
+
+  def _jit_fwd(self, fn, donate: int, logits: jax.ShapeDtypeStruct, ins=None, outs=None):
+    """:meth:`_jit` of the overlapped forward, its logits written into the previous forward's
+    logits buffer (:class:`pask_jax.recycle.Recycler`: one address per step, so XLA does not
+    re-parameterize the step's CUDA graph).  The loop picks from a forward's logits before it
+    launches the next forward, which donates them."""
+    if self.mesh is None:
+      return Recycler(fn, logits, donate_argnums=(donate,))
+    return Recycler(fn, logits, donate_argnums=(donate,), in_shardings=ins, out_shardings=outs)
 
   def first(self, logits, bits1, r) -> tuple[int, tuple | None]:
     """A new request's first token from its prefill's logits -> (token, log-prob row)."""
@@ -207,7 +223,8 @@ class PagedStep(Step):
     self._restore = self._jit(self._restore_fn, 0, (ss, rep, rep, rep), ss)
     self._release = self._jit(self._release_fn, 0, (ss, rep), ss)
     self._step = self._jit(self._step_fn, 2, (ps, rep, ss) + (rep,) * 12, ((rep, rep), ss))
-    self._fwd = self._jit(self._fwd_fn, 2, (ps, rep, ss, rep, rep, rep), ((lg, rep), ss))
+    self._fwd = self._jit_fwd(self._fwd_fn, 2, logits_like(c, slots, lg),
+                              (ps, rep, ss, rep, rep, rep), ((lg, rep), ss))
 
   # --- jitted pieces ------------------------------------------------------------------------
 
@@ -356,7 +373,8 @@ class DenseStep(Step):
     self._insert = self._jit(self._insert_fn, 0, (cs, kv, kv, rep, rep), cs)
     self._release = self._jit(self._release_fn, 0, (cs, rep), cs)
     self._step = self._jit(self._step_fn, 1, (ps, cs) + (rep,) * 8, ((rep, rep), cs))
-    self._fwd = self._jit(self._fwd_fn, 1, (ps, cs, rep, rep), ((lg, rep), cs))
+    self._fwd = self._jit_fwd(self._fwd_fn, 1, logits_like(c, slots, lg), (ps, cs, rep, rep),
+                              ((lg, rep), cs))
 
   def _forward(self, params, cache, tokens, active):
     """tokens [B] written at each active row's next slot, the model over the dense cache ->

@@ -1,0 +1,80 @@
+"""A jitted decode step whose logits are written into the previous call's logits buffer.
+
+Why (issue 24, measured on an H100 with jax 0.11.2; bench/RESULTS.md, "Session of 2026-12-07
+(fourth)"): XLA runs a decode step as one CUDA graph and, before each launch, re-parameterizes
+every graph node that touches a buffer whose address changed since the previous launch.  The
+logits ``[B, V]`` are the step's one large fresh output, and XLA's buffer assignment places
+intermediates of every layer in that allocation (97 values at the Qwen 0.5B shape: GEMM
+outputs, attention partials) while the logits are not yet live.  The caller still holds the
+previous step's logits when the next step allocates, so the allocation moves every step and
+~260 of the 0.5B step's 373 nodes were updated per launch: 0.5-1.1 ms of host time.  Donating
+the previous logits makes the new logits alias them: one address, no node updated.
+
+The contract this adds: the logits (the output at ``out``) that call n returned are donated
+by call n + 1, so read them (or launch what reads them) before the next call.  Everything else
+is ``jax.jit``'s.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class Recycler:
+  """``jax.jit(fn, donate_argnums=...)`` that also donates the buffer of its previous result's
+  logits (``result[out]``, an array of ``like``'s shape and dtype) to the next call.
+
+  ``like``: a ``jax.ShapeDtypeStruct`` of the logits (with its sharding on a mesh); the first
+  call donates zeros of it.  ``in_shardings``: ``fn``'s, without the recycled buffer (``like``'s
+  sharding is added for it).  Calls take and return exactly what ``fn`` does."""
+
+  def __init__(self, fn: Callable, like: jax.ShapeDtypeStruct, *,
+               donate_argnums: Sequence[int] = (), out: int = 0,
+               in_shardings: Any = None, out_shardings: Any = None):
+    def inner(spent, *args):
+      del spent   # donated: XLA writes the new logits into its buffer
+      return fn(*args)
+
+    kw = {}
+    if in_shardings is not None:
+      kw["in_shardings"] = (like.sharding,) + tuple(in_shardings)
+    if out_shardings is not None:
+      kw["out_shardings"] = out_shardings
+    # keep_unused: an unused argument is otherwise pruned, and with it the donation
+    self._jit = jax.jit(inner, donate_argnums=(0,) + tuple(i + 1 for i in donate_argnums),
+                        keep_unused=True, **kw)
+    self.like, self.out = like, out
+    self._spent = None
+
+  def _fresh(self):
+    z = jnp.zeros(self.like.shape, self.like.dtype)
+    sharding = getattr(self.like, "sharding", None)
+    return z if sharding is None else jax.device_put(z, sharding)
+
+  def __call__(self, *args):
+    spent = self._spent if self._spent is not None else self._fresh()
+    self._spent = None   # a failed call must not leave a deleted buffer to donate
+    result = self._jit(spent, *args)
+    self._spent = _at(result, self.out)
+    return result
+
+  def lower(self, *args):
+    """``jax.jit``'s ``lower`` of one call (with a fresh recycled buffer)."""
+    return self._jit.lower(self._fresh(), *args)
+
+  @property
+  def jitted(self):
+    """The underlying ``jax.jit`` object; its first argument is the recycled buffer (for
+    ahead-of-time compiles: pass ``like`` there)."""
+    return self._jit
+
+
+def _at(result, out: int):
+  """The logits inside a step's result: ``result[out]``, or the first leaf under it (a step
+  that returns ``((logits, actions), state)`` names ``out=0`` and gets ``logits``)."""
+  x = result[out]
+  while isinstance(x, (tuple, list)):
+    x = x[0]
+  return x

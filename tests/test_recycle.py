@@ -1,0 +1,109 @@
+"""pask_jax.recycle: a jitted step whose logits are written into the previous call's logits
+buffer (so XLA keeps one address for them and does not re-parameterize the step's CUDA graph).
+Results equal plain ``jax.jit``'s on fresh random inputs, the previous logits are donated, and
+the compiled step (CPU, and the PASK decode step compiled for sm_90 without a GPU) aliases the
+logits output to the recycled parameter."""
+import os
+import re
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pask_jax.recycle import Recycler  # noqa: E402
+
+B, H, V = 4, 32, 96
+
+
+def _step(w, state, x):
+  """A toy decode step: state carried (and donated), logits [B, V] float32, a small output."""
+  acc, n = state
+  h = jnp.tanh(x @ w[:, :H] + acc)
+  logits = (h @ w).astype(jnp.float32)
+  return (logits, jnp.argmax(logits, -1).astype(jnp.int32)), (acc + h, n + 1)
+
+
+def _alias(hlo: str) -> str:
+  """The module header's ``input_output_alias={ {out}: (param, {index}, kind), ... }``."""
+  head = hlo.split("\n", 1)[0]
+  return head[head.index("input_output_alias="):]
+
+
+def test_matches_jit_and_donates_the_previous_logits():
+  ks = jax.random.split(jax.random.PRNGKey(0), 6)
+  w = jax.random.normal(ks[0], (H, V), jnp.float32) / np.sqrt(H)
+  init = lambda: (jax.random.normal(ks[1], (B, H), jnp.float32), jnp.zeros((B,), jnp.int32))
+  xs = [jax.random.normal(k, (B, H), jnp.float32) for k in ks[2:]]
+  plain = jax.jit(_step)
+  rec = Recycler(_step, jax.ShapeDtypeStruct((B, V), jnp.float32), donate_argnums=(1,))
+  s_ref, s_rec, seen = init(), init(), []
+  for x in xs:
+    (l_ref, a_ref), s_ref = plain(w, s_ref, x)
+    out = rec(w, s_rec, x)
+    (l_rec, a_rec), s_rec = out
+    assert not l_rec.is_deleted()
+    np.testing.assert_array_equal(np.asarray(l_rec), np.asarray(l_ref))
+    np.testing.assert_array_equal(np.asarray(a_rec), np.asarray(a_ref))
+    seen.append(l_rec)
+  np.testing.assert_array_equal(np.asarray(s_rec[0]), np.asarray(s_ref[0]))
+  assert int(s_rec[1][0]) == len(xs)
+  # each call's logits were donated to the next call, the last ones are still readable
+  assert [x.is_deleted() for x in seen] == [True] * (len(xs) - 1) + [False]
+
+
+def test_compiled_step_aliases_the_logits_to_the_recycled_buffer():
+  w = jnp.ones((H, V), jnp.float32)
+  state = (jnp.ones((B, H), jnp.float32), jnp.zeros((B,), jnp.int32))
+  rec = Recycler(_step, jax.ShapeDtypeStruct((B, V), jnp.float32), donate_argnums=(1,))
+  alias = _alias(rec.lower(w, state, jnp.ones((B, H))).compile().as_text())
+  # output 0 (the logits; outputs are flattened) into parameter 0 (the recycled buffer), and
+  # each donated state leaf into some output of its shape
+  assert re.search(r"\{0\}: \(0, \{\}", alias), alias
+  assert len(re.findall(r"may-alias|must-alias", alias)) == 3, alias
+
+
+def test_a_failed_call_leaves_a_fresh_buffer_to_donate():
+  rec = Recycler(_step, jax.ShapeDtypeStruct((B, V), jnp.float32), donate_argnums=(1,))
+  w = jnp.ones((H, V), jnp.float32)
+  state = (jnp.ones((B, H), jnp.float32), jnp.zeros((B,), jnp.int32))
+  (l0, _), state = rec(w, state, jnp.ones((B, H)))
+  with pytest.raises(TypeError):
+    rec(w, state, jnp.ones((B, H + 1)))       # a shape error at trace time
+  (l1, _), _ = rec(w, state, jnp.ones((B, H)))
+  assert np.isfinite(np.asarray(l1)).all()
+
+
+@pytest.mark.fast_compile
+def test_pask_decode_step_for_sm90_writes_its_logits_into_the_recycled_buffer():
+  """The PASK decode step through a Recycler, compiled for sm_90 on this host: the logits output
+  aliases the recycled parameter (on a GPU XLA then places it, and the intermediates it hosts,
+  in that parameter's buffer: one address every step)."""
+  from models import ModelConfig, decoder, random_model
+  from pallas_kernels.gpu import aot as gpu_aot
+  from pask_jax import cache as pc
+  from pask_jax import ledger
+  from pask_jax import policy as P
+  from pask_jax.decode import PaskRunner
+  from pask_jax.tracker import FREE_TAG
+  from serve.engine.step import logits_like
+  cfg = ModelConfig(arch="qwen2", vocab_size=512, hidden=128, intermediate=256, n_layers=2,
+                    n_heads=4, n_kv_heads=2, head_dim=64)
+  pol = P.demo(cfg)
+  Bt, C = 8, 1024 + 17
+  model = random_model(cfg, dtype=jnp.bfloat16)
+  decoder.prepare(model, "unrolled")
+  r = PaskRunner(model, pol, batch=Bt, capacity=C, backend="gpu",
+                 kernel_knobs={"int4_kernel": "mosaic"})
+  rec = Recycler(r.decode_fn, logits_like(cfg, Bt), donate_argnums=(2, 3, 4))
+  cache = jax.eval_shape(lambda: pc.init_for(cfg, Bt, pol, capacity=C, page=r.page, lo_page=128,
+                                             lo_format="int4", hi_capacity=C // 4,
+                                             lo_capacity=C // 2))
+  z = jnp.zeros((Bt,), jnp.int32)
+  hlo = gpu_aot.compile_hlo(rec.jitted, rec.like, r.params, pol, cache,
+                            jnp.zeros((Bt,), jnp.float32), ledger.init(Bt, pol.n_groups), z,
+                            jnp.broadcast_to(jnp.asarray(FREE_TAG), (Bt, 4)), z - 1,
+                            jnp.ones((Bt,), bool))
+  assert re.search(r"\{0\}: \(0, \{\}", _alias(hlo)), _alias(hlo)[:300]
