@@ -12,10 +12,12 @@
    same key count.  Prints one line per measurement; exit 1 when a rel err exceeds its bound.
 
     python bench/check_sph_gpu.py [--keys 32768] [--batch 8] [--iters 20] [--quick]
+    python bench/check_sph_gpu.py --no-check --sweep '[{}, {"block": 64}, {"num_warps": 4}]'
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -214,6 +216,34 @@ def g2(batch, keys, iters, variants=VARIANTS):
             f"{t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s of {d + 4} B/key stored)")
 
 
+def sweep(batch, keys, iters, knob_sets, formats):
+  """The tier kernel's time under each knob set (``sph_partials_gpu`` keyword arguments: block,
+  splits, num_warps, num_stages, qk_passes, exact_pv, ...) at both shapes, for ``formats``
+  ("layout/values")."""
+  page = 16
+  n = keys // page
+  for name, (hq, hkv, d) in SHAPES.items():
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch, hq, d), jnp.float32).astype(jnp.bfloat16)
+    lens = jnp.full((batch, hkv), keys, jnp.int32)
+    signs = jnp.asarray(spherical.rotation_signs(d, 0), jnp.float32)
+    mu = jax.random.normal(jax.random.PRNGKey(2), (hkv, d), jnp.float32)
+    for fmt in formats:
+      lay, val = fmt.split("/")
+      ts = TierSpec(lay, val, d)
+      pool, tbl = tier_storage(jax.random.PRNGKey(3), ts, batch, hkv, n, page)
+      sph = SphInputs((pool,), SphMaps((tbl,), (lens,)), SphConsts(signs, mu), (ts,))
+      stored = batch * hkv * keys * ts.bytes
+      for kn in knob_sets:
+        try:
+          t = timed(jax.jit(lambda q, s, kn=kn: sph_partials_gpu(q, s, **kn)), q, sph,
+                    iters=iters)
+        except Exception as e:  # noqa: BLE001 -- a knob set that does not compile: say so, go on
+          print(f"G2 sweep {name} {fmt} {kn}: failed: {str(e)[:160]}", flush=True)
+          continue
+        print(f"G2 sweep {name} {fmt} {kn}: {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)",
+              flush=True)
+
+
 def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--keys", type=int, default=32768)
@@ -225,13 +255,18 @@ def main() -> int:
   ap.add_argument("--variants", default=",".join(VARIANTS),
                   help="tier kernel trig/expand variants timed in G2 (the first is the one "
                        "compared with reconstruct-then-attend)")
+  ap.add_argument("--sweep", default=None,
+                  help='JSON list of knob sets timed instead of G2, e.g. \'[{}, {"block": 64}]\'')
+  ap.add_argument("--sweep-formats", default="A4/int4,A4/bf16,A42/int4")
   a = ap.parse_args()
   print(f"backend {jax.default_backend()} {jax.devices()[0].device_kind} jax {jax.__version__}")
   ok = True
   if not a.no_check:
     ok = correctness()
     print("correctness", "OK" if ok else "FAILED")
-  if not a.quick:
+  if a.sweep:
+    sweep(a.batch, a.keys, a.iters, json.loads(a.sweep), a.sweep_formats.split(","))
+  elif not a.quick:
     g2(a.batch, a.keys, a.iters, tuple(a.variants.split(",")))
   return 0 if ok else 1
 
