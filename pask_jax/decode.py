@@ -36,6 +36,7 @@ from pask_jax import cache as pcache
 from pask_jax import controller, kv_dense, ledger
 from pask_jax import mesh as tp
 from pask_jax import policy as P
+from pask_jax import recycle
 from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax import actions as Act
@@ -112,7 +113,8 @@ class Runner:
     self.traces = Traces()   # trace (= compile) counts
     if self.tp_mesh is None:
       self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
-      self.step = jax.jit(self._step, donate_argnums=(1,))
+      self.step = recycle.step_jit(self._step, recycle.logits_like(batch, self.cfg.vocab_size),
+                                   donate_argnums=(1,))
       self.select = jax.jit(self._select)
       return
     m = self.tp_mesh
@@ -279,7 +281,8 @@ class PaskRunner:
       self._dense.params = self.params
       self.commit = jax.jit(self._commit)
       self.decode_step = jax.jit(self.decode_fn, donate_argnums=(2,))
-      self.step = jax.jit(self._step, donate_argnums=(2,))
+      self.step = recycle.step_jit(self._step, recycle.logits_like(batch, self.cfg.vocab_size),
+                                   donate_argnums=(2,))
     else:
       self.graphdef, self.params = self._dense.graphdef, self._dense.params
       ps, cs = jax.tree.map(lambda x: x.sharding, self.params), self.cache_sharding()

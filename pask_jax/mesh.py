@@ -64,6 +64,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import decoder
+from pask_jax import recycle
 from models.config import ModelConfig
 
 AXIS = "model"
@@ -275,16 +276,17 @@ def step_shardings(mesh: Mesh, params, *, shard_vocab: bool = True):
 
 
 def compressing_jits(fns, mesh: Mesh | None, params, state_sharding, *, shard_vocab: bool,
-                     step_inputs: int):
+                     step_inputs: int, logits: jax.ShapeDtypeStruct):
   """``fns = (prefill, compress, step, select)`` of a runner whose per-head state is compressed
   after prefill (the masked baselines, TriAxialKV), jitted with the state donated: plain jits
   without a mesh; on one, the parameters', state's (``state_sharding()``) and logits' shardings
   named, so each compiles once.  ``step_inputs``: the step's replicated inputs after the
-  parameters and the state."""
+  parameters and the state; ``logits``: the step's logits, recycled on one GPU
+  (:func:`pask_jax.recycle.step_jit`)."""
   prefill, compress, step, select = fns
   if mesh is None:
     return (jax.jit(prefill, donate_argnums=(1,)), jax.jit(compress, donate_argnums=(0,)),
-            jax.jit(step, donate_argnums=(1,)), jax.jit(select))
+            recycle.step_jit(step, logits, donate_argnums=(1,)), jax.jit(select))
   ps, rep, lg = step_shardings(mesh, params, shard_vocab=shard_vocab)
   ss = state_sharding()
   return (jax.jit(prefill, donate_argnums=(1,), in_shardings=(ps, ss, rep, rep, rep),

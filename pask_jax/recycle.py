@@ -78,3 +78,23 @@ def _at(result, out: int):
   while isinstance(x, (tuple, list)):
     x = x[0]
   return x
+
+
+def graphs() -> bool:
+  """Whether jitted steps run here as CUDA graphs (the default backend is a GPU): where a moving
+  logits buffer costs launch time, so where the runners recycle it."""
+  return jax.default_backend() == "gpu"
+
+
+def step_jit(fn: Callable, like: jax.ShapeDtypeStruct, *, donate_argnums: Sequence[int]):
+  """A runner's single-device ``step`` (``-> (next tokens, logits, state)``) jitted with
+  ``donate_argnums``: on a GPU a :class:`Recycler` of its logits (valid until the next step;
+  ``generate`` and the scoring loops read them before), elsewhere plain ``jax.jit``."""
+  if not graphs():
+    return jax.jit(fn, donate_argnums=donate_argnums)
+  return Recycler(fn, like, donate_argnums=donate_argnums, out=1)
+
+
+def logits_like(batch: int, vocab: int, sharding=None) -> jax.ShapeDtypeStruct:
+  """A step's logits: float32 ``[batch, vocab]`` (``models.decoder``'s head)."""
+  return jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=sharding)

@@ -107,3 +107,48 @@ def test_pask_decode_step_for_sm90_writes_its_logits_into_the_recycled_buffer():
                             jnp.broadcast_to(jnp.asarray(FREE_TAG), (Bt, 4)), z - 1,
                             jnp.ones((Bt,), bool))
   assert re.search(r"\{0\}: \(0, \{\}", _alias(hlo)), _alias(hlo)[:300]
+
+
+@pytest.mark.parametrize("kind", ["full", "pask", "masked"])
+def test_runners_recycle_their_logits_on_a_gpu_and_generate_the_same(monkeypatch, kind):
+  """Where steps run as CUDA graphs (``recycle.graphs()``, forced here) the runners' ``step``
+  recycles its logits buffer; ``generate`` reads each step's logits (samples) before the next
+  step, so it produces the same tokens as with plain ``jax.jit``, and every step's logits but
+  the last were donated to the next step."""
+  from models import random_model
+  from pask_jax import policy as P
+  from pask_jax import recycle
+  from pask_jax.baselines.masked import Config, MaskedRunner
+  from pask_jax.decode import PaskRunner, Runner, Sampling, generate
+  from pask_jax.testing import TINY
+  cfg = TINY["qwen2"]
+  m = random_model(cfg, seed=7)
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (24, 17)]
+  no_stop = type("Tok", (), {"stop_ids": (), "decode": lambda self, ids: ""})()
+
+  def run(graphs: bool):
+    monkeypatch.setattr(recycle, "graphs", lambda: graphs)
+    if kind == "full":
+      r = Runner(m, batch=2, capacity=64)
+    elif kind == "pask":
+      r = PaskRunner(m, P.demo(cfg), batch=2, capacity=64)
+    else:
+      r = MaskedRunner(m, batch=2, capacity=64)
+      r.configure(Config("h2o", ratio=0.5, recent=8, sink=2))
+    seen = []
+    step = r.step
+
+    def spy(*args):
+      out = step(*args)
+      seen.append(out[1])
+      return out
+    r.step = spy
+    res = generate(r, no_stop, prompts, sampling=Sampling(max_tokens=8, temperature=0.8, seed=3))
+    return step, [x.tokens for x in res], seen
+
+  plain, want, _ = run(False)
+  rec, got, seen = run(True)
+  assert not isinstance(plain, Recycler) and isinstance(rec, Recycler)
+  assert got == want and len(seen) >= 7
+  assert all(x.is_deleted() for x in seen[:-1]) and not seen[-1].is_deleted()

@@ -35,6 +35,7 @@ from flax import nnx
 
 from pallas_kernels import int4
 from pask_jax import mesh as tp
+from pask_jax import recycle
 from pask_jax.baselines import budget, h2o, mikv, rocketkv, snapkv
 from pask_jax.decode import Runner
 from pask_jax.traces import Traces
@@ -184,7 +185,8 @@ class MaskedRunner:
     self.traces = Traces()
     self.prefill, self.compress, self.step, self.select = tp.compressing_jits(
         (self._prefill, self._compress, self._step, self._select), self.tp_mesh, self.params,
-        self.state_sharding, shard_vocab=shard_vocab, step_inputs=6)
+        self.state_sharding, shard_vocab=shard_vocab, step_inputs=6,
+        logits=recycle.logits_like(batch, self.cfg.vocab_size))
 
   _select = Runner._select   # the grammar mask (per vocabulary shard on a mesh), then sampling
 

@@ -37,6 +37,7 @@ from flax import nnx
 
 from pask_jax import kv_dense
 from pask_jax import mesh as tp
+from pask_jax import recycle
 from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax.baselines import quant as Q
@@ -375,7 +376,8 @@ class TriaxialRunner:
     self.traces = Traces()
     self.prefill, self.compress, self.step, self.select = tp.compressing_jits(
         (self._prefill, self._compress, self._step, self._select), self.tp_mesh, self.params,
-        self.state_sharding, shard_vocab=shard_vocab, step_inputs=7)
+        self.state_sharding, shard_vocab=shard_vocab, step_inputs=7,
+        logits=recycle.logits_like(batch, self.cfg.vocab_size))
 
   _select = Runner._select   # the grammar mask (per vocabulary shard on a mesh), then sampling
 

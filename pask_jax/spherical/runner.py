@@ -73,6 +73,7 @@ from pask_jax import cache as pcache
 from pask_jax import controller
 from pask_jax import mesh as tp
 from pask_jax import policy as P
+from pask_jax import recycle
 from pask_jax import tags as T
 from pask_jax.baselines import budget as BU
 from pask_jax.baselines import snapkv
@@ -221,7 +222,8 @@ class SphRunner:
     self._stats.params = self.params
     if self.tp_mesh is None:
       self.commit = jax.jit(self._commit)
-      self.step = jax.jit(self._step, donate_argnums=(2,))
+      self.step = recycle.step_jit(self._step, recycle.logits_like(batch, self.cfg.vocab_size),
+                                   donate_argnums=(2,))
       self.select = _select
     else:
       m = self.tp_mesh
