@@ -9,6 +9,7 @@ Plus an ahead-of-time compile of every tier format to PTX for sm_90a at the issu
 shapes, with ptxas's registers / spills / shared memory checked against Hopper's limits; as in
 tests/test_pallas_aot.py nothing skips: a missing CUDA plugin or ptxas is a failure.
 """
+import functools
 import os
 import re
 
@@ -70,6 +71,36 @@ def test_every_format_ragged_empty_and_shuffled(trig, expand):
   q = jax.random.normal(jax.random.PRNGKey(53), (b, hkv * g, d), jnp.float32)
   err = _compare(q, sph, splits=2, block=16, trig=trig, expand=expand)
   assert err < TOL, err
+
+
+@pytest.mark.parametrize("expand", ["joins", "direct"])
+def test_row_codes_and_fma_knobs(expand):
+  """``codes="row"`` (A4 tiers read each key's code bytes once and split them into levels; the
+  A42 tier beside them gathers per level) and ``fma=True`` (plain multiply-adds in interpret
+  mode): ragged lengths, an empty head, split-KV with partial blocks, GQA 3, both head dims'
+  level counts (D 64: 6 levels, D 128: 7)."""
+  for d in (64, 128):
+    b, hkv, g, page = 2, 2, 3, 16
+    tiers = [TierSpec("A4", "int4", d), TierSpec("A4", "bf16", d), TierSpec("A42", "int4", d)]
+    rng = np.random.default_rng(d)
+    lens = [rng.integers(1, 70, (b, hkv)) for _ in tiers]
+    lens[1][0, 1] = 0
+    sph = sph_synth.layer_of(sph_synth.make(tiers, lens, b=b, hkv=hkv, page=page, seed=d + 1), 0)
+    q = jax.random.normal(jax.random.PRNGKey(d + 2), (b, hkv * g, d), jnp.float32)
+    err = _compare(q, sph, splits=3, block=16, expand=expand, codes="row", fma=True)
+    assert err < TOL, (d, err)
+
+
+def test_sincos_with_fused_multiply_adds():
+  """The polynomials in Horner form by single-rounding FMAs (what ``fma=True`` compiles to),
+  emulated in float64 and rounded once: as accurate as the two-rounding form."""
+  fma = lambda a, b, c: (np.asarray(a, np.float64) * np.float64(b) + np.asarray(c, np.float64)
+                         ).astype(np.float32)
+  th = np.linspace(-np.pi, np.pi, 20001, dtype=np.float32)
+  c, s = gpu_sph.sincos(jnp.asarray(th), fma=lambda a, b, c: jnp.asarray(fma(a, b, c)))
+  t = th.astype(np.float64)
+  assert np.abs(np.asarray(c) - np.cos(t)).max() < 2e-7
+  assert np.abs(np.asarray(s) - np.sin(t)).max() < 2e-7
 
 
 def test_trig_table_is_the_reference_table():
@@ -174,6 +205,25 @@ def test_tier_kernel_compiles_to_sm90a_within_limits(shape):
     print(shape, r.name, r.summary())
     assert ".target sm_90a" in r.ptx
     assert r.ok(), (r.name, r.summary())
+
+
+@pytest.mark.fast_compile(False)
+def test_row_codes_and_fma_compile_to_sm90a():
+  """``codes="row"`` and ``fma=True`` at the 1.5B shape (A4, INT4 values) for sm_90a with 4
+  warps (at 8 ptxas caps the row variant at 128 registers and spills a few bytes): within
+  ptxas's limits, explicit FMAs in the PTX, and fewer global loads per block than the
+  per-level gathers (one row load instead of one byte gather per level and layout)."""
+  d, hq = 128, 12
+  sph = sph_synth.zeros([TierSpec("A4", "int4", d)], b=2, hkv=2, page=16, n=64, layers=2)
+  q = jnp.zeros((2, hq, d), jnp.bfloat16)
+  base, = gpu_aot.report(sph_partials_gpu, q, sph, jnp.int32(1))
+  fast, = gpu_aot.report(functools.partial(sph_partials_gpu, codes="row", fma=True,
+                                           num_warps=4), q, sph, jnp.int32(1))
+  print("levels:", base.summary(), "| row+fma:", fast.summary())
+  assert fast.ok(), fast.summary()
+  assert "fma.rn.f32" in fast.ptx and "fma.rn.f32" not in base.ptx
+  loads = lambda r: len(re.findall(r"\bld\.global", r.ptx))
+  assert loads(fast) < loads(base), (loads(fast), loads(base))
 
 
 def test_bf16_split_survives_xla_on_gpu():

@@ -63,9 +63,10 @@ MIN_D = 32   # q'_even · U_eᵀ contracts over D/2: Triton's MMA needs K >= 16
 _HALF_PI_HI = 1.5707963705062866    # f32(π/2)
 _HALF_PI_LO = -4.371139000186243e-08  # π/2 - f32(π/2)
 _KNOBS = ("scale", "block", "splits", "chunk", "num_warps", "num_stages", "qk_passes",
-          "exact_pv", "int4_dequant", "trig", "expand", "interpret")
+          "exact_pv", "int4_dequant", "trig", "expand", "codes", "fma", "interpret")
 TRIG = ("poly", "table")
 EXPAND = ("joins", "direct")
+CODES = ("levels", "row")
 
 
 # --- static format helpers (Python ints / floats per tier and level) ---------------------------
@@ -100,14 +101,31 @@ def _affine(sp: spherical.Spec, lvl: int) -> tuple[float, float, int]:
   return math.pi / 4 + (0.5 - 2 ** (sp.bh - 1)) * dl, dl, 2**sp.bh - 1
 
 
-def sincos(theta):
+def mul_add(a, b, c):
+  """a·b + c as two rounded operations (what Triton emits for ``a * b + c``: no contraction)."""
+  return a * b + c
+
+
+def fma_ptx(a, b, c):
+  """a·b + c in one rounding (PTX ``fma.rn.f32``), inside a Pallas Triton kernel only: Triton
+  does not contract ``a * b + c``, so a Horner polynomial is twice the instructions and twice
+  the dependent latency without it."""
+  shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
+  a, b, c = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), shape) for x in (a, b, c))
+  return plgpu.elementwise_inline_asm(
+      "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])[0]
+
+
+def sincos(theta, fma=mul_add):
   """(cos θ, sin θ) for f32 θ ∈ [-π, π]: quadrant reduction (two-part π/2) and Taylor
-  polynomials on [-π/4, π/4] (abs. error < 3e-8).  Elementwise ops only (Triton and XLA)."""
-  k = jnp.floor(theta * (2 / math.pi) + 0.5)
-  x = (theta - k * _HALF_PI_HI) - k * _HALF_PI_LO
+  polynomials on [-π/4, π/4] (abs. error < 3e-8) in Horner form by ``fma(a, b, c) = a·b + c``
+  (:func:`mul_add`, or :func:`fma_ptx` in a kernel).  Elementwise ops only (Triton and XLA)."""
+  k = jnp.floor(fma(theta, 2 / math.pi, 0.5))
+  x = fma(k, -_HALF_PI_LO, fma(k, -_HALF_PI_HI, theta))
   x2 = x * x
-  c = 1.0 + x2 * (-0.5 + x2 * (1 / 24 + x2 * (-1 / 720 + x2 * (1 / 40320))))
-  s = x * (1.0 + x2 * (-1 / 6 + x2 * (1 / 120 + x2 * (-1 / 5040 + x2 * (1 / 362880)))))
+  c = fma(x2, fma(x2, fma(x2, fma(x2, 1 / 40320, -1 / 720), 1 / 24), -0.5), 1.0)
+  s = x * fma(x2, fma(x2, fma(x2, fma(x2, 1 / 362880, -1 / 5040), 1 / 120), -1 / 6), 1.0)
   q = k.astype(jnp.int32) & 3
   odd = (q & 1) == 1
   cos = jnp.where(odd, s, c)
@@ -141,7 +159,7 @@ def _gather(ref, rows, cols, valid, other):
 
 def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_ref, o_ref, m_ref,
             l_ref, *, ts: TierSpec, g, page, n_pages, n_pool_pages, splits, bk, c, qk_passes,
-            exact_pv, int4_dequant, trig, expand, tab_off):
+            exact_pv, int4_dequant, trig, expand, codes_from, fma, tab_off):
   # meta_ref [4] i32 (length, layer's first flat row, -, -); tbl_ref [n] i32 (this head's pages);
   # q_ref [4, M, D/2] bf16 (q'_even hi, lo, q'_odd hi, lo); beta_ref [M] f32 (q·μ);
   # tab_ref [T] f32 (trig_table); ang_ref [L*P*page, NB] u8; side_ref [L*P*page] u32;
@@ -177,13 +195,26 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     raw = _gather(ang_ref, rows, byte, valid, 0).astype(jnp.int32)
     return (raw >> shift[None, :]) & mask                           # codes >= 0
 
-  def level_trig(lvl_info, rows, valid):
+  def row_codes(rows, valid):
+    """A4 (``codes_from="row"``): every level's codes [bk, width] from ONE load of the row's
+    D/2 code bytes (contiguous, so vectorized and prefetched by the pipeliner; per-level
+    gathers are byte loads that wait on the page table each block).  Tree position p sits in
+    byte p mod D/2, low nibble for p < D/2: level 1 is the low nibbles, and level ℓ >= 2 the
+    next first half of the high nibbles (levels are contiguous runs of positions)."""
+    raw = _gather(ang_ref, rows, jnp.arange(sp.code_bytes), valid, 0).astype(jnp.int32)
+    out, rest = {1: raw & 15}, raw >> 4
+    for lvl in range(2, sp.levels + 1):
+      out[lvl], rest = jnp.split(rest, 2, axis=1)
+    return out
+
+  def level_trig(lvl_info, rows, valid, code=None):
     lvl, _, _, a, dl, _ = lvl_info
-    code = codes(lvl_info, rows, valid)
+    if code is None:
+      code = codes(lvl_info, rows, valid)
     if trig == "table":
       at = tab_off[lvl - 1] + 2 * code
       return plgpu.load(tab_ref.at[at]), plgpu.load(tab_ref.at[at + 1])
-    return sincos(a + code.astype(jnp.float32) * dl)
+    return sincos(fma(code.astype(jnp.float32), dl, a), fma)
 
   def factor(lvl_info, rows, valid, col):
     """Level ℓ's factor of every level-1 position i: cos or sin (bit ℓ-2 of i) of φ^ℓ_{i>>(ℓ-1)}
@@ -193,7 +224,7 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     t = (col >> (lvl - 2)) & 1
     if trig == "table":
       return plgpu.load(tab_ref.at[tab_off[lvl - 1] + 2 * code + t[None, :]])
-    cl, sl = sincos(a + code.astype(jnp.float32) * dl)
+    cl, sl = sincos(fma(code.astype(jnp.float32), dl, a), fma)
     return jnp.where(t[None, :] == 1, sl, cl)
 
   def dot3(qh, ql, u):
@@ -210,6 +241,7 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     pid = plgpu.load(tbl_ref.at[lax.div(pos, page)], mask=valid, other=0)
     pid = jnp.clip(pid, 0, n_pool_pages - 1)
     rows = jnp.where(valid, base + pid * page + lax.rem(pos, page), 0)
+    row = row_codes(rows, valid) if codes_from == "row" else {}
     if expand == "direct":   # u¹_i = Π_{ℓ=n..2} factor_ℓ(i), in the joins' order of products
       col = jnp.arange(h2)
       u = jnp.ones((bk, h2), jnp.float32)
@@ -218,9 +250,9 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     else:  # top-down: u^n = 1, u^{l-1} = interleave(u^l cos φ^l, u^l sin φ^l)
       u = jnp.ones((bk, 1), jnp.float32)
       for info in reversed(levels[1:]):
-        cl, sl = level_trig(info, rows, valid)
+        cl, sl = level_trig(info, rows, valid, row.get(info[0]))
         u = jnp.stack([u * cl, u * sl], axis=-1).reshape(bk, 2 * u.shape[1])
-    c1, s1 = level_trig(levels[0], rows, valid)                                 # [bk, D/2]
+    c1, s1 = level_trig(levels[0], rows, valid, row.get(1))                    # [bk, D/2]
     dot = dot3(qeh, qel, u * c1) + dot3(qoh, qol, u * s1)                 # [M, bk]
     word = plgpu.load(side_ref.at[rows], mask=valid, other=0)             # [bk] u32
     f16 = lambda x: lax.bitcast_convert_type(x.astype(jnp.uint16), jnp.float16).astype(
@@ -264,7 +296,7 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
 
 def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, block, splits,
           chunk, num_warps, num_stages, qk_passes, exact_pv, int4_dequant, trig, expand,
-          interpret):
+          codes, fma, interpret):
   """One tier: qs [B, Hkv, 4, M, D/2] bf16, beta [B, Hkv, M] -> o [B, Hkv, M, D], m, l
   [B, Hkv, M] (unnormalized, log2 units; rows >= g are zero)."""
   b, hkv, _, m_rows, h2 = qs.shape
@@ -295,7 +327,10 @@ def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, 
   kernel = functools.partial(
       _kernel, ts=ts, g=g, page=page, n_pages=n, n_pool_pages=n_pool, splits=splits, bk=block,
       c=c, qk_passes=qk_passes, exact_pv=exact_pv, int4_dequant=int4_dequant, trig=trig,
-      expand=expand, tab_off=offs)
+      expand=expand, tab_off=offs,
+      # the row load reads A4's nibble layout; the other layouts gather per level
+      codes_from=codes if ts.layout == "A4" else "levels",
+      fma=fma_ptx if fma and not interpret else mul_add)
   whole = lambda *shape: pl.BlockSpec(shape, lambda h, s, i: (0,) * len(shape))
   o, m, l = pl.pallas_call(
       kernel,
@@ -348,7 +383,8 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
                      block: int = 32, splits: int | None = None, chunk: int | None = None,
                      num_warps: int = 8, num_stages: int = 2, qk_passes: int = 3,
                      exact_pv: bool = True, int4_dequant: str = "bits", trig: str = "poly",
-                     expand: str = "joins", interpret: bool = False):
+                     expand: str = "joins", codes: str = "levels", fma: bool = False,
+                     interpret: bool = False):
   """The tier partials of ``reference.sph_partials`` by the kernel: q [B, Hq, D] ->
   o [B, Hkv, K, g, D], m, l [B, Hkv, K, g] (FP32, log2 units, ``sph.spec`` order; an empty tier
   has l = 0).  ``layer``: None, or the (traced) index into pools and constants stacked on a
@@ -360,12 +396,18 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   "asm" falls back to "bits" in interpret mode), ``trig`` ("poly": cos/sin by polynomials,
   "table": read from :func:`trig_table`, L1-resident), ``expand`` ("joins": the tree expanded
   level by level by width-doubling joins, "direct": each level-1 position's product of level
-  factors, no joins), ``interpret``."""
+  factors, no joins), ``codes`` ("levels": each level's codes gathered on their own, "row":
+  A4 tiers read each key's code bytes once and split them into levels in registers; other
+  layouts gather per level), ``fma`` (the angle decode and the trig polynomials by explicit
+  ``fma.rn.f32``: Triton does not contract; plain multiply-adds in interpret mode),
+  ``interpret``."""
   check(q, sph, stacked=layer is not None)
   if trig not in TRIG:
     raise ValueError(f"trig must be one of {TRIG}, got {trig!r}")
   if expand not in EXPAND:
     raise ValueError(f"expand must be one of {EXPAND}, got {expand!r}")
+  if codes not in CODES:
+    raise ValueError(f"codes must be one of {CODES}, got {codes!r}")
   if qk_passes not in (1, 3):
     raise ValueError(f"qk_passes must be 1 or 3, got {qk_passes}")
   if block < 16 or block & (block - 1):
@@ -397,7 +439,7 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   parts = [_tier(qs, beta, pool, pages, length, ts, layer, g=g, c=c, block=block, splits=splits,
                  chunk=chunk, num_warps=num_warps, num_stages=num_stages, qk_passes=qk_passes,
                  exact_pv=exact_pv, int4_dequant=int4_dequant, trig=trig, expand=expand,
-                 interpret=interpret)
+                 codes=codes, fma=fma, interpret=interpret)
            for pool, pages, length, ts in zip(pools, sph.maps.pages, sph.maps.length, sph.spec)]
   o, m, l = (jnp.stack(x, axis=2) for x in zip(*parts))             # [B, Hkv, K, M, ...]
   return o[:, :, :, :g], m[..., :g], l[..., :g]
