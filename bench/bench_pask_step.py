@@ -28,6 +28,7 @@ The chained ``*_ms`` is the time per step of steps launched back to back.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -52,6 +53,10 @@ def main(argv=None) -> int:
   ap.add_argument("--donate-state", action="store_true",
                   help="donate the balances and the ledger with the cache (the runner donates "
                        "the cache only), so no per-step output but the logits is a new buffer")
+  ap.add_argument("--alternate", action="store_true",
+                  help="with --recycle-logits: two copies of the step (two executables, so two "
+                       "CUDA graphs) called in turn, so no launch waits on the graph the "
+                       "previous step is still running")
   ap.add_argument("--recycle-logits", action="store_true",
                   help="the balances, the ledger and the previous step's logits donated with "
                        "the cache (pask_jax.recycle): the new logits, and the intermediates XLA "
@@ -88,9 +93,9 @@ def main(argv=None) -> int:
   model = random_model(cfg, dtype=dt)
   pol = P.demo(cfg)
   G, W, S = pol.n_groups, pol.window, a.steps
-  # timed() runs 2 S + 1 steps: the pools and the Full-KV cache hold every token they add (a
+  # timed() runs 2 S + 2 steps: the pools and the Full-KV cache hold every token they add (a
   # pool that overflows drops rows, and the all-BF16 mix evicts every step into the BF16 pool).
-  room = (2 * S + 1) * (2 if a.state_params else 1) + 1   # every step timed() runs
+  room = (2 * S + 2) * (2 if a.state_params else 1) + 1   # every step timed() runs
   mixes = [tuple(float(x) for x in m.split(",")) for m in a.mixes]
   mixes = [tuple(float(x) / sum(m) for x in m) for m in mixes]
   dev = jax.devices()[0].device_kind
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
     steps each waited for: launch = host time inside ``step()`` until it returns, device = the
     rest of that step's wall time until ``block_until_ready`` returns (the device's time on the
     step, less whatever of it ran during the launch).  step() returns what to block on."""
-    jax.block_until_ready(step())
+    for _ in range(2):   # warm-up: compiles (both executables where --alternate)
+      jax.block_until_ready(step())
     t0 = time.perf_counter()
     calls = 0.0
     for _ in range(n):
@@ -182,9 +188,17 @@ def main(argv=None) -> int:
           runner = PaskRunner(model, pol, batch=B, capacity=C + room,
                               kernel_knobs=json.loads(a.kernel_knobs))
           if a.recycle_logits:
-            runner.decode_step = Recycler(
-                runner.decode_fn, jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32),
-                donate_argnums=(2, 3, 4))
+            like = jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32)
+            def decode_b(*args, fn=runner.decode_fn):   # another name: another executable
+              return fn(*args)
+            recs = [Recycler(f, like, donate_argnums=(2, 3, 4))
+                    for f in (runner.decode_fn, decode_b)[:2 if a.alternate else 1]]
+            if a.alternate:   # two executables, so two CUDA graphs, launched in turn
+              turn = itertools.cycle(recs)
+              runner.decode_step = lambda *args, turn=turn: next(turn)(*args)
+              runner.decode_step.lower = recs[0].lower
+            else:
+              runner.decode_step = recs[0]
           elif a.donate_state:
             runner.decode_step = jax.jit(runner.decode_fn, donate_argnums=(2, 3, 4))
           cache = pask_cache(runner, B, C, mix, seed=len(res) + 1)

@@ -36,6 +36,8 @@ class Recycler:
     def inner(spent, *args):
       del spent   # donated: XLA writes the new logits into its buffer
       return fn(*args)
+    # the compiled module's name (profiles, dumps): the step's own
+    inner.__name__ = inner.__qualname__ = getattr(fn, "__name__", "step")
 
     kw = {}
     if in_shardings is not None:
