@@ -216,13 +216,33 @@ def g2(batch, keys, iters, variants=VARIANTS):
             f"{t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s of {d + 4} B/key stored)")
 
 
-def sweep(batch, keys, iters, knob_sets, formats):
+def sweep(batch, keys, iters, knob_sets, formats) -> bool:
   """The tier kernel's time under each knob set (``sph_partials_gpu`` keyword arguments: block,
-  splits, num_warps, num_stages, qk_passes, exact_pv, ...) at both shapes, for ``formats``
-  ("layout/values")."""
+  splits, num_warps, num_stages, qk_passes, exact_pv, codes, fma, ...) at both shapes, for
+  ``formats`` ("layout/values"); each knob set first checked against the reference on small
+  ragged inputs of every format (False if one misses the bound; ``qk_passes=1`` is expected
+  to)."""
   page = 16
   n = keys // page
+  ok = True
   for name, (hq, hkv, d) in SHAPES.items():
+    tiers = [TierSpec(lay, val, d) for lay, val in FORMATS]
+    rng = np.random.default_rng(d)
+    small = sph_synth.make(tiers, [rng.integers(0, 300, (2, hkv)) for _ in tiers], b=2, hkv=hkv,
+                           page=page, layers=2, seed=d)
+    qs = jax.random.normal(jax.random.PRNGKey(d), (2, hq, d), jnp.float32).astype(jnp.bfloat16)
+    want = reference.sph_partials(qs, small, 1)
+    one = lambda x, k: common.merge(*(y[:, :, k:k + 1] for y in x), axis=2)[0]
+    for kn in knob_sets:
+      try:
+        got = sph_partials_gpu(qs, small, jnp.int32(1), **kn)
+      except Exception as e:  # noqa: BLE001 -- reported with the timing below
+        print(f"G2 sweep check {name} {kn}: failed: {str(e)[:160]}", flush=True)
+        continue
+      err = max(rel(one(got, k), one(want, k)) for k in range(len(tiers)))
+      ok &= err < TOL
+      print(f"G2 sweep check {name} {kn}: max tier rel err {err:.2e} (bound {TOL:.0e})",
+            flush=True)
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, hq, d), jnp.float32).astype(jnp.bfloat16)
     lens = jnp.full((batch, hkv), keys, jnp.int32)
     signs = jnp.asarray(spherical.rotation_signs(d, 0), jnp.float32)
@@ -242,6 +262,7 @@ def sweep(batch, keys, iters, knob_sets, formats):
           continue
         print(f"G2 sweep {name} {fmt} {kn}: {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)",
               flush=True)
+  return ok
 
 
 def main() -> int:
@@ -265,7 +286,7 @@ def main() -> int:
     ok = correctness()
     print("correctness", "OK" if ok else "FAILED")
   if a.sweep:
-    sweep(a.batch, a.keys, a.iters, json.loads(a.sweep), a.sweep_formats.split(","))
+    ok &= sweep(a.batch, a.keys, a.iters, json.loads(a.sweep), a.sweep_formats.split(","))
   elif not a.quick:
     g2(a.batch, a.keys, a.iters, tuple(a.variants.split(",")))
   return 0 if ok else 1

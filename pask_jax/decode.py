@@ -220,7 +220,8 @@ class Runner:
   def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
                      top_p):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
-    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
     return self.step(self.params, state, tokens, bits, key, temperature, top_p)
 
   def report(self, state) -> list[dict] | None:
@@ -432,7 +433,8 @@ class PaskRunner:
   def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
                      top_p):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
-    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
     return self.step(self.params, P.lean(self.policy), state, tokens, tag_ids, state_ids, active,
                      bits, key, temperature, top_p)
 

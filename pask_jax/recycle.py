@@ -11,11 +11,14 @@ previous step's logits when the next step allocates, so the allocation moves eve
 the previous logits makes the new logits alias them: one address, no node updated.
 
 The contract this adds: the logits (the output at ``out``) that call n returned are donated
-by call n + 1, so read them (or launch what reads them) before the next call.  Everything else
-is ``jax.jit``'s.
+by call n + 1, so read them (or launch what reads them) before the next call; keep a host copy
+(``np.asarray``) to hold them longer.  Everything else is ``jax.jit``'s.  On one GPU the runners'
+``step`` (so ``advance_logits``) recycle (:func:`step_jit`); on a CPU, a TPU or a mesh they are
+plain ``jax.jit`` and their logits stay valid.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -49,6 +52,7 @@ class Recycler:
                         keep_unused=True, **kw)
     self.like, self.out = like, out
     self._spent = None
+    self._lock = threading.Lock()   # one caller at a time takes and replaces the buffer
 
   def _fresh(self):
     z = jnp.zeros(self.like.shape, self.like.dtype)
@@ -56,11 +60,13 @@ class Recycler:
     return z if sharding is None else jax.device_put(z, sharding)
 
   def __call__(self, *args):
-    spent = self._spent if self._spent is not None else self._fresh()
-    self._spent = None   # a failed call must not leave a deleted buffer to donate
-    result = self._jit(spent, *args)
-    self._spent = _at(result, self.out)
-    return result
+    with self._lock:
+      spent, self._spent = self._spent, None   # a failed call leaves none to donate twice
+      if spent is None or spent.is_deleted():   # first call, or a caller donated it itself
+        spent = self._fresh()
+      result = self._jit(spent, *args)
+      self._spent = _at(result, self.out)
+      return result
 
   def lower(self, *args):
     """``jax.jit``'s ``lower`` of one call (with a fresh recycled buffer)."""

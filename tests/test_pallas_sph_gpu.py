@@ -94,8 +94,9 @@ def test_row_codes_and_fma_knobs(expand):
 def test_sincos_with_fused_multiply_adds():
   """The polynomials in Horner form by single-rounding FMAs (what ``fma=True`` compiles to),
   emulated in float64 and rounded once: as accurate as the two-rounding form."""
-  fma = lambda a, b, c: (np.asarray(a, np.float64) * np.float64(b) + np.asarray(c, np.float64)
-                         ).astype(np.float32)
+  # f32 operands (as the kernel's constants are), the product exact in f64, one final rounding
+  f64 = lambda x: np.asarray(x, np.float32).astype(np.float64)
+  fma = lambda a, b, c: (f64(a) * f64(b) + f64(c)).astype(np.float32)
   th = np.linspace(-np.pi, np.pi, 20001, dtype=np.float32)
   c, s = gpu_sph.sincos(jnp.asarray(th), fma=lambda a, b, c: jnp.asarray(fma(a, b, c)))
   t = th.astype(np.float64)
@@ -216,7 +217,7 @@ def test_row_codes_and_fma_compile_to_sm90a():
   d, hq = 128, 12
   sph = sph_synth.zeros([TierSpec("A4", "int4", d)], b=2, hkv=2, page=16, n=64, layers=2)
   q = jnp.zeros((2, hq, d), jnp.bfloat16)
-  base, = gpu_aot.report(sph_partials_gpu, q, sph, jnp.int32(1))
+  base, = gpu_aot.report(functools.partial(sph_partials_gpu, num_warps=4), q, sph, jnp.int32(1))
   fast, = gpu_aot.report(functools.partial(sph_partials_gpu, codes="row", fma=True,
                                            num_warps=4), q, sph, jnp.int32(1))
   print("levels:", base.summary(), "| row+fma:", fast.summary())

@@ -398,9 +398,9 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   level by level by width-doubling joins, "direct": each level-1 position's product of level
   factors, no joins), ``codes`` ("levels": each level's codes gathered on their own, "row":
   A4 tiers read each key's code bytes once and split them into levels in registers; other
-  layouts gather per level), ``fma`` (the angle decode and the trig polynomials by explicit
-  ``fma.rn.f32``: Triton does not contract; plain multiply-adds in interpret mode),
-  ``interpret``."""
+  layouts gather per level, and with ``expand="direct"`` levels >= 2 too), ``fma`` (the
+  angle decode and the trig polynomials by explicit ``fma.rn.f32``: Triton does not contract;
+  plain multiply-adds in interpret mode), ``interpret``."""
   check(q, sph, stacked=layer is not None)
   if trig not in TRIG:
     raise ValueError(f"trig must be one of {TRIG}, got {trig!r}")

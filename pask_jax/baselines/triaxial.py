@@ -499,7 +499,8 @@ class TriaxialRunner:
   def advance_logits(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature,
                      top_p):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
-    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
     return self.step(self.params, st, tokens, tag_ids, active, bits, key, temperature, top_p)
 
   def report(self, st: State) -> list[dict]:

@@ -623,7 +623,8 @@ class SphRunner:
   def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
                      top_p):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
-    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`)."""
+    the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
     tpol = self.tag_policy if self.needs_policy else None
     tags = tag_ids if self.needs_policy else None
     sids = state_ids if self.plan == "pask" else None
