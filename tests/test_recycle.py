@@ -127,9 +127,9 @@ def test_pask_decode_step_for_sm90_writes_its_logits_into_the_recycled_buffer():
 @pytest.mark.parametrize("kind", ["full", "pask", "masked"])
 def test_runners_recycle_their_logits_on_a_gpu_and_generate_the_same(monkeypatch, kind):
   """Where steps run as CUDA graphs (``recycle.graphs()``, forced here) the runners' ``step``
-  recycles its logits buffer; ``generate`` reads each step's logits (samples) before the next
-  step, so it produces the same tokens as with plain ``jax.jit``, and every step's logits but
-  the last were donated to the next step."""
+  recycles its logits buffer (compiled once): ``generate`` (which samples inside the step and
+  discards the logits) produces the same tokens as with plain ``jax.jit``, and every step's
+  logits but the last were donated to the next step."""
   from models import random_model
   from pask_jax import policy as P
   from pask_jax import recycle
