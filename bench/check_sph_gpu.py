@@ -56,6 +56,23 @@ def timed(f, *args, iters=20):
   return statistics.median(ts)
 
 
+CUPTI = False   # --cupti: also each call's kernels' device time (CUPTI), not only wall time
+
+
+def device_us(f, *args) -> str:
+  """With --cupti: " | kernels T µs (name t, ...)" of one call of ``f`` (CUPTI, the median of 5:
+  the wall time above also holds the host's dispatch, ~tens of µs, which matters at 0.2 ms)."""
+  if not CUPTI:
+    return ""
+  from bench.bench_kernels import kernel_times
+  try:
+    ks, total = kernel_times(f, args)
+  except Exception as e:  # noqa: BLE001 -- the wall-time figure stands
+    return f" | CUPTI failed: {str(e)[:100]}"
+  top = ", ".join(f"{n[:28]} {t:.1f}" for n, t in sorted(ks, key=lambda x: -x[1])[:3])
+  return f" | kernels {total:.1f} µs ({top})"
+
+
 def correctness() -> bool:
   ok = True
   for name, (hq, hkv, d) in SHAPES.items():
@@ -185,7 +202,9 @@ def g2(batch, keys, iters, variants=VARIANTS):
       print(f"G2 {name} B={batch} keys={keys} {lay}/{val}: tier kernel {t_k * 1e3:.3f} ms "
             f"({stored / t_k / 1e9:.0f} GB/s of {ts.bytes} B/key stored) | reconstruct+attend "
             f"{t_both * 1e3:.3f} ms (rebuild {t_rb * 1e3:.3f} + BF16 partition "
-            f"{t_at * 1e3:.3f}) -> {t_both / t_k:.2f}x")
+            f"{t_at * 1e3:.3f}) -> {t_both / t_k:.2f}x"
+            + device_us(jax.jit(lambda q, s: sph_partials_gpu(q, s)), q, sph)
+            + device_us(both, pool))
       print(f"G2 {name} {lay}/{val} variants (trig/expand): " + ", ".join(
           f"{v} {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)" for v, t in t_var.items()))
 
@@ -206,14 +225,15 @@ def g2(batch, keys, iters, variants=VARIANTS):
       maps = PageMaps(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), tbl,
                       jnp.full((batch,), keys, jnp.int32))
       try:
-        t = timed(jax.jit(lambda q, lo: partials_gpu(q, window, hi, lo, maps, int4_kernel=kernel)),
-                  q, lo, iters=iters)
+        f_lo = jax.jit(lambda q, lo: partials_gpu(q, window, hi, lo, maps, int4_kernel=kernel))
+        t = timed(f_lo, q, lo, iters=iters)
       except Exception as e:  # noqa: BLE001 -- report and go on (the tier numbers stand)
         print(f"G2 {name} INT4 partition page {lo_page} {kernel}: failed: {str(e)[:200]}")
         continue
       stored = batch * hkv * keys * (d + 4)
       print(f"G2 {name} B={batch} keys={keys} INT4 partition page {lo_page} ({kernel}): "
-            f"{t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s of {d + 4} B/key stored)")
+            f"{t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s of {d + 4} B/key stored)"
+            + device_us(f_lo, q, lo))
 
 
 def sweep(batch, keys, iters, knob_sets, formats) -> bool:
@@ -255,13 +275,13 @@ def sweep(batch, keys, iters, knob_sets, formats) -> bool:
       stored = batch * hkv * keys * ts.bytes
       for kn in knob_sets:
         try:
-          t = timed(jax.jit(lambda q, s, kn=kn: sph_partials_gpu(q, s, **kn)), q, sph,
-                    iters=iters)
+          f_kn = jax.jit(lambda q, s, kn=kn: sph_partials_gpu(q, s, **kn))
+          t = timed(f_kn, q, sph, iters=iters)
         except Exception as e:  # noqa: BLE001 -- a knob set that does not compile: say so, go on
           print(f"G2 sweep {name} {fmt} {kn}: failed: {str(e)[:160]}", flush=True)
           continue
-        print(f"G2 sweep {name} {fmt} {kn}: {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)",
-              flush=True)
+        print(f"G2 sweep {name} {fmt} {kn}: {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)"
+              + device_us(f_kn, q, sph), flush=True)
   return ok
 
 
@@ -279,7 +299,11 @@ def main() -> int:
   ap.add_argument("--sweep", default=None,
                   help='JSON list of knob sets timed instead of G2, e.g. \'[{}, {"block": 64}]\'')
   ap.add_argument("--sweep-formats", default="A4/int4,A4/bf16,A42/int4")
+  ap.add_argument("--cupti", action="store_true",
+                  help="also each timed call's kernels' device time (CUPTI)")
   a = ap.parse_args()
+  global CUPTI
+  CUPTI = a.cupti
   print(f"backend {jax.default_backend()} {jax.devices()[0].device_kind} jax {jax.__version__}")
   ok = True
   if not a.no_check:

@@ -8,6 +8,6 @@
 . scripts/h200_env.sh 2>/dev/null || export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 limit=${LIMIT:-560}
 nvidia-smi --query-gpu=name,driver_version --format=csv > $OUT/env.txt; git rev-parse HEAD >> $OUT/env.txt
-timeout $((limit - 20)) python3 bench/check_sph_gpu.py --iters ${ITERS:-20} ${VARIANTS:+--variants $VARIANTS} ${NO_CHECK:+--no-check} ${SWEEP:+--sweep "$SWEEP"} > $OUT/check.log 2>&1
+timeout $((limit - 20)) python3 bench/check_sph_gpu.py --iters ${ITERS:-20} ${VARIANTS:+--variants $VARIANTS} ${NO_CHECK:+--no-check} ${SWEEP:+--sweep "$SWEEP"} ${CUPTI:+--cupti} > $OUT/check.log 2>&1
 echo "exit $?" >> $OUT/check.log
 tail -40 $OUT/check.log
