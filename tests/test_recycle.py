@@ -107,7 +107,7 @@ def test_pask_decode_step_for_sm90_writes_its_logits_into_the_recycled_buffer():
   cfg = ModelConfig(arch="qwen2", vocab_size=512, hidden=128, intermediate=256, n_layers=2,
                     n_heads=4, n_kv_heads=2, head_dim=64)
   pol = P.demo(cfg)
-  Bt, C = 8, 1024 + 17
+  Bt, C = 8, 512 + 17
   model = random_model(cfg, dtype=jnp.bfloat16)
   decoder.prepare(model, "unrolled")
   r = PaskRunner(model, pol, batch=Bt, capacity=C, backend="gpu",
