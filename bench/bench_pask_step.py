@@ -83,7 +83,7 @@ def main(argv=None) -> int:
   from models import decoder
   from pask_jax import cache as pc, controller, ledger, policy as P
   from pask_jax.decode import PaskRunner, Runner
-  from pask_jax.recycle import Recycler
+  from pask_jax.recycle import Recycler, logits_like
   from pask_jax.tracker import FREE_TAG
 
   t_start = time.perf_counter()
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
           runner = PaskRunner(model, pol, batch=B, capacity=C + room,
                               kernel_knobs=json.loads(a.kernel_knobs))
           if a.recycle_logits:
-            like = jax.ShapeDtypeStruct((B, cfg.vocab_size), jnp.float32)
+            like = logits_like(B, cfg.vocab_size)
             def decode_b(*args, fn=runner.decode_fn):   # another name: another executable
               return fn(*args)
             recs = [Recycler(f, like, donate_argnums=(2, 3, 4))

@@ -32,7 +32,7 @@ from pask_jax import decode as dec
 from pask_jax import ledger
 from pask_jax.tracker import with_positions
 from pask_jax import policy as P
-from pask_jax.recycle import Recycler
+from pask_jax.recycle import Recycler, logits_like
 from pask_jax import tags as T
 
 
@@ -73,8 +73,8 @@ class StackRunner(dec.PaskRunner):
     # previous forward's logits (Recycler: one address for them, so XLA does not re-parameterize
     # the step's CUDA graph; the loop's pick has read them by then), but not the ledger: a
     # step's ledger can still be read after the next step ran (generate_overlapped).
-    self.forward = Recycler(self._forward, jax.ShapeDtypeStruct(
-        (n_policies * n_requests, model.cfg.vocab_size), jnp.float32), donate_argnums=(2,))
+    self.forward = Recycler(self._forward, logits_like(n_policies * n_requests,
+                                                       model.cfg.vocab_size), donate_argnums=(2,))
     self.local = None
     # Several processes (calibrate.distributed): the mesh holds other processes' devices, so
     # every input of the sharded calls becomes a global array (each process places its own

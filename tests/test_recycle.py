@@ -13,7 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pask_jax.recycle import Recycler  # noqa: E402
+from pask_jax.recycle import Recycler, logits_like  # noqa: E402
 
 B, H, V = 4, 32, 96
 
@@ -103,7 +103,6 @@ def test_pask_decode_step_for_sm90_writes_its_logits_into_the_recycled_buffer():
   from pask_jax import policy as P
   from pask_jax.decode import PaskRunner
   from pask_jax.tracker import FREE_TAG
-  from serve.engine.step import logits_like
   cfg = ModelConfig(arch="qwen2", vocab_size=512, hidden=128, intermediate=256, n_layers=2,
                     n_heads=4, n_kv_heads=2, head_dim=64)
   pol = P.demo(cfg)
@@ -112,7 +111,7 @@ def test_pask_decode_step_for_sm90_writes_its_logits_into_the_recycled_buffer():
   decoder.prepare(model, "unrolled")
   r = PaskRunner(model, pol, batch=Bt, capacity=C, backend="gpu",
                  kernel_knobs={"int4_kernel": "mosaic"})
-  rec = Recycler(r.decode_fn, logits_like(cfg, Bt), donate_argnums=(2, 3, 4))
+  rec = Recycler(r.decode_fn, logits_like(Bt, cfg.vocab_size), donate_argnums=(2, 3, 4))
   cache = jax.eval_shape(lambda: pc.init_for(cfg, Bt, pol, capacity=C, page=r.page, lo_page=128,
                                              lo_format="int4", hi_capacity=C // 4,
                                              lo_capacity=C // 2))

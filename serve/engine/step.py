@@ -36,7 +36,7 @@ from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
-from pask_jax.recycle import Recycler
+from pask_jax.recycle import Recycler, logits_like
 from pask_jax.sample import apply_bitmask, nucleus
 from serve.engine.pages import NoPages, PagePools
 from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, worst_pages
@@ -74,12 +74,6 @@ def pick_packed(logits, packed, *, gather=None):
   f32 = lambda c: jax.lax.bitcast_convert_type(packed[:, c], jnp.float32)
   return pick(logits, packed[:, :nw], jax.lax.bitcast_convert_type(packed[:, nw], jnp.uint32),
               packed[:, nw + 1], f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0, gather=gather)
-
-
-def logits_like(cfg, slots: int, sharding=None) -> jax.ShapeDtypeStruct:
-  """The forward's logits: float32 ``[slots, vocab]`` (``models.decoder``'s head), placed as the
-  forward's ``out_shardings`` place them."""
-  return jax.ShapeDtypeStruct((slots, cfg.vocab_size), jnp.float32, sharding=sharding)
 
 
 def lp_row(lp, b: int):
@@ -223,7 +217,7 @@ class PagedStep(Step):
     self._restore = self._jit(self._restore_fn, 0, (ss, rep, rep, rep), ss)
     self._release = self._jit(self._release_fn, 0, (ss, rep), ss)
     self._step = self._jit(self._step_fn, 2, (ps, rep, ss) + (rep,) * 12, ((rep, rep), ss))
-    self._fwd = self._jit_fwd(self._fwd_fn, 2, logits_like(c, slots, lg),
+    self._fwd = self._jit_fwd(self._fwd_fn, 2, logits_like(slots, c.vocab_size, lg),
                               (ps, rep, ss, rep, rep, rep), ((lg, rep), ss))
 
   # --- jitted pieces ------------------------------------------------------------------------
@@ -373,8 +367,8 @@ class DenseStep(Step):
     self._insert = self._jit(self._insert_fn, 0, (cs, kv, kv, rep, rep), cs)
     self._release = self._jit(self._release_fn, 0, (cs, rep), cs)
     self._step = self._jit(self._step_fn, 1, (ps, cs) + (rep,) * 8, ((rep, rep), cs))
-    self._fwd = self._jit_fwd(self._fwd_fn, 1, logits_like(c, slots, lg), (ps, cs, rep, rep),
-                              ((lg, rep), cs))
+    self._fwd = self._jit_fwd(self._fwd_fn, 1, logits_like(slots, c.vocab_size, lg),
+                              (ps, cs, rep, rep), ((lg, rep), cs))
 
   def _forward(self, params, cache, tokens, active):
     """tokens [B] written at each active row's next slot, the model over the dense cache ->
