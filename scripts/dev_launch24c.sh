@@ -7,27 +7,13 @@
 #   base, donate_t   the same two without logging, for time
 #   LIMIT=300 bash scripts/dev_launch24c.sh
 # Raw output: $OUT/launch24c.tgz.
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-limit=${LIMIT:-300}
-d=/tmp/launch24c && rm -rf $d && mkdir -p $d
-. scripts/device_env.sh $d
-left() { echo $((limit - SECONDS - 10)); }
-step() {  # tag, args...
-  local tag=$1 t; shift; t=$(left)
-  [ $t -gt 30 ] || { echo "no time for $tag"; return; }
-  timeout -s KILL $(( t < 90 ? t : 90 )) python3 bench/bench_pask_step.py --shape qwen2.5-0.5b \
-    --batch 8 --context 8192 --layouts unrolled --no-full --steps ${STEPS:-8} \
-    --mixes 0.2,0.65,0.15 --lo-page 128 --lo-format int4 --json $d/$tag.jsonl "$@" \
-    > $d/$tag.log 2>&1
-  echo "$tag rc $?"; grep -E "mix \(|Error|error" $d/$tag.log | cut -c1-300
-  grep "Updated" $d/$tag.log | sed 's/.*Updated/Updated/' | tail -4
-}
+. scripts/step05.sh launch24c
 V=gpu_executable=3,command_buffer_thunk=3,command_executor=1,gpu_executable_buffer_allocator=3
-TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$V STEPS=4 \
-  XLA_FLAGS="--xla_dump_to=$d/dump --xla_dump_hlo_module_re=decode" step addr
-TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_executor=1 STEPS=4 step donate --donate-state
-step base
-step donate_t --donate-state
+TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$V STEPS=4 CAP=90 \
+  XLA_FLAGS="--xla_dump_to=$d/dump --xla_dump_hlo_module_re=decode" step05 addr
+TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_executor=1 STEPS=4 CAP=90 step05 donate --donate-state
+CAP=90 step05 base
+CAP=90 step05 donate_t --donate-state
 mkdir -p $d/ba && cp $d/dump/*buffer-assignment* $d/ba/ 2>/dev/null; rm -rf $d/dump
 ls $d/ba | head
 tar czf $OUT/launch24c.tgz -C /tmp launch24c

@@ -9,24 +9,11 @@
 #   alternate_prof the same under the profiler (host calls per step)
 #   LIMIT=300 bash scripts/dev_launch24g.sh
 # Raw output: $OUT/launch24g.tgz.
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-limit=${LIMIT:-300}
-d=/tmp/launch24g && rm -rf $d && mkdir -p $d
-. scripts/device_env.sh $d
-left() { echo $((limit - SECONDS - 10)); }
-step() {  # tag, args...
-  local tag=$1 t; shift; t=$(left)
-  [ $t -gt 30 ] || { echo "no time for $tag"; return; }
-  timeout -s KILL $(( t < 80 ? t : 80 )) python3 bench/bench_pask_step.py \
-    --shape qwen2.5-0.5b --batch 8 --context 8192 --layouts unrolled --no-full \
-    --steps 8 --mixes 0.2,0.65,0.15 --lo-page 128 --lo-format int4 --recycle-logits \
-    --json $d/$tag.jsonl "$@" > $d/$tag.log 2>&1
-  echo "$tag rc $?"; grep -E "mix \(|chained|Error|error|host calls|busy|host gap" $d/$tag.log | cut -c1-600
-}
-step recycle
-step alternate --alternate
-step recycle2
-step alternate2 --alternate
-step alternate_prof --alternate --profile $d/prof
+. scripts/step05.sh launch24g
+step05 recycle --recycle-logits
+step05 alternate --recycle-logits --alternate
+step05 recycle2 --recycle-logits
+step05 alternate2 --recycle-logits --alternate
+step05 alternate_prof --recycle-logits --alternate --profile $d/prof
 rm -rf $d/prof
 tar czf $OUT/launch24g.tgz -C /tmp launch24g
