@@ -208,32 +208,38 @@ def g2(batch, keys, iters, variants=VARIANTS):
       print(f"G2 {name} {lay}/{val} variants (trig/expand): " + ", ".join(
           f"{v} {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)" for v, t in t_var.items()))
 
-    # The INT4 partition on the same key count (B, Hkv, keys): Triton at page 16; "auto"
-    # (Mosaic GPU on Hopper) at page 128.
-    for lo_page, kernel in ((16, "triton"), (128, "auto")):
-      p_lo = batch * -(-keys // lo_page)
-      ks = jax.random.split(jax.random.PRNGKey(4), 3)
-      codes = lambda kk: jax.random.randint(kk, (p_lo, lo_page, hkv, d // 2), 0, 256,
-                                            jnp.int32).astype(jnp.uint8)
-      sc = jnp.full((p_lo, lo_page, hkv, 2), 0.05, jnp.float16)
-      lo = LowPool(codes(ks[0]), codes(ks[1]), sc)
-      if kernel == "auto":
-        lo = LowPool(*int4.pool_arrays(*int4.pool_codes(lo.k, lo.v), "int4"),
-                     int4.scale_array(sc, "int4"))
-      window, hi, _ = empty_base(batch, hkv, d, g)
-      tbl = jax.random.permutation(ks[2], p_lo).reshape(batch, -1).astype(jnp.int32)
-      maps = PageMaps(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), tbl,
-                      jnp.full((batch,), keys, jnp.int32))
-      try:
-        f_lo = jax.jit(lambda q, lo: partials_gpu(q, window, hi, lo, maps, int4_kernel=kernel))
-        t = timed(f_lo, q, lo, iters=iters)
-      except Exception as e:  # noqa: BLE001 -- report and go on (the tier numbers stand)
-        print(f"G2 {name} INT4 partition page {lo_page} {kernel}: failed: {str(e)[:200]}")
-        continue
-      stored = batch * hkv * keys * (d + 4)
-      print(f"G2 {name} B={batch} keys={keys} INT4 partition page {lo_page} ({kernel}): "
-            f"{t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s of {d + 4} B/key stored)"
-            + device_us(f_lo, q, lo))
+    int4_partition(name, q, hkv, keys, iters)
+
+
+def int4_partition(name, q, hkv, keys, iters):
+  """The INT4 partition on the same key count (B, Hkv, keys) as the tier runs, G2's yardstick:
+  Triton at page 16; "auto" (Mosaic GPU on Hopper) at page 128."""
+  batch, hq, d = q.shape
+  g = hq // hkv
+  for lo_page, kernel in ((16, "triton"), (128, "auto")):
+    p_lo = batch * -(-keys // lo_page)
+    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+    codes = lambda kk: jax.random.randint(kk, (p_lo, lo_page, hkv, d // 2), 0, 256,
+                                          jnp.int32).astype(jnp.uint8)
+    sc = jnp.full((p_lo, lo_page, hkv, 2), 0.05, jnp.float16)
+    lo = LowPool(codes(ks[0]), codes(ks[1]), sc)
+    if kernel == "auto":
+      lo = LowPool(*int4.pool_arrays(*int4.pool_codes(lo.k, lo.v), "int4"),
+                   int4.scale_array(sc, "int4"))
+    window, hi, _ = empty_base(batch, hkv, d, g)
+    tbl = jax.random.permutation(ks[2], p_lo).reshape(batch, -1).astype(jnp.int32)
+    maps = PageMaps(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch,), jnp.int32), tbl,
+                    jnp.full((batch,), keys, jnp.int32))
+    try:
+      f_lo = jax.jit(lambda q, lo: partials_gpu(q, window, hi, lo, maps, int4_kernel=kernel))
+      t = timed(f_lo, q, lo, iters=iters)
+    except Exception as e:  # noqa: BLE001 -- report and go on (the tier numbers stand)
+      print(f"G2 {name} INT4 partition page {lo_page} {kernel}: failed: {str(e)[:200]}")
+      continue
+    stored = batch * hkv * keys * (d + 4)
+    print(f"G2 {name} B={batch} keys={keys} INT4 partition page {lo_page} ({kernel}): "
+          f"{t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s of {d + 4} B/key stored)"
+          + device_us(f_lo, q, lo))
 
 
 def sweep(batch, keys, iters, knob_sets, formats) -> bool:
@@ -282,6 +288,7 @@ def sweep(batch, keys, iters, knob_sets, formats) -> bool:
           continue
         print(f"G2 sweep {name} {fmt} {kn}: {t * 1e3:.3f} ms ({stored / t / 1e9:.0f} GB/s)"
               + device_us(f_kn, q, sph), flush=True)
+    int4_partition(name, q, hkv, keys, iters)
   return ok
 
 

@@ -53,7 +53,8 @@ def test_sincos_polynomial():
 
 
 @pytest.mark.parametrize("trig,expand", [("poly", "joins"), ("table", "direct"),
-                                         ("poly", "direct"), ("table", "joins")])
+                                         ("poly", "direct"), ("table", "joins"),
+                                         ("code", "joins")])
 def test_every_format_ragged_empty_and_shuffled(trig, expand):
   """All three layouts in one call (one launch per tier; A4 int4 and A42 bf16 are in
   test_gqa_ratios_and_shapes), GQA 4, D 64: ragged lengths, a (sequence, head) with no rows,
@@ -73,12 +74,13 @@ def test_every_format_ragged_empty_and_shuffled(trig, expand):
   assert err < TOL, err
 
 
-@pytest.mark.parametrize("expand", ["joins", "direct"])
-def test_row_codes_and_fma_knobs(expand):
+@pytest.mark.parametrize("expand,trig", [("joins", "poly"), ("direct", "code")])
+def test_row_codes_and_fma_knobs(expand, trig):
   """``codes="row"`` (A4 tiers read each key's code bytes once and split them into levels; the
   A42 tier beside them gathers per level) and ``fma=True`` (plain multiply-adds in interpret
   mode): ragged lengths, an empty head, split-KV with partial blocks, GQA 3, both head dims'
-  level counts (D 64: 6 levels, D 128: 7; the direct expansion at D 64)."""
+  level counts (D 64: 6 levels, D 128: 7; the direct expansion, with ``trig="code"``'s factors,
+  at D 64)."""
   for d in (64, 128) if expand == "joins" else (64,):
     b, hkv, g, page = 2, 2, 3, 16
     tiers = [TierSpec("A4", "int4", d), TierSpec("A4", "bf16", d), TierSpec("A42", "int4", d)]
@@ -87,7 +89,7 @@ def test_row_codes_and_fma_knobs(expand):
     lens[1][0, 1] = 0
     sph = sph_synth.layer_of(sph_synth.make(tiers, lens, b=b, hkv=hkv, page=page, seed=d + 1), 0)
     q = jax.random.normal(jax.random.PRNGKey(d + 2), (b, hkv * g, d), jnp.float32)
-    err = _compare(q, sph, splits=3, block=16, expand=expand, codes="row", fma=True)
+    err = _compare(q, sph, splits=3, block=16, expand=expand, trig=trig, codes="row", fma=True)
     assert err < TOL, (d, err)
 
 
@@ -102,6 +104,27 @@ def test_sincos_with_fused_multiply_adds():
   t = th.astype(np.float64)
   assert np.abs(np.asarray(c) - np.cos(t)).max() < 2e-7
   assert np.abs(np.asarray(s) - np.sin(t)).max() < 2e-7
+
+
+@pytest.mark.parametrize("d", [8, 64, 128])
+def test_sincos_code_every_level_and_code(d):
+  """``trig="code"``: cos and sin of every code of every level of every layout (the quarter
+  turn from level 1's top bits, each level's polynomial degree from its range) against the
+  float64 decoded angles, with two-rounding multiply-adds and with emulated single-rounding
+  FMAs; an error in a sign or a swap would be O(1)."""
+  f64 = lambda x: np.asarray(x, np.float32).astype(np.float64)
+  fma = lambda a, b, c: jnp.asarray((f64(a) * f64(b) + f64(c)).astype(np.float32))
+  for lay in ("A4", "A42", "A2"):
+    sp = spherical.spec(lay, d)
+    for lvl in range(1, sp.levels + 1):
+      want = spherical.centers(sp, lvl)
+      codes = jnp.asarray(np.random.default_rng(lvl).permutation(want.size), jnp.int32)
+      for f in (gpu_sph.mul_add, fma):
+        c, s = gpu_sph.sincos_code(codes, sp, lvl, f)
+        t = want[np.asarray(codes)]
+        err = max(np.abs(np.asarray(c, np.float64) - np.cos(t)).max(),
+                  np.abs(np.asarray(s, np.float64) - np.sin(t)).max())
+        assert err < 2e-7, (lay, lvl, err)
 
 
 def test_trig_table_is_the_reference_table():
@@ -210,7 +233,7 @@ def test_tier_kernel_compiles_to_sm90a_within_limits(shape):
 
 @pytest.mark.fast_compile(False)
 def test_row_codes_and_fma_compile_to_sm90a():
-  """``codes="row"`` and ``fma=True`` at the 1.5B shape (A4, INT4 values) for sm_90a with 4
+  """``codes="row"``, ``fma=True`` and ``trig="code"`` at the 1.5B shape (A4, INT4 values) for sm_90a with 4
   warps (at 8 ptxas caps the row variant at 128 registers and spills a few bytes): within
   ptxas's limits, explicit FMAs in the PTX, and fewer global loads per block than the
   per-level gathers (one row load instead of one byte gather per level and layout)."""
@@ -220,11 +243,18 @@ def test_row_codes_and_fma_compile_to_sm90a():
   base, = gpu_aot.report(functools.partial(sph_partials_gpu, num_warps=4), q, sph, jnp.int32(1))
   fast, = gpu_aot.report(functools.partial(sph_partials_gpu, codes="row", fma=True,
                                            num_warps=4), q, sph, jnp.int32(1))
-  print("levels:", base.summary(), "| row+fma:", fast.summary())
+  code, = gpu_aot.report(functools.partial(sph_partials_gpu, codes="row", fma=True, trig="code",
+                                           num_warps=4), q, sph, jnp.int32(1))
+  print("levels:", base.summary(), "| row+fma:", fast.summary(), "| +code:", code.summary())
   assert fast.ok(), fast.summary()
+  assert code.ok(), code.summary()
   assert "fma.rn.f32" in fast.ptx and "fma.rn.f32" not in base.ptx
   loads = lambda r: len(re.findall(r"\bld\.global", r.ptx))
   assert loads(fast) < loads(base), (loads(fast), loads(base))
+  # trig="code" has no quadrant reduction: no floor, and a fraction of the selects
+  selects = lambda r: len(re.findall(r"\bselp\.", r.ptx))
+  assert "cvt.rmi" in fast.ptx and "cvt.rmi" not in code.ptx
+  assert selects(code) < selects(fast) / 2, (selects(code), selects(fast))
 
 
 def test_bf16_split_survives_xla_on_gpu():

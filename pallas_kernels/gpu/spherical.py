@@ -64,7 +64,7 @@ _HALF_PI_HI = 1.5707963705062866    # f32(π/2)
 _HALF_PI_LO = -4.371139000186243e-08  # π/2 - f32(π/2)
 _KNOBS = ("scale", "block", "splits", "chunk", "num_warps", "num_stages", "qk_passes",
           "exact_pv", "int4_dequant", "trig", "expand", "codes", "fma", "interpret")
-TRIG = ("poly", "table")
+TRIG = ("poly", "table", "code")
 EXPAND = ("joins", "direct")
 CODES = ("levels", "row")
 
@@ -133,6 +133,70 @@ def sincos(theta, fma=mul_add):
   cos = jnp.where((q == 1) | (q == 2), -cos, cos)
   sin = jnp.where(q >= 2, -sin, sin)
   return cos, sin
+
+
+def _taylor_terms(x_max: float, first: int, tol: float = 1e-8) -> int:
+  """Horner steps of the Taylor series ``Σ_k (−1)^k x^{2k+first}/(2k+first)!`` (cos: first 0,
+  sin: 1) until the remainder on |x| <= x_max is below ``tol``."""
+  k = 0
+  while x_max ** (2 * k + 2 + first) / math.factorial(2 * k + 2 + first) > tol:
+    k += 1
+  return k
+
+
+def _rot45(x, x_max: float, fma):
+  """(C, S) = (cos x, sin x)/√2 for |x| <= x_max, so that cos(π/4 + x) = C − S and
+  sin(π/4 + x) = C + S: Taylor polynomials in Horner form, as many terms as x_max needs."""
+  h = math.sqrt(0.5)
+  coef = lambda k, first: h * (-1) ** k / math.factorial(2 * k + first)
+  x2 = x * x
+  kc, ks = _taylor_terms(x_max, 0), _taylor_terms(x_max, 1)
+  c = coef(kc, 0)
+  for k in range(kc - 1, -1, -1):
+    c = fma(x2, c, coef(k, 0))
+  s = coef(ks, 1)
+  for k in range(ks - 1, -1, -1):
+    s = fma(x2, s, coef(k, 1))
+  return c, x * s
+
+
+def _flip(x, mask):
+  """x with its sign bit XORed with ``mask``'s (u32: 0 or 1 << 31)."""
+  u = lax.bitcast_convert_type(x, jnp.uint32) ^ mask
+  return lax.bitcast_convert_type(u, jnp.float32)
+
+
+def sincos_code(code, sp: spherical.Spec, lvl: int, fma=mul_add):
+  """(cos, sin) of level ``lvl``'s decoded angle of integer codes (``spherical.centers``) with no
+  range reduction: every decoded angle is π/4 + x with |x| < π/4 from the code's own bits.
+
+  Levels >= 2 decode to π/4 + (c + ½ − 2^{bh−1})·Δ_ℓ: a short polynomial pair around π/4 whose
+  degree follows the level's (static) angle range.  Level 1 decodes to −π + (c + ½)·Δ₁, i.e.
+  the quarter turn q = c >> (b1 − 2) rotated by (q + 2)·π/2 from π/4 + (r + ½)·Δ₁ − π/4, r the
+  low bits: a quarter-turn rotation of (C − S, C + S) only swaps and negates, so cos = σC + τS
+  and sin = σS − τC with signs σ, τ = ±1 from the code's top two bits (integer ops and sign-bit
+  XORs, no selects).  ``fma`` as in :func:`sincos`.  Elementwise ops only (Triton and XLA)."""
+  code = code.astype(jnp.int32)
+  dl = float(spherical.steps(sp)[lvl - 1])
+  if lvl >= 2:
+    half = 2 ** (sp.bh - 1)
+    c, s = _rot45(fma(code.astype(jnp.float32), dl, (0.5 - half) * dl),
+                  (half - 0.5) * dl, fma)
+    return c - s, c + s
+  lo = sp.b1 - 2                                       # r: the code's low b1 − 2 bits
+  if lo == 0:                                          # every inner angle is π/4 itself
+    c, s = jnp.full(code.shape, math.sqrt(0.5), jnp.float32), jnp.zeros(code.shape, jnp.float32)
+  else:
+    r = (code & (2**lo - 1)).astype(jnp.float32)
+    c, s = _rot45(fma(r, dl, 0.5 * dl - math.pi / 4), math.pi / 4 - 0.5 * dl, fma)
+  # Quarter turns k = (q + 2) & 3 of (C − S, C + S): cos = σC + τS, sin = σS − τC with σ < 0
+  # for k ∈ {1, 2} (q ∈ {3, 0}: q's two bits equal) and τ < 0 for k ∈ {0, 1} (q ∈ {2, 3}:
+  # q's high bit set).
+  u = code.astype(jnp.uint32)
+  top = jnp.uint32(1 << 31)
+  sigma = ((~(u ^ (u >> 1))) << (33 - sp.b1)) & top     # bit b1−2 of ¬(c ^ c>>1) -> bit 31
+  tau = (u << (32 - sp.b1)) & top                       # bit b1−1 of c -> bit 31
+  return _flip(c, sigma) + _flip(s, tau), _flip(s, sigma) - _flip(c, tau)
 
 
 def trig_table(sp: spherical.Spec) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -214,6 +278,8 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     if trig == "table":
       at = tab_off[lvl - 1] + 2 * code
       return plgpu.load(tab_ref.at[at]), plgpu.load(tab_ref.at[at + 1])
+    if trig == "code":
+      return sincos_code(code, sp, lvl, fma)
     return sincos(fma(code.astype(jnp.float32), dl, a), fma)
 
   def factor(lvl_info, rows, valid, col):
@@ -224,7 +290,10 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     t = (col >> (lvl - 2)) & 1
     if trig == "table":
       return plgpu.load(tab_ref.at[tab_off[lvl - 1] + 2 * code + t[None, :]])
-    cl, sl = sincos(fma(code.astype(jnp.float32), dl, a), fma)
+    if trig == "code":
+      cl, sl = sincos_code(code, sp, lvl, fma)
+    else:
+      cl, sl = sincos(fma(code.astype(jnp.float32), dl, a), fma)
     return jnp.where(t[None, :] == 1, sl, cl)
 
   def dot3(qh, ql, u):
@@ -392,15 +461,16 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   Knobs: ``block`` keys per loop step (a power of two >= 16), ``splits`` split-KV programs per
   (sequence, head) (default: from ``chunk`` keys per split, else enough to fill the GPU),
   ``num_warps``/``num_stages``, ``qk_passes`` (3: FP32-grade logits by bf16 hi/lo MMAs, 1: one
-  bf16 pass), ``exact_pv``, ``int4_dequant`` ("bits", "cvt", "asm": ``gpu.decode``'s modes;
-  "asm" falls back to "bits" in interpret mode), ``trig`` ("poly": cos/sin by polynomials,
-  "table": read from :func:`trig_table`, L1-resident), ``expand`` ("joins": the tree expanded
-  level by level by width-doubling joins, "direct": each level-1 position's product of level
-  factors, no joins), ``codes`` ("levels": each level's codes gathered on their own, "row":
-  A4 tiers read each key's code bytes once and split them into levels in registers; other
-  layouts gather per level, and with ``expand="direct"`` levels >= 2 too), ``fma`` (the
-  angle decode and the trig polynomials by explicit ``fma.rn.f32``: Triton does not contract;
-  plain multiply-adds in interpret mode), ``interpret``."""
+  bf16 pass), ``exact_pv``, ``int4_dequant`` ("bits", "cvt", "asm": ``gpu.decode``'s modes; "asm"
+  falls back to "bits" in interpret mode), ``trig`` ("poly": cos/sin by quadrant reduction and
+  polynomials, "table": read from :func:`trig_table`, L1-resident, "code": :func:`sincos_code`, no
+  range reduction and each level's polynomial degree from its range), ``expand`` ("joins": the
+  tree expanded level by level by width-doubling joins, "direct": each level-1 position's product
+  of level factors, no joins), ``codes`` ("levels": each level's codes gathered on their own,
+  "row": A4 tiers read each key's code bytes once and split them into levels in registers; other
+  layouts gather per level, and with ``expand="direct"`` levels >= 2 too), ``fma`` (the angle
+  decode and the trig polynomials by explicit ``fma.rn.f32``: Triton does not contract; plain
+  multiply-adds in interpret mode), ``interpret``."""
   check(q, sph, stacked=layer is not None)
   if trig not in TRIG:
     raise ValueError(f"trig must be one of {TRIG}, got {trig!r}")
