@@ -255,6 +255,11 @@ def test_row_codes_and_fma_compile_to_sm90a():
   selects = lambda r: len(re.findall(r"\bselp\.", r.ptx))
   assert "cvt.rmi" in fast.ptx and "cvt.rmi" not in code.ptx
   assert selects(code) < selects(fast) / 2, (selects(code), selects(fast))
+  # and bench/sph_sass.py finds the loop over key blocks and counts fewer SASS instructions in it
+  from bench import sph_sass
+  (_, n_base), (_, n_code) = (sph_sass.loop_opcodes(r.ptx) for r in (base, code))
+  assert n_base["HMMA"] > 0 and n_code["HMMA"] > 0, (n_base, n_code)
+  assert sum(n_code.values()) < 0.8 * sum(n_base.values()), (n_code.total(), n_base.total())
 
 
 def test_bf16_split_survives_xla_on_gpu():
