@@ -10,7 +10,7 @@
 #   LIMIT=570 bash scripts/h200_record22.sh      (no wheels or model needed)
 #   PARTS="sanitizer" picks parts (default: step_4b kern_4b step_05 kern_05 sanitizer).
 #   PARTS=serving: the serving cell of issue 22's goals, Qwen3-4B shape, 32K in / 1024 out, pask
-#     and all-high at c=8 and c=32 (all-high fits 12 at 64 GB), BF16 pages of 16, INT4 pages of
+#     and all-high (METHODS, e.g. "pask full xla") at c=8 and c=32 (CONC) (all-high fits 12 at 64 GB), BF16 pages of 16, INT4 pages of
 #     128 (the int4 format's default on a GPU) in the int4
 #     format; needs the wheels (.whl) and a tokenizer directory carried as .tok
 #     (`python bench/bench_serving.py --export-tokenizer .tok`).
@@ -55,7 +55,7 @@ if want serving; then
   t=$(left)
   . scripts/h200_env.sh || exit 1
   timeout -s KILL $((t + 10)) python3 bench/bench_serving.py --shape qwen3-4b --tokenizer .tok \
-    --inputs 32768 --outputs 1024 --concurrency ${CONC:-8 32} --methods pask full --kv-memory ${KV:-64} \
+    --inputs 32768 --outputs 1024 --concurrency ${CONC:-8 32} --methods ${METHODS:-pask full} --kv-memory ${KV:-64} \
     --page 16 --lo-format int4 --prefill-memo --real-model off --time-limit $t \
     --out $d/serving > $d/serving.log 2>&1
   echo "serving rc $?"; grep -E '^\{|^#' $d/serving.log | cut -c1-400
