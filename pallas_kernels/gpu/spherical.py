@@ -160,6 +160,18 @@ def _rot45(x, x_max: float, fma):
   return c, x * s
 
 
+def _rot45_of4(r, dl: float):
+  """(C, S) = (cos x, sin x)/√2 at x = (r − 3/2)·Δ for a 2-bit integer r (four angles symmetric
+  about 0): C is even and S odd in x, so two selects between float64-exact constants and one
+  sign flip replace the polynomials."""
+  h = math.sqrt(0.5)
+  outer = (r == 0) | (r == 3)                          # |x| = 3Δ/2, else Δ/2
+  c = jnp.where(outer, h * math.cos(1.5 * dl), h * math.cos(0.5 * dl))
+  s = jnp.where(outer, h * math.sin(1.5 * dl), h * math.sin(0.5 * dl))
+  neg = ((~r).astype(jnp.uint32) & 2) << 30              # x < 0 for r < 2
+  return c.astype(jnp.float32), _flip(s.astype(jnp.float32), neg)
+
+
 def _flip(x, mask):
   """x with its sign bit XORed with ``mask``'s (u32: 0 or 1 << 31)."""
   u = lax.bitcast_convert_type(x, jnp.uint32) ^ mask
@@ -180,12 +192,17 @@ def sincos_code(code, sp: spherical.Spec, lvl: int, fma=mul_add):
   dl = float(spherical.steps(sp)[lvl - 1])
   if lvl >= 2:
     half = 2 ** (sp.bh - 1)
-    c, s = _rot45(fma(code.astype(jnp.float32), dl, (0.5 - half) * dl),
-                  (half - 0.5) * dl, fma)
+    if sp.bh == 2:
+      c, s = _rot45_of4(code, dl)
+    else:
+      c, s = _rot45(fma(code.astype(jnp.float32), dl, (0.5 - half) * dl),
+                    (half - 0.5) * dl, fma)
     return c - s, c + s
   lo = sp.b1 - 2                                       # r: the code's low b1 − 2 bits
   if lo == 0:                                          # every inner angle is π/4 itself
     c, s = jnp.full(code.shape, math.sqrt(0.5), jnp.float32), jnp.zeros(code.shape, jnp.float32)
+  elif lo == 2:                                        # r − 3/2 = x / Δ₁
+    c, s = _rot45_of4(code & 3, dl)
   else:
     r = (code & (2**lo - 1)).astype(jnp.float32)
     c, s = _rot45(fma(r, dl, 0.5 * dl - math.pi / 4), math.pi / 4 - 0.5 * dl, fma)
