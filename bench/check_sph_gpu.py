@@ -145,7 +145,7 @@ def empty_base(b, hkv, d, hq):
   return window, hi, lo
 
 
-VARIANTS = ("poly/joins", "table/direct", "table/joins", "poly/direct")
+VARIANTS = ("code/joins", "poly/joins", "table/direct", "table/joins", "poly/direct")
 
 
 def g2(batch, keys, iters, variants=VARIANTS):

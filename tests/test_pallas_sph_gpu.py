@@ -52,14 +52,17 @@ def test_sincos_polynomial():
   assert np.abs(np.asarray(s) - np.sin(t)).max() < 2e-7
 
 
-@pytest.mark.parametrize("trig,expand", [("poly", "joins"), ("table", "direct"),
-                                         ("poly", "direct"), ("table", "joins"),
-                                         ("code", "joins")])
-def test_every_format_ragged_empty_and_shuffled(trig, expand):
+@pytest.mark.parametrize("trig,expand,codes", [("code", "joins", "row"),
+                                               ("poly", "joins", "levels"),
+                                               ("table", "direct", "row"),
+                                               ("poly", "direct", "levels"),
+                                               ("table", "joins", "levels")])
+def test_every_format_ragged_empty_and_shuffled(trig, expand, codes):
   """All three layouts in one call (one launch per tier; A4 int4 and A42 bf16 are in
   test_gqa_ratios_and_shapes), GQA 4, D 64: ragged lengths, a (sequence, head) with no rows,
   exactly one full page, an all-empty tier, shuffled page tables with garbage past each head's
-  pages, split-KV with partial blocks; every trig source and tree expansion."""
+  pages, split-KV with partial blocks; every trig source, tree expansion and code read (the
+  first case is the defaults; the per-level reads with the two-rounding multiply-adds)."""
   d, b, hkv, g, page = 64, 2, 2, 4, 16
   tiers = [TierSpec("A4", "bf16", d), TierSpec("A42", "int4", d), TierSpec("A2", "int4", d),
            TierSpec("A2", "bf16", d)]
@@ -70,7 +73,8 @@ def test_every_format_ragged_empty_and_shuffled(trig, expand):
   lens[3][:] = 0                                      # an all-empty tier
   sph = sph_synth.layer_of(sph_synth.make(tiers, lens, b=b, hkv=hkv, page=page, seed=52), 0)
   q = jax.random.normal(jax.random.PRNGKey(53), (b, hkv * g, d), jnp.float32)
-  err = _compare(q, sph, splits=2, block=16, trig=trig, expand=expand)
+  err = _compare(q, sph, splits=2, block=16, trig=trig, expand=expand, codes=codes,
+                 fma=codes == "row")
   assert err < TOL, err
 
 
@@ -241,8 +245,9 @@ def test_row_codes_and_fma_compile_to_sm90a():
   d, hq = 128, 12
   sph = sph_synth.zeros([TierSpec("A4", "int4", d)], b=2, hkv=2, page=16, n=64, layers=2)
   q = jnp.zeros((2, hq, d), jnp.bfloat16)
-  base, = gpu_aot.report(functools.partial(sph_partials_gpu, num_warps=4), q, sph, jnp.int32(1))
-  fast, = gpu_aot.report(functools.partial(sph_partials_gpu, codes="row", fma=True,
+  base, = gpu_aot.report(functools.partial(sph_partials_gpu, num_warps=4, codes="levels",
+                                           trig="poly", fma=False), q, sph, jnp.int32(1))
+  fast, = gpu_aot.report(functools.partial(sph_partials_gpu, codes="row", fma=True, trig="poly",
                                            num_warps=4), q, sph, jnp.int32(1))
   code, = gpu_aot.report(functools.partial(sph_partials_gpu, codes="row", fma=True, trig="code",
                                            num_warps=4), q, sph, jnp.int32(1))

@@ -16,13 +16,16 @@ unnormalized partial (FP32, log2 units).  Splits are combined in XLA into exactl
 
 Per block (rows ``table[pos // page] * page + pos % page`` of the layer's flat pool):
 
-1. **Codes**: each tree level's codes are read as their own [block, width] gather of the packed
-   row (column ``byte(p)`` and per-column shift of tree position ``p``, mirroring
-   ``spherical.pack``'s layouts; the row's bytes come from DRAM once, the re-reads hit L1), so no
-   register tensor is ever sliced (Triton has no slices).
-2. **Trig**: the decoded angle is affine in the code (``θ = a_ℓ + c·Δ_ℓ``), its cos and sin come
-   from one quadrant reduction and Taylor polynomials on [-π/4, π/4] (error < 3e-8; no tables,
-   no gathers, no libdevice calls).
+1. **Codes**: A4 tiers load each key's D/2 code bytes once (one contiguous row load the
+   pipeliner prefetches) and split them into levels in registers (``codes="row"``); the other
+   layouts read each level's codes as their own [block, width] gather of the packed row (column
+   ``byte(p)`` and per-column shift of tree position ``p``, mirroring ``spherical.pack``'s
+   layouts; the re-reads hit L1).
+2. **Trig**: every decoded angle is π/4 + x with |x| < π/4 known from the code's own bits
+   (``trig="code"``, :func:`sincos_code`): short Taylor polynomials around π/4 (degree from the
+   level's static range; four-angle alphabets by two selects of exact constants), level 1's
+   quarter turn by sign flips, no range reduction, tables, gathers or libdevice calls; the
+   polynomials by explicit FMAs (``fma=True``: Triton does not contract ``a * b + c``).
 3. **Top-down expansion by width-doubling joins**: ``u^{ℓ-1} = interleave(u^ℓ cos φ^ℓ,
    u^ℓ sin φ^ℓ)`` (a two-way last-axis stack + reshape), from level n down to the level-1 factor
    ``A = u¹`` [block, D/2].
@@ -467,9 +470,9 @@ def check(q: jax.Array, sph: SphInputs, stacked: bool = False) -> None:
 @functools.partial(jax.jit, static_argnames=_KNOBS)
 def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = None,
                      block: int = 32, splits: int | None = None, chunk: int | None = None,
-                     num_warps: int = 8, num_stages: int = 2, qk_passes: int = 3,
-                     exact_pv: bool = True, int4_dequant: str = "bits", trig: str = "poly",
-                     expand: str = "joins", codes: str = "levels", fma: bool = False,
+                     num_warps: int = 2, num_stages: int = 2, qk_passes: int = 3,
+                     exact_pv: bool = True, int4_dequant: str = "bits", trig: str = "code",
+                     expand: str = "joins", codes: str = "row", fma: bool = True,
                      interpret: bool = False):
   """The tier partials of ``reference.sph_partials`` by the kernel: q [B, Hq, D] ->
   o [B, Hkv, K, g, D], m, l [B, Hkv, K, g] (FP32, log2 units, ``sph.spec`` order; an empty tier
@@ -487,7 +490,9 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   "row": A4 tiers read each key's code bytes once and split them into levels in registers; other
   layouts gather per level, and with ``expand="direct"`` levels >= 2 too), ``fma`` (the angle
   decode and the trig polynomials by explicit ``fma.rn.f32``: Triton does not contract; plain
-  multiply-adds in interpret mode), ``interpret``."""
+  multiply-adds in interpret mode), ``interpret``.  The defaults (``trig="code"``,
+  ``codes="row"``, ``fma=True``, 2 warps) were the fastest of the knob sweep on an H100
+  (bench/RESULTS.md, issue 26's G2 sweep): 2.2–2.7× the device time of the first kernel's."""
   check(q, sph, stacked=layer is not None)
   if trig not in TRIG:
     raise ValueError(f"trig must be one of {TRIG}, got {trig!r}")
