@@ -32,7 +32,7 @@ from pask_jax import decode as dec
 from pask_jax import ledger
 from pask_jax.tracker import with_positions
 from pask_jax import policy as P
-from pask_jax.recycle import Recycler, logits_like
+from pask_jax.recycle import Recycler, logits_like, upload
 from pask_jax import tags as T
 
 
@@ -295,7 +295,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   key, sub = jax.random.split(key)
   # An array handed to the device is not written while a call may still read it (a CPU device
   # may alias it): ``bits`` is rewritten only once the pick that read it returned its tokens.
-  pick = runner.select(logits, jnp.asarray(bits), sub, temp, top_p)
+  pick = runner.select(logits, upload(bits), sub, temp, top_p)
   t1 = None
   out: list[list[int]] = [[] for _ in range(n)]
   finish = ["length"] * n
@@ -314,7 +314,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
       host = np.concatenate([tag_ids, state_ids[:, None], decide[:, None], feed[:, None]],
                             axis=1, dtype=np.int32)
       logits, cache, budget, led, _ = runner.forward(runner.params, runner.policy, cache, budget,
-                                                     led, pick, jnp.asarray(host))
+                                                     led, pick, upload(host))
       tm["steps"] += 1
     tb = clock()
     y = np.asarray(pick)    # waits for the pick only: the forward just launched runs meanwhile
@@ -346,7 +346,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
     if sampled:
       key, sub = jax.random.split(key)
     td = clock()
-    pick = runner.select(logits, jnp.asarray(bits), sub, temp, top_p)
+    pick = runner.select(logits, upload(bits), sub, temp, top_p)
     te = clock()
     tm["launch_s"] += (tb - ta) + (te - td)
     tm["wait_s"] += tc - tb

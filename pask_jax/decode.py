@@ -570,6 +570,7 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     from pask_jax.policy import position_bins
     trackers = with_positions(trackers, position_bins(pol))
   stops = set(tokenizer.stop_ids)
+  sampled = sampling.temperature > 0
   temp = jnp.full((B,), sampling.temperature, jnp.float32)
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)
   key = jax.random.key(sampling.seed)
@@ -593,7 +594,7 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
   active = [True] * n + [False] * (B - n)
   fill(active)
   key, sub = jax.random.split(key)
-  nxt = np.asarray(runner.select(logits, jnp.asarray(bits), sub, temp, top_p))
+  nxt = np.asarray(runner.select(logits, recycle.upload(bits), sub, temp, top_p))
   t1 = time.perf_counter()
   out: list[list[int]] = [[] for _ in range(n)]
   finish = ["length"] * n
@@ -614,12 +615,12 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     if not any(active) or step == sampling.max_tokens - 1:
       break
     fill(active)
-    key, sub = jax.random.split(key)
-    # numpy before jnp: jnp.asarray of a Python list checks every element (ms at 2k rows)
-    live = np.asarray(active, bool)
-    nxt_dev, state = runner.advance(state, jnp.asarray(nxt), jnp.asarray(tag_ids),
-                                    jnp.asarray(state_ids), jnp.asarray(live), jnp.asarray(bits),
-                                    sub, temp, top_p)
+    if sampled:   # greedy picks ignore the key: no split (one more launch) per step
+      key, sub = jax.random.split(key)
+    # Inputs as transfers (recycle.upload), not jnp.asarray's program per input
+    put = recycle.upload
+    nxt_dev, state = runner.advance(state, put(nxt), put(tag_ids), put(state_ids),
+                                    put(np.asarray(active, bool)), put(bits), sub, temp, top_p)
     nxt = np.asarray(nxt_dev)
   t2 = time.perf_counter()
   reports = runner.report(state) or [None] * n

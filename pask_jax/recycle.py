@@ -1,4 +1,5 @@
-"""A jitted decode step whose logits are written into the previous call's logits buffer.
+"""What keeps a decode step's launch cheap: logits written into the previous call's logits buffer
+(:class:`Recycler`), and host inputs sent as transfers, not programs (:func:`upload`).
 
 Why (issue 24, measured on an H100 with jax 0.11.2; bench/RESULTS.md, "Session of 2026-12-07
 (fourth)"): XLA runs a decode step as one CUDA graph and, before each launch, re-parameterizes
@@ -23,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Recycler:
@@ -106,3 +108,17 @@ def step_jit(fn: Callable, like: jax.ShapeDtypeStruct, *, donate_argnums: Sequen
 def logits_like(batch: int, vocab: int, sharding=None) -> jax.ShapeDtypeStruct:
   """A step's logits: float32 ``[batch, vocab]`` (``models.decoder``'s head)."""
   return jax.ShapeDtypeStruct((batch, vocab), jnp.float32, sharding=sharding)
+
+
+def upload(x, sharding=None) -> jax.Array:
+  """A host value (NumPy array, list, scalar) on the device for a jitted step: a transfer only.
+
+  Why: ``jnp.asarray`` of a NumPy array runs XLA's ``stage`` program -- one more executable per
+  input per step (on an H100, three of the serving engine's five executables per decode step,
+  each ~0.2 ms of host time in ``ExecuteThunks``).  ``jax.device_put`` only copies.  The value
+  is copied on the host first: on a CPU ``device_put`` aliases a NumPy buffer, and the loops
+  rewrite theirs in place.  Dtypes are canonicalized as ``jnp.asarray`` does (int64 -> int32
+  without x64).  ``sharding``: where to put it (on a mesh: replicated, as the step takes it)."""
+  x = np.array(x)
+  return jax.device_put(x) if sharding is None else jax.device_put(x, sharding)
+

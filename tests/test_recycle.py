@@ -3,6 +3,7 @@ buffer (so XLA keeps one address for them and does not re-parameterize the step'
 Results equal plain ``jax.jit``'s on fresh random inputs, the previous logits are donated, and
 the compiled step (CPU, and the PASK decode step compiled for sm_90 without a GPU) aliases the
 logits output to the recycled parameter."""
+import logging
 import os
 import re
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pask_jax.recycle import Recycler, logits_like  # noqa: E402
+from pask_jax.recycle import Recycler, logits_like, upload  # noqa: E402
 
 B, H, V = 4, 32, 96
 
@@ -168,3 +169,19 @@ def test_runners_recycle_their_logits_on_a_gpu_and_generate_the_same(monkeypatch
   assert not isinstance(plain, Recycler) and isinstance(rec, Recycler)
   assert got == want and len(seen) >= 7
   assert all(x.is_deleted() for x in seen[:-1]) and not seen[-1].is_deleted()
+
+
+def test_upload_is_a_transfer_of_a_copy(caplog):
+  """``upload`` runs no XLA program (``jnp.asarray`` of a NumPy array compiles and runs
+  ``stage``: one more executable per input per step), copies the host buffer (a CPU device
+  would alias it, and the loops rewrite theirs), and canonicalizes the dtype as jnp does."""
+  x = np.arange(3 * 7 * 13, dtype=np.int64).reshape(3, 7, 13)   # a shape nothing else uses
+  stage = lambda: [r for r in caplog.records if "stage" in r.getMessage()]
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    y = upload(x)
+    assert not stage(), caplog.text
+    jnp.asarray(x + 1)
+    assert stage(), "jnp.asarray no longer compiles stage: upload may be unnecessary"
+  x[:] = -1
+  assert y.dtype == jnp.int32 and int(y[0, 0, 1]) == 1 and int(y.sum()) == 272 * 273 // 2
+

@@ -36,7 +36,7 @@ from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
-from pask_jax.recycle import Recycler, logits_like
+from pask_jax.recycle import Recycler, logits_like, upload
 from pask_jax.sample import apply_bitmask, nucleus
 from serve.engine.pages import NoPages, PagePools
 from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, worst_pages
@@ -101,7 +101,7 @@ class Step:
   def place(self, x):
     """A host value as a device array where the jitted functions keep theirs (on a mesh:
     replicated on it, so the first call traces the types every later call has)."""
-    return jnp.asarray(x) if self.mesh is None else jax.device_put(x, tp.replicated(self.mesh))
+    return upload(x) if self.mesh is None else upload(x, tp.replicated(self.mesh))
 
   def _jit(self, fn, donate: int, ins=None, outs=None):
     """``jax.jit`` of a state-carrying function; on a mesh with these in/out shardings."""
@@ -129,7 +129,7 @@ class Step:
 
   def pick(self, logits, packed: np.ndarray):
     """Launch the overlapped step's sampling -> (tokens [B], log-prob outputs), on the device."""
-    return self._pick_rows(logits, jnp.asarray(packed))
+    return self._pick_rows(logits, upload(packed))
 
 
 MOSAIC_PAGE = 128     # INT4 rows per page where the Mosaic GPU kernel reads the pool
@@ -323,17 +323,17 @@ class PagedStep(Step):
     """One serial step of the whole batch -> (int32 [B, 1 + G], log-prob outputs), on the
     device."""
     out, self.state = self._step(
-        self.runner.params, self.policy, self.state, jnp.asarray(batch.tokens),
-        jnp.asarray(batch.tag_ids), jnp.asarray(batch.state_ids), jnp.asarray(batch.active),
-        jnp.asarray(batch.bits), jnp.asarray(batch.seeds), jnp.asarray(steps),
-        jnp.asarray(batch.temp), jnp.asarray(batch.top_p), jnp.asarray(want),
-        jnp.asarray(grow[0]), jnp.asarray(grow[1]))
+        self.runner.params, self.policy, self.state, upload(batch.tokens),
+        upload(batch.tag_ids), upload(batch.state_ids), upload(batch.active),
+        upload(batch.bits), upload(batch.seeds), upload(steps),
+        upload(batch.temp), upload(batch.top_p), upload(want),
+        upload(grow[0]), upload(grow[1]))
     return out
 
   def forward(self, tok_dev, host, grow):
     """Launch the overlapped forward -> (logits, actions decided for the previous tokens)."""
     out, self.state = self._fwd(self.runner.params, self.policy, self.state, tok_dev,
-                                jnp.asarray(host), jnp.asarray(np.stack(grow)))
+                                upload(host), upload(np.stack(grow)))
     return out
 
   def ledger_row(self, b: int) -> tuple[dict | None, bool]:
@@ -424,13 +424,13 @@ class DenseStep(Step):
 
   def serial(self, batch, steps, want, grow):
     out, self.state = self._step(
-        self.runner.params, self.state, jnp.asarray(batch.tokens), jnp.asarray(batch.active),
-        jnp.asarray(batch.bits), jnp.asarray(batch.seeds), jnp.asarray(steps),
-        jnp.asarray(batch.temp), jnp.asarray(batch.top_p), jnp.asarray(want))
+        self.runner.params, self.state, upload(batch.tokens), upload(batch.active),
+        upload(batch.bits), upload(batch.seeds), upload(steps),
+        upload(batch.temp), upload(batch.top_p), upload(want))
     return out
 
   def forward(self, tok_dev, host, grow):
-    out, self.state = self._fwd(self.runner.params, self.state, tok_dev, jnp.asarray(host))
+    out, self.state = self._fwd(self.runner.params, self.state, tok_dev, upload(host))
     return out
 
   def ledger_row(self, b: int) -> tuple[None, bool]:
