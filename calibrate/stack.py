@@ -293,8 +293,8 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   running = np.arange(B) < n
   _fill(bits, trackers, running)
   key, sub = jax.random.split(key)
-  # An array handed to the device is not written while a call may still read it (a CPU device
-  # may alias it): ``bits`` is rewritten only once the pick that read it returned its tokens.
+  # Host inputs go up as copies (recycle.upload), so ``bits`` and the host rows can be rewritten
+  # while a call that read them still runs.
   pick = runner.select(logits, upload(bits), sub, temp, top_p)
   t1 = None
   out: list[list[int]] = [[] for _ in range(n)]

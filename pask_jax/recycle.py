@@ -121,4 +121,3 @@ def upload(x, sharding=None) -> jax.Array:
   without x64).  ``sharding``: where to put it (on a mesh: replicated, as the step takes it)."""
   x = np.array(x)
   return jax.device_put(x) if sharding is None else jax.device_put(x, sharding)
-

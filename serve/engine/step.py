@@ -101,7 +101,7 @@ class Step:
   def place(self, x):
     """A host value as a device array where the jitted functions keep theirs (on a mesh:
     replicated on it, so the first call traces the types every later call has)."""
-    return upload(x) if self.mesh is None else upload(x, tp.replicated(self.mesh))
+    return upload(x, None if self.mesh is None else tp.replicated(self.mesh))
 
   def _jit(self, fn, donate: int, ins=None, outs=None):
     """``jax.jit`` of a state-carrying function; on a mesh with these in/out shardings."""
@@ -120,10 +120,11 @@ class Step:
 
   def first(self, logits, bits1, r) -> tuple[int, tuple | None]:
     """A new request's first token from its prefill's logits -> (token, log-prob row)."""
-    tok, lp = self._first(logits, jnp.asarray(bits1), jnp.asarray([r.seed], jnp.uint32),
-                          jnp.asarray([0], jnp.int32), jnp.asarray([r.temperature], jnp.float32),
-                          jnp.asarray([r.top_p], jnp.float32),
-                          jnp.asarray([r.logprobs is not None]))
+    tok, lp = self._first(logits, upload(bits1), upload(np.array([r.seed], np.uint32)),
+                          upload(np.zeros(1, np.int32)),
+                          upload(np.array([r.temperature], np.float32)),
+                          upload(np.array([r.top_p], np.float32)),
+                          upload(np.array([r.logprobs is not None])))
     lp = tuple(np.asarray(x) for x in lp) if r.logprobs is not None else None
     return int(tok[0]), lp_row(lp, 0)
 
@@ -290,7 +291,7 @@ class PagedStep(Step):
       t0 = time.perf_counter()
       n, Tn = len(r.ids), bucket(len(r.ids), chunk)
       cands = prompt_candidates([r.tags], np.array([n]), Tn)
-      plan = np.asarray(self._plan(self.policy, jnp.asarray(cands), jnp.asarray([n], jnp.int32)))
+      plan = np.asarray(self._plan(self.policy, upload(cands), upload(np.array([n], np.int32))))
       plan = plan[0, :n].copy()
       plan[:self.policy.sink] = Act.H   # the cache forces sinks H
       r.plan = r.prompt_plan = plan
@@ -303,12 +304,12 @@ class PagedStep(Step):
     recompute gets its balance and ledger row back."""
     plan = np.zeros((1, Tn, self.G), np.int8)
     plan[0, :n] = r.plan
-    self.state = self._insert(self.policy, self.state, dense.k, dense.v, jnp.asarray(plan),
-                              jnp.asarray([n], jnp.int32), jnp.int32(r.slot), *rows)
+    self.state = self._insert(self.policy, self.state, dense.k, dense.v, upload(plan),
+                              upload(np.array([n], np.int32)), jnp.int32(r.slot), *rows)
     if r.resume and "ledger" in r.resume:
       self.state = self._restore(self.state, jnp.int32(r.slot),
-                                 jnp.asarray(r.resume["balance"]),
-                                 jax.tree.map(jnp.asarray, r.resume["ledger"]))
+                                 upload(r.resume["balance"]),
+                                 jax.tree.map(upload, r.resume["ledger"]))
 
   def saved(self, b: int) -> dict:
     """What slot ``b`` needs to continue after a recompute: its balance and ledger row."""
@@ -413,7 +414,7 @@ class DenseStep(Step):
     return None, 0.0
 
   def insert(self, r, dense, n: int, Tn: int, rows) -> None:
-    self.state = self._insert(self.state, dense.k, dense.v, jnp.asarray([n], jnp.int32),
+    self.state = self._insert(self.state, dense.k, dense.v, upload(np.array([n], np.int32)),
                               jnp.int32(r.slot))
 
   def saved(self, b: int) -> dict:
