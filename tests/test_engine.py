@@ -371,28 +371,6 @@ def test_allocation_overhead_is_measured():
   assert e.m["decode_steps"] > 0 and e.m["alloc_s"] > 0 and e.m["admit_s"] > 0
 
 
-def test_an_overlapped_step_is_one_device_call(monkeypatch):
-  """The overlapped step launches ONE executable (a CUDA graph launch each on a GPU, the small
-  model's step cost): the pick from the last logits fused with the forward it feeds; the pick
-  runs alone only where no forward follows (nothing left to feed or to decide)."""
-  e = tight("demo")
-  calls = {"fwd": 0, "pick": 0}
-
-  def counted(name, inner):
-    def call(*args):
-      calls[name] += 1
-      return inner(*args)
-    return call
-  monkeypatch.setattr(e.step, "_fwd", counted("fwd", e.step._fwd))
-  monkeypatch.setattr(e.step, "_pick_rows", counted("pick", e.step._pick_rows))
-  rs = requests()
-  run(e, rs)
-  check_clean(e)
-  assert e.overlap and e.m["preemptions"] > 0
-  assert calls["fwd"] == e.m["decode_steps"] > 64
-  assert calls["pick"] <= len(rs), calls
-
-
 # ---- the plain-XLA dense engine -----------------------------------------------------------------
 
 def test_dense_engine_matches_dense_generate():

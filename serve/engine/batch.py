@@ -22,8 +22,6 @@ class Batch:
     self.want_lp = np.zeros((B,), bool)
     self.bits = new_bitmask(B, vocab)
     self.bits1 = new_bitmask(1, vocab)
-    # ``packed``'s shape, for a step with no pick (its tokens are not used)
-    self.no_pick = np.zeros((B, self.bits.shape[1] + 5), np.int32)
     # Overlap: the next token to feed is the pick's output (on the device); per slot the token
     # fed but not decided yet (its tags and state id).
     self.on_device = np.zeros((B,), bool)

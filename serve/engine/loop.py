@@ -321,32 +321,33 @@ class Loop:
     self.m["accept_s"] += time.perf_counter() - t1
 
   def _launch(self) -> None:
-    """Overlap: one call picks from the forward in flight and launches the next forward fed
-    with the pick's output (``Step.forward``); the pick alone where no forward follows."""
+    """Overlap: the pick of the forward in flight, then the next forward (fed with the pick's
+    output)."""
     m, batch = self.m, self.batch
     t0 = time.perf_counter()
+    tok_dev = None
     batch.on_device[:] = False
-    pick = None   # (logits, packed, rows picked) of the forward in flight
-    spent = None   # its logits, donated to the next forward even when nothing is picked
     if self.fly_fwd is not None:
       logits, fed = self.fly_fwd
-      spent, self.fly_fwd = logits, None
+      self.fly_fwd = None
       live = [(b, r) for b, r in fed if self.running[b] is r]
       if live:
         batch.mask([b for b, _ in live], self.running)
         picked = [(b, r) for b, r in live if r.replay is None]   # a replayed token's is ignored
         packed = batch.packed([len(r.out) if r is not None else 0 for r in self.running])
-        pick = (logits, packed, picked)
+        t1 = time.perf_counter()
+        m["fill_s"] += t1 - t0
+        tok_dev, lp = self.step.pick(logits, packed)
+        m["dispatch_s"] += time.perf_counter() - t1
         for b, r in picked:
           batch.on_device[b] = True
+        self.fly_pick = (tok_dev, lp, picked)
         for b, r in live:
           if r.replay is not None:   # the next replayed token, from the host
             m["replay_steps"] += 1
             batch.replay(r, r.replay + 1)
-    m["fill_s"] += time.perf_counter() - t0
     rows_run = [b for b, r in enumerate(self.running) if r is not None and r.pre is None]
     if not rows_run:
-      self._pick_alone(pick)
       self.fly_acts.clear()
       self.sched.t_land = None
       return
@@ -362,18 +363,14 @@ class Loop:
     rows = np.flatnonzero(batch.active)
     decide = batch.pend & np.array([r is not None for r in self.running])
     if not len(rows) and not decide.any():
-      self._pick_alone(pick)
       return
-    t3 = time.perf_counter()
     host = batch.host(decide)
     dec = [(b, self.running[b], int(self.count[b]) - 1) for b in np.flatnonzero(decide)]
-    logits, packed = (spent, batch.no_pick) if pick is None else pick[:2]
-    t4 = time.perf_counter()
-    m["fill_s"] += t4 - t3
-    (logits, acts), (tok_dev, lp) = self.step.forward(logits, packed, host, grow)
-    m["dispatch_s"] += time.perf_counter() - t4
-    if pick is not None:
-      self.fly_pick = (tok_dev, lp, pick[2])
+    if tok_dev is None:
+      tok_dev = self.step.place(np.zeros((self.slots,), np.int32))
+    t3 = time.perf_counter()
+    logits, acts = self.step.forward(tok_dev, host, grow)
+    m["dispatch_s"] += time.perf_counter() - t3
     self.fly_acts.append((acts, dec))
     self.fly_fwd = (logits, [(b, self.running[b]) for b in rows])
     m["decode_steps"] += 1
@@ -387,14 +384,6 @@ class Loop:
         batch.defer(b)
       else:
         batch.pend[b] = False
-
-  def _pick_alone(self, pick) -> None:
-    """Launch the pick of the forward in flight when no forward follows it."""
-    if pick is not None:
-      t0 = time.perf_counter()
-      tok_dev, lp = self.step.pick(pick[0], pick[1])
-      self.m["dispatch_s"] += time.perf_counter() - t0
-      self.fly_pick = (tok_dev, lp, pick[2])
 
   # --- output -------------------------------------------------------------------------------
 

@@ -8,11 +8,9 @@ Full-KV cache (one row of ``context`` slots per sequence, no pools, no ledger: t
 * a serial step (``serial``): ONE jitted call for the whole batch, the model's step plus per-row
   sampling; inactive slots are masked by ``active`` (neither charged nor written), so it compiles
   once per batch shape;
-* an overlapped step: ``forward`` = ONE call that picks (masked sampling) from the previous
-  forward's logits and feeds those tokens to the next forward (cache update + logits), so the
-  host launches the next step before it has seen the tokens, one executable per step (a CUDA
-  graph launch each: the launch is the small model's step cost).  ``pick`` alone samples the
-  last logits when no forward follows.  The forward decides the actions of the token fed one step
+* an overlapped step: ``forward`` (cache update + logits) and ``pick`` (masked sampling) as two
+  calls, so the next forward can be launched fed with the token the pick will produce (a device
+  array) before the host has seen it.  The forward decides the actions of the token fed one step
   *earlier* (``PaskRunner.deferred_fn``, ``cache.set_pending``): every token is decided before it
   leaves the window, from the same tags in the same order, so outputs, actions, balances and
   ledgers are those of the serial step.
@@ -38,7 +36,7 @@ from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
-from pask_jax.recycle import logits_like, upload
+from pask_jax.recycle import Recycler, logits_like, upload
 from pask_jax.sample import apply_bitmask, nucleus
 from serve.engine.pages import NoPages, PagePools
 from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, worst_pages
@@ -105,28 +103,20 @@ class Step:
     replicated on it, so the first call traces the types every later call has)."""
     return upload(x, None if self.mesh is None else tp.replicated(self.mesh))
 
-  def _jit(self, fn, donate, ins=None, outs=None):
-    """``jax.jit`` of a state-carrying function (``donate``: an argument index or a tuple of
-    them); on a mesh with these in/out shardings."""
-    donate = (donate,) if isinstance(donate, int) else tuple(donate)
+  def _jit(self, fn, donate: int, ins=None, outs=None):
+    """``jax.jit`` of a state-carrying function; on a mesh with these in/out shardings."""
     if self.mesh is None:
-      return jax.jit(fn, donate_argnums=donate)
-    return jax.jit(fn, donate_argnums=donate, in_shardings=ins, out_shardings=outs)
+      return jax.jit(fn, donate_argnums=(donate,))
+    return jax.jit(fn, donate_argnums=(donate,), in_shardings=ins, out_shardings=outs)
 
-  def _fwd_pick(self, fwd_fn, logits, packed, *args):
-    """The overlapped step's body: the pick from ``logits`` (the previous forward's), its tokens
-    fed to ``fwd_fn(*args)`` in place of the ``None`` among ``args`` -> ((next logits, actions),
-    state, (tokens, log-prob outputs)).  The caller donates ``logits``: XLA writes the next
-    logits into their buffer (one address per step, so the step's CUDA graph is not
-    re-parameterized; :mod:`pask_jax.recycle`)."""
-    tok, lp = pick_packed(logits, packed, gather=self.gather)
-    out, state = fwd_fn(*(tok if a is None else a for a in args))
-    return out, state, (tok, lp)
-
-  def _blank(self, logits: jax.ShapeDtypeStruct):
-    """A logits buffer for a forward with no pick before it (every row fed from the host)."""
-    z = jnp.zeros(logits.shape, logits.dtype)
-    return z if logits.sharding is None else jax.device_put(z, logits.sharding)
+  def _jit_fwd(self, fn, donate: int, logits: jax.ShapeDtypeStruct, ins=None, outs=None):
+    """:meth:`_jit` of the overlapped forward, its logits written into the previous forward's
+    logits buffer (:class:`pask_jax.recycle.Recycler`: one address per step, so XLA does not
+    re-parameterize the step's CUDA graph).  The loop picks from a forward's logits before it
+    launches the next forward, which donates them."""
+    if self.mesh is None:
+      return Recycler(fn, logits, donate_argnums=(donate,))
+    return Recycler(fn, logits, donate_argnums=(donate,), in_shardings=ins, out_shardings=outs)
 
   def first(self, logits, bits1, r) -> tuple[int, tuple | None]:
     """A new request's first token from its prefill's logits -> (token, log-prob row)."""
@@ -139,21 +129,8 @@ class Step:
     return int(tok[0]), lp_row(lp, 0)
 
   def pick(self, logits, packed: np.ndarray):
-    """Launch the sampling of the last forward's logits when no forward follows -> (tokens [B],
-    log-prob outputs), on the device."""
+    """Launch the overlapped step's sampling -> (tokens [B], log-prob outputs), on the device."""
     return self._pick_rows(logits, upload(packed))
-
-  def forward(self, logits, packed: np.ndarray, host: np.ndarray, grow):
-    """Launch the overlapped step: the pick from ``logits`` (the previous forward's; donated)
-    with ``packed`` (``Batch.packed``), its tokens fed to the next forward where ``host`` says
-    (``Batch.host``) -> ((logits, actions decided for the previous tokens), (tokens [B],
-    log-prob outputs)), on the device.  A step with nothing to pick (every row fed from the
-    host, ``Batch.no_pick``) still donates the last logits, or ``logits`` None: a blank buffer."""
-    if logits is None:
-      logits = self._blank(self.logits_like)
-    out, self.state, picked = self._fwd(logits, *self._fwd_args(upload(packed), upload(host),
-                                                                 grow))
-    return out, picked
 
 
 MOSAIC_PAGE = 128     # INT4 rows per page where the Mosaic GPU kernel reads the pool
@@ -241,9 +218,8 @@ class PagedStep(Step):
     self._restore = self._jit(self._restore_fn, 0, (ss, rep, rep, rep), ss)
     self._release = self._jit(self._release_fn, 0, (ss, rep), ss)
     self._step = self._jit(self._step_fn, 2, (ps, rep, ss) + (rep,) * 12, ((rep, rep), ss))
-    self.logits_like = logits_like(slots, c.vocab_size, lg)
-    self._fwd = self._jit(functools.partial(self._fwd_pick, self._fwd_fn), (0, 4),
-                          (lg, rep, ps, rep, ss, rep, rep, rep), ((lg, rep), ss, (rep, rep)))
+    self._fwd = self._jit_fwd(self._fwd_fn, 2, logits_like(slots, c.vocab_size, lg),
+                              (ps, rep, ss, rep, rep, rep), ((lg, rep), ss))
 
   # --- jitted pieces ------------------------------------------------------------------------
 
@@ -355,10 +331,11 @@ class PagedStep(Step):
         upload(grow[0]), upload(grow[1]))
     return out
 
-  def _fwd_args(self, packed, host, grow):
-    """:meth:`_fwd_fn`'s arguments after ``logits``, the pick's tokens as None."""
-    return (packed, self.runner.params, self.policy, self.state, None, host,
-            upload(np.stack(grow)))
+  def forward(self, tok_dev, host, grow):
+    """Launch the overlapped forward -> (logits, actions decided for the previous tokens)."""
+    out, self.state = self._fwd(self.runner.params, self.policy, self.state, tok_dev,
+                                upload(host), upload(np.stack(grow)))
+    return out
 
   def ledger_row(self, b: int) -> tuple[dict | None, bool]:
     """Slot ``b``'s ledger summary and whether its cache overflowed."""
@@ -391,9 +368,8 @@ class DenseStep(Step):
     self._insert = self._jit(self._insert_fn, 0, (cs, kv, kv, rep, rep), cs)
     self._release = self._jit(self._release_fn, 0, (cs, rep), cs)
     self._step = self._jit(self._step_fn, 1, (ps, cs) + (rep,) * 8, ((rep, rep), cs))
-    self.logits_like = logits_like(slots, c.vocab_size, lg)
-    self._fwd = self._jit(functools.partial(self._fwd_pick, self._fwd_fn), (0, 3),
-                          (lg, rep, ps, cs, rep, rep), ((lg, rep), cs, (rep, rep)))
+    self._fwd = self._jit_fwd(self._fwd_fn, 1, logits_like(slots, c.vocab_size, lg),
+                              (ps, cs, rep, rep), ((lg, rep), cs))
 
   def _forward(self, params, cache, tokens, active):
     """tokens [B] written at each active row's next slot, the model over the dense cache ->
@@ -454,8 +430,9 @@ class DenseStep(Step):
         upload(batch.temp), upload(batch.top_p), upload(want))
     return out
 
-  def _fwd_args(self, packed, host, grow):
-    return packed, self.runner.params, self.state, None, host
+  def forward(self, tok_dev, host, grow):
+    out, self.state = self._fwd(self.runner.params, self.state, tok_dev, upload(host))
+    return out
 
   def ledger_row(self, b: int) -> tuple[None, bool]:
     return None, False
