@@ -10,10 +10,13 @@ Full-KV cache (one row of ``context`` slots per sequence, no pools, no ledger: t
   once per batch shape;
 * an overlapped step: ``forward`` (cache update + logits) and ``pick`` (masked sampling) as two
   calls, so the next forward can be launched fed with the token the pick will produce (a device
-  array) before the host has seen it.  The forward decides the actions of the token fed one step
-  *earlier* (``PaskRunner.deferred_fn``, ``cache.set_pending``): every token is decided before it
-  leaves the window, from the same tags in the same order, so outputs, actions, balances and
-  ledgers are those of the serial step.
+  array) before the host has seen it.  Two calls, not one: an executable's outputs are ready
+  when all of it has run, so a pick fused with the forward it feeds would hand its tokens to the
+  host only after that forward, and the host's half of the next step (the grammar's accept,
+  masks, the launch) could no longer run under it.  The forward decides the actions of the
+  token fed one step *earlier* (``PaskRunner.deferred_fn``, ``cache.set_pending``): every token
+  is decided before it leaves the window, from the same tags in the same order, so outputs,
+  actions, balances and ledgers are those of the serial step.
 
 Sampling keys are per request: fold_in(key(seed), token index), so a seeded request samples the
 same tokens whatever else shares the batch.  Log-probabilities (of the grammar-masked logits,
