@@ -37,3 +37,24 @@ def test_split_times_calls_and_comes_off():
   assert table[1].split()[:2] == ["Thing.work", "4"]
   s.remove()
   assert _Thing.__dict__["work"] is original and _Thing().work(5) == 10
+
+
+def test_token_host_times_a_grammar_valid_path():
+  """bench/token_host.py: its token path is accepted by a fresh parser, and every part of the
+  per-token host work is measured."""
+  from bench.bench_serving import row_tools
+  from bench.token_host import measure, token_path
+  from pask_jax.grammar import tool_call_grammar
+  from pask_jax.testing import grammar_compiler, smollm2_tokenizer
+  tok = smollm2_tokenizer()
+  g = tool_call_grammar(grammar_compiler(tok, tok.vocab_size), row_tools(4), "json_list",
+                        max_calls=1, check=False)
+  ids = token_path(g, tok, tok.vocab_size, 24, seed=1)
+  assert len(ids) == 24 and ids != token_path(g, tok, tok.vocab_size, 24, seed=2)
+  m = g.matcher()
+  assert all(m.accept(t) for t in ids)
+  r = measure(g, tok, tok.vocab_size, ids, rows=2, repeats=1)
+  assert r["rows"] == 2 and r["tokens"] == 24
+  for k in ("fill_us_per_row_token", "output_accept_us_per_row_token",
+            "tracker_accept_us_per_token", "detok_us_per_token", "host_ms_per_step"):
+    assert r[k] > 0, k
