@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import inspect
 import json
 import os
 import re
@@ -33,6 +34,9 @@ from pallas_kernels.sph_types import TierSpec
 from pallas_kernels.testing import sph_synth
 
 SHAPES = {"15b": (12, 2, 128), "05b": (14, 2, 64)}   # q heads, KV heads, head dim
+# the kernel's own defaults of the knobs a knob set leaves out
+DEFAULTS = {k: p.default for k, p in inspect.signature(sph_partials_gpu).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 _INSN = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)")
 
 
@@ -87,7 +91,8 @@ def main(argv=None) -> int:
     rep, = gpu_aot.report(functools.partial(sph_partials_gpu, **kn), q, sph, jnp.int32(1))
     total, body = loop_opcodes(rep.ptx)
     per_warp = sum(body.values())
-    per_key = per_warp * kn.get("num_warps", 8) / kn.get("block", 32)
+    per_key = per_warp * kn.get("num_warps", DEFAULTS["num_warps"]) / kn.get(
+        "block", DEFAULTS["block"])
     print(f"{a.shape} {a.format} {kn}: {rep.summary()}; SASS {total}, loop {per_warp} per warp "
           f"= {per_key:.0f} warp-instructions per key; "
           + " ".join(f"{k} {v}" for k, v in body.most_common(a.top)), flush=True)

@@ -81,7 +81,8 @@ def test_every_format_ragged_empty_and_shuffled(trig, expand, codes):
 @pytest.mark.parametrize("expand,trig", [("joins", "poly"), ("direct", "code")])
 def test_row_codes_and_fma_knobs(expand, trig):
   """``codes="row"`` (A4 tiers read each key's code bytes once and split them into levels; the
-  A42 tier beside them gathers per level) and ``fma=True`` (plain multiply-adds in interpret
+  A42 tier beside them reads its two regions once and keeps levels 1 and 2 in halves) and
+  ``fma=True`` (plain multiply-adds in interpret
   mode): ragged lengths, an empty head, split-KV with partial blocks, GQA 3, both head dims'
   level counts (D 64: 6 levels, D 128: 7; the direct expansion, with ``trig="code"``'s factors,
   at D 64)."""
@@ -95,6 +96,18 @@ def test_row_codes_and_fma_knobs(expand, trig):
     q = jax.random.normal(jax.random.PRNGKey(d + 2), (b, hkv * g, d), jnp.float32)
     err = _compare(q, sph, splits=3, block=16, expand=expand, trig=trig, codes="row", fma=True)
     assert err < TOL, (d, err)
+
+
+def test_how_each_layout_reads_its_codes():
+  """``codes="row"``: A4 from one row load; A42 and A2 in halves where the joins expansion runs
+  and each half's logit MMA contracts over D/4 >= 16; per level otherwise."""
+  how = lambda lay, d, expand="joins", codes="row": gpu_sph.codes_from(
+      codes, TierSpec(lay, "int4", d).key, expand)
+  assert [how(lay, 64) for lay in ("A4", "A42", "A2")] == ["row", "halves", "halves"]
+  assert how("A42", 128) == how("A2", 128) == "halves" and how("A4", 32) == "row"
+  assert how("A42", 32) == how("A2", 32) == "levels"                  # D/4 = 8: no MMA
+  assert how("A42", 64, "direct") == how("A2", 128, "direct") == "levels"
+  assert {how(lay, 64, codes="levels") for lay in ("A4", "A42", "A2")} == {"levels"}
 
 
 def test_sincos_with_fused_multiply_adds():

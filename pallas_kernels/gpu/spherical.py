@@ -17,10 +17,13 @@ unnormalized partial (FP32, log2 units).  Splits are combined in XLA into exactl
 Per block (rows ``table[pos // page] * page + pos % page`` of the layer's flat pool):
 
 1. **Codes**: A4 tiers load each key's D/2 code bytes once (one contiguous row load the
-   pipeliner prefetches) and split them into levels in registers (``codes="row"``); the other
-   layouts read each level's codes as their own [block, width] gather of the packed row (column
-   ``byte(p)`` and per-column shift of tree position ``p``, mirroring ``spherical.pack``'s
-   layouts; the re-reads hit L1).
+   pipeliner prefetches) and split them into levels in registers (``codes="row"``); A42 and A2
+   tiers load each packed region once the same way and keep levels 1 and 2 in halves (level 1's
+   halves are stored apart in both layouts; :func:`codes_from`: "halves"), so steps 3 and 4 run
+   per half and nothing is concatenated in registers; ``codes="levels"`` reads each level's
+   codes as their own [block, width] gather of the packed row (column ``byte(p)`` and
+   per-column shift of tree position ``p``, mirroring ``spherical.pack``'s layouts; the re-reads
+   hit L1).
 2. **Trig**: every decoded angle is π/4 + x with |x| < π/4 known from the code's own bits
    (``trig="code"``, :func:`sincos_code`): short Taylor polynomials around π/4 (degree from the
    level's static range; four-angle alphabets by two selects of exact constants), level 1's
@@ -28,10 +31,12 @@ Per block (rows ``table[pos // page] * page + pos % page`` of the layer's flat p
    polynomials by explicit FMAs (``fma=True``: Triton does not contract ``a * b + c``).
 3. **Top-down expansion by width-doubling joins**: ``u^{ℓ-1} = interleave(u^ℓ cos φ^ℓ,
    u^ℓ sin φ^ℓ)`` (a two-way last-axis stack + reshape), from level n down to the level-1 factor
-   ``A = u¹`` [block, D/2].
+   ``A = u¹`` [block, D/2] (with "halves": from level 3 to ``u²``, then each half of ``u²`` to
+   its half of ``A`` [block, D/4]).
 4. **Logit**: ``q'·ũ = q'_even·(A cos φ¹)ᵀ + q'_odd·(A sin φ¹)ᵀ`` -- two [M, D/2] x [D/2, block]
-   MMAs, each in three bf16 passes (hi·hi + hi·lo + lo·hi: FP32-grade, ~1e-5, on the tensor
-   cores; ``qk_passes=1`` is the single bf16 pass) with q' split in XLA; then ``s = (q·μ + r̃·q'·ũ)
+   MMAs (four of [M, D/4] x [D/4, block] with "halves"), each in three bf16 passes (hi·hi +
+   hi·lo + lo·hi: FP32-grade, ~1e-5, on the tensor cores; ``qk_passes=1`` is the single bf16
+   pass) with q' split in XLA; then ``s = (q·μ + r̃·q'·ũ)
    ·scale·log2 e`` with r̃ the fp16 radius of the side word.
 5. **Values**: BF16 rows by ``p @ V`` (``exact_pv``: p as a bf16 hi + lo pair, as
    ``gpu/decode.py``); INT4 rows (half-split nibbles, fp16 scale in the side word's high half)
@@ -94,6 +99,18 @@ def _byte_shift(sp: spherical.Spec, p):
   byte = jnp.where(lo, p & (d // 4 - 1), d // 4 + (o & (d // 8 - 1)))
   shift = jnp.where(lo, (p >> lg(d // 4)) * 4, (o >> lg(d // 8)) * 2)
   return byte, shift
+
+
+def codes_from(codes: str, sp: spherical.Spec, expand: str) -> str:
+  """How the kernel reads a tier's codes: "row" (A4: one load of the row, levels split in
+  registers), "halves" (A42 / A2 with ``codes="row"``: one load per packed region, levels 1 and
+  2 kept in halves; needs the joins expansion and D >= 64, so that each half's logit MMA
+  contracts over D/4 >= 16), or "levels" (a gather per level)."""
+  if codes != "row":
+    return "levels"
+  if sp.layout == "A4":
+    return "row"
+  return "halves" if expand == "joins" and sp.d >= 64 else "levels"
 
 
 def _affine(sp: spherical.Spec, lvl: int) -> tuple[float, float, int]:
@@ -260,6 +277,9 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
   start = split * chunk
   end = jnp.minimum(start + chunk, length)
   qeh, qel, qoh, qol = (q_ref[j] for j in range(4))
+  # the query's halves over level-1 positions [0, D/4) and [D/4, D/2), (even hi, lo, odd hi, lo)
+  q_halves = [tuple(q_ref[j, :, pl.ds(k * (h2 // 2), h2 // 2)] for j in range(4))
+              for k in range(2)] if codes_from == "halves" else []
   beta = beta_ref[...]
   row_ok = jnp.arange(m_rows) < g
 
@@ -288,6 +308,28 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     raw = _gather(ang_ref, rows, jnp.arange(sp.code_bytes), valid, 0).astype(jnp.int32)
     out, rest = {1: raw & 15}, raw >> 4
     for lvl in range(2, sp.levels + 1):
+      out[lvl], rest = jnp.split(rest, 2, axis=1)
+    return out
+
+  def halved_row_codes(rows, valid):
+    """A42 / A2 (``codes_from="halves"``): every level's codes from one contiguous load per
+    packed region, levels 1 and 2 as their halves (level 1's halves are pieces of their own in
+    both layouts, and level 2's in A42), so the tree is never concatenated: the expansion and
+    the logit MMAs run per half.  A42: D/4 bytes of level-1 nibbles (low: positions [0, D/4),
+    high: [D/4, D/2)), then D/8 bytes of 2-bit pieces of D/8 positions (level 2's halves,
+    level 3, then the higher levels in halving runs).  A2: D/4 bytes of 2-bit pieces of D/4
+    (level 1's halves, level 2, then level 3 and up in halving runs)."""
+    if sp.layout == "A42":
+      q4 = d // 4
+      raw1 = _gather(ang_ref, rows, jnp.arange(q4), valid, 0).astype(jnp.int32)
+      raw2 = _gather(ang_ref, rows, q4 + jnp.arange(d // 8), valid, 0).astype(jnp.int32)
+      out = {1: (raw1 & 15, raw1 >> 4), 2: (raw2 & 3, (raw2 >> 2) & 3), 3: (raw2 >> 4) & 3}
+      rest = raw2 >> 6
+    else:
+      raw = _gather(ang_ref, rows, jnp.arange(sp.code_bytes), valid, 0).astype(jnp.int32)
+      out = {1: (raw & 3, (raw >> 2) & 3), 2: jnp.split((raw >> 4) & 3, 2, axis=1)}
+      out[3], rest = jnp.split(raw >> 6, 2, axis=1)
+    for lvl in range(4, sp.levels + 1):
       out[lvl], rest = jnp.split(rest, 2, axis=1)
     return out
 
@@ -331,7 +373,19 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
     pid = jnp.clip(pid, 0, n_pool_pages - 1)
     rows = jnp.where(valid, base + pid * page + lax.rem(pos, page), 0)
     row = row_codes(rows, valid) if codes_from == "row" else {}
-    if expand == "direct":   # u¹_i = Π_{ℓ=n..2} factor_ℓ(i), in the joins' order of products
+    if codes_from == "halves":   # the tree's two halves below level 3 (halved_row_codes)
+      row = halved_row_codes(rows, valid)
+      u = jnp.ones((bk, 1), jnp.float32)
+      for info in reversed(levels[2:]):
+        cl, sl = level_trig(info, rows, valid, row[info[0]])
+        u = jnp.stack([u * cl, u * sl], axis=-1).reshape(bk, 2 * u.shape[1])
+      dot = 0.0
+      for u2, code2, code1, qh in zip(jnp.split(u, 2, axis=1), row[2], row[1], q_halves):
+        cl, sl = level_trig(levels[1], rows, valid, code2)
+        u1 = jnp.stack([u2 * cl, u2 * sl], axis=-1).reshape(bk, 2 * u2.shape[1])
+        c1, s1 = level_trig(levels[0], rows, valid, code1)                # [bk, D/4]
+        dot = dot + dot3(qh[0], qh[1], u1 * c1) + dot3(qh[2], qh[3], u1 * s1)
+    elif expand == "direct":   # u¹_i = Π_{ℓ=n..2} factor_ℓ(i), in the joins' order of products
       col = jnp.arange(h2)
       u = jnp.ones((bk, h2), jnp.float32)
       for info in reversed(levels[1:]):
@@ -341,8 +395,9 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
       for info in reversed(levels[1:]):
         cl, sl = level_trig(info, rows, valid, row.get(info[0]))
         u = jnp.stack([u * cl, u * sl], axis=-1).reshape(bk, 2 * u.shape[1])
-    c1, s1 = level_trig(levels[0], rows, valid, row.get(1))                    # [bk, D/2]
-    dot = dot3(qeh, qel, u * c1) + dot3(qoh, qol, u * s1)                 # [M, bk]
+    if codes_from != "halves":
+      c1, s1 = level_trig(levels[0], rows, valid, row.get(1))                  # [bk, D/2]
+      dot = dot3(qeh, qel, u * c1) + dot3(qoh, qol, u * s1)               # [M, bk]
     word = plgpu.load(side_ref.at[rows], mask=valid, other=0)             # [bk] u32
     f16 = lambda x: lax.bitcast_convert_type(x.astype(jnp.uint16), jnp.float16).astype(
         jnp.float32)
@@ -417,8 +472,7 @@ def _tier(qs, beta, pool: SphPool, pages, length, ts: TierSpec, layer, *, g, c, 
       _kernel, ts=ts, g=g, page=page, n_pages=n, n_pool_pages=n_pool, splits=splits, bk=block,
       c=c, qk_passes=qk_passes, exact_pv=exact_pv, int4_dequant=int4_dequant, trig=trig,
       expand=expand, tab_off=offs,
-      # the row load reads A4's nibble layout; the other layouts gather per level
-      codes_from=codes if ts.layout == "A4" else "levels",
+      codes_from=codes_from(codes, ts.key, expand),
       fma=fma_ptx if fma and not interpret else mul_add)
   whole = lambda *shape: pl.BlockSpec(shape, lambda h, s, i: (0,) * len(shape))
   o, m, l = pl.pallas_call(
@@ -487,10 +541,11 @@ def sph_partials_gpu(q, sph: SphInputs, layer=None, *, scale: float | None = Non
   range reduction and each level's polynomial degree from its range), ``expand`` ("joins": the
   tree expanded level by level by width-doubling joins, "direct": each level-1 position's product
   of level factors, no joins), ``codes`` ("levels": each level's codes gathered on their own,
-  "row": A4 tiers read each key's code bytes once and split them into levels in registers; other
-  layouts gather per level, and with ``expand="direct"`` levels >= 2 too), ``fma`` (the angle
-  decode and the trig polynomials by explicit ``fma.rn.f32``: Triton does not contract; plain
-  multiply-adds in interpret mode), ``interpret``.  The defaults (``trig="code"``,
+  "row": each key's code bytes read once per packed region and split into levels in registers
+  (A42 and A2: with ``expand="joins"`` and D >= 64, levels 1 and 2 in halves, see
+  :func:`codes_from`; else per level), with ``expand="direct"`` levels >= 2 gathered), ``fma``
+  (the angle decode and the trig polynomials by explicit ``fma.rn.f32``: Triton does not
+  contract; plain multiply-adds in interpret mode), ``interpret``.  The defaults (``trig="code"``,
   ``codes="row"``, ``fma=True``, 2 warps) were the fastest of the knob sweep on an H100
   (bench/RESULTS.md, issue 26's G2 sweep): 2.2–2.7× the device time of the first kernel's."""
   check(q, sph, stacked=layer is not None)
