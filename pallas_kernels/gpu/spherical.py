@@ -276,10 +276,11 @@ def _kernel(meta_ref, tbl_ref, q_ref, beta_ref, tab_ref, ang_ref, side_ref, v_re
   chunk = lax.div(per + (bk - 1), bk) * bk
   start = split * chunk
   end = jnp.minimum(start + chunk, length)
-  qeh, qel, qoh, qol = (q_ref[j] for j in range(4))
-  # the query's halves over level-1 positions [0, D/4) and [D/4, D/2), (even hi, lo, odd hi, lo)
-  q_halves = [tuple(q_ref[j, :, pl.ds(k * (h2 // 2), h2 // 2)] for j in range(4))
-              for k in range(2)] if codes_from == "halves" else []
+  if codes_from == "halves":   # q' over level-1 positions [0, D/4) and [D/4, D/2)
+    q_halves = [tuple(q_ref[j, :, pl.ds(k * (h2 // 2), h2 // 2)] for j in range(4))
+                for k in range(2)]                       # (even hi, lo, odd hi, lo) per half
+  else:
+    qeh, qel, qoh, qol = (q_ref[j] for j in range(4))
   beta = beta_ref[...]
   row_ok = jnp.arange(m_rows) < g
 
