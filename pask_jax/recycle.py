@@ -115,12 +115,9 @@ def upload(x, sharding=None) -> jax.Array:
 
   Why: ``jnp.asarray`` of a NumPy array runs XLA's ``stage`` program -- one more executable per
   input per step (on an H100, three of the serving engine's five executables per decode step,
-  each ~0.2 ms of host time in ``ExecuteThunks``).  ``jax.device_put`` only copies.  With
-  ``may_alias=False``: a CPU device would otherwise alias the NumPy buffer (and a runtime may
-  read it after the call), while the loops rewrite theirs in place; so the CPU copies and a GPU
-  reads the host buffer during the call only -- no host-side copy first (calibration's bitmask
-  of 1,024 rows is 19 MB per step).  Dtypes are canonicalized as ``jnp.asarray`` does (int64 ->
-  int32 without x64).  ``sharding``: where to put it (on a mesh: replicated, as the step takes
-  it)."""
-  x = np.asarray(x)
-  return jax.device_put(x, sharding, may_alias=False)
+  each ~0.2 ms of host time in ``ExecuteThunks``).  ``jax.device_put`` only copies.  The value
+  is copied on the host first: on a CPU ``device_put`` aliases a NumPy buffer, and the loops
+  rewrite theirs in place.  Dtypes are canonicalized as ``jnp.asarray`` does (int64 -> int32
+  without x64).  ``sharding``: where to put it (on a mesh: replicated, as the step takes it)."""
+  x = np.array(x)
+  return jax.device_put(x) if sharding is None else jax.device_put(x, sharding)
