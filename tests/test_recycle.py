@@ -184,4 +184,14 @@ def test_upload_is_a_transfer_of_a_copy(caplog):
     assert stage(), "jnp.asarray no longer compiles stage: upload may be unnecessary"
   x[:] = -1
   assert y.dtype == jnp.int32 and int(y[0, 0, 1]) == 1 and int(y.sum()) == 272 * 273 // 2
+  # an int32 buffer on a 64-byte boundary: one a CPU device aliases when it may (jax's
+  # ``may_alias=False`` does not stop it for NumPy inputs: only the copy does)
+  raw = np.empty(4096 + 16, np.int32)
+  off = (-raw.ctypes.data % 64) // 4
+  z = raw[off:off + 4096]
+  z[:] = 5
+  assert z.ctypes.data % 64 == 0
+  w = upload(z)
+  z[:] = -1
+  assert int(w.sum()) == 5 * 4096
 
