@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import types
 
 import numpy as np
 
@@ -42,11 +41,10 @@ def token_path(grammar, tok, vocab: int, n: int, seed: int = 0) -> list[int]:
   return out
 
 
-def request(tracker) -> types.SimpleNamespace:
-  """The fields of ``serve.engine.Request`` that ``Output.accept`` reads and writes."""
-  return types.SimpleNamespace(t_first=None, t_last=None, tracker=tracker, out=[], logprobs=None,
-                               lps=[], stop=None, detok=None, cut=None, sent="",
-                               max_tokens=1 << 30, emit=lambda kind, payload: None)
+def request(tracker):
+  """A ``serve.engine.Request`` that never ends by length, for ``Output.accept``."""
+  from serve.engine import Request
+  return Request(ids=[], max_tokens=1 << 30, tracker=tracker)
 
 
 def measure(grammar, tok, vocab: int, ids: list[int], rows: int, repeats: int) -> dict:

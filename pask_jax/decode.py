@@ -571,6 +571,7 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     trackers = with_positions(trackers, position_bins(pol))
   stops = set(tokenizer.stop_ids)
   sampled = sampling.temperature > 0
+  put = recycle.upload   # inputs as transfers, not jnp.asarray's program per input
   temp = jnp.full((B,), sampling.temperature, jnp.float32)
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)
   key = jax.random.key(sampling.seed)
@@ -594,7 +595,7 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
   active = [True] * n + [False] * (B - n)
   fill(active)
   key, sub = jax.random.split(key)
-  nxt = np.asarray(runner.select(logits, recycle.upload(bits), sub, temp, top_p))
+  nxt = np.asarray(runner.select(logits, put(bits), sub, temp, top_p))
   t1 = time.perf_counter()
   out: list[list[int]] = [[] for _ in range(n)]
   finish = ["length"] * n
@@ -617,8 +618,6 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     fill(active)
     if sampled:   # greedy picks ignore the key: no split (one more launch) per step
       key, sub = jax.random.split(key)
-    # Inputs as transfers (recycle.upload), not jnp.asarray's program per input
-    put = recycle.upload
     nxt_dev, state = runner.advance(state, put(nxt), put(tag_ids), put(state_ids),
                                     put(np.asarray(active, bool)), put(bits), sub, temp, top_p)
     nxt = np.asarray(nxt_dev)
