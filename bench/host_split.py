@@ -31,6 +31,7 @@ TARGETS = (
     ("serve.engine.loop", "Loop", "_admit", "Loop._admit"),
     ("serve.engine.loop", "Loop", "_grow", "Loop._grow"),
     ("serve.engine.loop", "Loop", "_finish", "Loop._finish"),
+    ("serve.engine.loop", "Loop", "_accept", "Loop._accept"),
     ("serve.engine.step", "Step", "pick", "Step.pick"),
     ("serve.engine.step", "PagedStep", "forward", "PagedStep.forward"),
     ("serve.engine.step", "DenseStep", "forward", "DenseStep.forward"),
@@ -40,10 +41,13 @@ TARGETS = (
     ("serve.engine.batch", "Batch", "mask", "Batch.mask"),
     ("serve.engine.batch", "Batch", "packed", "Batch.packed"),
     ("serve.engine.batch", "Batch", "host", "Batch.host"),
+    ("serve.engine.batch", "Batch", "feed", "Batch.feed"),
+    ("serve.engine.batch", "Batch", "defer", "Batch.defer"),
     ("serve.engine.pages", "PagePools", "record_late", "PagePools.record_late"),
     ("serve.engine.pages", "PagePools", "growth", "PagePools.growth"),
     ("serve.engine.output", "Output", "accept", "Output.accept"),
     ("serve.engine.output", "Output", "send", "Output.send"),
+    ("serve.engine.output", "Output", "_stop_text", "Output._stop_text"),
     ("serve.detok", "Detokenizer", "text", "Detokenizer.text"),
     ("pask_jax.tracker", "Tracker", "accept", "Tracker.accept"),
     ("pask_jax.tracker", "Tracker", "fill", "Tracker.fill"),
@@ -53,24 +57,34 @@ TARGETS = (
 
 
 class Split:
-  """Wall-clock totals and call counts per label of the wrapped functions."""
+  """Per-call wall-clock samples of the wrapped functions, by label.
+
+  The run includes warm-up, where the first calls of each executable compile (tens of ms), so
+  the table leads with the median per call and a steady-state estimate per step (the median
+  times the calls per step) beside the plain totals."""
 
   def __init__(self):
-    self.seconds = collections.Counter()
-    self.calls = collections.Counter()
+    self.samples: dict[str, list[float]] = collections.defaultdict(list)
     self.undo: list = []
+
+  @property
+  def calls(self) -> collections.Counter:
+    return collections.Counter({k: len(v) for k, v in self.samples.items()})
+
+  @property
+  def seconds(self) -> collections.Counter:
+    return collections.Counter({k: sum(v) for k, v in self.samples.items()})
 
   def wrap(self, owner, name: str, label: str) -> None:
     f = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    seconds, calls, clock = self.seconds, self.calls, time.perf_counter
+    add, clock = self.samples[label].append, time.perf_counter
 
     def timed(*args, **kwargs):
       t0 = clock()
       try:
         return f(*args, **kwargs)
       finally:
-        seconds[label] += clock() - t0
-        calls[label] += 1
+        add(clock() - t0)
     timed.__wrapped__ = f
     setattr(owner, name, timed)
     self.undo.append((owner, name, f))
@@ -87,11 +101,23 @@ class Split:
       setattr(owner, name, f)
     self.undo.clear()
 
+  def stats(self, label: str, steps: int) -> dict:
+    """calls, total seconds, median and 90th-percentile µs per call, and the steady-state µs
+    per step (median per call × calls per step)."""
+    v = sorted(self.samples[label])
+    n = len(v)
+    med, p90 = v[n // 2], v[min(n - 1, (9 * n) // 10)]
+    return {"calls": n, "seconds": sum(v), "median_us": 1e6 * med, "p90_us": 1e6 * p90,
+            "steady_us_per_step": 1e6 * med * n / max(steps, 1)}
+
   def table(self, steps: int) -> str:
-    rows = [f"{'function':24s} {'calls':>8s} {'seconds':>9s} {'us/call':>9s} {'us/step':>9s}"]
-    for k in sorted(self.seconds, key=lambda k: -self.seconds[k]):
-      s, n = self.seconds[k], self.calls[k]
-      rows.append(f"{k:24s} {n:8d} {s:9.3f} {1e6 * s / n:9.1f} {1e6 * s / max(steps, 1):9.1f}")
+    rows = [f"{'function':24s} {'calls':>8s} {'seconds':>9s} {'med us':>9s} {'p90 us':>9s} "
+            f"{'us/step':>9s}"]
+    stats = {k: self.stats(k, steps) for k, v in self.samples.items() if v}
+    for k in sorted(stats, key=lambda k: -stats[k]["steady_us_per_step"]):
+      s = stats[k]
+      rows.append(f"{k:24s} {s['calls']:8d} {s['seconds']:9.3f} {s['median_us']:9.1f} "
+                  f"{s['p90_us']:9.1f} {s['steady_us_per_step']:9.1f}")
     return "\n".join(rows)
 
 
@@ -108,7 +134,7 @@ def main(argv: list[str]) -> None:
     split.remove()
     steps = sum(split.calls[k] for k in STEPS)
     print(f"# host split over {steps} decode steps (launches of the forward or serial step; "
-          "every cell of the run, warm-up included)")
+          "every cell of the run, warm-up included); us/step = median per call x calls per step")
     print(split.table(steps))
 
 

@@ -33,6 +33,9 @@ def test_split_times_calls_and_comes_off():
   with pytest.raises(ValueError, match="negative"):
     t.work(-1)
   assert s.calls["Thing.work"] == 4 and s.seconds["Thing.work"] >= 0.008
+  st = s.stats("Thing.work", steps=2)
+  assert st["calls"] == 4 and 2000 <= st["median_us"] <= st["p90_us"]
+  assert st["steady_us_per_step"] == pytest.approx(2 * st["median_us"])
   table = s.table(steps=2).splitlines()
   assert table[1].split()[:2] == ["Thing.work", "4"]
   s.remove()
