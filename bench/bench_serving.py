@@ -199,7 +199,7 @@ def pct(xs, q):
   return float(np.percentile(np.asarray(xs, float), q)) if len(xs) else None
 
 
-HOST_PARTS = ("fill", "dispatch", "wait", "accept")   # serve.engine's per-step host timers
+HOST_PARTS = ("fill", "dispatch", "join", "wait", "accept")   # serve.engine's per-step host timers
 
 
 def run_cell(engine, tok, grammar, ids, tags, n_out: int, c: int, deadline: float,
@@ -443,6 +443,10 @@ def main(argv=None) -> int:
   ap.add_argument("--overlap", choices=["on", "off"], default="on",
                   help="the engines overlap the host's work with the device step (serve/engine.py "
                        "'Overlap'); off: the serial engine, for an A/B in one run")
+  ap.add_argument("--launch-thread", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                  help="launch the overlapped forward on a worker thread (serve.engine.Engine's "
+                       "launch_thread; auto: on a GPU); several values run each cell once per "
+                       "value on the same engine, for an A/B in one process")
   ap.add_argument("--profile", type=int, default=0, metavar="N",
                   help="trace N engine iterations of every cell once it is in steady state "
                        "(traces under OUT/trace, per-class tables in the results)")
@@ -500,8 +504,9 @@ def main(argv=None) -> int:
     rows.append(row)
     with open(out_path, "a") as f:
       f.write(json.dumps(row) + "\n")
-    keys = ("model", "method", "input", "output", "concurrency", "status", "tpot_ms_median",
-            "throughput_tok_s", "measured_B", "fit_expected", "fit_measured", "preemptions")
+    keys = ("model", "method", "launch_thread", "input", "output", "concurrency", "status",
+            "tpot_ms_median", "throughput_tok_s", "measured_B", "fit_expected", "fit_measured",
+            "preemptions")
     print(json.dumps({k: row.get(k) for k in keys}), flush=True)
 
   def models():
@@ -623,11 +628,16 @@ def main(argv=None) -> int:
       row["sizing"] = eng.sizing.as_dict()
       pr = (os.path.join(a.out, "trace"), f"{name}_{meth}_{n_in}_{n_out}_c{c}", a.profile) \
           if a.profile else None
-      row.update(run_cell(eng, mtok, grammars[n_out], ids, tags, n_out, c, deadline, pr))
-      if meth == "xla":
-        row["fit_measured"] = fit
-      row.update(device_memory())
-      emit(row)
+      base_row = row
+      for lt in a.launch_thread:
+        row = dict(base_row)
+        eng.step.threaded = (jax.default_backend() == "gpu") if lt == "auto" else lt == "on"
+        row["launch_thread"] = eng.step.threaded
+        row.update(run_cell(eng, mtok, grammars[n_out], ids, tags, n_out, c, deadline, pr))
+        if meth == "xla":
+          row["fit_measured"] = fit
+        row.update(device_memory())
+        emit(row)
     held.clear()
     gc.collect()
   write_report(rows, a.out)

@@ -9,6 +9,7 @@ dense batch-1 cache.  Engines are shared between tests (each leaves its engine i
 """
 import functools
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -480,7 +481,8 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
     return out
   e = tight(policy)
   got = {}
-  for ov in (False, True):
+  for ov, thread in ((False, False), (True, False), (True, True)):
+    e.step.threaded = thread
     rs, acts = reqs(), {}
 
     def spy(r, finish, error=None, e=e, acts=acts, fin=type(e)._finish):   # actions at the end
@@ -488,9 +490,12 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
       fin(e, r, finish, error)
     fwd_logits = []
 
-    def fwd(*args, inner=e.step._fwd, seen=fwd_logits):   # the forwards' logits
+    threads = set()
+
+    def fwd(*args, inner=e.step._fwd, seen=fwd_logits, threads=threads):   # the forwards' logits
       out = inner(*args)
       seen.append(out[0][0])
+      threads.add(threading.current_thread().name.split("_")[0])
       return out
     with monkeypatch.context() as mp:
       mp.setattr(e, "overlap_wanted", ov)
@@ -504,10 +509,15 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
     if ov:
       assert len(fwd_logits) > 10
       assert all(x.is_deleted() for x in fwd_logits[:-1]) and not fwd_logits[-1].is_deleted()
+      assert threads == ({"pask-launch"} if thread else {threading.current_thread().name})
     else:
       assert not fwd_logits
-    got[ov] = res, streamed, [acts[r.rid] for r in rs], e.m["preemptions"]
-  (a, sa, aa, pa), (b, sb, ab, pb) = got[False], got[True]
+    got[ov, thread] = res, streamed, [acts[r.rid] for r in rs], e.m["preemptions"]
+  e.step.threaded = False
+  # The forward launched on the launch thread changes nothing: tokens, text, ledgers, pages and
+  # actions are those of the overlapped engine without it.
+  assert _same(got[True, True], got[True, False])
+  (a, sa, aa, pa), (b, sb, ab, pb) = got[False, False], got[True, True]
   if policy == "demo":   # its tight pools preempt (replay) in both modes; "sparse"'s do not
     assert pa > 0 and pb > 0, (pa, pb)
   assert e.traces["fwd"] == 1 and e.traces["step"] == 1
@@ -525,6 +535,53 @@ def test_overlap_equals_the_serial_engine(policy, monkeypatch):
   for x, y in zip(aa, ab):
     n = len(x) - 3
     assert len(y) - len(x) in (0, 1) and n > 8 and (x[:n] == y[:n]).all()
+
+
+def _same(x, y) -> bool:
+  """Equal results of two engine runs (results, streams, per-request actions, preemptions)."""
+  (a, sa, aa, pa), (b, sb, ab, pb) = x, y
+  keys = ("tokens", "text", "finish", "pages")
+  return (sa == sb and pa == pb and len(a) == len(b) == len(aa) == len(ab)
+          and all(r[k] == q[k] for r, q in zip(a, b) for k in keys)
+          and all(r["ledger"] == q["ledger"] for r, q in zip(a, b))
+          and all(p.shape == q.shape and (p == q).all() for p, q in zip(aa, ab)))
+
+
+def test_the_launch_thread_joins_before_the_state_is_used(monkeypatch):
+  """With ``threaded`` on, ``forward`` returns while its launch runs on the launch thread; the
+  state is the launch's output whenever the engine thread reads or replaces it, and a launch's
+  error is raised on the engine thread."""
+  import time as _time
+  e = tight("sparse")
+  step = e.step
+  step.threaded = True
+  where, old = [], step.state
+
+  def slow(*args):
+    _time.sleep(0.2)
+    where.append(threading.current_thread().name)
+    return ("logits", "acts"), ("new state",)
+  monkeypatch.setattr(step, "_fwd", slow)
+  host = np.zeros((e.slots, 9), np.int32)
+  grow = (np.zeros((e.G, e.slots), np.int32),) * 2
+  t0 = _time.perf_counter()
+  f = step.forward(None, host, grow)
+  assert _time.perf_counter() - t0 < 0.15 and not f.done()
+  assert step.state == ("new state",) and f.result() == ("logits", "acts")
+  assert where and where[0].startswith("pask-launch")
+
+  def broken(*args):
+    raise ValueError("launch failed")
+  monkeypatch.setattr(step, "_fwd", broken)
+  f = step.forward(None, host, grow)
+  with pytest.raises(ValueError, match="launch failed"):
+    step.state
+  with pytest.raises(ValueError, match="launch failed"):
+    f.result()
+  assert step.state == ("new state",)   # the failed launch replaced nothing
+  step.threaded = False
+  step.state = old
+  assert not step.threaded and step.state is old
 
 
 # ---- chunked prefill: a long prompt does not stall the running streams -------------------------

@@ -9,6 +9,7 @@ import itertools
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,7 +39,8 @@ class Engine(Loop):
                preemption: str = "replay", backend: str = "auto",
                prefiller: Runner | None = None, overlap: bool = True,
                prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE,
-               lo_format: str = ENGINE.lo_format, lo_page: int | None = None, mesh=None):
+               lo_format: str = ENGINE.lo_format, lo_page: int | None = None, mesh=None,
+               launch_thread: bool | None = None):
     """``slots``: decode batch (``--max-num-seqs``); ``context``: the most tokens (prompt +
     max_tokens) one request may take (``--max-model-len``); ``kv_bytes`` or
     ``gpu_memory_utilization``: the KV memory budget (:func:`size_pools`); ``hi_pages`` /
@@ -53,7 +55,9 @@ class Engine(Loop):
     is what the Mosaic GPU kernel reads on Hopper, in pages of a multiple of 64 rows; "auto" (the
     default) picks it there and "bytes" elsewhere (:func:`serve.engine.check_lo_format`);
     ``lo_page``: rows per INT4 page (None: ``page``, or 128 for "int4" on a GPU when ``page`` is
-    not a multiple of 64).
+    not a multiple of 64); ``launch_thread``: launch the overlapped forward on a worker thread
+    while this one lands the previous tokens (:class:`serve.engine.step.Step`; None: on a GPU,
+    where a launch costs milliseconds of host time).
 
     ``mesh``: tensor parallelism over a 1-D ``model`` mesh (``pask_jax.mesh.serving_mesh``:
     ``--tensor-parallel-size``): weights, the prefill scratch and the pools and windows split
@@ -92,6 +96,8 @@ class Engine(Loop):
                           backend=backend, watermark=watermark, kv_bytes=kv_bytes, mix=mix,
                           hi_pages=hi_pages, lo_pages=lo_pages, prefiller=prefiller,
                           lo_format=lo_format, lo_page=lo_page, mesh=mesh)
+    self.step.threaded = (jax.default_backend() == "gpu") if launch_thread is None \
+        else bool(launch_thread)
     self.pages, self.sizing, self.reach = self.step.pages, self.step.sizing, self.step.reach
     self.hi_total, self.lo_total = self.sizing.hi_pages, self.sizing.lo_pages
     self.runner, self.traces = self.step.runner, self.step.traces

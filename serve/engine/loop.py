@@ -310,9 +310,10 @@ class Loop:
       self.m["decode_step_s"] += t1 - self.sched.t_land
     self.sched.pace(t1)
     while len(self.fly_acts) > 1:   # every forward before the one in flight has finished
-      acts, dec = self.fly_acts.popleft()
+      fwd, dec = self.fly_acts.popleft()
       if dec:
-        self.pages.record_late(acts, [(b, p) for b, r, p in dec if self.running[b] is r])
+        self.pages.record_late(fwd.result()[1],
+                               [(b, p) for b, r, p in dec if self.running[b] is r])
     for b, r in rows:
       if self.running[b] is r:
         self._accept(r, int(tok[b]), lp_row(lps, b))
@@ -328,7 +329,7 @@ class Loop:
     tok_dev = None
     batch.on_device[:] = False
     if self.fly_fwd is not None:
-      logits, fed = self.fly_fwd
+      fwd, fed = self.fly_fwd
       self.fly_fwd = None
       live = [(b, r) for b, r in fed if self.running[b] is r]
       if live:
@@ -337,8 +338,11 @@ class Loop:
         packed = batch.packed([len(r.out) if r is not None else 0 for r in self.running])
         t1 = time.perf_counter()
         m["fill_s"] += t1 - t0
+        logits = fwd.result()[0]   # the forward's launch (on the launch thread) has ended
+        t2 = time.perf_counter()
+        m["join_s"] += t2 - t1
         tok_dev, lp = self.step.pick(logits, packed)
-        m["dispatch_s"] += time.perf_counter() - t1
+        m["dispatch_s"] += time.perf_counter() - t2
         for b, r in picked:
           batch.on_device[b] = True
         self.fly_pick = (tok_dev, lp, picked)
@@ -369,10 +373,10 @@ class Loop:
     if tok_dev is None:
       tok_dev = self.step.place(np.zeros((self.slots,), np.int32))
     t3 = time.perf_counter()
-    logits, acts = self.step.forward(tok_dev, host, grow)
+    fwd = self.step.forward(tok_dev, host, grow)
     m["dispatch_s"] += time.perf_counter() - t3
-    self.fly_acts.append((acts, dec))
-    self.fly_fwd = (logits, [(b, self.running[b]) for b in rows])
+    self.fly_acts.append((fwd, dec))
+    self.fly_fwd = (fwd, [(b, self.running[b]) for b in rows])
     m["decode_steps"] += 1
     m["decode_rows"] += len(rows)
     self.count[rows] += 1

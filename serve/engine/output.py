@@ -21,7 +21,7 @@ METRIC_KEYS = ("queue_wait_s", "prefill_s", "prefills", "decode_steps", "decode_
                "admission_blocked_pages", "preemptions", "resumed", "replay_steps",
                "plan_s", "admit_s", "alloc_s", "hi_used_peak", "lo_used_peak",
                # where a decode step's wall time goes on the host (sum over steps)
-               "fill_s", "dispatch_s", "wait_s", "accept_s")
+               "fill_s", "dispatch_s", "join_s", "wait_s", "accept_s")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,10 @@ some row asks (``lax.cond``), one compile whatever the per-request count.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -96,10 +98,65 @@ class Step:
 
   def __init__(self, mesh=None):
     self.mesh = mesh
+    self._state = None
+    self._pending: concurrent.futures.Future | None = None   # a forward being launched
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self.gather = None if mesh is None else functools.partial(
         jax.lax.with_sharding_constraint, shardings=tp.replicated(mesh))
     self._first = jax.jit(functools.partial(pick, gather=self.gather))
     self._pick_rows = jax.jit(functools.partial(pick_packed, gather=self.gather))
+
+  # --- the launch thread ----------------------------------------------------------------------
+  # A decode step's forward is one CUDA graph of ~400 nodes; launching it is ~2 ms of host time
+  # on an H100 host, and the call holds no Python lock meanwhile.  With ``threaded`` on, the
+  # overlapped forward is launched on a worker thread while the engine thread lands the previous
+  # pick's tokens (grammar, tags, detokenization: Python); the engine thread joins it before it
+  # launches the pick that reads its logits.  Everything else that touches the state joins first
+  # (``state``), so calls reach the device in the same order as without the thread.
+
+  @property
+  def state(self):
+    """The device state (joins a forward being launched: its output is the state)."""
+    if self._pending is not None:
+      self._settle()
+    return self._state
+
+  @state.setter
+  def state(self, value) -> None:
+    if self._pending is not None:
+      self._settle()
+    self._state = value
+
+  def _settle(self) -> None:
+    f, self._pending = self._pending, None
+    f.result()   # re-raises the launch's error here, on the engine thread
+
+  @property
+  def threaded(self) -> bool:
+    return self._pool is not None
+
+  @threaded.setter
+  def threaded(self, on: bool) -> None:
+    if on == self.threaded:
+      return
+    if self._pending is not None:
+      self._settle()
+    if on:
+      self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pask-launch")
+      weakref.finalize(self, self._pool.shutdown, wait=False)
+    else:
+      self._pool, pool = None, self._pool
+      pool.shutdown(wait=True)
+
+  def _launch(self, run) -> concurrent.futures.Future:
+    """``run()`` (a launch that returns its outputs and sets ``_state``) on the launch thread,
+    or here when not ``threaded`` -> a future of its outputs."""
+    if self._pool is None:
+      f = concurrent.futures.Future()
+      f.set_result(run())
+      return f
+    self._pending = self._pool.submit(run)
+    return self._pending
 
   def place(self, x):
     """A host value as a device array where the jitted functions keep theirs (on a mesh:
@@ -334,11 +391,16 @@ class PagedStep(Step):
         upload(grow[0]), upload(grow[1]))
     return out
 
-  def forward(self, tok_dev, host, grow):
-    """Launch the overlapped forward -> (logits, actions decided for the previous tokens)."""
-    out, self.state = self._fwd(self.runner.params, self.policy, self.state, tok_dev,
-                                upload(host), upload(np.stack(grow)))
-    return out
+  def forward(self, tok_dev, host, grow) -> concurrent.futures.Future:
+    """Launch the overlapped forward -> a future of (logits, actions decided for the previous
+    tokens); on the launch thread when ``threaded``."""
+    host, pages, state = np.array(host), np.stack(grow), self.state   # snapshots, joined
+
+    def run():
+      out, self._state = self._fwd(self.runner.params, self.policy, state, tok_dev,
+                                   upload(host), upload(pages))
+      return out
+    return self._launch(run)
 
   def ledger_row(self, b: int) -> tuple[dict | None, bool]:
     """Slot ``b``'s ledger summary and whether its cache overflowed."""
@@ -433,9 +495,13 @@ class DenseStep(Step):
         upload(batch.temp), upload(batch.top_p), upload(want))
     return out
 
-  def forward(self, tok_dev, host, grow):
-    out, self.state = self._fwd(self.runner.params, self.state, tok_dev, upload(host))
-    return out
+  def forward(self, tok_dev, host, grow) -> concurrent.futures.Future:
+    host, state = np.array(host), self.state
+
+    def run():
+      out, self._state = self._fwd(self.runner.params, state, tok_dev, upload(host))
+      return out
+    return self._launch(run)
 
   def ledger_row(self, b: int) -> tuple[None, bool]:
     return None, False
