@@ -467,6 +467,7 @@ def main(argv=None) -> int:
   from pask_jax import policy as P
   from pask_jax.decode import Runner
   from pask_jax.grammar import DEFAULT_STYLE, GrammarCompiler, tool_call_grammar
+  from pask_jax.launch import default_threaded
   from serve.engine import DenseEngine, Engine, check_lo_format, page_bytes
   if a.shape != "tiny" and a.shape not in SHAPES:
     raise SystemExit(f"error: unknown shape {a.shape!r}; choose tiny or one of {', '.join(SHAPES)}")
@@ -631,7 +632,7 @@ def main(argv=None) -> int:
       base_row = row
       for lt in a.launch_thread:
         row = dict(base_row)
-        eng.step.threaded = (jax.default_backend() == "gpu") if lt == "auto" else lt == "on"
+        eng.step.threaded = default_threaded() if lt == "auto" else lt == "on"
         row["launch_thread"] = eng.step.threaded
         row.update(run_cell(eng, mtok, grammars[n_out], ids, tags, n_out, c, deadline, pr))
         if meth == "xla":

@@ -9,11 +9,11 @@ import itertools
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pask_jax.decode import PREFILL_CHUNK, Runner
+from pask_jax.launch import default_threaded
 # the engine's defaults and choices are serve's and start_engine's
 from pask_jax.options import ENGINE, PREEMPTION
 from serve.engine.batch import Batch
@@ -96,8 +96,7 @@ class Engine(Loop):
                           backend=backend, watermark=watermark, kv_bytes=kv_bytes, mix=mix,
                           hi_pages=hi_pages, lo_pages=lo_pages, prefiller=prefiller,
                           lo_format=lo_format, lo_page=lo_page, mesh=mesh)
-    self.step.threaded = (jax.default_backend() == "gpu") if launch_thread is None \
-        else bool(launch_thread)
+    self.step.threaded = default_threaded() if launch_thread is None else bool(launch_thread)
     self.pages, self.sizing, self.reach = self.step.pages, self.step.sizing, self.step.reach
     self.hi_total, self.lo_total = self.sizing.hi_pages, self.sizing.lo_pages
     self.runner, self.traces = self.step.runner, self.step.traces

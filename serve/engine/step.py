@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import time
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,7 @@ from pask_jax import mesh as tp
 from pask_jax.traces import Traces
 from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
+from pask_jax.launch import Launcher
 from pask_jax.recycle import Recycler, logits_like, upload
 from pask_jax.sample import apply_bitmask, nucleus
 from serve.engine.pages import NoPages, PagePools
@@ -100,19 +100,18 @@ class Step:
     self.mesh = mesh
     self._state = None
     self._pending: concurrent.futures.Future | None = None   # a forward being launched
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._launcher = Launcher(threaded=False)
     self.gather = None if mesh is None else functools.partial(
         jax.lax.with_sharding_constraint, shardings=tp.replicated(mesh))
     self._first = jax.jit(functools.partial(pick, gather=self.gather))
     self._pick_rows = jax.jit(functools.partial(pick_packed, gather=self.gather))
 
   # --- the launch thread ----------------------------------------------------------------------
-  # A decode step's forward is one CUDA graph of ~400 nodes; launching it is ~2 ms of host time
-  # on an H100 host, and the call holds no Python lock meanwhile.  With ``threaded`` on, the
-  # overlapped forward is launched on a worker thread while the engine thread lands the previous
-  # pick's tokens (grammar, tags, detokenization: Python); the engine thread joins it before it
-  # launches the pick that reads its logits.  Everything else that touches the state joins first
-  # (``state``), so calls reach the device in the same order as without the thread.
+  # With ``threaded`` on, the overlapped forward is launched on a worker thread
+  # (:mod:`pask_jax.launch`) while the engine thread lands the previous pick's tokens; the engine
+  # thread joins it before it launches the pick that reads its logits.  Everything else that
+  # touches the state joins first (``state``), so calls reach the device in the order they would
+  # without the thread.
 
   @property
   def state(self):
@@ -133,30 +132,21 @@ class Step:
 
   @property
   def threaded(self) -> bool:
-    return self._pool is not None
+    return self._launcher.threaded
 
   @threaded.setter
   def threaded(self, on: bool) -> None:
-    if on == self.threaded:
-      return
     if self._pending is not None:
       self._settle()
-    if on:
-      self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pask-launch")
-      weakref.finalize(self, self._pool.shutdown, wait=False)
-    else:
-      self._pool, pool = None, self._pool
-      pool.shutdown(wait=True)
+    self._launcher.threaded = on
 
   def _launch(self, run) -> concurrent.futures.Future:
     """``run()`` (a launch that returns its outputs and sets ``_state``) on the launch thread,
     or here when not ``threaded`` -> a future of its outputs."""
-    if self._pool is None:
-      f = concurrent.futures.Future()
-      f.set_result(run())
-      return f
-    self._pending = self._pool.submit(run)
-    return self._pending
+    f = self._launcher.submit(run)
+    if self.threaded:
+      self._pending = f
+    return f
 
   def place(self, x):
     """A host value as a device array where the jitted functions keep theirs (on a mesh:
