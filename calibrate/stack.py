@@ -32,6 +32,7 @@ from pask_jax import decode as dec
 from pask_jax import ledger
 from pask_jax.tracker import with_positions
 from pask_jax import policy as P
+from pask_jax.launch import Launcher
 from pask_jax.recycle import Recycler, logits_like, upload
 from pask_jax import tags as T
 
@@ -76,6 +77,9 @@ class StackRunner(dec.PaskRunner):
     self.forward = Recycler(self._forward, logits_like(n_policies * n_requests,
                                                        model.cfg.vocab_size), donate_argnums=(2,))
     self.local = None
+    # The forward is launched on a worker thread while the host accepts the previous tokens
+    # (pask_jax.launch; on a GPU).  Not across processes: their collectives keep one thread.
+    self.launcher = Launcher()
     # Several processes (calibrate.distributed): the mesh holds other processes' devices, so
     # every input of the sharded calls becomes a global array (each process places its own
     # shards) and the sampled tokens come back replicated.
@@ -83,6 +87,8 @@ class StackRunner(dec.PaskRunner):
                                           for d in mesh.devices.flat)
     if mesh is not None and mesh.size > 1:
       self._shard_over(mesh, model, capacity, page, backend)
+    if self.multi:
+      self.launcher.threaded = False
 
   def _shard_over(self, mesh, model, capacity, page, backend):
     """Data parallel over a 1-D mesh ``rows``: device i runs policies [i·V/d, (i+1)·V/d) on its
@@ -243,6 +249,11 @@ def _fill(bits: np.ndarray, trackers, running: np.ndarray) -> None:
     trackers[b].fill(bits, b)
 
 
+def _forward(runner: StackRunner, cache, budget, led, pick, host):
+  """The overlapped forward (on the launch thread): its host input goes up from there too."""
+  return runner.forward(runner.params, runner.policy, cache, budget, led, pick, upload(host))
+
+
 def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequence[int]], *,
                         trackers: Sequence, prompt_tags: Sequence[Any] | None = None,
                         sampling: dec.Sampling = dec.Sampling(),
@@ -261,8 +272,10 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   completes the grammar) cannot be known ahead: it is fed and never decided, and the row's live
   payload (``live_bits``, ``peak_live_bits``) is taken from the ledger before that feed, so the
   ledger is the synchronous loop's.  ``timers`` (optional) accumulates host seconds:
-  ``launch_s`` (inside the forward / pick calls), ``wait_s`` (waiting for a pick's tokens),
-  ``host_s`` (trackers and masks), and ``steps``.
+  ``launch_s`` (inside the forward / pick calls, and joining a forward launched on the launch
+  thread), ``wait_s`` (waiting for a pick's tokens), ``host_s`` (trackers and masks), and
+  ``steps``.  With ``runner.launcher`` threaded (on a GPU) the forward is launched on the launch
+  thread while the host accepts and fills (:mod:`pask_jax.launch`).
   """
   B, vocab = runner.batch, runner.cfg.vocab_size
   n, mt = len(prompts), sampling.max_tokens
@@ -310,11 +323,11 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
     feed = running & (count + 1 < mt)
     before = (led.live_bits, led.peak_live_bits)
     ta = clock()
+    fwd = None
     if feed.any() or decide.any():
       host = np.concatenate([tag_ids, state_ids[:, None], decide[:, None], feed[:, None]],
-                            axis=1, dtype=np.int32)
-      logits, cache, budget, led, _ = runner.forward(runner.params, runner.policy, cache, budget,
-                                                     led, pick, upload(host))
+                            axis=1, dtype=np.int32)   # a fresh array: the thread may read it late
+      fwd = runner.launcher.submit(_forward, runner, cache, budget, led, pick, host)
       tm["steps"] += 1
     tb = clock()
     y = np.asarray(pick)    # waits for the pick only: the forward just launched runs meanwhile
@@ -338,14 +351,19 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
       else:
         decide[b] = True
     if not running.any():
-      tm["launch_s"] += tb - ta
+      th = clock()
+      if fwd is not None:
+        logits, cache, budget, led, _ = fwd.result()
+      tm["launch_s"] += (tb - ta) + (clock() - th)
       tm["wait_s"] += tc - tb
-      tm["host_s"] += clock() - tc
+      tm["host_s"] += th - tc
       break
     _fill(bits, trackers, running)
     if sampled:
       key, sub = jax.random.split(key)
     td = clock()
+    if fwd is not None:
+      logits, cache, budget, led, _ = fwd.result()
     pick = runner.select(logits, upload(bits), sub, temp, top_p)
     te = clock()
     tm["launch_s"] += (tb - ta) + (te - td)

@@ -15,13 +15,23 @@ worker keeps the device's calls in the order they were submitted.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import weakref
 from typing import Callable
 
 
+ENV = "PASK_JAX_LAUNCH_THREAD"   # "1" / "0": force the launch thread on / off everywhere
+
+
 def default_threaded() -> bool:
   """Whether a launch thread pays here: on a GPU (a launch costs milliseconds of host time);
-  on a CPU or TPU a launch returns in tens of microseconds."""
+  on a CPU or TPU a launch returns in tens of microseconds.  ``$PASK_JAX_LAUNCH_THREAD`` (1 or
+  0) overrides it."""
+  env = os.environ.get(ENV, "").strip()
+  if env:
+    if env not in ("0", "1"):
+      raise ValueError(f"${ENV} must be 0 or 1, got {env!r}")
+    return env == "1"
   import jax
   return jax.default_backend() == "gpu"
 

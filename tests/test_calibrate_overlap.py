@@ -3,6 +3,8 @@ the synchronous loop (pask_jax.decode.generate) gives on a policy stack: tokens,
 the trackers' tag and parser-state records, and every ledger field (the R/L/H action counts per
 group, n_gen, live and peak payload) — for rows that end on a stop token (fed before the host
 saw it), by completing the grammar, and by length, greedy and sampled."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -44,7 +46,7 @@ def setup():
   return runner, task, tok
 
 
-def both(runner, task, tok, sampling, share):
+def both(runner, task, tok, sampling, share, threaded):
   from calibrate.shared import Forest
   V, N = runner.V, runner.N
   prompts = [r.ids for _ in range(V) for r in task.requests]
@@ -56,17 +58,31 @@ def both(runner, task, tok, sampling, share):
       trackers = [forest.row(i) for _ in range(V) for i in range(N)]
     else:
       trackers = [task.tracker(i) for _ in range(V) for i in range(N)]
-    res = loop(runner, tok, prompts, trackers=trackers, prompt_tags=ptags, sampling=sampling)
+    runner.launcher.threaded = threaded and loop is S.generate_overlapped
+    inner, where = S._forward, set()
+
+    def spy(*args):   # where each forward is launched
+      where.add(threading.current_thread().name.split("_")[0])
+      return inner(*args)
+    S._forward = spy
+    try:
+      res = loop(runner, tok, prompts, trackers=trackers, prompt_tags=ptags, sampling=sampling)
+    finally:
+      runner.launcher.threaded, S._forward = False, inner
+    if loop is S.generate_overlapped:
+      assert where == ({"pask-launch"} if threaded else {threading.current_thread().name})
     out.append((res, trackers))
   return out
 
 
-@pytest.mark.parametrize("max_tokens, temperature, share", [
-    (64, 0.0, True), (64, 0.0, False), (14, 0.0, True), (40, 0.8, True)])
-def test_overlapped_equals_synchronous(setup, max_tokens, temperature, share):
+# threaded: the overlapped loop's forward launched on the launch thread (pask_jax.launch)
+@pytest.mark.parametrize("max_tokens, temperature, share, threaded", [
+    (64, 0.0, True, True), (64, 0.0, False, False), (14, 0.0, True, False),
+    (40, 0.8, True, True)])
+def test_overlapped_equals_synchronous(setup, max_tokens, temperature, share, threaded):
   runner, task, tok = setup
   sampling = dec.Sampling(max_tokens=max_tokens, temperature=temperature, seed=3)
-  (ra, ta), (rb, tb) = both(runner, task, tok, sampling, share)
+  (ra, ta), (rb, tb) = both(runner, task, tok, sampling, share, threaded)
   assert len(ra) == len(rb) == runner.batch
   for x, y, tx, ty in zip(ra, rb, ta, tb):
     assert y.tokens == x.tokens and y.text == x.text and y.finish == x.finish
