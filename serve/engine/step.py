@@ -269,7 +269,7 @@ class PagedStep(Step):
     self._release = self._jit(self._release_fn, 0, (ss, rep), ss)
     self._step = self._jit(self._step_fn, 2, (ps, rep, ss) + (rep,) * 12, ((rep, rep), ss))
     self._fwd = self._jit_fwd(self._fwd_fn, 2, logits_like(slots, c.vocab_size, lg),
-                              (ps, rep, ss, rep, rep, rep), ((lg, rep), ss))
+                              (ps, rep, ss, rep, rep), ((lg, rep), ss))
 
   # --- jitted pieces ------------------------------------------------------------------------
 
@@ -313,10 +313,13 @@ class PagedStep(Step):
     out = jnp.concatenate([nxt[:, None], actions.astype(jnp.int32)], axis=1)
     return (out, lps), (cache, budget, led)
 
-  def _fwd_fn(self, params, policy, state, dev_tok, host, pages):
-    """The overlapped forward.  ``dev_tok [B]``: the last pick's tokens (device); ``host`` int32
-    [B, 9] (``Batch.host``); ``pages`` int32 [2, G, B]: new page ids per pool.  -> ((logits
-    [B, V], actions [B, G] of the previous tokens), state)."""
+  def _fwd_fn(self, params, policy, state, dev_tok, inputs):
+    """The overlapped forward.  ``dev_tok [B]``: the last pick's tokens (device); ``inputs``
+    int32 [B·9 + 2·G·B]: ``host`` [B, 9] (``Batch.host``) and ``pages`` [2, G, B] (new page ids
+    per pool), flattened into one transfer.  -> ((logits [B, V], actions [B, G] of the previous
+    tokens), state)."""
+    B = dev_tok.shape[0]
+    host, pages = inputs[:9 * B].reshape(B, 9), inputs[9 * B:].reshape(2, self.G, B)
     cache, budget, led = state
     tokens = jnp.where(host[:, 1] > 0, host[:, 0], dev_tok)
     cache = pcache.assign_pages(cache, pages[0], pages[1])
@@ -384,11 +387,14 @@ class PagedStep(Step):
   def forward(self, tok_dev, host, grow) -> concurrent.futures.Future:
     """Launch the overlapped forward -> a future of (logits, actions decided for the previous
     tokens); on the launch thread when ``threaded``."""
-    host, pages, state = np.array(host), np.stack(grow), self.state   # snapshots, joined
+    # one transfer for both host inputs (a fresh array: the loop rewrites its own); joined state
+    inputs = np.concatenate([np.asarray(host, np.int32).ravel(),
+                             np.stack(grow).astype(np.int32, copy=False).ravel()])
+    state = self.state
 
     def run():
       out, self._state = self._fwd(self.runner.params, self.policy, state, tok_dev,
-                                   upload(host), upload(pages))
+                                   upload(inputs))
       return out
     return self._launch(run)
 
