@@ -129,11 +129,12 @@ class StackRunner(dec.PaskRunner):
         params, policy, cache, budget, led, put(tokens, rows), put(host, rows))
     # Greedy or sampled, the pick of every row on every process; the key travels as its data.
     select = self.select
-    pick = jax.jit(lambda logits, bits, kd, t, p: select(
-        logits, bits, jax.random.wrap_key_data(kd), t, p), out_shardings=rep)
-    self.select = lambda logits, bits, key, t, p: pick(
+    pick = jax.jit(lambda logits, bits, kd, t, p, how=None: select(
+        logits, bits, jax.random.wrap_key_data(kd), t, p, how=how), out_shardings=rep,
+        static_argnames=("how",))
+    self.select = lambda logits, bits, key, t, p, how=None: pick(
         put(logits, rows), put(bits, rows), put(jax.random.key_data(key), rep), put(t, rows),
-        put(p, rows))
+        put(p, rows), how=how)
 
     def local_only(*a, **k):
       raise NotImplementedError("across processes a StackRunner runs generate_overlapped "
@@ -299,6 +300,9 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   key = jax.random.key(sampling.seed)
   bits = dec.new_bitmask(B, vocab)
   sampled = sampling.temperature > 0    # greedy picks ignore the key: no split per step
+  # the pick's branches, static: a device-side conditional would make each pick's launch wait
+  # for the forward before it (pask_jax.sample.sample)
+  how = (bool(sampled), bool(sampled and sampling.top_p < 1))
 
   t0 = clock()
   tokens, lengths = dec.pad_prompts(prompts, B, runner.capacity)
@@ -308,7 +312,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   key, sub = jax.random.split(key)
   # Host inputs go up as copies (recycle.upload), so ``bits`` and the host rows can be rewritten
   # while a call that read them still runs.
-  pick = runner.select(logits, upload(bits), sub, temp, top_p)
+  pick = runner.select(logits, upload(bits), sub, temp, top_p, how=how)
   t1 = None
   out: list[list[int]] = [[] for _ in range(n)]
   finish = ["length"] * n
@@ -364,7 +368,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
     td = clock()
     if fwd is not None:
       logits, cache, budget, led, _ = fwd.result()
-    pick = runner.select(logits, upload(bits), sub, temp, top_p)
+    pick = runner.select(logits, upload(bits), sub, temp, top_p, how=how)
     te = clock()
     tm["launch_s"] += (tb - ta) + (te - td)
     tm["wait_s"] += tc - tb

@@ -115,7 +115,7 @@ class Runner:
       self.prefill = jax.jit(self._prefill, donate_argnums=(1,))
       self.step = recycle.step_jit(self._step, recycle.logits_like(batch, self.cfg.vocab_size),
                                    donate_argnums=(1,))
-      self.select = jax.jit(self._select)
+      self.select = jax.jit(self._select, static_argnames=("how",))
       return
     m = self.tp_mesh
     ps, cs, rep = jax.tree.map(lambda x: x.sharding, self.params), self.cache_sharding(), \
@@ -125,7 +125,8 @@ class Runner:
                            out_shardings=(lg, cs))
     self.step = jax.jit(self._step, donate_argnums=(1,), in_shardings=(ps, cs) + (rep,) * 5,
                         out_shardings=(rep, lg, cs))
-    self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep)
+    self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep,
+                          static_argnames=("how",))
 
   def cache_sharding(self) -> kv_dense.DenseCache:
     """The dense cache's shardings (mesh runs): K/V by KV head, lengths replicated."""
@@ -201,11 +202,12 @@ class Runner:
       nxt = self._select(logits, bits, key, temperature, top_p)
     return nxt, logits, cache
 
-  def _select(self, logits, bits, key, temperature, top_p):
+  def _select(self, logits, bits, key, temperature, top_p, how=None):
+    """Masked sampling of ``logits``; ``how``: :func:`pask_jax.sample.sample`'s (static)."""
     masked = apply_bitmask(logits, bits)
     if self.tp_mesh is not None:   # the mask on each vocabulary shard, then one gather to sample
       masked = jax.lax.with_sharding_constraint(masked, tp.replicated(self.tp_mesh))
-    return sample(masked, key, temperature, top_p)
+    return sample(masked, key, temperature, top_p, how=how)
 
   # --- the session protocol used by generate() ----------------------------------------------
 

@@ -22,14 +22,19 @@ def apply_bitmask(logits: jax.Array, bits: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array,
-           top_p: jax.Array) -> jax.Array:
+           top_p: jax.Array, how: tuple[bool, bool] | None = None) -> jax.Array:
   """logits [B, V] (already masked) -> tokens [B] int32.
 
   Greedy decoding pays for an argmax alone, and the sort that top-p needs runs only when some
-  sampling row asks for top_p < 1 (``lax.cond``): on the CPU a [4, 49152] sort took 88 ms, the
-  plain draw 5 ms.
+  sampling row asks for top_p < 1: on the CPU a [4, 49152] sort took 88 ms, the plain draw 5 ms.
+  ``how`` (static): ``(some row samples, some sampling row has top_p < 1)`` as the caller knows
+  them; None: decided on the device by ``lax.cond`` -- which XLA's GPU runtime evaluates on the
+  host, waiting for the device there (a call that must not wait passes ``how``).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if how is not None:
+    return nucleus(logits, key, temperature, top_p, greedy, truncate=how[1]) if how[0] \
+        else greedy
   return jax.lax.cond(jnp.any(temperature > 0),
                       lambda: nucleus(logits, key, temperature, top_p, greedy), lambda: greedy)
 
@@ -44,11 +49,12 @@ def _draw(key: jax.Array, logits: jax.Array) -> jax.Array:
   return jax.vmap(lambda k, l: jax.random.categorical(k, l[None], axis=-1)[0])(key, logits)
 
 
-def nucleus(logits, key, temperature, top_p, greedy):
+def nucleus(logits, key, temperature, top_p, greedy, truncate: bool | None = None):
   """Temperature and top-p sampling of ``logits [B, V]`` (masked) with ``key`` (see ``_draw``);
   rows whose temperature is <= 0 take ``greedy``.  A row with top_p >= 1 draws from all of its
   temperature-scaled logits, unsorted; the others from the smallest prefix, in descending order,
-  whose mass reaches top_p."""
+  whose mass reaches top_p.  ``truncate`` (static): whether some sampling row has top_p < 1, as
+  the caller knows it (no ``lax.cond``); None: decided on the device."""
   t = jnp.maximum(temperature, 1e-6)[:, None]
   scaled = logits / t
   plain = _draw(key, scaled)
@@ -62,5 +68,8 @@ def nucleus(logits, key, temperature, top_p, greedy):
     pick = _draw(key, jnp.where(keep, sorted_logits, -jnp.inf))
     return jnp.where(top_p >= 1, plain, jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0])
 
-  sampled = jax.lax.cond(jnp.any((top_p < 1) & (temperature > 0)), truncated, lambda: plain)
+  if truncate is None:
+    sampled = jax.lax.cond(jnp.any((top_p < 1) & (temperature > 0)), truncated, lambda: plain)
+  else:
+    sampled = truncated() if truncate else plain
   return jnp.where(temperature <= 0, greedy, sampled.astype(jnp.int32))

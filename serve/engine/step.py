@@ -49,18 +49,28 @@ from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, wor
 TOP_LOGPROBS = 20   # alternatives computed per step when a request asks for logprobs
 
 
-def pick(logits, bits, seeds, steps, temperature, top_p, want_lp, *, gather=None):
+def pick(logits, bits, seeds, steps, temperature, top_p, want_lp, *, gather=None, how=None):
   """Per-row sampling: row b uses key fold_in(key(seeds[b]), steps[b]).  -> (tokens [B],
   (chosen log-prob [B], top ids [B, K], top log-probs [B, K])); the log-probs are of the masked
   logits and are zeros unless some row wants them.  ``gather``: applied to the masked logits
-  before sampling (on a mesh: the vocabulary shards gathered, after each applied its mask)."""
+  before sampling (on a mesh: the vocabulary shards gathered, after each applied its mask).
+
+  ``how``: ``(sampled, truncated, log_probs)`` as Python bools (:func:`how_of`): whether some row
+  samples, some sampling row has top_p < 1, some row wants log-probs -- the branches chosen when
+  tracing, one executable per combination.  None: chosen on the device by ``lax.cond``, which
+  XLA's GPU runtime runs on the host: it copies the predicate back and waits for the device
+  there, so a pick launched behind a forward would return only once that forward has run."""
   masked = apply_bitmask(logits, bits)
   if gather is not None:
     masked = gather(masked)
   greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-  tok = jax.lax.cond(jnp.any(temperature > 0),
-                     lambda: nucleus(masked, keys, temperature, top_p, greedy), lambda: greedy)
+  if how is None:
+    tok = jax.lax.cond(jnp.any(temperature > 0),
+                       lambda: nucleus(masked, keys, temperature, top_p, greedy), lambda: greedy)
+  else:
+    tok = nucleus(masked, keys, temperature, top_p, greedy, truncate=how[1]) if how[0] \
+        else greedy
   B, K = logits.shape[0], TOP_LOGPROBS
 
   def lp():
@@ -70,15 +80,32 @@ def pick(logits, bits, seeds, steps, temperature, top_p, want_lp, *, gather=None
 
   none = lambda: (jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32),
                   jnp.zeros((B, K), jnp.float32))
-  return tok, jax.lax.cond(jnp.any(want_lp), lp, none)
+  if how is None:
+    return tok, jax.lax.cond(jnp.any(want_lp), lp, none)
+  return tok, lp() if how[2] else none()
 
 
-def pick_packed(logits, packed, *, gather=None):
+def how_of(temperature, top_p, want_lp) -> tuple[bool, bool, bool]:
+  """:func:`pick`'s static ``how`` from the host's per-row sampling values (every row, as the
+  device-side conditions read them)."""
+  t, p = np.asarray(temperature, np.float32), np.asarray(top_p, np.float32)
+  return bool((t > 0).any()), bool(((p < 1) & (t > 0)).any()), bool(np.asarray(want_lp).any())
+
+
+def pick_packed(logits, packed, *, gather=None, how=None):
   """:func:`pick` with its per-row inputs in one int32 array (``Batch.packed``)."""
   nw = packed.shape[1] - 5
   f32 = lambda c: jax.lax.bitcast_convert_type(packed[:, c], jnp.float32)
   return pick(logits, packed[:, :nw], jax.lax.bitcast_convert_type(packed[:, nw], jnp.uint32),
-              packed[:, nw + 1], f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0, gather=gather)
+              packed[:, nw + 1], f32(nw + 3), f32(nw + 4), packed[:, nw + 2] > 0, gather=gather,
+              how=how)
+
+
+def how_of_packed(packed: np.ndarray) -> tuple[bool, bool, bool]:
+  """:func:`how_of` of a ``Batch.packed`` array."""
+  nw = packed.shape[1] - 5
+  return how_of(packed[:, nw + 3].view(np.float32), packed[:, nw + 4].view(np.float32),
+                packed[:, nw + 2] > 0)
 
 
 def lp_row(lp, b: int):
@@ -103,8 +130,11 @@ class Step:
     self._launcher = Launcher(threaded=False)
     self.gather = None if mesh is None else functools.partial(
         jax.lax.with_sharding_constraint, shardings=tp.replicated(mesh))
-    self._first = jax.jit(functools.partial(pick, gather=self.gather))
-    self._pick_rows = jax.jit(functools.partial(pick_packed, gather=self.gather))
+    # the picks' branches are static (``how``): no device-side conditional, so launching one
+    # does not wait for the device; a combination compiles at its first use
+    self._first = jax.jit(functools.partial(pick, gather=self.gather), static_argnames=("how",))
+    self._pick_rows = jax.jit(functools.partial(pick_packed, gather=self.gather),
+                              static_argnames=("how",))
 
   # --- the launch thread ----------------------------------------------------------------------
   # With ``threaded`` on, the overlapped forward is launched on a worker thread
@@ -170,17 +200,18 @@ class Step:
 
   def first(self, logits, bits1, r) -> tuple[int, tuple | None]:
     """A new request's first token from its prefill's logits -> (token, log-prob row)."""
+    want = r.logprobs is not None
     tok, lp = self._first(logits, upload(bits1), upload(np.array([r.seed], np.uint32)),
                           upload(np.zeros(1, np.int32)),
                           upload(np.array([r.temperature], np.float32)),
                           upload(np.array([r.top_p], np.float32)),
-                          upload(np.array([r.logprobs is not None])))
+                          upload(np.array([want])), how=how_of(r.temperature, r.top_p, want))
     lp = tuple(np.asarray(x) for x in lp) if r.logprobs is not None else None
     return int(tok[0]), lp_row(lp, 0)
 
   def pick(self, logits, packed: np.ndarray):
     """Launch the overlapped step's sampling -> (tokens [B], log-prob outputs), on the device."""
-    return self._pick_rows(logits, upload(packed))
+    return self._pick_rows(logits, upload(packed), how=how_of_packed(packed))
 
 
 MOSAIC_PAGE = 128     # INT4 rows per page where the Mosaic GPU kernel reads the pool
