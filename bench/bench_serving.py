@@ -447,6 +447,11 @@ def main(argv=None) -> int:
                   help="launch the overlapped forward on a worker thread (serve.engine.Engine's "
                        "launch_thread; auto: on a GPU); several values run each cell once per "
                        "value on the same engine, for an A/B in one process")
+  ap.add_argument("--pick-branches", nargs="+", choices=["host", "device"], default=["host"],
+                  help="the overlapped pick's sampling branches chosen on the host (static, the "
+                       "engine's default) or on the device (lax.cond, which waits for the device "
+                       "at launch on a GPU); several values: an A/B in one process, as "
+                       "--launch-thread")
   ap.add_argument("--profile", type=int, default=0, metavar="N",
                   help="trace N engine iterations of every cell once it is in steady state "
                        "(traces under OUT/trace, per-class tables in the results)")
@@ -505,7 +510,8 @@ def main(argv=None) -> int:
     rows.append(row)
     with open(out_path, "a") as f:
       f.write(json.dumps(row) + "\n")
-    keys = ("model", "method", "launch_thread", "input", "output", "concurrency", "status",
+    keys = ("model", "method", "launch_thread", "pick_branches", "input", "output",
+            "concurrency", "status",
             "tpot_ms_median", "throughput_tok_s", "measured_B", "fit_expected", "fit_measured",
             "preemptions")
     print(json.dumps({k: row.get(k) for k in keys}), flush=True)
@@ -630,10 +636,11 @@ def main(argv=None) -> int:
       pr = (os.path.join(a.out, "trace"), f"{name}_{meth}_{n_in}_{n_out}_c{c}", a.profile) \
           if a.profile else None
       base_row = row
-      for lt in a.launch_thread:
+      for lt, pb in [(lt, pb) for lt in a.launch_thread for pb in a.pick_branches]:
         row = dict(base_row)
         eng.step.threaded = default_threaded() if lt == "auto" else lt == "on"
-        row["launch_thread"] = eng.step.threaded
+        eng.step.static_picks = pb == "host"
+        row["launch_thread"], row["pick_branches"] = eng.step.threaded, pb
         row.update(run_cell(eng, mtok, grammars[n_out], ids, tags, n_out, c, deadline, pr))
         if meth == "xla":
           row["fit_measured"] = fit

@@ -2,7 +2,8 @@
 # First bench/launch_overlap.py (does a launch release the GIL: a stand-in step of N small GEMMs
 # on a worker thread against pure-Python work), then the serving cell of dev_serving05.sh
 # (8K in / 256 out, c=8, 0.5B shape; the real Qwen2.5-Coder-0.5B too when its GGUF is in
-# /tmp/m) with the launch thread off / on / off on the same engines (an A/B in one process).
+# /tmp/m) with the launch thread off / on and the pick's branches chosen on the device (lax.cond,
+# as before) / on the host, on the same engines (an A/B in one process).
 # Carry .whl and .tok.
 #   LIMIT=300 bash scripts/dev_launch_thread.sh
 # Raw output: $OUT/overlap.jsonl, $OUT/lt.tgz (results.jsonl, summary.md, the log).
@@ -18,7 +19,8 @@ fi
 timeout -s KILL $((limit - 70)) python3 bench/bench_serving.py --shape qwen2.5-0.5b \
   --tokenizer .tok --inputs 8192 --outputs 256 --concurrency 8 --methods ${METHODS:-pask full xla} \
   --kv-memory 16 --page 16 --lo-format int4 --prefill-memo --time-limit $((limit - 100)) \
-  --launch-thread ${LT:-off on off} --out /tmp/lt > /tmp/lt.log 2>&1
+  --launch-thread ${LT:-off on} --pick-branches ${PICK:-device host} --out /tmp/lt \
+  > /tmp/lt.log 2>&1
 echo "serving rc $?"
 python3 - <<'PY'
 import json
@@ -26,7 +28,8 @@ for line in open("/tmp/lt/results.jsonl"):
   r = json.loads(line)
   if r.get("status") != "ok":
     print(r.get("model"), r.get("status"), r.get("reason")); continue
-  print(r["model"][:24], r["method"], "thread", r.get("launch_thread"), "TPOT",
+  print(r["model"][:24], r["method"], "thread", r.get("launch_thread"), "pick",
+        r.get("pick_branches"), "TPOT",
         round(r["tpot_ms_median"], 3), "host ms/step",
         {k: round(v, 3) for k, v in r.get("host_ms_per_step", {}).items()})
 PY

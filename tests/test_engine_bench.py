@@ -65,3 +65,22 @@ def test_prompts_have_the_stated_length():
     assert len(ids) == n and tags.shape == (n, 4) and (np.asarray(tags) >= -1).all()
   with pytest.raises(ValueError, match="cannot hold the template"):
     BS.make_prompt(TE.tok(), "tool_call_tags", 100)
+
+
+def test_ab_settings_run_each_cell_on_the_same_engine(tmp_path, monkeypatch):
+  """``--launch-thread off on --pick-branches host device``: one row per setting of each cell,
+  each saying its setting; greedy decoding gives the same text whatever the setting."""
+  from models import registry
+  monkeypatch.setenv("PASK_JAX_CACHE", str(tmp_path / "cache"))
+  out = str(tmp_path / "ab")
+  assert BS.main(["--shape", "tiny", "--inputs", "256", "--outputs", "8", "--concurrency", "2",
+                  "--methods", "pask", "--launch-thread", "off", "on",
+                  "--pick-branches", "host", "device", "--tokenizer", registry.smollm2_path(),
+                  "--out", out, "--compile-cache", ""]) == 0
+  rows = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
+  cells = [r for r in rows if r["model"] == "tiny"]
+  assert [(r["launch_thread"], r["pick_branches"]) for r in cells] == [
+      (False, "host"), (False, "device"), (True, "host"), (True, "device")]
+  assert all(r["status"] == "ok" and r["completed"] == 2 for r in cells)
+  assert len({json.dumps(r["actions"], sort_keys=True) for r in cells}) == 1
+  assert len({r["tokens_out"] for r in cells}) == 1

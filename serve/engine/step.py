@@ -209,9 +209,13 @@ class Step:
     lp = tuple(np.asarray(x) for x in lp) if r.logprobs is not None else None
     return int(tok[0]), lp_row(lp, 0)
 
+  # False: the pick's branches chosen on the device (lax.cond), as before: for A/B benchmarks
+  static_picks = True
+
   def pick(self, logits, packed: np.ndarray):
     """Launch the overlapped step's sampling -> (tokens [B], log-prob outputs), on the device."""
-    return self._pick_rows(logits, upload(packed), how=how_of_packed(packed))
+    how = how_of_packed(packed) if self.static_picks else None
+    return self._pick_rows(logits, upload(packed), how=how)
 
 
 MOSAIC_PAGE = 128     # INT4 rows per page where the Mosaic GPU kernel reads the pool
