@@ -98,6 +98,7 @@ class StackRunner(dec.PaskRunner):
       raise ValueError(f"{self.V} policies per chunk do not split over {d} devices")
     self.local = StackRunner(model, self.template, n_policies=self.V // d, n_requests=self.N,
                              capacity=capacity, page=page, backend=backend)
+    self.local.launcher.close()   # its functions run inside this runner's (and its launcher)
     rows, rep = jax.sharding.PartitionSpec("rows"), jax.sharding.PartitionSpec()
     sm = lambda f, ins: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=rows,
                                               check_vma=False))

@@ -578,7 +578,9 @@ def test_the_launch_thread_joins_before_the_state_is_used(monkeypatch):
     step.state
   with pytest.raises(ValueError, match="launch failed"):
     f.result()
-  assert step.state == ("new state",)   # the failed launch replaced nothing
+  with pytest.raises(ValueError, match="launch failed"):   # and at every later use: the engine
+    step.state = old                                        # fails, it does not carry on
+  step._pending = None   # (the test's own reset)
   step.threaded = False
   step.state = old
   assert not step.threaded and step.state is old
@@ -896,3 +898,19 @@ def test_a_long_prefill_is_not_starved(monkeypatch):
   assert done == {stream.rid: "done", long.rid: "done"}, done
   assert len(at) >= 3 and all(b - a >= STARVE_STEPS for a, b in zip(at, at[1:])), at
   check_clean(e)
+
+
+def test_warmup_compiles_every_sampling_variant_of_the_picks():
+  """``warmup(sampling=True)``: each (sampled, top-p, log-probs) combination of the picks is
+  compiled before serving, so a first sampled request with log-probs compiles nothing; and an
+  emptied slot asks for no sampling branch."""
+  e = tight("sparse")
+  e.warmup(max_prompt=1, sampling=True)
+  sizes = e.step._pick_rows._cache_size(), e.step._first._cache_size()
+  assert sizes == (6, 6)
+  r = requests(2)
+  r[0].temperature, r[0].top_p, r[0].logprobs = 0.7, 0.8, 2
+  res, _ = run(e, r)
+  assert all(x["finish"] in ("stop", "length") for x in res)
+  assert (e.step._pick_rows._cache_size(), e.step._first._cache_size()) == sizes
+  assert not e.batch.temp.any() and (e.batch.top_p == 1).all() and not e.batch.want_lp.any()

@@ -50,6 +50,8 @@ class Batch:
   def clear(self, b: int) -> None:
     self.active[b] = False
     self.pend[b] = self.on_device[b] = False
+    # an empty slot asks for no sampling branch of the pick (``step.how_of``)
+    self.temp[b], self.top_p[b], self.want_lp[b] = 0.0, 1.0, False
 
   def mask(self, rows, running) -> None:
     """The grammar masks of ``rows`` (a replayed token's sample is not used: no mask)."""

@@ -9,6 +9,7 @@ import itertools
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -172,6 +173,8 @@ class Engine(Loop):
       self.cv.notify()
     if self.thread is not None:
       self.thread.join(timeout)
+      if not self.thread.is_alive():
+        self.step.release_thread()
 
   @property
   def alive(self) -> bool:
@@ -202,17 +205,22 @@ class Engine(Loop):
       if max_iterations is not None and n >= max_iterations:
         raise RuntimeError(f"engine not idle after {n} iterations")
 
-  def warmup(self, max_prompt: int | None = None) -> None:
+  def warmup(self, max_prompt: int | None = None, sampling: bool | None = None) -> None:
     """Compile the decode step and every prefill bucket up to ``PREFILL_CHUNK`` tokens (and the
     context) before serving (call before :meth:`start`): one dummy request per bucket, of two
     new tokens.  Otherwise the first prompt of each bucket would compile its prefill pieces,
     plan and insert on the engine thread while every running stream waits.  Longer buckets
     (chunk multiples) compile on first use.  ``max_prompt``: only the buckets that prompts of
     at most that many tokens use (where prompts are known to be short: a faster start; longer
-    prompts compile theirs on first use)."""
+    prompts compile theirs on first use).  ``sampling``: also the picks' sampling variants
+    (temperature, top-p, log-probs: each combination is its own program,
+    :func:`serve.engine.step.how_of`), one short request each; None: off on a CPU (where a
+    compile is short and the tests start many engines), on elsewhere."""
     if max_prompt is not None and (isinstance(max_prompt, bool) or not isinstance(max_prompt, int)
                                    or max_prompt < 1):
       raise ValueError(f"max_prompt must be None or a positive int, got {max_prompt!r}")
+    if sampling is None:
+      sampling = jax.default_backend() != "cpu"
     tok = self.tok.stop_ids[0] if self.tok.stop_ids else 0
     top = PREFILL_CHUNK if max_prompt is None else min(max_prompt, PREFILL_CHUNK)
     n, sizes = 1, []
@@ -221,6 +229,11 @@ class Engine(Loop):
       n = bucket(n, self.sched.prefill_chunk) + 1   # the first length of the next bucket
     for n in sizes:
       self.submit(Request(ids=[tok] * n, max_tokens=2))
+      self.run_until_idle()
+    # (temperature, top_p, log-probs) of each remaining combination of the picks' branches
+    for t, p, lp in ((0.0, 1.0, 1), (1.0, 1.0, None), (1.0, 1.0, 1), (1.0, 0.9, None),
+                     (1.0, 0.9, 1)) if sampling else ():
+      self.submit(Request(ids=[tok], max_tokens=3, temperature=t, top_p=p, logprobs=lp))
       self.run_until_idle()
     self.reset_metrics()
 

@@ -157,8 +157,11 @@ class Step:
     self._state = value
 
   def _settle(self) -> None:
-    f, self._pending = self._pending, None
-    f.result()   # re-raises the launch's error here, on the engine thread
+    # A failed launch stays pending: every later use of the state raises its error again (the
+    # state it would have produced does not exist), so the engine fails rather than carrying on
+    # from the state before it.
+    self._pending.result()
+    self._pending = None
 
   @property
   def threaded(self) -> bool:
@@ -168,6 +171,12 @@ class Step:
   def threaded(self, on: bool) -> None:
     if self._pending is not None:
       self._settle()
+    self._launcher.threaded = on
+
+  def release_thread(self) -> None:
+    """End the launch thread (after the last launch); one starts again at the next launch."""
+    on = self.threaded
+    self._launcher.threaded = False
     self._launcher.threaded = on
 
   def _launch(self, run) -> concurrent.futures.Future:
