@@ -12,7 +12,10 @@ computes the previous step; the forward is launched fed with the pick's token be
 has seen it.  A request that ends has had its last token fed speculatively; nothing of it is
 charged.  The host knows a token's actions two steps after feeding it, so page growth needs a
 window of at least 3; with ``preemption="recompute"`` (which needs every action known when it
-preempts) or a smaller window the engine runs the serial step.
+preempts) or a smaller window the engine runs the serial step.  On a GPU the forward's launch
+(one CUDA graph, milliseconds of host time) runs on the step's launch thread while this thread
+lands the previous tokens (:class:`~serve.engine.step.Step`, ``threaded``), and the pick's
+sampling branches are chosen here, not on the device, so its launch never waits for the device.
 
 Preemption keeps a request's grammar matcher and adapter, its streamed text, its sampling step
 counter and, per position, the actions it was given; its KV is recomputed in one of two ways:
