@@ -59,16 +59,16 @@ def both(runner, task, tok, sampling, share, threaded):
     else:
       trackers = [task.tracker(i) for _ in range(V) for i in range(N)]
     runner.launcher.threaded = threaded and loop is S.generate_overlapped
-    inner, where = S._forward, set()
+    inner, where = runner.forward, set()
 
     def spy(*args):   # where each forward is launched
       where.add(threading.current_thread().name.split("_")[0])
       return inner(*args)
-    S._forward = spy
+    runner.forward = spy
     try:
       res = loop(runner, tok, prompts, trackers=trackers, prompt_tags=ptags, sampling=sampling)
     finally:
-      runner.launcher.threaded, S._forward = False, inner
+      runner.launcher.threaded, runner.forward = False, inner
     if loop is S.generate_overlapped:
       assert where == ({"pask-launch"} if threaded else {threading.current_thread().name})
     out.append((res, trackers))
