@@ -42,7 +42,7 @@ from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
 from pask_jax.launch import Launcher
 from pask_jax.recycle import Recycler, logits_like, upload
-from pask_jax.sample import apply_bitmask, nucleus
+from pask_jax.sample import apply_bitmask, sample
 from serve.engine.pages import NoPages, PagePools
 from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, worst_pages
 
@@ -63,14 +63,8 @@ def pick(logits, bits, seeds, steps, temperature, top_p, want_lp, *, gather=None
   masked = apply_bitmask(logits, bits)
   if gather is not None:
     masked = gather(masked)
-  greedy = jnp.argmax(masked, axis=-1).astype(jnp.int32)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-  if how is None:
-    tok = jax.lax.cond(jnp.any(temperature > 0),
-                       lambda: nucleus(masked, keys, temperature, top_p, greedy), lambda: greedy)
-  else:
-    tok = nucleus(masked, keys, temperature, top_p, greedy, truncate=how[1]) if how[0] \
-        else greedy
+  tok = sample(masked, keys, temperature, top_p, how=None if how is None else how[:2])
   B, K = logits.shape[0], TOP_LOGPROBS
 
   def lp():
