@@ -13,9 +13,11 @@ One registry per app (not the process-global one: tests and benchmarks start sev
   measured B of the finished requests (payload / Full-KV payload, aggregate), request outcomes,
   tokens, decode steps, R/L/H actions, cache overflows, grammar-compile pool state, engine up.
 * Host time per decode step, from the engine's own step timers (``fill_s``, ``dispatch_s``,
-  ``wait_s``, ``accept_s``, ``alloc_s``: what ``bench/bench_serving.py`` reports), as summaries
-  (``_count`` = decode steps, ``_sum`` = seconds): ``pask_step_launch_seconds`` (inside the
-  jitted step calls until they return: the launch, argument transfers included),
+  ``join_s``, ``wait_s``, ``accept_s``, ``alloc_s``: what ``bench/bench_serving.py`` reports), as
+  summaries (``_count`` = decode steps, ``_sum`` = seconds): ``pask_step_launch_seconds``
+  (inside the jitted step calls until they return: the launch, argument transfers included),
+  ``pask_step_join_seconds`` (waiting for a forward launched on the launch thread to have been
+  launched: what the thread did not hide; 0 without it),
   ``pask_step_wait_seconds`` (waiting for the device's tokens: a device-busy proxy; with the
   overlapped loop only what the host work did not hide) and ``pask_step_host_seconds`` (the
   host's own work: masks, page bookkeeping, accepting tokens).
@@ -96,6 +98,9 @@ class _EngineCollector:
     yield SummaryMetricFamily("pask_step_launch_seconds", "host time inside the jitted decode "
                               "step calls until they return (launch), per step",
                               count_value=steps, sum_value=g("dispatch_s"))
+    yield SummaryMetricFamily("pask_step_join_seconds", "host time waiting for the forward's "
+                              "launch on the launch thread to end, per step", count_value=steps,
+                              sum_value=g("join_s"))
     yield SummaryMetricFamily("pask_step_wait_seconds", "host time waiting for the device's "
                               "tokens (device busy proxy), per step", count_value=steps,
                               sum_value=g("wait_s"))
