@@ -155,3 +155,67 @@ def test_unknown_backend_is_refused():
   with pytest.raises(ValueError, match="backend must be one of") as e:
     SphRunner(smollm2().model, batch=1, capacity=64, backend="cuda")
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.fast_compile
+@pytest.mark.parametrize("method", ["spherical", "sphkv-gated"])
+def test_control_plane_alone_is_the_steps_and_metadata_is_counted(method):
+  """G6's measurements: ``control_only`` is the step's control plane (the balance and the route
+  it leaves are the step's own, with the gated rule's leaving token too), ``begin(timers=)``
+  times the prefill and the commit apart, and ``metadata_bytes`` counts every non-K/V byte
+  held: per tier item a 4-byte position and a flag bit, per tier page a 4-byte table entry, per
+  BF16-pool (token, group) its position and a table entry's share, and the control state (6
+  bytes per window item and head, 8 per group, 1)."""
+  import jax
+  from models import ModelConfig, random_model
+  from pask_jax import tags as T
+  from pask_jax.testing import smollm2_tokenizer
+  from pask_jax.tracker import FREE_TAG
+  tok = smollm2_tokenizer()
+  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden=64, intermediate=96,
+                    n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64, tie_embeddings=True)
+  rng = np.random.default_rng(5)
+  B, cap, page = 2, 96, 16
+  r = SphRunner.for_method(random_model(cfg, seed=2), method, batch=B, capacity=cap, window=4,
+                           sink=2, obs=8, page=page).configure(0.3)
+  lengths = np.array([45, 29])
+  tokens = np.zeros((B, cap), np.int32)
+  for b, n in enumerate(lengths):
+    tokens[b, :n] = rng.integers(1, tok.vocab_size, n)
+  timers = {}
+  _, state = r.begin(tokens, lengths, timers=timers)
+  assert timers["prefill_s"] > 0 and timers["commit_s"] > 0
+  tag_ids = np.broadcast_to(FREE_TAG, (B, T.N_CAND)).copy()
+  state_ids, active = np.full((B,), -1, np.int32), np.array([True, True])
+  bits = np.full((B, -(-tok.vocab_size // 32)), -1, np.int32)
+  temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
+  for step in range(6):   # past the window: the gated rule places leaving generated tokens
+    route, sph = r.control_only(state, tag_ids, state_ids, active)
+    assert route.shape == (B, r.n_groups, cfg.n_kv_heads) and route.dtype == np.int8
+    nxt = rng.integers(1, tok.vocab_size, B).astype(np.int32)
+    _, state = r.advance(state, nxt, tag_ids, state_ids, active, bits, jax.random.key(0),
+                         temp, top_p)
+    after = state[1]
+    np.testing.assert_array_equal(np.asarray(sph.balance), np.asarray(after.balance))
+    np.testing.assert_array_equal(np.asarray(sph.lam), np.asarray(after.lam))
+    # the route the step stored for the new token (its window slot), as control_only chose it
+    cache = state[0]
+    slot = (np.asarray(cache.count) - 1) % r.window
+    stored = np.asarray(after.route)[np.arange(B), slot]
+    dense = len(r.tiers) + 1
+    chosen = np.asarray(route)
+    np.testing.assert_array_equal(
+        stored, np.where(np.any(chosen == dense, axis=-1, keepdims=True), dense, chosen))
+  # metadata, counted from the state
+  cache, sph = state[0], state[1]
+  want = np.zeros(B)
+  for length in sph.length:
+    n = np.asarray(length, np.float64)
+    want += np.sum(n * 4.125 + np.ceil(n / page) * 4, axis=(0, 2))
+  want += np.sum(np.asarray(cache.hi_len), axis=0) * (4 + 4 / page)
+  G, H, W = r.n_groups, cfg.n_kv_heads, r.window
+  want += W * G * H * (1 + 1 + 4) + G * 8 + 1
+  np.testing.assert_allclose(r.metadata_bytes(state), want, rtol=1e-12)
+  for b, rep in enumerate(r.report(state)):
+    assert rep["metadata_bytes"] == pytest.approx(want[b])
+    assert 0 < rep["metadata_share"] < 0.03    # G6 (3 layers here: ~1 %)

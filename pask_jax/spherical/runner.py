@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,13 @@ def _fp16(x):
 
 
 _select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+
+
+def _control_state_bytes(sph) -> int:
+  """Bytes of one sequence's control state: route, protection and received attention of each
+  window item, balance and λ per group, the overflow flag."""
+  return sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize
+             for x in (sph.route, sph.prot, sph.win_att, sph.balance, sph.lam, sph.overflow))
 
 
 class SphRunner:
@@ -210,6 +218,7 @@ class SphRunner:
     self.rho: float | None = None
     self.tag_policy = None
     self.traces = Traces()
+    self._control_jit = None
     if stats is None:
       stats = MaskedRunner(model, batch=batch, capacity=capacity, mesh=self.tp_mesh)
     elif stats.batch != batch or stats.capacity != capacity:
@@ -432,16 +441,25 @@ class SphRunner:
         consts=type(sph.consts)(rep, tp.by_kv_head(m, 3, 1)))
     return tp.pask_cache_sharding(m, cache), ss
 
-  def prefill(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None, segments=None):
+  def prefill(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None, segments=None,
+              timers: dict | None = None):
     """Prefill and commit -> (logits, base cache, tier state, plan, rho [B]).  ``prompt_tags``:
     per prompt ``int32 [n, N_CAND]`` label candidates or None (read with ``tags`` only);
     ``segments``: per prompt ``bool [n]``, True on its retrieved evidence, or None (priced by
-    ω's middle weight in RDR's distortion; the fixed and PASK plans do not read it)."""
+    ω's middle weight in RDR's distortion; the fixed and PASK plans do not read it).
+    ``timers`` (optional dict): adds the seconds of the full-precision prefill (``prefill_s``)
+    and of the commit (``commit_s``: features, the RDR plan, the tier encode and the cache
+    writes; G6's control-plane share), each waited for, so only pass it when timing."""
     if self.rho is None:
       raise RuntimeError("SphRunner.configure(budget) first")
     self._stats.configure(Config("snapkv", obs=self.obs))   # a shared runner: ours again
+    t0 = time.perf_counter()
     st = self._stats.new_state(lengths)
     logits, st = Runner.prefill_all(self._stats, st, tokens, lengths)
+    if timers is not None:
+      jax.block_until_ready((logits, st))
+      t1 = time.perf_counter()
+      timers["prefill_s"] = timers.get("prefill_s", 0.0) + t1 - t0
     Tn = tokens.shape[1]
     rho = self._put(np.full((self.batch,), self.rho, np.float32))
     tpol = cands = None
@@ -451,12 +469,20 @@ class SphRunner:
     retrieved = retrieved_mask(segments, lengths, Tn, self.batch)
     if retrieved is not None:
       retrieved = self._put(retrieved)
-    cache, sph, plan = self.commit(st.k[:, :, :Tn], st.v[:, :, :Tn], st.score[..., :Tn],
-                                   jnp.asarray(lengths), rho, tpol, cands, retrieved)
+    k, v, score = st.k[:, :, :Tn], st.v[:, :, :Tn], st.score[..., :Tn]
+    if timers is not None:   # the slices are the commit's inputs, not its work
+      jax.block_until_ready((k, v, score))
+      t1 = time.perf_counter()
+    cache, sph, plan = self.commit(k, v, score, jnp.asarray(lengths), rho, tpol, cands,
+                                   retrieved)
+    if timers is not None:
+      jax.block_until_ready((cache, sph, plan))
+      timers["commit_s"] = timers.get("commit_s", 0.0) + time.perf_counter() - t1
     return logits, cache, sph, plan, rho
 
-  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None, segments=None):
-    logits, cache, sph, plan, rho = self.prefill(tokens, lengths, prompt_tags, segments)
+  def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None, segments=None,
+            timers: dict | None = None):
+    logits, cache, sph, plan, rho = self.prefill(tokens, lengths, prompt_tags, segments, timers)
     n_prompt = self._put(np.asarray(lengths, np.int32))
     return logits, (cache, sph, rho, n_prompt, plan.deficit)
 
@@ -494,11 +520,11 @@ class SphRunner:
     route = jnp.broadcast_to(tier[..., None], tier.shape + (H,)).astype(jnp.int8)
     return route, sph.replace(balance=bal - paid)
 
-  def _step(self, params, tpol, state, tokens, tag_ids, state_ids, active, bits, key,
-            temperature, top_p):
-    self.traces["step"] += 1
-    cache, sph, rho, n_prompt, deficit = state
-    model = nnx.merge(self.graphdef, params)
+  def _control(self, tpol, state, tag_ids, state_ids, active):
+    """The decode step's control plane (G6): the new token's route and protection, the
+    balance, and with the gated rule the route of the token leaving the window -> (route
+    [B, G, H] i8, new_prot or None, tier state)."""
+    cache, sph, rho, n_prompt, _ = state
     B, W, H = self.batch, self.window, self.cfg.n_kv_heads
     protect = new_prot = None
     if self.tags:   # the new token's floor-H groups (a stop or padding row is inactive)
@@ -510,6 +536,30 @@ class SphRunner:
       sph = sph.replace(balance=jnp.broadcast_to(bal[:, None], sph.balance.shape))
     else:
       route, sph = self._route_new(sph, rho, active, protect)
+    if self.decode == "gated":
+      p = cache.count
+      bi = jnp.arange(B)
+      slot = p % W
+      old_k = cache.layers.win_k[:, bi, slot]                              # [L, B, H, D]
+      sph = self._gate_leaving(sph, slot, cache.win_pos[bi, slot], old_k, n_prompt, active,
+                               p >= W)
+    return route, new_prot, sph
+
+  def control_only(self, state, tag_ids, state_ids, active):
+    """The decode step's control plane alone (:meth:`_control`, jitted on first use) on a state
+    of :meth:`begin` -> (route [B, G, H], tier state): what G6's "decode-time control ≤ 2 % of a
+    step" times (``bench/sph_control.py``); the step itself runs it fused."""
+    if self._control_jit is None:
+      self._control_jit = jax.jit(lambda *a: self._control(*a)[::2])
+    return self._control_jit(self.tag_policy, state, tag_ids, state_ids, active)
+
+  def _step(self, params, tpol, state, tokens, tag_ids, state_ids, active, bits, key,
+            temperature, top_p):
+    self.traces["step"] += 1
+    cache, sph, rho, n_prompt, deficit = state
+    model = nnx.merge(self.graphdef, params)
+    B, W = self.batch, self.window
+    route, new_prot, sph = self._control(tpol, state, tag_ids, state_ids, active)
     p = cache.count
     bi = jnp.arange(B)
     slot = p % W
@@ -517,8 +567,6 @@ class SphRunner:
     lay = cache.layers
     old_k, old_v = lay.win_k[:, bi, slot], lay.win_v[:, bi, slot]        # [L, B, H, D]
     gated = self.decode == "gated"
-    if gated:
-      sph = self._gate_leaving(sph, slot, old_pos, old_k, n_prompt, active, p >= W)
     sph = scache.evict_step(sph, jnp.where(active, slot, W),
                             jnp.where(active & (p >= W), old_pos, -1), old_k, old_v, route,
                             new_prot, mesh=self.tp_mesh)
@@ -645,10 +693,30 @@ class SphRunner:
                     pcache.dense_hbm_bytes_of(cache, granularity=gran), self.param_bytes,
                     self.batch, gran)
 
+  def metadata_bytes(self, state) -> np.ndarray:
+    """Per request the resident bytes that are not keys or values, float64 ``[B]`` (G6: ≤ 3 %
+    of the resident bytes): per tier item its position (4 B) and protection bit, per tier page
+    its table entry (4 B), per (token, group) of the BF16 pool its position and its share of a
+    table entry, and the sequence's control state (route, protection and received attention of
+    each window item, balance and λ per group, the overflow flag)."""
+    cache, sph = state[0], state[1]
+    page = self.page
+    total = np.zeros(self.batch, np.float64)
+    for length in sph.length:
+      n = np.asarray(length, np.float64)                                   # [G, B, H]
+      used = np.ceil(n / page)
+      total += np.sum(n * (spherical.POSITION_BYTES + 1 / 8)
+                      + used * spherical.TABLE_ENTRY_BYTES, axis=(0, 2))
+    hi = np.asarray(cache.hi_len, np.float64)                              # [G, B]
+    total += np.sum(hi, axis=0) * (spherical.POSITION_BYTES
+                                   + spherical.TABLE_ENTRY_BYTES / page)
+    return total + _control_state_bytes(sph)
+
   def report(self, state) -> list[dict]:
     """Per request: measured B (scheduled, metadata counted), prefill / decode split,
-    resident_B, tokens per route, the prefill plan's deficit and overflow, and the decode
-    step's HBM bytes (:meth:`hbm`: ``hbm_bytes_per_token``, ``hbm_kv_bytes``, ``b_HBM``,
+    resident_B, tokens per route, the prefill plan's deficit and overflow, the metadata
+    (:meth:`metadata_bytes`; ``metadata_share`` of the resident bytes and control state), and
+    the decode step's HBM bytes (:meth:`hbm`: ``hbm_bytes_per_token``, ``hbm_kv_bytes``, ``b_HBM``,
     ``hbm_granularity``)."""
     cache, sph, rho, n_prompt, deficit = state
     H, G, K = self.cfg.n_kv_heads, self.n_groups, len(self.tiers)
@@ -663,6 +731,7 @@ class SphRunner:
     deficit, overflow = np.asarray(deficit), np.asarray(sph.overflow | cache.overflow)
     full_tok = float(np.sum(dense) * H)
     hbm = self.hbm(state)
+    meta, ctrl = self.metadata_bytes(state), _control_state_bytes(sph)
     out = []
     for b in range(self.batch):
       n0, n = int(npr[b]), int(count[b])
@@ -703,6 +772,8 @@ class SphRunner:
                   "prefill_B": ratio(pre, n0),
                   "decode_B": ratio(dec, n - n0), "measured_B": ratio(pre + dec, n),
                   "resident_B": ratio(held, n), "budget": float(np.asarray(rho)[b]),
+                  "metadata_bytes": float(meta[b]),
+                  "metadata_share": float(meta[b] / (held + ctrl)) if held else float("nan"),
                   "deficit_bytes": float(np.sum(deficit[b])), "overflow": bool(overflow[b]),
                   "plan": self.plan, "read": self.read, "tags": self.tags,
                   "decode": self.decode, "heads": self.heads, "omega": list(self.omega),
