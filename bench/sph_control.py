@@ -43,18 +43,18 @@ def measure(model, method: str, batch: int, context: int, steps: int, repeats: i
   import jax
   import numpy as np
   from pask_jax import tags as T
+  from pask_jax.decode import capacity_for, pad_prompts
   from pask_jax.spherical.runner import SphRunner
   from pask_jax.tracker import FREE_TAG
   cfg = model.cfg
-  cap = context + steps + 2
+  cap = capacity_for(context, steps + 2)
   r = SphRunner.for_method(model, method, batch=batch, capacity=cap, backend="auto")
   if r.needs_policy:
     raise SystemExit(f"{method} needs a PASK policy: not timed here")
   r.configure(budget)
   rng = np.random.default_rng(seed)
-  tokens = np.zeros((batch, cap), np.int32)
-  tokens[:, :context] = rng.integers(1, cfg.vocab_size, (batch, context))
-  lengths = np.full((batch,), context, np.int32)
+  tokens, lengths = pad_prompts(rng.integers(1, cfg.vocab_size, (batch, context)).tolist(),
+                                batch, cap)
   tag_ids = np.broadcast_to(FREE_TAG, (batch, T.N_CAND)).copy()
   state_ids, active = np.full((batch,), -1, np.int32), np.ones((batch,), bool)
   bits = np.full((batch, -(-cfg.vocab_size // 32)), -1, np.int32)

@@ -219,3 +219,20 @@ def test_control_plane_alone_is_the_steps_and_metadata_is_counted(method):
   for b, rep in enumerate(r.report(state)):
     assert rep["metadata_bytes"] == pytest.approx(want[b])
     assert 0 < rep["metadata_share"] < 0.03    # G6 (3 layers here: ~1 %)
+
+
+@pytest.mark.fast_compile
+def test_control_plane_bench_writes_its_rows(tmp_path):
+  """``bench/sph_control.py`` (G6) on a tiny shape: one row per method and context with the
+  shares its goals read, the shares being the ratios of the times it reports."""
+  from bench import sph_control
+  out = tmp_path / "rows.jsonl"
+  assert sph_control.main(["--shape", "tiny", "--methods", "sphkv-gated", "--context", "40",
+                           "--batch", "2", "--steps", "2", "--repeats", "1",
+                           "--out", str(out)]) == 0
+  (row,) = [json.loads(x) for x in out.read_text().splitlines()]
+  assert (row["method"], row["context"], row["batch"]) == ("sphkv-gated", 40, 2)
+  assert row["commit_share"] == pytest.approx(row["commit_ms"] / row["prefill_ms"])
+  assert row["control_share"] == pytest.approx(row["control_ms"] / row["step_ms"])
+  assert 0 < row["metadata_share"] < 1
+  assert row["met"] == {k: row[k] <= g for k, g in sph_control.GOALS.items()}
