@@ -96,3 +96,9 @@ class SharedTracker:
   @property
   def terminated(self) -> bool:
     return self.node.terminated
+
+  @property
+  def mask_key(self) -> _Node:
+    """Rows with the same key have the same next-token bitmask (the prefix's node): the
+    overlapped loop uploads one mask row per key (:func:`calibrate.stack.generate_overlapped`)."""
+    return self.node

@@ -80,6 +80,13 @@ class StackRunner(dec.PaskRunner):
     # The forward is launched on a worker thread while the host accepts the previous tokens
     # (pask_jax.launch; on a GPU).  Not across processes: their collectives keep one thread.
     self.launcher = Launcher()
+    # The pick over one mask row per distinct parser state (generate_overlapped): rows of a
+    # request whose copies share a prefix share their row, so the host writes and uploads a few
+    # rows, not B (151,936 bits each at the Qwen vocabulary), and the device gathers them.
+    select = self.select
+    self.select_rows = jax.jit(
+        lambda logits, masks, rows, key, t, p, how=None: select(
+            logits, masks[rows], key, t, p, how=how), static_argnames=("how",))
     # Several processes (calibrate.distributed): the mesh holds other processes' devices, so
     # every input of the sharded calls becomes a global array (each process places its own
     # shards) and the sampled tokens come back replicated.
@@ -136,6 +143,8 @@ class StackRunner(dec.PaskRunner):
     self.select = lambda logits, bits, key, t, p, how=None: pick(
         put(logits, rows), put(bits, rows), put(jax.random.key_data(key), rep), put(t, rows),
         put(p, rows), how=how)
+    self.select_rows = lambda logits, masks, idx, key, t, p, how=None: self.select(
+        logits, np.asarray(masks)[np.asarray(idx)], key, t, p, how=how)   # rows' masks, whole
 
     def local_only(*a, **k):
       raise NotImplementedError("across processes a StackRunner runs generate_overlapped "
@@ -243,12 +252,30 @@ class Outcome:
   prompt_len: int
 
 
-def _fill(bits: np.ndarray, trackers, running: np.ndarray) -> None:
-  """The next-token bitmask: a running row's tracker writes its whole row; other rows allow
-  every token (as :func:`pask_jax.decode.generate` does)."""
-  bits[~running] = -1
-  for b in np.flatnonzero(running):
-    trackers[b].fill(bits, b)
+def _masks(trackers, running: np.ndarray, words: int) -> tuple[np.ndarray, np.ndarray]:
+  """The next-token bitmasks as ``(masks [U, words] int32, rows [B] int32)``, row b's mask being
+  ``masks[rows[b]]``: one mask per distinct ``mask_key`` of the running rows' trackers (rows of
+  one parser-state node share theirs: :class:`calibrate.shared.SharedTracker`), every token
+  allowed for unconstrained and finished rows (as :func:`pask_jax.decode.generate`).  U is
+  padded to a power of two (at most B; padding rows allow every token, unread), so the pick
+  compiles for a few sizes only."""
+  B = len(trackers)
+  rows = np.empty(B, np.int32)
+  first: dict[Any, int] = {}
+  fill: list[tuple[int, Any]] = []    # (mask row, a tracker that writes it)
+  for b in range(B):
+    key = getattr(trackers[b], "mask_key", trackers[b]) if running[b] else None
+    u = first.get(key)
+    if u is None:
+      u = first[key] = len(first)
+      if key is not None:
+        fill.append((u, trackers[b]))
+    rows[b] = u
+  size = min(B, 1 << max(3, (len(first) - 1).bit_length()))
+  masks = np.full((size, words), -1, np.int32)
+  for u, tr in fill:
+    tr.fill(masks, u)
+  return masks, rows
 
 
 def _forward(runner: StackRunner, cache, budget, led, pick, host):
@@ -299,7 +326,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   temp = jnp.full((B,), sampling.temperature, jnp.float32)
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)
   key = jax.random.key(sampling.seed)
-  bits = dec.new_bitmask(B, vocab)
+  words = dec.new_bitmask(1, vocab).shape[1]
   sampled = sampling.temperature > 0    # greedy picks ignore the key: no split per step
   # the pick's branches, static: a device-side conditional would make each pick's launch wait
   # for the forward before it (pask_jax.sample.sample)
@@ -309,11 +336,9 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   tokens, lengths = dec.pad_prompts(prompts, B, runner.capacity)
   logits, (cache, budget, led) = runner.begin(tokens, lengths, prompt_tags)
   running = np.arange(B) < n
-  _fill(bits, trackers, running)
+  masks, rows = _masks(trackers, running, words)
   key, sub = jax.random.split(key)
-  # Host inputs go up as copies (recycle.upload), so ``bits`` and the host rows can be rewritten
-  # while a call that read them still runs.
-  pick = runner.select(logits, upload(bits), sub, temp, top_p, how=how)
+  pick = runner.select_rows(logits, upload(masks), upload(rows), sub, temp, top_p, how=how)
   t1 = None
   out: list[list[int]] = [[] for _ in range(n)]
   finish = ["length"] * n
@@ -363,13 +388,13 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
       tm["wait_s"] += tc - tb
       tm["host_s"] += th - tc
       break
-    _fill(bits, trackers, running)
+    masks, rows = _masks(trackers, running, words)
     if sampled:
       key, sub = jax.random.split(key)
     td = clock()
     if fwd is not None:
       logits, cache, budget, led, _ = fwd.result()
-    pick = runner.select(logits, upload(bits), sub, temp, top_p, how=how)
+    pick = runner.select_rows(logits, upload(masks), upload(rows), sub, temp, top_p, how=how)
     te = clock()
     tm["launch_s"] += (tb - ta) + (te - td)
     tm["wait_s"] += tc - tb

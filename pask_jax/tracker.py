@@ -53,6 +53,12 @@ class Tracker:
   def terminated(self) -> bool:
     return self.matcher is not None and self.matcher.terminated
 
+  @property
+  def mask_key(self):
+    """Rows of equal keys have equal next-token bitmasks: None when unconstrained (every token
+    allowed), else this tracker (its own)."""
+    return None if self.matcher is None else self
+
 
 class PositionTracker:
   """The no-transition ablation (paper C.5) over any tracker: the grammar still constrains the
@@ -90,6 +96,11 @@ class PositionTracker:
   @property
   def terminated(self) -> bool:
     return self.inner.terminated
+
+  @property
+  def mask_key(self):
+    """The inner tracker's (positions do not change the grammar's bitmask)."""
+    return getattr(self.inner, "mask_key", self.inner)
 
 
 def with_positions(trackers, edges):

@@ -65,12 +65,23 @@ def both(runner, task, tok, sampling, share, threaded):
       where.add(threading.current_thread().name.split("_")[0])
       return inner(*args)
     runner.forward = spy
+    select, sizes = runner.select_rows, []
+
+    def spy_rows(logits, masks, rows, *a, **k):   # the mask rows each pick uploads
+      sizes.append((masks.shape[0], len(set(np.asarray(rows).tolist()))))
+      return select(logits, masks, rows, *a, **k)
+    runner.select_rows = spy_rows
     try:
       res = loop(runner, tok, prompts, trackers=trackers, prompt_tags=ptags, sampling=sampling)
     finally:
-      runner.launcher.threaded, runner.forward = False, inner
+      runner.launcher.threaded, runner.forward, runner.select_rows = False, inner, select
     if loop is S.generate_overlapped:
       assert where == ({"pask-launch"} if threaded else {threading.current_thread().name})
+      # one mask row per distinct parser state (shared: the V copies of a request start at one
+      # node), padded to a power of two of at least 8, never more than B
+      B = runner.batch
+      assert sizes[0] == ((8, N) if share else (B, B))
+      assert all(u <= n <= B and (n == B or n >= 8 and n & (n - 1) == 0) for n, u in sizes)
     out.append((res, trackers))
   return out
 
