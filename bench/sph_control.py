@@ -7,14 +7,14 @@ random weights of ``--shape`` (the weights' values do not change the times), ``-
 prompts of random ids of that length, the backend ``auto`` (the GPU tier kernels on a GPU, the
 jnp reference on a CPU).  One begin and one step first (the compiles), then:
 
-* ``--repeats`` begins with ``timers`` (best of): ``prefill_ms`` (the full-precision prefill
-  with its observation statistics) and ``commit_ms`` (features, the RDR plan, the tier encode,
-  the cache writes: the method's whole prefill-side addition); ``commit_share`` = commit /
-  prefill;
+* ``--repeats`` begins with ``timers`` (best of): ``prefill_ms`` (the full-precision prefill,
+  with the observation statistics RDR's features read) and ``commit_ms`` (the features, the
+  RDR plan, the tier encode, the cache writes); ``commit_share`` = commit / prefill;
 * ``--steps`` decode steps chained (ms per step) and ``control_only`` (the step's control plane:
-  the new token's route and balance, the gated rule's placement of the leaving token) launched
-  alone ``--steps`` times chained on the last state: ``control_share`` = control / step.  Alone,
-  the control pays its own launches; inside the step it is fused, so the share is an upper bound;
+  the new token's route and balance, the gated rule's placement of the leaving token) called
+  ``--steps`` times on the last state, back to back, waited for at the end: ``control_share``
+  = control / step.  Alone, the control pays its own launches; inside the step it is fused, so
+  the share is an upper bound;
 * ``metadata_share``: the report's non-K/V bytes over the resident bytes (largest over the
   batch; :meth:`SphRunner.metadata_bytes`).
 
@@ -72,7 +72,7 @@ def measure(model, method: str, batch: int, context: int, steps: int, repeats: i
   compile_s = time.perf_counter() - t0
   best = {}
   for _ in range(repeats):
-    tm = {}
+    tm, state = {}, None   # the last state freed first: a 32K begin holds the prefill's K/V too
     _, state = r.begin(tokens, lengths, timers=tm)
     for k, v in tm.items():
       best[k] = min(best.get(k, float("inf")), v)

@@ -80,9 +80,11 @@ class StackRunner(dec.PaskRunner):
     # The forward is launched on a worker thread while the host accepts the previous tokens
     # (pask_jax.launch; on a GPU).  Not across processes: their collectives keep one thread.
     self.launcher = Launcher()
-    # The pick over one mask row per distinct parser state (generate_overlapped): rows of a
-    # request whose copies share a prefix share their row, so the host writes and uploads a few
-    # rows, not B (151,936 bits each at the Qwen vocabulary), and the device gathers them.
+    # The pick over one mask row per distinct parser state (generate_overlapped, row_masks):
+    # rows of a request whose copies share a prefix share their row, so the host writes and
+    # uploads a few rows, not B (151,936 bits each at the Qwen vocabulary), and the device
+    # gathers them.  Host arrays in (fresh each step: the call's own transfer is the upload); one
+    # compile per power-of-two row count that occurs.
     select = self.select
     self.select_rows = jax.jit(
         lambda logits, masks, rows, key, t, p, how=None: select(
@@ -144,7 +146,7 @@ class StackRunner(dec.PaskRunner):
         put(logits, rows), put(bits, rows), put(jax.random.key_data(key), rep), put(t, rows),
         put(p, rows), how=how)
     self.select_rows = lambda logits, masks, idx, key, t, p, how=None: self.select(
-        logits, np.asarray(masks)[np.asarray(idx)], key, t, p, how=how)   # rows' masks, whole
+        logits, masks[idx], key, t, p, how=how)   # every row's mask, expanded on the host
 
     def local_only(*a, **k):
       raise NotImplementedError("across processes a StackRunner runs generate_overlapped "
@@ -252,7 +254,7 @@ class Outcome:
   prompt_len: int
 
 
-def _masks(trackers, running: np.ndarray, words: int) -> tuple[np.ndarray, np.ndarray]:
+def row_masks(trackers, running: np.ndarray, words: int) -> tuple[np.ndarray, np.ndarray]:
   """The next-token bitmasks as ``(masks [U, words] int32, rows [B] int32)``, row b's mask being
   ``masks[rows[b]]``: one mask per distinct ``mask_key`` of the running rows' trackers (rows of
   one parser-state node share theirs: :class:`calibrate.shared.SharedTracker`), every token
@@ -292,10 +294,11 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
 
   As the serving engine's overlapped loop (serve/engine/): the step is split into the forward
   (``runner.forward``: :meth:`~pask_jax.decode.PaskRunner.deferred_fn`, the controller one step
-  late) and the pick (``runner.select``), and forward t+1 is launched fed with pick t's tokens
-  still on the device.  Only then does the host read token t (pick t is done; forward t+1 runs
-  meanwhile), accept it in the trackers (tags, parser states, stop checks) and fill the mask
-  of pick t+1.  The forward decides the token fed one step earlier, from its tags.
+  late) and the pick (``runner.select_rows`` over the masks of :func:`row_masks`), and forward
+  t+1 is launched fed with pick t's tokens still on the device.  Only then does the host read
+  token t (pick t is done; forward t+1 runs meanwhile), accept it in the trackers (tags, parser
+  states, stop checks) and build the masks of pick t+1.  The forward decides the token fed one
+  step earlier, from its tags.
 
   A row whose next token will be its last by length is not fed; a stop token (or the token that
   completes the grammar) cannot be known ahead: it is fed and never decided, and the row's live
@@ -336,9 +339,9 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   tokens, lengths = dec.pad_prompts(prompts, B, runner.capacity)
   logits, (cache, budget, led) = runner.begin(tokens, lengths, prompt_tags)
   running = np.arange(B) < n
-  masks, rows = _masks(trackers, running, words)
+  masks, rows = row_masks(trackers, running, words)
   key, sub = jax.random.split(key)
-  pick = runner.select_rows(logits, upload(masks), upload(rows), sub, temp, top_p, how=how)
+  pick = runner.select_rows(logits, masks, rows, sub, temp, top_p, how=how)
   t1 = None
   out: list[list[int]] = [[] for _ in range(n)]
   finish = ["length"] * n
@@ -388,13 +391,13 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
       tm["wait_s"] += tc - tb
       tm["host_s"] += th - tc
       break
-    masks, rows = _masks(trackers, running, words)
+    masks, rows = row_masks(trackers, running, words)
     if sampled:
       key, sub = jax.random.split(key)
     td = clock()
     if fwd is not None:
       logits, cache, budget, led, _ = fwd.result()
-    pick = runner.select_rows(logits, upload(masks), upload(rows), sub, temp, top_p, how=how)
+    pick = runner.select_rows(logits, masks, rows, sub, temp, top_p, how=how)
     te = clock()
     tm["launch_s"] += (tb - ta) + (te - td)
     tm["wait_s"] += tc - tb

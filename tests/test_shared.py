@@ -135,3 +135,52 @@ def test_tracker_fork_is_independent():
       assert s == u
   assert tr.terminated and fork.terminated
   assert len(fork.tags) == len(b) and len(tr.tags) == len(a)
+
+
+class _Fake:
+  """A tracker whose mask is a function of its request and accepted tokens."""
+
+  terminated = False
+
+  def __init__(self, i, seq=()):
+    self.i, self.seq = i, tuple(seq)
+
+  def fill(self, bits, row):
+    bits[row] = np.random.default_rng(abs(hash((self.i,) + self.seq))).integers(
+        -2**31, 2**31 - 1, bits.shape[1], dtype=np.int32)
+
+  def accept(self, token):
+    self.seq += (token,)
+    return np.zeros(4, np.int32), -1
+
+  def fork(self):
+    return _Fake(self.i, self.seq)
+
+
+@pytest.mark.parametrize("words", [1, 37])
+def test_row_masks_hold_one_row_per_parser_state(words):
+  """calibrate.stack.row_masks: every row's mask is what its own tracker writes (finished and
+  unconstrained rows allow every token), rows at one prefix node share a mask row — through a
+  no-transition PositionTracker too — and the row count is padded to a power of two (>= 8),
+  capped at B when B is not one."""
+  from calibrate.stack import row_masks
+  from pask_jax.tracker import PositionTracker, Tracker
+  forest = Forest(_Fake)
+  trs = [Tracker(), forest.row(0), forest.row(0), PositionTracker(forest.row(0), (4, 16))]
+  trs += [forest.row(i) for i in range(1, 8)] + [forest.row(9)]
+  for t in trs[1:]:
+    t.accept(5)   # every row of request 0 moves to the same child node
+  B = len(trs)
+  running = np.ones(B, bool)
+  running[-1] = False
+  masks, rows = row_masks(trs, running, words)
+  want = np.full((B, words), -1, np.int32)
+  for b in np.flatnonzero(running):
+    trs[b].fill(want, b)
+  np.testing.assert_array_equal(masks[rows], want)
+  assert rows[0] == rows[-1] and np.all(masks[rows[0]] == -1)   # unconstrained, finished
+  assert rows[1] == rows[2] == rows[3]                           # one node, PositionTracker too
+  assert len(set(rows.tolist())) == 9 and masks.shape == (B, words)   # 9 states: 16 > B = 12
+  running[4:] = False
+  masks, rows = row_masks(trs, running, words)
+  assert masks.shape == (8, words) and len(set(rows.tolist())) == 2

@@ -160,8 +160,9 @@ def test_unknown_backend_is_refused():
 @pytest.mark.fast_compile
 @pytest.mark.parametrize("method", ["spherical", "sphkv-gated"])
 def test_control_plane_alone_is_the_steps_and_metadata_is_counted(method):
-  """G6's measurements: ``control_only`` is the step's control plane (the balance and the route
-  it leaves are the step's own, with the gated rule's leaving token too), ``begin(timers=)``
+  """G6's measurements: ``control_only`` is the step's control plane (the balance is the step's,
+  the leaving token lands in the tier it routed it to — with the gated rule, where the gate
+  placed it — and the new token's stored route is the one it chose), ``begin(timers=)``
   times the prefill and the commit apart, and ``metadata_bytes`` counts every non-K/V byte
   held: per tier item a 4-byte position and a flag bit, per tier page a 4-byte table entry, per
   BF16-pool (token, group) its position and a table entry's share, and the control state (6
@@ -189,23 +190,33 @@ def test_control_plane_alone_is_the_steps_and_metadata_is_counted(method):
   state_ids, active = np.full((B,), -1, np.int32), np.array([True, True])
   bits = np.full((B, -(-tok.vocab_size // 32)), -1, np.int32)
   temp, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
+  K = len(r.tiers)
+  placed = 0
   for step in range(6):   # past the window: the gated rule places leaving generated tokens
-    route, sph = r.control_only(state, tag_ids, state_ids, active)
+    route, balance, pending = r.control_only(state, tag_ids, state_ids, active)
     assert route.shape == (B, r.n_groups, cfg.n_kv_heads) and route.dtype == np.int8
+    slot = np.asarray(state[0].count) % r.window          # the leaving token's, then the new one's
+    old_pos = np.asarray(state[0].win_pos)[np.arange(B), slot]
+    leaving = np.asarray(pending)[np.arange(B), slot]     # [B, G, H], the gate's choice included
     nxt = rng.integers(1, tok.vocab_size, B).astype(np.int32)
     _, state = r.advance(state, nxt, tag_ids, state_ids, active, bits, jax.random.key(0),
                          temp, top_p)
     after = state[1]
-    np.testing.assert_array_equal(np.asarray(sph.balance), np.asarray(after.balance))
-    np.testing.assert_array_equal(np.asarray(sph.lam), np.asarray(after.lam))
+    np.testing.assert_array_equal(np.asarray(balance), np.asarray(after.balance))
+    # the leaving token went where control_only routed it: into that tier, or dropped
+    for b, g, h in np.ndindex(leaving.shape):
+      if old_pos[b] < 0 or leaving[b, g, h] > K:
+        continue
+      held = [old_pos[b] in np.asarray(after.pos[t])[g, b, h, :int(after.length[t][g, b, h])]
+              for t in range(K)]
+      assert held == [t + 1 == leaving[b, g, h] for t in range(K)], (step, b, g, h)
+      placed += 1
     # the route the step stored for the new token (its window slot), as control_only chose it
-    cache = state[0]
-    slot = (np.asarray(cache.count) - 1) % r.window
     stored = np.asarray(after.route)[np.arange(B), slot]
-    dense = len(r.tiers) + 1
     chosen = np.asarray(route)
     np.testing.assert_array_equal(
-        stored, np.where(np.any(chosen == dense, axis=-1, keepdims=True), dense, chosen))
+        stored, np.where(np.any(chosen == K + 1, axis=-1, keepdims=True), K + 1, chosen))
+  assert placed > 0
   # metadata, counted from the state
   cache, sph = state[0], state[1]
   want = np.zeros(B)
@@ -232,7 +243,6 @@ def test_control_plane_bench_writes_its_rows(tmp_path):
                            "--out", str(out)]) == 0
   (row,) = [json.loads(x) for x in out.read_text().splitlines()]
   assert (row["method"], row["context"], row["batch"]) == ("sphkv-gated", 40, 2)
-  assert row["commit_share"] == pytest.approx(row["commit_ms"] / row["prefill_ms"])
-  assert row["control_share"] == pytest.approx(row["control_ms"] / row["step_ms"])
-  assert 0 < row["metadata_share"] < 1
-  assert row["met"] == {k: row[k] <= g for k, g in sph_control.GOALS.items()}
+  for k in ("prefill_ms", "commit_ms", "step_ms", "control_ms"):
+    assert row[k] > 0, k
+  assert 0 < row["metadata_share"] < 1 and set(row["met"]) == set(sph_control.GOALS)

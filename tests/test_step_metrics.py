@@ -57,7 +57,7 @@ def test_step_host_times_are_exported_and_grow_with_steps(overlap, thread):
   for p in PARTS:
     assert after[f"pask_step_{p}_seconds_count"] - before[f"pask_step_{p}_seconds_count"] == steps
     grew = after[f"pask_step_{p}_seconds_sum"] - before[f"pask_step_{p}_seconds_sum"]
-    if p == "join" and not thread:   # only the launch thread is joined
-      assert grew < 1e-3, grew
+    if p == "join" and not thread:   # only the launch thread is joined: next to nothing
+      assert grew < 0.05, grew
     else:
       assert grew > 0, p

@@ -547,10 +547,15 @@ class SphRunner:
 
   def control_only(self, state, tag_ids, state_ids, active):
     """The decode step's control plane alone (:meth:`_control`, jitted on first use) on a state
-    of :meth:`begin` -> (route [B, G, H], tier state): what G6's "decode-time control ≤ 2 % of a
-    step" times (``bench/sph_control.py``); the step itself runs it fused."""
+    of :meth:`begin` -> (route [B, G, H] of the new token, balance [B, G], pending routes
+    [B, W, G, H] with the gated rule's placement of the leaving token): what G6's "decode-time
+    control ≤ 2 % of a step" times (``bench/sph_control.py``); the step runs it fused.  Only
+    what the control writes comes back (returning the tier state would copy its pools)."""
     if self._control_jit is None:
-      self._control_jit = jax.jit(lambda *a: self._control(*a)[::2])
+      def outputs(*a):
+        route, _, sph = self._control(*a)
+        return route, sph.balance, sph.route
+      self._control_jit = jax.jit(outputs)
     return self._control_jit(self.tag_policy, state, tag_ids, state_ids, active)
 
   def _step(self, params, tpol, state, tokens, tag_ids, state_ids, active, bits, key,

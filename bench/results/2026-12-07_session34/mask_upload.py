@@ -38,7 +38,7 @@ def run(U, reps=20):
     x = upload(bits)
     x.block_until_ready()
     t1 = time.perf_counter()
-    m, r = S._masks(trs, running, WORDS)
+    m, r = S.row_masks(trs, running, WORDS)
     y, z = upload(m), upload(r)
     y.block_until_ready(), z.block_until_ready()
     t2 = time.perf_counter()
