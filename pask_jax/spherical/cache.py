@@ -493,17 +493,25 @@ def rebuild_tier(state: SphState, t: int, g, layer):
 
 def resident_bytes(state: SphState) -> jax.Array:
   """Bytes the tiers hold per sequence, f32 [B]: every referenced page in full (partial-page
-  slack included) in every layer of its group, plus per item a position (4 B) and a flag bit,
-  plus a 4-byte table entry per page (§2.3's item cost, with slack)."""
+  slack included) in every layer of its group, plus :func:`tier_metadata_bytes` (§2.3's item
+  cost, with slack)."""
   counts = [state.group_of.count(g) for g in range(state.n_groups)]
   n_layers = jnp.asarray(counts, jnp.float32)[:, None, None]
-  total = jnp.zeros(state.route.shape[:1], jnp.float32)
+  total = tier_metadata_bytes(state)
   for ts, length in zip(state.spec, state.length):
     used = (-(-length // state.page)).astype(jnp.float32)
-    n = length.astype(jnp.float32)
-    b = (used * state.page * n_layers * ts.bytes
-         + n * (spherical.POSITION_BYTES + 1 / 8) + used * spherical.TABLE_ENTRY_BYTES)
-    total = total + jnp.sum(b, axis=(0, 2))
+    total = total + jnp.sum(used * state.page * n_layers * ts.bytes, axis=(0, 2))
+  return total
+
+
+def tier_metadata_bytes(state: SphState) -> jax.Array:
+  """The tiers' bytes that are not codes or values, per sequence, f32 [B]: per item a position
+  (4 B) and a flag bit, per referenced page a 4-byte table entry."""
+  total = jnp.zeros(state.route.shape[:1], jnp.float32)
+  for length in state.length:
+    used = (-(-length // state.page)).astype(jnp.float32)
+    total = total + jnp.sum(length.astype(jnp.float32) * (spherical.POSITION_BYTES + 1 / 8)
+                            + used * spherical.TABLE_ENTRY_BYTES, axis=(0, 2))
   return total
 
 
@@ -556,4 +564,4 @@ def hbm_bytes(state: SphState, cache, *, param_bytes: float = 0.0, batch: int | 
 
 __all__ = ["SphRows", "SphState", "assign_pages", "base_actions", "dense_route",
            "evict_step", "hbm_bytes", "init", "normalize_route", "prefill_rows", "rebuild_tier",
-           "resident_bytes", "sph_inputs", "tier_hbm_bytes", "write_prefill"]
+           "resident_bytes", "sph_inputs", "tier_hbm_bytes", "tier_metadata_bytes", "write_prefill"]

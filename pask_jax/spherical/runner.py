@@ -705,17 +705,10 @@ class SphRunner:
     table entry, and the sequence's control state (route, protection and received attention of
     each window item, balance and λ per group, the overflow flag)."""
     cache, sph = state[0], state[1]
-    page = self.page
-    total = np.zeros(self.batch, np.float64)
-    for length in sph.length:
-      n = np.asarray(length, np.float64)                                   # [G, B, H]
-      used = np.ceil(n / page)
-      total += np.sum(n * (spherical.POSITION_BYTES + 1 / 8)
-                      + used * spherical.TABLE_ENTRY_BYTES, axis=(0, 2))
-    hi = np.asarray(cache.hi_len, np.float64)                              # [G, B]
-    total += np.sum(hi, axis=0) * (spherical.POSITION_BYTES
-                                   + spherical.TABLE_ENTRY_BYTES / page)
-    return total + _control_state_bytes(sph)
+    hi = np.sum(np.asarray(cache.hi_len, np.float64), axis=0)              # [B]
+    return (np.asarray(scache.tier_metadata_bytes(sph), np.float64)
+            + hi * (spherical.POSITION_BYTES + spherical.TABLE_ENTRY_BYTES / self.page)
+            + _control_state_bytes(sph))
 
   def report(self, state) -> list[dict]:
     """Per request: measured B (scheduled, metadata counted), prefill / decode split,
