@@ -18,9 +18,11 @@ identical to one tracker per row (tested), only cheaper.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from pask_jax import tags as T
 
 
 class _Node:
@@ -29,7 +31,7 @@ class _Node:
   def __init__(self, tracker, result=None, terminated=False):
     self.tracker = tracker          # positioned exactly after this node's prefix
     self.children: dict[int, _Node] = {}
-    self.result = result            # (tags, state) of the prefix's last token
+    self.result = result            # (tags int32[N_CAND], state) of the prefix's last token
     self.terminated = terminated
     self.mask = None                # cached bitmask row for the next token
     self.rows = 0                   # rows at this node now
@@ -44,6 +46,26 @@ class Forest:
     self.roots: dict[int, _Node] = {}
     self.accepts = 0     # distinct (prefix, token) accepts
     self.forks = 0
+
+  def move(self, node: _Node, token: int, k: int) -> _Node:
+    """``k`` rows at ``node`` accept ``token``: the child node they move to (made on first use).
+    The tracker is forked only while rows stay behind at ``node`` (another token, or not
+    accepting now); the last rows to leave take it along, and the node is freed."""
+    node.rows -= k
+    child = node.children.get(token)
+    if child is None:
+      if node.rows > 0:
+        tr = node.tracker.fork()
+        self.forks += 1
+      else:
+        tr, node.tracker = node.tracker, None
+      t, s = tr.accept(token)
+      self.accepts += 1
+      child = node.children[token] = _Node(tr, (np.asarray(t, np.int32), int(s)), tr.terminated)
+    if node.rows == 0:            # no row will come back here: free the node's state
+      node.tracker, node.mask, node.children = None, None, {}
+    child.rows += k
+    return child
 
   def row(self, i: int) -> "SharedTracker":
     if i not in self.roots:
@@ -71,26 +93,11 @@ class SharedTracker:
       bits[row] = n.mask
 
   def accept(self, token: int):
-    n = self.node
-    token = int(token)
-    n.rows -= 1
-    child = n.children.get(token)
-    if child is None:
-      if n.rows > 0:              # rows still here may need this state: branch off a copy
-        tr = n.tracker.fork()
-        self.forest.forks += 1
-      else:                       # the last row to leave takes the tracker along
-        tr, n.tracker = n.tracker, None
-      res = tr.accept(token)
-      self.forest.accepts += 1
-      child = n.children[token] = _Node(tr, res, tr.terminated)
-    if n.rows == 0:               # no row will come back here: free the node's state
-      n.tracker, n.mask, n.children = None, None, {}
-    child.rows += 1
+    child = self.forest.move(self.node, int(token), 1)
     self.node = child
     t, s = child.result
-    self.tags.append(np.asarray(t, np.int32))
-    self.states.append(int(s))
+    self.tags.append(t)
+    self.states.append(s)
     return child.result
 
   @property
@@ -102,3 +109,36 @@ class SharedTracker:
     """Rows with the same key have the same next-token bitmask (the prefix's node): the
     overlapped loop uploads one mask row per key (:func:`calibrate.stack.generate_overlapped`)."""
     return self.node
+
+
+def accept_rows(trackers: Sequence, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]:
+  """Tracker ``r`` accepts ``tokens[r]``, for every r: ``(tags int32[R, N_CAND], states
+  int32[R], terminated bool[R])``, what each tracker's own ``accept`` returns, with each row's
+  records kept as its ``accept`` keeps them.
+
+  The :class:`SharedTracker` rows at one node that accept one token move together
+  (:meth:`Forest.move`: one parser accept per (node, token), one fork only while rows stay
+  behind) and their results are written per group, so the host's cost per step follows the
+  distinct parser states, not the rows; any other tracker accepts on its own."""
+  R = len(trackers)
+  tags = np.empty((R, T.N_CAND), np.int32)
+  states = np.empty(R, np.int32)
+  done = np.empty(R, bool)
+  groups: dict[tuple[_Node, int], list[int]] = {}
+  for r, (tr, tok) in enumerate(zip(trackers, np.asarray(tokens).tolist())):
+    if type(tr) is SharedTracker:
+      groups.setdefault((tr.node, tok), []).append(r)
+    else:
+      tags[r], states[r] = tr.accept(tok)
+      done[r] = tr.terminated
+  for (node, tok), rows in groups.items():
+    child = trackers[rows[0]].forest.move(node, tok, len(rows))
+    t, s = child.result
+    for r in rows:
+      tr = trackers[r]
+      tr.node = child
+      tr.tags.append(t)
+      tr.states.append(s)
+    tags[rows], states[rows], done[rows] = t, s, child.terminated
+  return tags, states, done

@@ -36,6 +36,8 @@ from pask_jax.launch import Launcher
 from pask_jax.recycle import Recycler, logits_like, upload
 from pask_jax import tags as T
 
+from calibrate.shared import Forest, accept_rows
+
 
 def stack(policies: Sequence[P.FrozenPolicy]) -> P.FrozenPolicy:
   """Stack policies on a leading axis.  They must share sink, window, groups and cost model;
@@ -325,7 +327,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   for k in ("launch_s", "wait_s", "host_s", "steps"):
     tm.setdefault(k, 0)
   clock = time.perf_counter
-  stops = set(tokenizer.stop_ids)
+  stops = np.asarray(sorted(tokenizer.stop_ids), np.int64)
   temp = jnp.full((B,), sampling.temperature, jnp.float32)
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)
   key = jax.random.key(sampling.seed)
@@ -343,7 +345,8 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   key, sub = jax.random.split(key)
   pick = runner.select_rows(logits, masks, rows, sub, temp, top_p, how=how)
   t1 = None
-  out: list[list[int]] = [[] for _ in range(n)]
+  out = np.zeros((B, mt), np.int64)     # row b's output tokens: out[b, :n_out[b]]
+  n_out = np.zeros((B,), np.int64)
   finish = ["length"] * n
   tag_ids = np.broadcast_to(dec.FREE_TAG, (B, T.N_CAND)).copy()
   state_ids = np.full((B,), -1, np.int32)
@@ -367,22 +370,24 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
     tc = clock()
     t1 = t1 or tc
     decide = np.zeros((B,), bool)
-    for b in np.flatnonzero(running):
-      tok = int(y[b])
-      tag_ids[b], state_ids[b] = trackers[b].accept(tok)
-      count[b] += 1
-      if tok in stops or trackers[b].terminated:
-        running[b], finish[b] = False, "stop"
-        if tok not in stops:
-          out[b].append(tok)
-        if feed[b]:
-          live_from[b] = before
-        continue
-      out[b].append(tok)
-      if count[b] >= mt:
-        running[b] = False
-      else:
-        decide[b] = True
+    idx = np.flatnonzero(running)
+    tok = y[idx]
+    tag_ids[idx], state_ids[idx], ended = accept_rows([trackers[b] for b in idx], tok)
+    count[idx] += 1
+    stop = np.isin(tok, stops)
+    ended |= stop
+    emit = idx[~stop]       # a stop token is not output; the token completing the grammar is
+    out[emit, n_out[emit]] = tok[~stop]
+    n_out[emit] += 1
+    for b in idx[ended]:
+      finish[b] = "stop"
+      if feed[b]:
+        live_from[b] = before
+    running[idx[ended]] = False
+    more = idx[~ended]
+    last = count[more] >= mt
+    running[more[last]] = False
+    decide[more[~last]] = True
     if not running.any():
       th = clock()
       if fwd is not None:
@@ -413,7 +418,8 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
       live[b], peak[b] = lv[b], pk[b]
     led = led.replace(live_bits=live, peak_live_bits=peak)
   reports = runner.report((cache, budget, led))
-  return [dec.Result(out[b], tokenizer.decode(out[b]), len(prompts[b]), finish[b], t1 - t0,
+  outs = [out[b, :n_out[b]].tolist() for b in range(n)]
+  return [dec.Result(outs[b], tokenizer.decode(outs[b]), len(prompts[b]), finish[b], t1 - t0,
                      t2 - t1, reports[b]) for b in range(n)]
 
 
@@ -437,7 +443,6 @@ def run_stack(runner_for: Callable[..., StackRunner], task, policies: Sequence,
   one request with the same prefix share one parser (:mod:`calibrate.shared`; same results).
   ``timers``: host seconds per kind, summed over chunks (see :func:`generate_overlapped`).
   """
-  from calibrate.shared import Forest
   reqs = task.requests
   n_req, n_pol = len(reqs), len(policies)
   N = min(n_req, rows)

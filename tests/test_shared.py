@@ -9,7 +9,7 @@ import pytest
 
 from pask_jax.testing import grammar_compiler, stored_tokenizer
 
-from calibrate.shared import Forest
+from calibrate.shared import Forest, accept_rows
 from calibrate.stack import Recorder
 from pask_jax.grammar.fc_adapter import FCAdapter
 from pask_jax.grammar.frontier import StateVocab
@@ -82,8 +82,11 @@ def wrap(texts, fmt):
   return [f"[{t}]" if fmt == "fc" and not t.startswith("[") else t for t in texts]
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["row", "accept_rows"])
 @pytest.mark.parametrize("kind", ["fc", "sql"])
-def test_forest_rows_equal_private_trackers(kind):
+def test_forest_rows_equal_private_trackers(kind, together):
+  """Row by row (``accept``) or all live rows at once (``accept_rows``: one accept per node and
+  token), with a private tracker's row mixed in."""
   tok, _, fc, sqlg = setup()
   g = fc if kind == "fc" else sqlg
   texts = wrap(fc_texts() if kind == "fc" else sql_texts(), kind)
@@ -91,7 +94,9 @@ def test_forest_rows_equal_private_trackers(kind):
   adapter = FCAdapter if kind == "fc" else SQLAdapter
   va, vb = StateVocab(grow=True), StateVocab(grow=True)
   forest = Forest(lambda i: Recorder(g, adapter(g, tok, vocab=va)))
-  shared = [forest.row(0) for _ in scripts]                                 # one request, V rows
+  # one request, V rows (with accept_rows, one row has a tracker of its own, accepting alone)
+  shared = [Recorder(g, adapter(g, tok, vocab=va)) if together and r == 3 else forest.row(0)
+            for r in range(len(scripts))]
   private = [Recorder(g, adapter(g, tok, vocab=vb)) for _ in scripts]
   W = new_bitmask(1, tok.vocab_size).shape[1]
   for t in range(max(map(len, scripts))):
@@ -101,13 +106,20 @@ def test_forest_rows_equal_private_trackers(kind):
       shared[r].fill(ba, r)
       private[r].fill(bb, r)
       np.testing.assert_array_equal(ba[r], bb[r], err_msg=f"mask row {r} step {t}")
-    for r in live:
-      (ta, sa), (tb, sb) = shared[r].accept(scripts[r][t]), private[r].accept(scripts[r][t])
-      np.testing.assert_array_equal(ta, tb)
-      assert va.keys()[sa] == vb.keys()[sb]
-      assert shared[r].terminated == private[r].terminated
+    if together:
+      got = accept_rows([shared[r] for r in live], np.asarray([scripts[r][t] for r in live]))
+    else:
+      got = [(shared[r].accept(scripts[r][t]), shared[r].terminated) for r in live]
+      got = (np.stack([a[0] for a, _ in got]), np.asarray([a[1] for a, _ in got]),
+             np.asarray([d for _, d in got]))
+    for j, r in enumerate(live):
+      tb, sb = private[r].accept(scripts[r][t])
+      np.testing.assert_array_equal(got[0][j], tb)
+      assert va.keys()[got[1][j]] == vb.keys()[sb]
+      assert got[2][j] == shared[r].terminated == private[r].terminated
   for a, b in zip(shared, private):
     np.testing.assert_array_equal(np.stack(a.tags), np.stack(b.tags))
+    assert [va.keys()[x] for x in a.states] == [vb.keys()[x] for x in b.states]
   assert all(s.terminated for s in shared)
   assert forest.forks >= 2                          # the texts diverge at least twice
   assert forest.accepts < sum(map(len, scripts))    # and share their common prefixes
