@@ -11,6 +11,7 @@ import functools
 import math
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -556,18 +557,19 @@ def test_the_launch_thread_joins_before_the_state_is_used(monkeypatch):
   step = e.step
   step.threaded = True
   where, old = [], step.state
+  acts = jnp.arange(3)   # a device array: its copy to the host is started on the launch thread
 
   def slow(*args):
     _time.sleep(0.2)
     where.append(threading.current_thread().name)
-    return ("logits", "acts"), ("new state",)
+    return ("logits", acts), ("new state",)
   monkeypatch.setattr(step, "_fwd", slow)
   host = np.zeros((e.slots, 9), np.int32)
   grow = (np.zeros((e.G, e.slots), np.int32),) * 2
   t0 = _time.perf_counter()
   f = step.forward(None, host, grow)
   assert _time.perf_counter() - t0 < 0.15 and not f.done()
-  assert step.state == ("new state",) and f.result() == ("logits", "acts")
+  assert step.state == ("new state",) and f.result() == ("logits", acts)
   assert where and where[0].startswith("pask-launch")
 
   def broken(*args):

@@ -433,6 +433,9 @@ class PagedStep(Step):
     def run():
       out, self._state = self._fwd(self.runner.params, self.policy, state, tok_dev,
                                    upload(inputs))
+      # The host reads these actions a step later (PagePools.record_late): their copy is
+      # queued behind the forward now, so that read finds them on the host, not a transfer.
+      out[1].copy_to_host_async()
       return out
     return self._launch(run)
 
