@@ -196,3 +196,22 @@ def test_stack_equals_each_policy_alone_on_int4_prompts():
           counts[a] += c[a]
   assert min(counts.values()) > 0, counts          # the prompts were released, INT4 and BF16
   assert len({len(r.ids) for r in task.requests}) > 1
+
+
+@pytest.mark.fast_compile
+def test_stack_step_bench_writes_its_row(tmp_path):
+  """``bench/stack_step.py`` on a tiny shape: one row with the stacked step's times (CUPTI
+  says why it is missing off a GPU), and the kernel grouping it reports under ``--cupti``."""
+  import json
+
+  from bench import stack_step
+  out = tmp_path / "row.jsonl"
+  assert stack_step.main(["--shape", "tiny", "--policies", "2", "--requests", "3", "--prompt",
+                          "20", "--capacity", "48", "--steps", "2", "--policy", "int4",
+                          "--states", "2", "--out", str(out)]) == 0
+  (row,) = [json.loads(x) for x in out.read_text().splitlines()]
+  assert (row["rows"], row["states"], row["policy"]) == (6, 2, "int4")
+  for k in ("chained_ms", "forward_ms", "forward_launch_ms", "pick_ms", "pick_launch_ms"):
+    assert row[k] > 0, k
+  groups = stack_step._groups([("fusion_12", 1.0), ("fusion_3", 0.5), ("gemm", 2.0)])
+  assert groups == [("gemm", 2.0, 1), ("fusion_#", 1.5, 2)]
