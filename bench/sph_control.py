@@ -25,7 +25,6 @@ One JSON line per row (and ``--out`` appends them).  CPU smoke::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -111,6 +110,7 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   import jax.numpy as jnp
   import jax
+  from bench import print_row
   from bench.bench_decode import SHAPES
   from models import ModelConfig, random_model
   shapes = {**SHAPES, **SHAPES_EXTRA}
@@ -122,11 +122,7 @@ def main(argv=None) -> int:
   for ctx in a.context:
     for m in a.methods:
       row = {"shape": a.shape, **measure(model, m, a.batch, ctx, a.steps, a.repeats, a.budget)}
-      line = json.dumps(row)
-      print(line, flush=True)
-      if a.out:
-        with open(a.out, "a") as f:
-          f.write(line + "\n")
+      print_row(row, a.out)
   return 0
 
 

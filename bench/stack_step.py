@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import statistics
 import sys
@@ -62,6 +61,7 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
   import numpy as np
 
+  from bench import print_row
   from bench.bench_decode import SHAPES
   from bench.sph_control import SHAPES_EXTRA
   from calibrate.stack import StackRunner, stack
@@ -156,11 +156,7 @@ def main(argv=None) -> int:
         row[f"{name}_groups"] = _groups(kernels)
       except Exception as e:  # noqa: BLE001 -- CUPTI is a GPU-only extra: say why, keep the row
         row[f"{name}_cupti_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-  line = json.dumps(row)
-  print(line, flush=True)
-  if a.out:
-    with open(a.out, "a") as f:
-      f.write(line + "\n")
+  print_row(row, a.out)
   return 0
 
 
