@@ -246,3 +246,35 @@ def test_control_plane_bench_writes_its_rows(tmp_path):
   for k in ("prefill_ms", "commit_ms", "step_ms", "control_ms"):
     assert row[k] > 0, k
   assert 0 < row["metadata_share"] < 1 and set(row["met"]) == set(sph_control.GOALS)
+
+
+def test_commit_temporaries_do_not_grow_with_the_layers():
+  """The prefill commit (features, RDR plan, tier encode) works one layer at a time: compiled for
+  sm_90 (deviceless, as the H100 runs it), its temporaries at 8 layers are no larger than at 2.
+  Over all layers at once they grew with L (4.2x from 2 to 8 layers here; 51 GB at the 1.5B
+  shape, B 8, 32K: out of memory on an 80 GB card)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jax.sharding import SingleDeviceSharding
+
+  from models import ModelConfig, random_model
+  from pallas_kernels.gpu import aot
+
+  sh = SingleDeviceSharding(aot.compile_only_device())
+  S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+  B, T, H, D = 2, 512, 2, 32
+  temp = {}
+  for L in (2, 8):
+    cfg = ModelConfig(arch="qwen2", vocab_size=256, hidden=64, intermediate=96, n_layers=L,
+                      n_heads=4, n_kv_heads=H, head_dim=D, rope_theta=1e4, tie_embeddings=True)
+    model = nnx.eval_shape(lambda: random_model(cfg, dtype=jnp.bfloat16))
+    r = SphRunner.for_method(model, "spherical", batch=B, capacity=T + 16, backend="gpu")
+    r.configure(0.35)
+    kv = S((L, B, T, H, D), jnp.float32)
+    args = (kv, kv, S((L, B, H, T), jnp.float32), S((B,), jnp.int32), S((B,), jnp.float32))
+    ma = jax.jit(r._commit).trace(*args).lower().compile().memory_analysis()
+    temp[L] = ma.temp_size_in_bytes
+  # one layer's per-element work: [B, T, H, D] f32 and a few times wider
+  assert temp[8] <= 1.25 * temp[2], temp
+  assert temp[8] < 8 * B * T * H * D * 4 * 4, temp

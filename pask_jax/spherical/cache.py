@@ -372,13 +372,14 @@ def write_prefill(state: SphState, rows: SphRows, k, v, start: int = 0, *,
                   mesh=None) -> SphState:
   """Encode and write the K/V of layers ``[start, start + Lc)`` (k, v ``[Lc, B, T, Hkv, D]``,
   post-RoPE) of a prefill placed by :func:`prefill_rows` into every tier's pools (bounded
-  temporaries: call it per chunk of layers).  ``start`` is static.  ``mesh``: the pools split
-  over its devices (a state of ``init(shards=mesh.size)``): written per device."""
+  temporaries: call it per chunk of layers, e.g. in a loop).  ``start`` may be traced (an int32
+  scalar).  ``mesh``: the pools split over its devices (a state of ``init(shards=mesh.size)``):
+  written per device."""
   Lc = k.shape[0]
   if v.shape != k.shape:
     raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
-  layers = jnp.arange(start, start + Lc)
-  gl = jnp.asarray(state.group_of, jnp.int32)[start:start + Lc]
+  layers = start + jnp.arange(Lc)
+  gl = jax.lax.dynamic_slice_in_dim(jnp.asarray(state.group_of, jnp.int32), start, Lc)
   li = layers[:, None, None, None]
   pools = []
   for ts, pool, dest in zip(state.spec, state.pools, rows.dest):

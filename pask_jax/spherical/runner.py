@@ -286,19 +286,23 @@ class SphRunner:
 
   # --- prefill ---------------------------------------------------------------------------------
 
-  def _tier_errors(self, k):
+  def _tier_errors(self, k, layers=None):
     """Keys ``[L, ..., H, D]`` (post-RoPE, rounded to BF16 as the window holds them) -> per
     layer and item the direction and radius errors of drop and of every tier (two lists of K+1
     arrays ``[L, ..., H]``: ``r²‖x̂ − ũ(t)‖²/D``, ``(r − r̃(t))²/D``; drop: ``2r²/D``, ``r²/D``)
-    and the radius ``r`` (after centering and rotation)."""
+    and the radius ``r`` (after centering and rotation).  ``layers`` (int32 ``[L]``, may be
+    traced): the model layers of k's leading axis (default: all of them, in order)."""
     L, D = k.shape[0], k.shape[-1]
     H = k.shape[-2]
+    n_layers = self.cfg.n_layers
+    layers = jnp.arange(n_layers) if layers is None else layers
     kb = common.round_bf16(k)
-    mu = jnp.zeros((L, H, D), jnp.float32) if self.mu is None else jnp.asarray(self.mu,
-                                                                                jnp.float32)
+    mu = (jnp.zeros((n_layers, H, D), jnp.float32) if self.mu is None
+          else jnp.asarray(self.mu, jnp.float32))[layers]
     mu = mu.reshape((L,) + (1,) * (k.ndim - 3) + (H, D))
     h = jnp.asarray(spherical.hadamard(D) / math.sqrt(D), jnp.float32)
-    signs = jnp.asarray([spherical.rotation_signs(D, lyr, 0) for lyr in range(L)], jnp.float32)
+    signs = jnp.asarray([spherical.rotation_signs(D, lyr, 0) for lyr in range(n_layers)],
+                        jnp.float32)[layers]
     rot = h[None] * signs[:, None, :]
     x = jnp.einsum("l...d,led->l...e", kb - mu, rot, precision=jax.lax.Precision.HIGHEST)
     r = jnp.sqrt(jnp.sum(x * x, axis=-1))
@@ -357,7 +361,14 @@ class SphRunner:
                       jnp.ones(att.shape[:-1], bool))
     att = jnp.where(pv, att, 0.0)
     att = jnp.transpose(att, (0, 3, 2, 1))                                         # [B, T, G, H]
-    th, rr, r = self._tier_errors(k)                                               # [L, B, T, H]
+    # One layer at a time (a loop, not L independent slices a scheduler may keep alive at
+    # once): the per-element temporaries (the rotated keys, codes, directions: [B, T, H, D] f32
+    # and wider) exist for one layer only; at the 1.5B shape, B 8, 32K over all layers at once
+    # they were ~51 GiB of the commit's temporaries.  Only [L, B, T, H] errors are kept.
+    th, rr, r = jax.lax.map(
+        lambda l: jax.tree.map(lambda x: x[0], self._tier_errors(
+            jax.lax.dynamic_index_in_dim(k, l, 0), l[None])),
+        jnp.arange(L))                                                            # [L, B, T, H]
     to_g = lambda e: jnp.einsum("lbth,lg->btgh", e, onehot)                       # sum over ℓ∈g
     a = att[..., None]
     eps_t = jnp.stack([to_g(e) for e in th], -1) * a
@@ -405,7 +416,10 @@ class SphRunner:
       plan = self._everywhere(solve)(dist, prot, n, rho)   # ranks every head's items
     cache, sph = self._new_states()
     sph, rows = scache.prefill_rows(sph, plan.route, Tn, n, plan.prot, mesh=self.tp_mesh)
-    sph = scache.write_prefill(sph, rows, k, v, 0, mesh=self.tp_mesh)
+    # The tier encode one layer at a time in a loop (bounded temporaries, as for the features)
+    sph = jax.lax.fori_loop(0, k.shape[0], lambda l, s: scache.write_prefill(
+        s, rows, jax.lax.dynamic_index_in_dim(k, l, 0), jax.lax.dynamic_index_in_dim(v, l, 0),
+        l, mesh=self.tp_mesh), sph)
     pos = jnp.broadcast_to(jnp.arange(Tn, dtype=jnp.int32), (B, Tn))
     actions = scache.base_actions(sph, scache.normalize_route(sph, plan.route, pos))
     cache = pcache.materialize_prefill(cache, k, v, actions, n)
