@@ -452,6 +452,10 @@ def main(argv=None) -> int:
                        "engine's default) or on the device (lax.cond, which waits for the device "
                        "at launch on a GPU); several values: an A/B in one process, as "
                        "--launch-thread")
+  ap.add_argument("--early-actions", nargs="+", choices=["on", "off"], default=["on"],
+                  help="copy each forward's decided actions to the host right behind it (the "
+                       "engine's default) or when the host reads them a step later; several "
+                       "values: an A/B in one process, as --launch-thread")
   ap.add_argument("--profile", type=int, default=0, metavar="N",
                   help="trace N engine iterations of every cell once it is in steady state "
                        "(traces under OUT/trace, per-class tables in the results)")
@@ -510,7 +514,8 @@ def main(argv=None) -> int:
     rows.append(row)
     with open(out_path, "a") as f:
       f.write(json.dumps(row) + "\n")
-    keys = ("model", "method", "launch_thread", "pick_branches", "input", "output",
+    keys = ("model", "method", "launch_thread", "pick_branches", "early_actions", "input",
+            "output",
             "concurrency", "status",
             "tpot_ms_median", "throughput_tok_s", "measured_B", "fit_expected", "fit_measured",
             "preemptions")
@@ -636,11 +641,14 @@ def main(argv=None) -> int:
       pr = (os.path.join(a.out, "trace"), f"{name}_{meth}_{n_in}_{n_out}_c{c}", a.profile) \
           if a.profile else None
       base_row = row
-      for lt, pb in [(lt, pb) for lt in a.launch_thread for pb in a.pick_branches]:
+      for lt, pb, ea in [(lt, pb, ea) for lt in a.launch_thread for pb in a.pick_branches
+                         for ea in a.early_actions]:
         row = dict(base_row)
         eng.step.threaded = default_threaded() if lt == "auto" else lt == "on"
         eng.step.static_picks = pb == "host"
-        row["launch_thread"], row["pick_branches"] = eng.step.threaded, pb
+        eng.step.early_actions = ea == "on"
+        row["launch_thread"], row["pick_branches"], row["early_actions"] = \
+            eng.step.threaded, pb, ea
         row.update(run_cell(eng, mtok, grammars[n_out], ids, tags, n_out, c, deadline, pr))
         if meth == "xla":
           row["fit_measured"] = fit

@@ -5,7 +5,10 @@
 # as before) / on the host, on the same engines (an A/B in one process).
 # Then bench/launch_overlap.py (does a launch release the GIL: a stand-in step of N small GEMMs
 # on a worker thread against pure-Python work).  Carry .whl and .tok.
+# EA="on off": also each forward's decided actions copied to the host right behind it (the
+# default) vs when the host reads them.
 #   LIMIT=300 bash scripts/dev_launch_thread.sh
+#   LT=on PICK=host EA="on off" METHODS="pask full xla" LIMIT=300 bash scripts/dev_launch_thread.sh
 # Raw output: $OUT/overlap.jsonl, $OUT/lt/ (results.jsonl row by row, summary.md, lt.log): a
 # call cut short still returns the rows it finished.
 . scripts/h200_env.sh || exit 1
@@ -16,7 +19,8 @@ timeout -s KILL $((limit - 20)) python3 bench/bench_serving.py --shape qwen2.5-0
   --tokenizer .tok --inputs 8192 --outputs ${OUTPUTS:-256} --concurrency 8 \
   --methods ${METHODS:-pask full xla} \
   --kv-memory 16 --page 16 --lo-format int4 --prefill-memo --time-limit $((limit - 40)) \
-  --launch-thread ${LT:-off on} --pick-branches ${PICK:-device host} --out $OUT/lt \
+  --launch-thread ${LT:-off on} --pick-branches ${PICK:-device host} \
+  --early-actions ${EA:-on} --out $OUT/lt \
   > $OUT/lt/lt.log 2>&1
 echo "serving rc $?"
 OUT=$OUT python3 - <<'PY'
@@ -27,7 +31,7 @@ for line in open(os.path.join(os.environ["OUT"], "lt", "results.jsonl")):
   if r.get("status") != "ok":
     print(r.get("model"), r.get("status"), r.get("reason")); continue
   print(r["model"][:24], r["method"], "thread", r.get("launch_thread"), "pick",
-        r.get("pick_branches"), "TPOT",
+        r.get("pick_branches"), "early", r.get("early_actions"), "TPOT",
         round(r["tpot_ms_median"], 3), "host ms/step",
         {k: round(v, 3) for k, v in r.get("host_ms_per_step", {}).items()})
 PY

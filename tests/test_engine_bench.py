@@ -68,19 +68,21 @@ def test_prompts_have_the_stated_length():
 
 
 def test_ab_settings_run_each_cell_on_the_same_engine(tmp_path, monkeypatch):
-  """``--launch-thread off on --pick-branches host device``: one row per setting of each cell,
-  each saying its setting; greedy decoding gives the same text whatever the setting."""
+  """``--launch-thread off on --pick-branches host device --early-actions on off``: one row per
+  setting of each cell, each saying its setting; greedy decoding gives the same text and the
+  same actions whatever the setting."""
   from models import registry
   monkeypatch.setenv("PASK_JAX_CACHE", str(tmp_path / "cache"))
   out = str(tmp_path / "ab")
   assert BS.main(["--shape", "tiny", "--inputs", "256", "--outputs", "8", "--concurrency", "2",
                   "--methods", "pask", "--launch-thread", "off", "on",
-                  "--pick-branches", "host", "device", "--tokenizer", registry.smollm2_path(),
+                  "--pick-branches", "host", "device", "--early-actions", "on", "off",
+                  "--tokenizer", registry.smollm2_path(),
                   "--out", out, "--compile-cache", ""]) == 0
   rows = [json.loads(l) for l in open(os.path.join(out, "results.jsonl"))]
   cells = [r for r in rows if r["model"] == "tiny"]
-  assert [(r["launch_thread"], r["pick_branches"]) for r in cells] == [
-      (False, "host"), (False, "device"), (True, "host"), (True, "device")]
+  assert [(r["launch_thread"], r["pick_branches"], r["early_actions"]) for r in cells] == [
+      (lt, pb, ea) for lt in (False, True) for pb in ("host", "device") for ea in ("on", "off")]
   assert all(r["status"] == "ok" and r["completed"] == 2 for r in cells)
   assert len({json.dumps(r["actions"], sort_keys=True) for r in cells}) == 1
   assert len({r["tokens_out"] for r in cells}) == 1

@@ -422,6 +422,9 @@ class PagedStep(Step):
         upload(grow[0]), upload(grow[1]))
     return out
 
+  # False: the decided actions are copied to the host when record_late reads them (A/B benchmarks)
+  early_actions = True
+
   def forward(self, tok_dev, host, grow) -> concurrent.futures.Future:
     """Launch the overlapped forward -> a future of (logits, actions decided for the previous
     tokens); on the launch thread when ``threaded``."""
@@ -435,7 +438,8 @@ class PagedStep(Step):
                                    upload(inputs))
       # The host reads these actions a step later (PagePools.record_late): their copy is
       # queued behind the forward now, so that read finds them on the host, not a transfer.
-      out[1].copy_to_host_async()
+      if self.early_actions:
+        out[1].copy_to_host_async()
       return out
     return self._launch(run)
 
