@@ -208,10 +208,11 @@ def test_stack_step_bench_writes_its_row(tmp_path):
   out = tmp_path / "row.jsonl"
   assert stack_step.main(["--shape", "tiny", "--policies", "2", "--requests", "3", "--prompt",
                           "20", "--capacity", "48", "--steps", "2", "--policy", "int4",
-                          "--states", "2", "--out", str(out)]) == 0
+                          "--states", "2", "--cupti", "--out", str(out)]) == 0
   (row,) = [json.loads(x) for x in out.read_text().splitlines()]
   assert (row["rows"], row["states"], row["policy"]) == (6, 2, "int4")
+  assert "CUPTI" in row["forward_cupti_error"] and "CUPTI" in row["pick_cupti_error"]
   for k in ("chained_ms", "forward_ms", "forward_launch_ms", "pick_ms", "pick_launch_ms"):
     assert row[k] > 0, k
-  groups = stack_step._groups([("fusion_12", 1.0), ("fusion_3", 0.5), ("gemm", 2.0)])
+  groups = stack_step.groups([("fusion_12", 1.0), ("fusion_3", 0.5), ("gemm", 2.0)])
   assert groups == [("gemm", 2.0, 1), ("fusion_#", 1.5, 2)]

@@ -11,7 +11,6 @@ import functools
 import math
 import threading
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -557,7 +556,14 @@ def test_the_launch_thread_joins_before_the_state_is_used(monkeypatch):
   step = e.step
   step.threaded = True
   where, old = [], step.state
-  acts = jnp.arange(3)   # a device array: its copy to the host is started on the launch thread
+
+  class Acts:   # the decided actions: their copy to the host is started on the launch thread
+    copies = 0
+
+    def copy_to_host_async(self):
+      self.copies += 1
+      where.append(threading.current_thread().name)
+  acts = Acts()
 
   def slow(*args):
     _time.sleep(0.2)
@@ -570,7 +576,12 @@ def test_the_launch_thread_joins_before_the_state_is_used(monkeypatch):
   f = step.forward(None, host, grow)
   assert _time.perf_counter() - t0 < 0.15 and not f.done()
   assert step.state == ("new state",) and f.result() == ("logits", acts)
-  assert where and where[0].startswith("pask-launch")
+  assert len(where) == 2 and all(w.startswith("pask-launch") for w in where)
+  assert acts.copies == 1
+  step.early_actions = False   # the A/B setting: no early copy
+  step.forward(None, host, grow).result()
+  assert acts.copies == 1
+  step.early_actions = True
 
   def broken(*args):
     raise ValueError("launch failed")

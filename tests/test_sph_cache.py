@@ -272,3 +272,26 @@ def test_pages_numbered_per_device_block(shards):
     if shards == 1:
       assert (pages[0] == np.arange(n_pool).reshape(B, H, -1)).all()
 
+
+
+def test_write_prefill_takes_a_traced_start_and_refuses_a_chunk_past_the_layers():
+  """The commit writes one layer at a time in a loop (a traced start): the pools are what a
+  static start writes; a static chunk that runs past the last layer is refused by name."""
+  rng = np.random.default_rng()
+  t = 24
+  k = rng.standard_normal((L, B, t, H, D)).astype(np.float32)
+  v = rng.standard_normal((L, B, t, H, D)).astype(np.float32)
+  route = rng.choice(K + 2, size=(B, t, G, H)).astype(np.int8)
+  st = C.init(L, B, H, D, tiers=TIERS, capacity=40, window=W, n_groups=G, page=PAGE, sink=SINK,
+              mu=rng.standard_normal((L, H, D)).astype(np.float32))
+  st, rows = prefill_rows(st, jnp.asarray(route), t, jnp.asarray([t, 17], np.int32),
+                          jnp.asarray(rng.random((B, t, G, H)) < 0.2))
+  want = write_prefill(st, rows, jnp.asarray(k[1:3]), jnp.asarray(v[1:3]), 1)
+  got = jax.jit(C.write_prefill)(st, rows, jnp.asarray(k[1:3]), jnp.asarray(v[1:3]),
+                                 jnp.int32(1))
+  for a, b in zip(jax.tree.leaves(want.pools), jax.tree.leaves(got.pools)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(np.any(np.asarray(a) != np.asarray(b))   # layers 1-2 were written
+             for a, b in zip(jax.tree.leaves(want.pools), jax.tree.leaves(st.pools)))
+  with pytest.raises(ValueError, match="not within the model's 4 layers"):
+    C.write_prefill(st, rows, jnp.asarray(k[:2]), jnp.asarray(v[:2]), 3)

@@ -373,11 +373,15 @@ def write_prefill(state: SphState, rows: SphRows, k, v, start: int = 0, *,
   """Encode and write the K/V of layers ``[start, start + Lc)`` (k, v ``[Lc, B, T, Hkv, D]``,
   post-RoPE) of a prefill placed by :func:`prefill_rows` into every tier's pools (bounded
   temporaries: call it per chunk of layers, e.g. in a loop).  ``start`` may be traced (an int32
-  scalar).  ``mesh``: the pools split over its devices (a state of ``init(shards=mesh.size)``):
-  written per device."""
+  scalar), and must then be in range itself: a traced start past ``L - Lc`` is not caught.
+  ``mesh``: the pools split over its devices (a state of ``init(shards=mesh.size)``): written
+  per device."""
   Lc = k.shape[0]
   if v.shape != k.shape:
     raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+  L = len(state.group_of)
+  if isinstance(start, int) and not 0 <= start <= L - Lc:
+    raise ValueError(f"layers [{start}, {start + Lc}) are not within the model's {L} layers")
   layers = start + jnp.arange(Lc)
   gl = jax.lax.dynamic_slice_in_dim(jnp.asarray(state.group_of, jnp.int32), start, Lc)
   li = layers[:, None, None, None]

@@ -364,7 +364,9 @@ class SphRunner:
     # One layer at a time (a loop, not L independent slices a scheduler may keep alive at
     # once): the per-element temporaries (the rotated keys, codes, directions: [B, T, H, D] f32
     # and wider) exist for one layer only; at the 1.5B shape, B 8, 32K over all layers at once
-    # they were ~51 GiB of the commit's temporaries.  Only [L, B, T, H] errors are kept.
+    # they were ~51 GiB of the commit's temporaries.  Only [L, B, T, H] errors are kept.  The
+    # same values on one device; under a KV-head mesh the per-layer reductions may round
+    # differently (λ moved by an ulp in one entry on 2 CPU devices).
     th, rr, r = jax.lax.map(
         lambda l: jax.tree.map(lambda x: x[0], self._tier_errors(
             jax.lax.dynamic_index_in_dim(k, l, 0), l[None])),

@@ -1,7 +1,14 @@
-"""Kernels of SphRunner's step and of its control plane alone, compiled for sm_90 (deviceless)."""
-import json, os, sys, time
+"""Kernels of SphRunner's step and of its control plane alone, compiled for sm_90 (deviceless),
+and the step's conditional thunks.  From a checkout:
+  PYTHONPATH=$PWD python bench/results/2026-12-07_session35/g6_kernels/count.py METHOD [CONTEXT]"""
+import json
+import os
+import sys
+import time
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax, jax.numpy as jnp
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 try:
@@ -47,7 +54,6 @@ for name, fn, args in (("step", jax.jit(r._step, donate_argnums=(2,)), step_args
   out[name] = {"thunks": c["thunks"], "by_op": c["by_op"], "compile_s": round(time.time() - t0, 1)}
 print(json.dumps({"method": method, "capacity": cap, **out}))
 hlo = jax.jit(r._step, donate_argnums=(2,)).trace(*put(step_args)).lower().compile().as_text()
-import re
 entry = hlo[hlo.index("\nENTRY "):]
 for line in entry.splitlines():
   if " conditional(" in line:
