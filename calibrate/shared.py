@@ -94,11 +94,15 @@ class SharedTracker:
 
   def accept(self, token: int):
     child = self.forest.move(self.node, int(token), 1)
+    self.arrive(child)
+    return child.result
+
+  def arrive(self, child: _Node) -> None:
+    """Stand at ``child`` (the node :meth:`Forest.move` gave) and record its token's result."""
     self.node = child
     t, s = child.result
     self.tags.append(t)
     self.states.append(s)
-    return child.result
 
   @property
   def terminated(self) -> bool:
@@ -134,11 +138,7 @@ def accept_rows(trackers: Sequence, tokens: np.ndarray) -> tuple[np.ndarray, np.
       done[r] = tr.terminated
   for (node, tok), rows in groups.items():
     child = trackers[rows[0]].forest.move(node, tok, len(rows))
-    t, s = child.result
     for r in rows:
-      tr = trackers[r]
-      tr.node = child
-      tr.tags.append(t)
-      tr.states.append(s)
-    tags[rows], states[rows], done[rows] = t, s, child.terminated
+      trackers[r].arrive(child)
+    tags[rows], states[rows], done[rows] = *child.result, child.terminated
   return tags, states, done
