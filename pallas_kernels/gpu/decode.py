@@ -30,10 +30,12 @@ Why this shape:
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -325,7 +327,7 @@ def _plan(cap, bk, chunk):
 _KNOBS = ("scale", "block_lo", "block_hi", "block_w", "chunk_lo", "chunk_hi", "num_warps",
           "num_stages", "exact_pv", "exact_pv_lo", "int4_dequant", "int4_prefetch", "fuse",
           "num_warps_lo", "num_stages_lo", "interpret", "int4_kernel", "splits_lo", "wgs_lo",
-          "table_lo", "upcast_lo", "early_v_lo")
+          "table_lo", "upcast_lo", "early_v_lo", "stream_lo")
 # Knobs of int4_kernel="fused" alone (mgpu_mixed: one Mosaic GPU launch for both pools).
 _FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers")
 # decode_attention_gpu's own: how the partials are merged ("kernel": in place by one Pallas Triton
@@ -334,6 +336,7 @@ _FUSED_KNOBS = ("splits_hi", "tile_hi", "stages_lo", "stages_hi", "auto_barriers
 _MERGE_KNOBS = ("merge",)
 _MERGES = ("sets", "concat", "kernel")
 _FUSED = ("fused", "fused_reference")
+_GROUPS = itertools.count(1)   # XLA scheduling groups of stream_lo's call sites
 
 
 def bf16_warps(d: int) -> int:
@@ -376,7 +379,7 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                  fuse: bool | str = "auto", num_warps_lo: int = 2, num_stages_lo: int = 1,
                  interpret: bool = False, int4_kernel: str = "auto",
                  splits_lo: int | None = None, wgs_lo: int = 1, table_lo: str = "gmem",
-                 upcast_lo: str | None = None, early_v_lo: bool = False):
+                 upcast_lo: str | None = None, early_v_lo: bool = False, stream_lo: int = 0):
   """The partial sets ``[((o, m, l), kernel_layout), ...]`` (see :func:`merge_sets`): the
   Triton kernel's (o [B, Hkv, NS, M, D] f32, m, l [B, Hkv, NS, M], rows >= g unwritten) and,
   where the Mosaic GPU kernel reads the INT4 pool, its own in its layout.
@@ -389,7 +392,10 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
   or "smem": copied into shared memory once per block), ``upcast_lo`` how it turns K tiles into
   MMA operands (``mgpu_decode.UPCASTS``: ``mgpu_decode.int4_partials``' ``upcast``; default by
   the pool's storage format), ``early_v_lo`` whether it upcasts V's operand while the scores'
-  MMAs run (``mgpu_decode.int4_partials``' ``early_v``);
+  MMAs run (``mgpu_decode.int4_partials``' ``early_v``), ``stream_lo`` > 0 XLA's GPU stream
+  the Mosaic GPU kernel is launched on (``compute_on("gpu_stream:N")``: an async call beside
+  the Triton launch over the BF16 pool and window, so the two short, ramp- and tail-bound
+  kernels share the card instead of running back to back; 0, the default: the one stream);
   ``"triton"``: this module's kernel;
   ``"auto"`` (default): Mosaic GPU wherever it applies on a Hopper GPU (not in interpret mode),
   Triton elsewhere.
@@ -458,6 +464,12 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                      f"int4_kernel={int4_kernel!r}")
   mosaic_only = {k: v for k, v in (("upcast_lo", upcast_lo), ("early_v_lo", early_v_lo))
                  if v not in (None, False, "bf16")}
+  if stream_lo < 0 or stream_lo != int(stream_lo):
+    raise ValueError(f"stream_lo must be a non-negative int (0: the main stream), got "
+                     f"{stream_lo!r}")
+  if stream_lo and n_lo and int4_kernel == "triton":
+    raise ValueError(f"stream_lo={stream_lo} launches the Mosaic GPU INT4 kernel on another "
+                     "stream; this call reads its INT4 pool with the Triton kernel")
   if mosaic_only and (int4_kernel == "triton" or lo.format != "int4"):
     raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in mosaic_only.items())}: knobs of the "
                      f"Mosaic GPU kernel of the int4 storage format; this call reads a "
@@ -536,13 +548,20 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
 
   warps_bf16 = num_warps or bf16_warps(d)
   if n_lo and int4_kernel != "triton":
-    lo_part = mgpu_decode.int4_partials(qp, lo, maps, layer, c=c, g=g, splits=splits_lo,
-                                        wgs=wgs_lo, table=table_lo, upcast=upcast_lo,
-                                        early_v=early_v_lo,
-                                        layout="kernel",
-                                        reference=int4_kernel == "mosaic_reference")
-    rest = call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, warps_bf16, num_stages,
-                "pask_decode_attention")
+    lo_fn = functools.partial(mgpu_decode.int4_partials, qp, lo, maps, layer, c=c, g=g,
+                              splits=splits_lo, wgs=wgs_lo, table=table_lo, upcast=upcast_lo,
+                              early_v=early_v_lo, layout="kernel",
+                              reference=int4_kernel == "mosaic_reference")
+    hi_fn = lambda: call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, warps_bf16,
+                         num_stages, "pask_decode_attention")
+    if not stream_lo:
+      return [(lo_fn(), True), (hi_fn(), False)]
+    # Experimental: the two launches as async calls on streams stream_lo and stream_lo + 1, one
+    # scheduling group per call site so XLA may place both starts before both dones.
+    with set_xla_metadata(_scheduling_group_id=str(next(_GROUPS))):
+      lo_part = lo_fn(stream=stream_lo)
+      with mgpu_decode.on_stream(stream_lo + 1):
+        rest = jax.jit(hi_fn)()
     return [(lo_part, True), (rest, False)]
   if fuse or not n_lo:
     return [(call(n_lo, n_hi, n_w, lo_args + hi_args + w_args, lo_specs + hi_specs + w_specs,

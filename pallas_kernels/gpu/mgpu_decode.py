@@ -30,9 +30,12 @@ jnp) in the kernel's place: the CPU tests check everything above end to end agai
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.compute_on import compute_on
 
 from pallas_kernels.gpu import mgpu_common as C
 from pallas_kernels.gpu import mgpu_int4 as MI
@@ -114,10 +117,20 @@ def wave_splits(bh: int, n_pages: int, *, wgs: int = 1, early_v: bool = False, d
   return best
 
 
+def on_stream(stream: int):
+  """A context in which the ops traced run on XLA's GPU stream ``stream`` (an async call beside
+  the main stream's work; ``compute_on("gpu_stream:N")``); 0: the main stream, no annotation.
+  Only the kernel call goes in it: a nested jit inside a streamed region (jnp's ``//``,
+  ``where``) became an un-annotated async call that XLA could not place (jax 0.10.2)."""
+  if not stream:
+    return contextlib.nullcontext()
+  return compute_on(f"gpu_stream:{int(stream)}")
+
+
 def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, *, c: float,
                   g: int, splits: int | None = None, wgs: int = 1, table: str = "gmem",
                   upcast: str | None = None, early_v: bool = False, reference: bool = False,
-                  layout: str = "triton"):
+                  layout: str = "triton", stream: int = 0):
   """``qp [B, Hkv, 16, D]`` bf16 (query heads padded to 16), ``lo`` stacked (``[L, P, page, Hkv,
   D/2]`` uint8 with scales ``[L, P, page, Hkv, 2]``, or ``[L, P, Hkv, page, D]`` / ``[L, P, Hkv,
   D, page]`` int4 with scales ``[L, P, Hkv, 2, page]``), ``layer`` int32 -> partials ``o [B,
@@ -140,7 +153,9 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
   (``mgpu_int4.partition``'s ``early_v``).
   ``layout="kernel"``: the partials as the kernel writes them, reshaped only (no transpose, no
   slice): ``o [B, Hkv, S, D, 16]`` (O^T), ``m, l`` of the same shape with their values in row 0
-  of D, for a merge that reads them in place (``merge.merge_sets``, ``merge.merge_kernel``)."""
+  of D, for a merge that reads them in place (``merge.merge_sets``, ``merge.merge_kernel``).
+  ``stream`` > 0: the kernel launched on XLA's GPU stream ``stream`` (:func:`on_stream`), so
+  it runs beside the main stream's kernels (the Triton launch over the BF16 pool and window)."""
   if layout not in ("triton", "kernel"):
     raise ValueError(f"layout must be 'triton' or 'kernel', got {layout!r}")
   b, hkv, rows, d = qp.shape
@@ -191,14 +206,16 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
       o, m, l = MI.pool_reference(q, k, sc, v, None, lens, tbl, base, v_major="dim", splits=s,
                                   wgs=wgs, qk_scale=c)
     elif wgs > 1:
-      o, m, l = MI.partition_ws(q, k, sc, v, None, lens, tbl, base, tile=page, splits=s,
-                                wgs=wgs, qk_scale=c, cols=cols, approx_math=True,
-                                no_auto_barriers=True, table=table, k_upcast=upcast)
+      with on_stream(stream):
+        o, m, l = MI.partition_ws(q, k, sc, v, None, lens, tbl, base, tile=page, splits=s,
+                                  wgs=wgs, qk_scale=c, cols=cols, approx_math=True,
+                                  no_auto_barriers=True, table=table, k_upcast=upcast)
     else:
-      o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
-                             v_major="dim", qk_scale=c, cols=cols, approx_math=True,
-                             no_auto_barriers=True, table=table, k_upcast=upcast,
-                             early_v=early_v)
+      with on_stream(stream):
+        o, m, l = MI.partition(q, k, sc, v, None, lens, None, tbl, base, tile=page, splits=s,
+                               v_major="dim", qk_scale=c, cols=cols, approx_math=True,
+                               no_auto_barriers=True, table=table, k_upcast=upcast,
+                               early_v=early_v)
     return _layout(o, m, l, b, hkv, s * wgs, d, layout)
   # The bytes pool: this layer's scales [P, page, Hkv, 2] -> head-major f32 [Hkv, P, page];
   # non-finite scales of unused rows become 0 (garbage there must not reach the output).
@@ -213,9 +230,10 @@ def int4_partials(qp: jax.Array, lo: LowPool, maps: PageMaps, layer: jax.Array, 
                                            qk_scale=c)
   else:
     qn, bias = MP.nibble_q(q)
-    o, m, l = MP.partition_paged(qn, bias, k, ks, v, vs, tbl, lens, base, splits=s,
-                                 qk_scale=c, cols=cols, approx_math=True,
-                                 no_auto_barriers=True)
+    with on_stream(stream):
+      o, m, l = MP.partition_paged(qn, bias, k, ks, v, vs, tbl, lens, base, splits=s,
+                                   qk_scale=c, cols=cols, approx_math=True,
+                                   no_auto_barriers=True)
   return _layout(o, m, l, b, hkv, s, d, layout)
 
 
