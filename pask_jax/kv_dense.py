@@ -55,6 +55,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len
   return o.reshape(B, T, Hq, D)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal GQA attention of whole prompts over their own keys (a prefill in one chunk from
+  position 0): q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D] in q's dtype.
+
+  :func:`jax.nn.dot_product_attention`: cuDNN's fused flash attention on a GPU (the causal
+  half only, no [T, T] probabilities in memory; an error there, never a silent fallback to a
+  quadratic buffer), XLA's elsewhere.  Rows at and past a prompt's length (padding) see only
+  keys at or before them, so every prompt row is exact.  Numerics: bf16 operands, f32
+  accumulation and softmax (cuDNN rounds P to bf16 for P·V); :func:`attention` keeps f32
+  operands, so the two differ at bf16 rounding."""
+  impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
 def attend(cache: DenseCache, layer: jax.Array, q, k, v, positions):
   """The decoder's ``attend`` for the dense cache: write this step's K/V at their positions, then
   attend.  ``cache.length`` must already count the tokens of this step (see ``decode.py``)."""

@@ -113,6 +113,32 @@ def test_snapkv_pool_matches_reference():
       assert av[i] == pytest.approx(sum(xp[idx]) / k)
 
 
+@pytest.mark.parametrize("g", [1, 2, 7])
+def test_snapkv_window_votes_equal_the_full_probabilities_summed(g):
+  """``window_votes`` (the window's queries alone) equals the column sums of the whole causal
+  probability matrix over the window's rows, on fresh random inputs with ragged lengths (one
+  shorter than the window, one filling the padded length)."""
+  B, T, Hkv, D, obs = 3, 24, 2, 16, 7
+  q = RNG.standard_normal((B, T, Hkv * g, D)).astype(np.float32)
+  k = RNG.standard_normal((B, T, Hkv, D)).astype(np.float32)
+  n = np.array([T, 5, 13], np.int32)
+  got = np.asarray(snapkv.window_votes(*arr(q, k, n), obs))
+  s = np.einsum("btkgd,bskd->bkgts", q.reshape(B, T, Hkv, g, D), k) / math.sqrt(D)
+  pos, slot = np.arange(T)[:, None], np.arange(T)[None, :]
+  want = np.zeros((B, Hkv, T), np.float64)
+  for b in range(B):
+    vis = (slot <= pos) & (slot < n[b])
+    x = np.where(vis, s[b], -np.inf)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    rows = (np.arange(T) >= n[b] - obs) & (np.arange(T) < n[b])
+    want[b] = (p * rows[None, None, :, None]).sum((1, 2))
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+  assert np.all(got[1, :, 5:] == 0) and np.all(got[2, :, 13:] == 0)
+  np.testing.assert_allclose(got.sum(-1), np.broadcast_to(np.minimum(n, obs)[:, None] * g,
+                                                          (B, Hkv)), rtol=1e-5)
+
+
 def test_mikv_planted_tokens_high_rest_low():
   S, n = 64, int(RNG.integers(40, 64))
   score = RNG.random(S).astype(np.float32) * 0.1

@@ -42,6 +42,35 @@ def setup():
   return m, prompts, full, runner, runs
 
 
+def test_flash_prefill_plans_and_decodes_as_the_exact_prefill(setup):
+  """``prefill="flash"`` (one chunk, causal attention by jax.nn.dot_product_attention, the
+  window's votes from its queries alone) against the exact prefill (MaskedRunner's f32 scratch
+  cache): same logits, λ and routes on the CPU's f32 model, the same greedy tokens at B 0.3."""
+  m, prompts, _, runner, runs = setup
+  from pask_jax.decode import pad_prompts
+  flash = SphRunner(m.model, batch=2, capacity=runner.capacity, prefill="flash").configure(0.3)
+  tokens, lengths = pad_prompts(prompts, 2, runner.capacity)
+  le, _, se, pe, _ = runner.configure(0.3).prefill(tokens, lengths)
+  lf, _, sf, pf, _ = flash.prefill(tokens, lengths)
+  rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) /
+                           np.linalg.norm(np.asarray(b)))
+  assert rel(lf, le) < 1e-5 and rel(sf.lam, se.lam) < 1e-4
+  assert float((np.asarray(pf.route) == np.asarray(pe.route)).mean()) > 0.999
+  out = generate(flash, m.tokenizer, prompts, sampling=Sampling(max_tokens=MAX_TOKENS))
+  assert [r.tokens for r in out] == [r.tokens for r in runs[0.3]]
+  assert flash.traces["prefill"] == 1
+
+
+def test_flash_prefill_refuses_what_it_does_not_do(setup):
+  m = setup[0]
+  with pytest.raises(ValueError, match="^prefill must be one of .'exact', 'flash'., got 'fast'"):
+    SphRunner(m.model, batch=1, capacity=64, prefill="fast")
+  from pask_jax.baselines.masked import MaskedRunner
+  with pytest.raises(ValueError, match="^stats is the exact prefill's runner"):
+    SphRunner(m.model, batch=1, capacity=64, prefill="flash",
+              stats=MaskedRunner(m.model, batch=1, capacity=64))
+
+
 def test_spherical_is_a_harness_method():
   assert "spherical" in METHODS
 

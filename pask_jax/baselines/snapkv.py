@@ -14,6 +14,7 @@ Table 8): obs ∈ {16,32,64,128}, pooling ∈ {avg, max}, kernel ∈ {3,5,7}.  R
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -49,6 +50,29 @@ def _max_pool(x, lo, hi):
   at = lambda start: jnp.take_along_axis(
       jnp.take_along_axis(table, jnp.broadcast_to(start[None], table.shape), -1), j[None], 0)[0]
   return jnp.maximum(at(lo), at(hi - jnp.left_shift(1, j) + 1))
+
+
+def window_votes(q, k, n, obs: int):
+  """The observation window's votes without the prompt's [T, T] probabilities: the last ``obs``
+  prompt queries of each sequence gathered, their attention over the prompt's keys (causal, f32,
+  scale D^-1/2) summed over the window and the query heads of each KV head.  q [B, T, Hq, D], k
+  [B, T, Hkv, D] (post-RoPE, one layer), n [B] prompt lengths -> vote [B, Hkv, T] f32 (0 at
+  and past n).  The same sums as :class:`~pask_jax.baselines.masked.MaskedRunner`'s SnapKV
+  prefill statistics, at O(obs · T) per layer instead of O(T · capacity)."""
+  B, T, Hq, D = q.shape
+  Hkv = k.shape[2]
+  pos = n[:, None] - obs + jnp.arange(obs)[None, :]                      # [B, obs]
+  valid = pos >= 0
+  at = jnp.clip(pos, 0, T - 1)
+  qw = jnp.take_along_axis(q, at[:, :, None, None], axis=1)             # [B, obs, Hq, D]
+  qw = qw.reshape(B, obs, Hkv, Hq // Hkv, D).astype(jnp.float32) * D ** -0.5
+  s = jnp.einsum("bokgd,btkd->bkgot", qw, k.astype(jnp.float32))        # [B, Hkv, G, obs, T]
+  slot = jnp.arange(T)
+  vis = (slot[None, None, :] <= pos[:, :, None]) & (slot[None, None, :] < n[:, None, None])
+  s = jnp.where(vis[:, None, None], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  p = jnp.where((valid[:, None, None, :, None]) & vis[:, None, None], p, 0.0)
+  return jnp.sum(p, axis=(2, 3))
 
 
 def pool(vote, prefix, kernel, is_max):

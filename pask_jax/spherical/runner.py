@@ -71,7 +71,7 @@ from pallas_kernels import common, spherical
 from pallas_kernels.sph_types import TierSpec
 from pallas_kernels.types import HighPool, LowPool, PageMaps, Window
 from pask_jax import cache as pcache
-from pask_jax import controller
+from pask_jax import controller, kv_dense
 from pask_jax import mesh as tp
 from pask_jax import policy as P
 from pask_jax import recycle
@@ -87,6 +87,7 @@ from pask_jax.spherical import variants as V
 from pask_jax.traces import Traces
 
 PAPER_LADDER = ("A2", "A42", "A4")   # §2.3's paper ladder, BF16 values, ascending cost
+PREFILLS = ("exact", "flash")        # SphRunner(prefill=): how the prompt and its votes are made
 RECENT = 64                          # prompt tokens of the "recent" segment (§2.4)
 
 
@@ -154,7 +155,14 @@ class SphRunner:
   (1, 1, 2); the gate's generated tokens are "recent").
   ``stats``: the full-precision prefill with observation statistics, a
   :class:`~pask_jax.baselines.masked.MaskedRunner` of this batch and capacity that several
-  runners of one model may share (one compile); configured here as SnapKV with ``obs``."""
+  runners of one model may share (one compile); configured here as SnapKV with ``obs``.
+  ``prefill``: "exact" (default) that runner — f32 attention over a dense f32 scratch cache of
+  the whole capacity, probabilities materialized, O(T · capacity) per layer; "flash" the prompt
+  in one chunk through :func:`pask_jax.kv_dense.causal_attention` (cuDNN's flash attention on a
+  GPU) with the window's votes from the last ``obs`` queries alone
+  (:func:`pask_jax.baselines.snapkv.window_votes`, O(obs · T)), K/V kept for the prompt only:
+  the prefill at the hardware's pace (G6's denominator), same statistics up to bf16 rounding of
+  the attention (one device)."""
   reads_segments = True   # begin(..., segments=): retrieved evidence priced by ω (decode.generate)
 
   def __init__(self, model: nnx.Module, *, batch: int, capacity: int,
@@ -164,7 +172,7 @@ class SphRunner:
                tags: bool = False, decode: str = "fixed", heads: str = "own",
                omega=V.OMEGA, stats: MaskedRunner | None = None,
                mesh: jax.sharding.Mesh | None = None, backend: str = "reference",
-               kernel_knobs: dict | None = None):
+               kernel_knobs: dict | None = None, prefill: str = "exact"):
     """``mesh``: tensor parallelism over a 1-D ``model`` mesh (:mod:`pask_jax.mesh`; see
     :meth:`state_sharding`): the weights, the window and BF16 pool (by KV head) as
     :class:`~pask_jax.decode.PaskRunner`'s, each tier pool split on its page axis (device i
@@ -219,6 +227,21 @@ class SphRunner:
     self.tag_policy = None
     self.traces = Traces()
     self._control_jit = None
+    if prefill not in PREFILLS:
+      raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
+    self.prefill_mode = prefill
+    if prefill == "flash":
+      if self.tp_mesh is not None:
+        raise ValueError("prefill 'flash' runs on one device; on a mesh use prefill 'exact'")
+      if stats is not None:
+        raise ValueError("stats is the exact prefill's runner; prefill 'flash' takes none")
+      self._stats = None
+      self._flash = jax.jit(self._prefill_flash)
+      self.commit = jax.jit(self._commit)
+      self.step = recycle.step_jit(self._step, recycle.logits_like(batch, self.cfg.vocab_size),
+                                   donate_argnums=(2,))
+      self.select = _select
+      return
     if stats is None:
       stats = MaskedRunner(model, batch=batch, capacity=capacity, mesh=self.tp_mesh)
     elif stats.batch != batch or stats.capacity != capacity:
@@ -468,15 +491,20 @@ class SphRunner:
     writes; G6's control-plane share), each waited for, so only pass it when timing."""
     if self.rho is None:
       raise RuntimeError("SphRunner.configure(budget) first")
-    self._stats.configure(Config("snapkv", obs=self.obs))   # a shared runner: ours again
     t0 = time.perf_counter()
-    st = self._stats.new_state(lengths)
-    logits, st = Runner.prefill_all(self._stats, st, tokens, lengths)
+    Tn = tokens.shape[1]
+    if self._stats is None:   # prefill "flash": one chunk, K/V and votes of the prompt only
+      logits, (k, v, score) = self._flash(self.params, jnp.asarray(tokens),
+                                          jnp.asarray(lengths, jnp.int32))
+    else:
+      self._stats.configure(Config("snapkv", obs=self.obs))   # a shared runner: ours again
+      st = self._stats.new_state(lengths)
+      logits, st = Runner.prefill_all(self._stats, st, tokens, lengths)
+      k, v, score = st.k[:, :, :Tn], st.v[:, :, :Tn], st.score[..., :Tn]
     if timers is not None:
-      jax.block_until_ready((logits, st))
+      jax.block_until_ready((logits, k, v, score))
       t1 = time.perf_counter()
       timers["prefill_s"] = timers.get("prefill_s", 0.0) + t1 - t0
-    Tn = tokens.shape[1]
     rho = self._put(np.full((self.batch,), self.rho, np.float32))
     tpol = cands = None
     if self.needs_policy:
@@ -485,7 +513,6 @@ class SphRunner:
     retrieved = retrieved_mask(segments, lengths, Tn, self.batch)
     if retrieved is not None:
       retrieved = self._put(retrieved)
-    k, v, score = st.k[:, :, :Tn], st.v[:, :, :Tn], st.score[..., :Tn]
     if timers is not None:   # the slices are the commit's inputs, not its work
       jax.block_until_ready((k, v, score))
       t1 = time.perf_counter()
@@ -495,6 +522,29 @@ class SphRunner:
       jax.block_until_ready((cache, sph, plan))
       timers["commit_s"] = timers.get("commit_s", 0.0) + time.perf_counter() - t1
     return logits, cache, sph, plan, rho
+
+  def _prefill_flash(self, params, tokens, lengths):
+    """Prefill "flash": tokens [B, T] (right-padded prompts of ``lengths`` [B]) in one chunk ->
+    (last-prompt-token logits [B, V], (k, v [L, B, T, Hkv, D] bf16 post-RoPE, score [L, B, Hkv,
+    T] the observation window's votes))."""
+    self.traces["prefill"] += 1
+    model = nnx.merge(self.graphdef, params)
+    c = self.cfg
+    B, Tn = tokens.shape
+    n = lengths.astype(jnp.int32)
+    kv = jnp.zeros((c.n_layers, B, Tn, c.n_kv_heads, c.head_dim), jnp.bfloat16)
+    carry = (kv, kv, jnp.zeros((c.n_layers, B, c.n_kv_heads, Tn), jnp.float32))
+
+    def attend(carry, layer, q, k, v, positions):
+      ks, vs, score = carry
+      o = kv_dense.causal_attention(q, k.astype(q.dtype), v.astype(q.dtype))
+      vote = snapkv.window_votes(q, k, n, self.obs)
+      return o, (ks.at[layer].set(k.astype(ks.dtype)), vs.at[layer].set(v.astype(vs.dtype)),
+                 score.at[layer].set(vote))
+
+    pos = jnp.broadcast_to(jnp.arange(Tn, dtype=jnp.int32), (B, Tn))
+    logits, carry = model(tokens, pos, carry, attend, last_only=jnp.clip(n - 1, 0, Tn - 1))
+    return logits[:, 0], carry
 
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None, segments=None,
             timers: dict | None = None):
