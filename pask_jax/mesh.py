@@ -283,7 +283,7 @@ def compressing_jits(fns, mesh: Mesh | None, params, state_sharding, *, shard_vo
   named, so each compiles once.  ``step_inputs``: the step's replicated inputs after the
   parameters and the state; ``logits``: the step's logits, recycled on one GPU
   (:func:`pask_jax.recycle.step_jit`).  The step's and the select's ``how`` (the sampler's
-  branches, :func:`pask_jax.sample.sample`) are static; on a mesh the step takes it by position."""
+  branches, :func:`pask_jax.sample.sample`) are static; on a mesh both take it by position."""
   prefill, compress, step, select = fns
   if mesh is None:
     return (jax.jit(prefill, donate_argnums=(1,)), jax.jit(compress, donate_argnums=(0,)),
