@@ -48,6 +48,7 @@ def main(argv=None) -> int:
   import numpy as np
   from models import ModelConfig, load, random_model
   from pask_jax.decode import Runner
+  from pask_jax.sample import how_of
 
   dtype = {"auto": jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16,
            "float32": jnp.float32, "bfloat16": jnp.bfloat16}[a.dtype]
@@ -72,11 +73,12 @@ def main(argv=None) -> int:
       bits = jnp.full((B, -(-V // 32)), -1, jnp.int32)
       key, zero, one = jax.random.key(0), jnp.zeros((B,)), jnp.ones((B,))
       nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-      nxt, _, cache = runner.step(runner.params, cache, nxt, bits, key, zero, one)  # compile
+      how = how_of(0.0, 1.0)   # greedy: the sampler's branch static (no conditional)
+      nxt, _, cache = runner.step(runner.params, cache, nxt, bits, key, zero, one, how)  # compile
       nxt.block_until_ready()
       t0 = time.perf_counter()
       for _ in range(a.steps):
-        nxt, _, cache = runner.step(runner.params, cache, nxt, bits, key, zero, one)
+        nxt, _, cache = runner.step(runner.params, cache, nxt, bits, key, zero, one, how)
       nxt.block_until_ready()
       dt = (time.perf_counter() - t0) / a.steps
       # Bytes a step must read at least: all weights + the K/V of the whole capacity.

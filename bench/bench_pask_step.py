@@ -84,6 +84,7 @@ def main(argv=None) -> int:
   from pask_jax import cache as pc, controller, ledger, policy as P
   from pask_jax.decode import PaskRunner, Runner
   from pask_jax.recycle import Recycler, logits_like
+  from pask_jax.sample import how_of
   from pask_jax.tracker import FREE_TAG
 
   t_start = time.perf_counter()
@@ -253,13 +254,14 @@ def main(argv=None) -> int:
           fc = {"c": full.new_cache()._replace(length=jnp.full((B,), C, jnp.int32))}
           bits = jnp.full((B, -(-cfg.vocab_size // 32)), -1, jnp.int32)
           z, o, key = jnp.zeros((B,)), jnp.ones((B,)), jax.random.key(0)
+          how = how_of(0.0, 1.0)   # greedy: the sampler's branch static (no conditional)
 
           def fstep():
-            nxt, _, fc["c"] = full.step(full.params, fc["c"], tok, bits, key, z, o)
+            nxt, _, fc["c"] = full.step(full.params, fc["c"], tok, bits, key, z, o, how)
             return nxt
           t_full, full_launch, full_dev = timed(fstep, S)
-          hlo = full.step.lower(full.params, fc["c"], tok, bits, key, z, o).compile().as_text() \
-              if a.profile else None
+          hlo = (full.step.lower(full.params, fc["c"], tok, bits, key, z, o, how).compile()
+                 .as_text() if a.profile else None)
           prof_full = prof(f"full_{layout}_b{B}_c{C}", fstep, hlo)
           print(f"  {layout} b{B} c{C} plain-XLA Full KV: {t_full * 1e3:.2f} ms (launch "
                 f"{full_launch * 1e3:.2f}, device {full_dev * 1e3:.2f})", flush=True)

@@ -58,10 +58,11 @@ class HostRunner:
   def begin(self, tokens, lengths, prompt_tags=None):
     return None, None
 
-  def select(self, logits, bits, key, temp, top_p):
+  def select(self, logits, bits, key, temp, top_p, how=None):
     return self._pick(bits)
 
-  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temp, top_p):
+  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temp, top_p,
+              how=None):
     self.steps += 1
     return self._pick(bits), state
 

@@ -43,6 +43,7 @@ def measure(model, method: str, batch: int, context: int, steps: int, repeats: i
   import numpy as np
   from pask_jax import tags as T
   from pask_jax.decode import capacity_for, pad_prompts
+  from pask_jax.sample import how_of
   from pask_jax.spherical.runner import SphRunner
   from pask_jax.tracker import FREE_TAG
   cfg = model.cfg
@@ -58,11 +59,12 @@ def measure(model, method: str, batch: int, context: int, steps: int, repeats: i
   state_ids, active = np.full((batch,), -1, np.int32), np.ones((batch,), bool)
   bits = np.full((batch, -(-cfg.vocab_size // 32)), -1, np.int32)
   temp, top_p = np.zeros((batch,), np.float32), np.ones((batch,), np.float32)
+  how = how_of(temp, top_p)   # greedy: the sampler's branch static (no conditional)
   key = jax.random.key(seed)
   nxt = rng.integers(1, cfg.vocab_size, batch).astype(np.int32)
 
   def step(state):
-    return r.advance(state, nxt, tag_ids, state_ids, active, bits, key, temp, top_p)[1]
+    return r.advance(state, nxt, tag_ids, state_ids, active, bits, key, temp, top_p, how)[1]
 
   t0 = time.perf_counter()
   _, state = r.begin(tokens, lengths)

@@ -745,6 +745,7 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
                      "leave the temperature at 0")
   from pask_jax.grammar.matcher import new_bitmask
   from pask_jax.prompt import Prompt
+  from pask_jax.sample import how_of
   from pask_jax.tracker import FREE_TAG
   task = s.task
   rc, cases = _resolved(s, rc, cases, "W1 documents")
@@ -780,11 +781,12 @@ def run_lm(s: "Session", rc: RunConfig, out: str | None = None, *,
     state_ids = jnp.full((B,), -1, jnp.int32)
     active = jnp.asarray(np.arange(B) < n)
     temp, top_p = jnp.zeros((B,), jnp.float32), jnp.ones((B,), jnp.float32)
+    how = how_of(0.0, 1.0)   # greedy (the tokens are unused): no sampling branch in the step
     key = jax.random.key(0)
     scores = []
     for j in range(K):
       _, logits, state = runner.advance_logits(state, jnp.asarray(fed[j]), tag_ids, state_ids,
-                                               active, bits, key, temp, top_p)
+                                               active, bits, key, temp, top_p, how)
       scores.append(nll(logits, jnp.asarray(tgt[j])))
     scores = np.asarray(jnp.stack(scores))                           # [K, B]
     t3 = time.perf_counter()

@@ -20,6 +20,7 @@ the results of :func:`pask_jax.decode.generate`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -34,6 +35,7 @@ from pask_jax.tracker import with_positions
 from pask_jax import policy as P
 from pask_jax.launch import Launcher
 from pask_jax.recycle import Recycler, logits_like, upload
+from pask_jax.sample import how_of
 from pask_jax import tags as T
 
 from calibrate.shared import Forest, accept_rows
@@ -114,8 +116,16 @@ class StackRunner(dec.PaskRunner):
     sm = lambda f, ins: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=rows,
                                               check_vma=False))
     self.commit = sm(self.local._commit, (rows, rows, rep, rep, rep, rep))
-    self.step = sm(self.local._step, (rep, rows, rows, rows, rows, rows, rows, rows, rep, rows,
-                                      rows))
+    local_step = self.local._step
+
+    def step(params, policy, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
+             top_p, how=None):   # ``how``: the sampler's branches, static (PaskRunner.step's)
+      return jax.shard_map(functools.partial(local_step, how=how), mesh=mesh, out_specs=rows,
+                           in_specs=(rep, rows, rows, rows, rows, rows, rows, rows, rep, rows,
+                                     rows), check_vma=False)(
+          params, policy, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
+          top_p)
+    self.step = jax.jit(step, static_argnames=("how",))
     self.forward = jax.jit(jax.shard_map(self.local._forward, mesh=mesh,
                                          in_specs=(rep,) + (rows,) * 6, out_specs=rows,
                                          check_vma=False), donate_argnums=(2,))
@@ -335,7 +345,7 @@ def generate_overlapped(runner: StackRunner, tokenizer, prompts: Sequence[Sequen
   sampled = sampling.temperature > 0    # greedy picks ignore the key: no split per step
   # the pick's branches, static: a device-side conditional would make each pick's launch wait
   # for the forward before it (pask_jax.sample.sample)
-  how = (bool(sampled), bool(sampled and sampling.top_p < 1))
+  how = how_of(sampling.temperature, sampling.top_p)
 
   t0 = clock()
   tokens, lengths = dec.pad_prompts(prompts, B, runner.capacity)

@@ -41,7 +41,7 @@ from pask_jax.traces import Traces
 from pask_jax import tags as T
 from pask_jax import actions as Act
 from pask_jax.grammar.matcher import Grammar, new_bitmask
-from pask_jax.sample import apply_bitmask, sample
+from pask_jax.sample import apply_bitmask, how_of, sample
 from pask_jax.tracker import FREE_TAG, Tracker, with_positions
 
 PREFILL_BUCKET = 64
@@ -124,7 +124,7 @@ class Runner:
     self.prefill = jax.jit(self._prefill, donate_argnums=(1,), in_shardings=(ps, cs, rep, rep, rep),
                            out_shardings=(lg, cs))
     self.step = jax.jit(self._step, donate_argnums=(1,), in_shardings=(ps, cs) + (rep,) * 5,
-                        out_shardings=(rep, lg, cs))
+                        out_shardings=(rep, lg, cs), static_argnames=("how",))
     self.select = jax.jit(self._select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep,
                           static_argnames=("how",))
 
@@ -190,8 +190,13 @@ class Runner:
       logits = part if logits is None else jnp.where(mine, part, logits)
       yield (logits if start + chunk >= T else None), cache
 
-  def _step(self, params, cache, tokens, bits, key, temperature, top_p):
-    """tokens [B] (the last accepted) -> (next tokens [B], logits [B, V], cache)."""
+  def _step(self, params, cache, tokens, bits, key, temperature, top_p, how=None):
+    """tokens [B] (the last accepted) -> (next tokens [B], logits [B, V], cache).
+
+    ``how`` (static, by position or keyword; on a mesh by position only): the sampler's
+    branches, :func:`pask_jax.sample.how_of` of ``temperature`` and ``top_p``; None: chosen on
+    the device by ``lax.cond`` (:func:`pask_jax.sample.sample`), which XLA's GPU runtime runs on
+    the host, waiting for the device there."""
     self.traces["step"] += 1
     model = nnx.merge(self.graphdef, params)
     pos = cache.length[:, None]
@@ -199,7 +204,7 @@ class Runner:
     logits, cache = model(tokens[:, None], pos, cache, self.attend)
     logits = logits[:, 0]
     with jax.named_scope("sample"):
-      nxt = self._select(logits, bits, key, temperature, top_p)
+      nxt = self._select(logits, bits, key, temperature, top_p, how)
     return nxt, logits, cache
 
   def _select(self, logits, bits, key, temperature, top_p, how=None):
@@ -214,17 +219,20 @@ class Runner:
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     return self.prefill_all(self.new_cache(), tokens, lengths)
 
-  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p,
+              how=None):
     nxt, _, state = self.advance_logits(state, tokens, tag_ids, state_ids, active, bits, key,
-                                        temperature, top_p)
+                                        temperature, top_p, how)
     return nxt, state
 
   def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
-                     top_p):
+                     top_p, how=None):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
     the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
-    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
-    return self.step(self.params, state, tokens, bits, key, temperature, top_p)
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`).  ``how``:
+    the sampler's static branches, :func:`pask_jax.sample.how_of` of ``temperature`` and
+    ``top_p`` (None: chosen on the device, :func:`pask_jax.sample.sample`)."""
+    return self.step(self.params, state, tokens, bits, key, temperature, top_p, how)
 
   def report(self, state) -> list[dict] | None:
     return None
@@ -298,7 +306,7 @@ class PaskRunner:
                                  out_shardings=(lg, cs, rep, rep, rep))
       self.step = jax.jit(self._step, donate_argnums=(2,),
                           in_shardings=(ps, rep, (cs, rep, rep)) + (rep,) * 8,
-                          out_shardings=(rep, lg, (cs, rep, rep)))
+                          out_shardings=(rep, lg, (cs, rep, rep)), static_argnames=("how",))
     self.select = self._dense.select
     self.param_bytes = self._dense.param_bytes
 
@@ -408,12 +416,14 @@ class PaskRunner:
     return logits, cache, budget, led, actions
 
   def _step(self, params, policy, state, tokens, tag_ids, state_ids, active, bits, key,
-            temperature, top_p):
+            temperature, top_p, how=None):
+    """:meth:`decode_fn`, then the sampler (``how``, static: :meth:`Runner._step`'s) -> (next
+    tokens [B], logits [B, V], (cache, budget, ledger))."""
     cache, budget, led = state
     logits, cache, budget, led, _ = self.decode_fn(params, policy, cache, budget, led, tokens,
                                                    tag_ids, state_ids, active)
     with jax.named_scope("sample"):
-      nxt = self._dense._select(logits, bits, key, temperature, top_p)
+      nxt = self._dense._select(logits, bits, key, temperature, top_p, how)
     return nxt, logits, (cache, budget, led)
 
   # --- the session protocol used by generate() ----------------------------------------------
@@ -427,18 +437,21 @@ class PaskRunner:
                         jnp.asarray(cands), jnp.asarray(lengths))
     return logits, state
 
-  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p,
+              how=None):
     nxt, _, state = self.advance_logits(state, tokens, tag_ids, state_ids, active, bits, key,
-                                        temperature, top_p)
+                                        temperature, top_p, how)
     return nxt, state
 
   def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
-                     top_p):
+                     top_p, how=None):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
     the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
-    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`).  ``how``:
+    the sampler's static branches, :func:`pask_jax.sample.how_of` of ``temperature`` and
+    ``top_p`` (None: chosen on the device, :func:`pask_jax.sample.sample`)."""
     return self.step(self.params, P.lean(self.policy), state, tokens, tag_ids, state_ids, active,
-                     bits, key, temperature, top_p)
+                     bits, key, temperature, top_p, how)
 
   def report(self, state) -> list[dict]:
     return ledger.summary(state[2], self.policy)
@@ -547,6 +560,10 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
   optional per-prompt ``bool[n]`` marks of retrieved evidence (a document, a tool output), for a
   runner that prices segments (``reads_segments``: Spherical KV's RDR).  With a
   :class:`PaskRunner` each result carries the request's ledger in ``Result.ledger``.
+
+  The runner's ``select`` and ``advance`` get the sampler's static ``how`` last, by position
+  (:func:`pask_jax.sample.how_of` of ``sampling``; every row samples alike): no step carries a
+  device-side conditional.
   """
   B, V = runner.batch, runner.cfg.vocab_size
   n = len(prompts)
@@ -573,6 +590,9 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     trackers = with_positions(trackers, position_bins(pol))
   stops = set(tokenizer.stop_ids)
   sampled = sampling.temperature > 0
+  # the sampler's branches, static (every row samples alike): no device-side conditional in the
+  # step, which XLA's GPU runtime would run on the host, waiting for the device there
+  how = how_of(sampling.temperature, sampling.top_p)
   put = recycle.upload   # inputs as transfers, not jnp.asarray's program per input
   temp = jnp.full((B,), sampling.temperature, jnp.float32)
   top_p = jnp.full((B,), sampling.top_p, jnp.float32)
@@ -597,7 +617,7 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
   active = [True] * n + [False] * (B - n)
   fill(active)
   key, sub = jax.random.split(key)
-  nxt = np.asarray(runner.select(logits, put(bits), sub, temp, top_p))
+  nxt = np.asarray(runner.select(logits, put(bits), sub, temp, top_p, how))
   t1 = time.perf_counter()
   out: list[list[int]] = [[] for _ in range(n)]
   finish = ["length"] * n
@@ -621,7 +641,8 @@ def generate(runner, tokenizer, prompts: Sequence[Sequence[int]], *,
     if sampled:   # greedy picks ignore the key: no split (one more launch) per step
       key, sub = jax.random.split(key)
     nxt_dev, state = runner.advance(state, put(nxt), put(tag_ids), put(state_ids),
-                                    put(np.asarray(active, bool)), put(bits), sub, temp, top_p)
+                                    put(np.asarray(active, bool)), put(bits), sub, temp, top_p,
+                                    how)
     nxt = np.asarray(nxt_dev)
   t2 = time.perf_counter()
   reports = runner.report(state) or [None] * n

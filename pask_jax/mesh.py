@@ -282,19 +282,22 @@ def compressing_jits(fns, mesh: Mesh | None, params, state_sharding, *, shard_vo
   without a mesh; on one, the parameters', state's (``state_sharding()``) and logits' shardings
   named, so each compiles once.  ``step_inputs``: the step's replicated inputs after the
   parameters and the state; ``logits``: the step's logits, recycled on one GPU
-  (:func:`pask_jax.recycle.step_jit`)."""
+  (:func:`pask_jax.recycle.step_jit`).  The step's and the select's ``how`` (the sampler's
+  branches, :func:`pask_jax.sample.sample`) are static; on a mesh both take it by position."""
   prefill, compress, step, select = fns
   if mesh is None:
     return (jax.jit(prefill, donate_argnums=(1,)), jax.jit(compress, donate_argnums=(0,)),
-            recycle.step_jit(step, logits, donate_argnums=(1,)), jax.jit(select))
+            recycle.step_jit(step, logits, donate_argnums=(1,)),
+            jax.jit(select, static_argnames=("how",)))
   ps, rep, lg = step_shardings(mesh, params, shard_vocab=shard_vocab)
   ss = state_sharding()
   return (jax.jit(prefill, donate_argnums=(1,), in_shardings=(ps, ss, rep, rep, rep),
                   out_shardings=(lg, ss)),
           jax.jit(compress, donate_argnums=(0,), in_shardings=(ss,), out_shardings=ss),
           jax.jit(step, donate_argnums=(1,), in_shardings=(ps, ss) + (rep,) * step_inputs,
-                  out_shardings=(rep, lg, ss)),
-          jax.jit(select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep))
+                  out_shardings=(rep, lg, ss), static_argnames=("how",)),
+          jax.jit(select, in_shardings=(lg,) + (rep,) * 4, out_shardings=rep,
+                  static_argnames=("how",)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

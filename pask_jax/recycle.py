@@ -19,6 +19,7 @@ plain ``jax.jit`` and their logits stay valid.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any, Callable, Sequence
 
@@ -33,14 +34,16 @@ class Recycler:
 
   ``like``: a ``jax.ShapeDtypeStruct`` of the logits (with its sharding on a mesh); the first
   call donates zeros of it.  ``in_shardings``: ``fn``'s, without the recycled buffer (``like``'s
-  sharding is added for it).  Calls take and return exactly what ``fn`` does."""
+  sharding is added for it).  ``static_argnames``: ``fn``'s static arguments (a runner step's
+  ``how``), by position or by keyword.  Calls take and return exactly what ``fn`` does."""
 
   def __init__(self, fn: Callable, like: jax.ShapeDtypeStruct, *,
                donate_argnums: Sequence[int] = (), out: int = 0,
-               in_shardings: Any = None, out_shardings: Any = None):
-    def inner(spent, *args):
+               in_shardings: Any = None, out_shardings: Any = None,
+               static_argnames: Sequence[str] = ()):
+    def inner(spent, *args, **static):
       del spent   # donated: XLA writes the new logits into its buffer
-      return fn(*args)
+      return fn(*args, **static)
     # the compiled module's name (profiles, dumps): the step's own
     inner.__name__ = inner.__qualname__ = getattr(fn, "__name__", "step")
 
@@ -49,9 +52,14 @@ class Recycler:
       kw["in_shardings"] = (like.sharding,) + tuple(in_shardings)
     if out_shardings is not None:
       kw["out_shardings"] = out_shardings
+    # ``inner`` takes ``fn``'s arguments as ``*args``: their static positions from ``fn``'s
+    static_argnums = () if not static_argnames else tuple(
+        i + 1 for i, name in enumerate(inspect.signature(fn).parameters)
+        if name in static_argnames)
     # keep_unused: an unused argument is otherwise pruned, and with it the donation
     self._jit = jax.jit(inner, donate_argnums=(0,) + tuple(i + 1 for i in donate_argnums),
-                        keep_unused=True, **kw)
+                        keep_unused=True, static_argnums=static_argnums,
+                        static_argnames=tuple(static_argnames), **kw)
     self.like, self.out = like, out
     self._spent = None
     self._lock = threading.Lock()   # one caller at a time takes and replaces the buffer
@@ -61,18 +69,18 @@ class Recycler:
     sharding = getattr(self.like, "sharding", None)
     return z if sharding is None else jax.device_put(z, sharding)
 
-  def __call__(self, *args):
+  def __call__(self, *args, **static):
     with self._lock:
       spent, self._spent = self._spent, None   # a failed call leaves none to donate twice
       if spent is None or spent.is_deleted():   # first call, or a caller donated it itself
         spent = self._fresh()
-      result = self._jit(spent, *args)
+      result = self._jit(spent, *args, **static)
       self._spent = _at(result, self.out)
       return result
 
-  def lower(self, *args):
+  def lower(self, *args, **static):
     """``jax.jit``'s ``lower`` of one call (with a fresh recycled buffer)."""
-    return self._jit.lower(self._fresh(), *args)
+    return self._jit.lower(self._fresh(), *args, **static)
 
   @property
   def jitted(self):
@@ -96,13 +104,16 @@ def graphs() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def step_jit(fn: Callable, like: jax.ShapeDtypeStruct, *, donate_argnums: Sequence[int]):
+def step_jit(fn: Callable, like: jax.ShapeDtypeStruct, *, donate_argnums: Sequence[int],
+             static_argnames: Sequence[str] = ("how",)):
   """A runner's single-device ``step`` (``-> (next tokens, logits, state)``) jitted with
-  ``donate_argnums``: on a GPU a :class:`Recycler` of its logits (valid until the next step;
-  ``generate`` and the scoring loops read them before), elsewhere plain ``jax.jit``."""
+  ``donate_argnums`` and ``static_argnames`` (the sampler's ``how``: by position or keyword):
+  on a GPU a :class:`Recycler` of its logits (valid until the next step; ``generate`` and the
+  scoring loops read them before), elsewhere plain ``jax.jit``."""
   if not graphs():
-    return jax.jit(fn, donate_argnums=donate_argnums)
-  return Recycler(fn, like, donate_argnums=donate_argnums, out=1)
+    return jax.jit(fn, donate_argnums=donate_argnums, static_argnames=static_argnames)
+  return Recycler(fn, like, donate_argnums=donate_argnums, out=1,
+                  static_argnames=static_argnames)
 
 
 def logits_like(batch: int, vocab: int, sharding=None) -> jax.ShapeDtypeStruct:

@@ -1,12 +1,15 @@
 """Token selection inside jit: grammar bitmask, greedy, temperature and nucleus (top-p) sampling.
 
 Temperature and top-p are per-sequence *traced* arrays, so changing them never recompiles;
-temperature <= 0 means greedy.
+temperature <= 0 means greedy.  Which branches a batch needs (greedy only, sampling, top-p) is
+either decided on the device (``lax.cond``) or passed as the static ``how`` (:func:`how_of`),
+one executable per combination.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def unpack_bitmask(bits: jax.Array, vocab_size: int) -> jax.Array:
@@ -28,8 +31,8 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array,
   Greedy decoding pays for an argmax alone, and the sort that top-p needs runs only when some
   sampling row asks for top_p < 1: on the CPU a [4, 49152] sort took 88 ms, the plain draw 5 ms.
   ``how`` (static): ``(some row samples, some sampling row has top_p < 1)`` as the caller knows
-  them; None: decided on the device by ``lax.cond`` -- which XLA's GPU runtime evaluates on the
-  host, waiting for the device there (a call that must not wait passes ``how``).
+  them (:func:`how_of`); None: decided on the device by ``lax.cond`` -- which XLA's GPU runtime
+  evaluates on the host, waiting for the device there (a call that must not wait passes ``how``).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if how is not None:
@@ -37,6 +40,15 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         else greedy
   return jax.lax.cond(jnp.any(temperature > 0),
                       lambda: nucleus(logits, key, temperature, top_p, greedy), lambda: greedy)
+
+
+def how_of(temperature, top_p) -> tuple[bool, bool]:
+  """:func:`sample`'s static ``how`` from the host's sampling values (scalars, or one per row:
+  every row, as the device-side conditions read them, in float32): ``(some row samples, some
+  sampling row has top_p < 1)``.  Tokens are the same as with ``how=None``: a branch that is on
+  leaves the rows that do not need it as they were."""
+  t, p = np.asarray(temperature, np.float32), np.asarray(top_p, np.float32)
+  return bool((t > 0).any()), bool(((p < 1) & (t > 0)).any())
 
 
 def _draw(key: jax.Array, logits: jax.Array) -> jax.Array:

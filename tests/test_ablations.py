@@ -252,10 +252,10 @@ def test_generate_feeds_a_no_transition_policy_position_bins():
     def begin(self, tokens, lengths, prompt_tags):
       return jnp.zeros((1, 64)), None
 
-    def select(self, logits, bits, key, temp, top_p):
+    def select(self, logits, bits, key, temp, top_p, how=None):
       return jnp.asarray([5])
 
-    def advance(self, state, nxt, tag_ids, state_ids, live, bits, key, temp, top_p):
+    def advance(self, state, nxt, tag_ids, state_ids, live, bits, key, temp, top_p, how=None):
       self.seen.append((int(np.asarray(tag_ids)[0, 0]), int(np.asarray(state_ids)[0])))
       return jnp.asarray([5]), None
 

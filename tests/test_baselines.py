@@ -14,6 +14,7 @@ from pask_jax.baselines import budget as BU
 from pask_jax.baselines import h2o, int4, mikv, rocketkv, snapkv, streaming
 from pask_jax.baselines.masked import Config, MaskedRunner, plan, qdq
 from pask_jax.decode import PaskRunner, Runner, Sampling, generate
+from pask_jax.sample import how_of
 
 pytestmark = pytest.mark.fast_compile
 
@@ -269,7 +270,8 @@ def test_rocketkv_runner_keeps_its_prompt_ratio_and_every_generated_entry(tiny):
   off = jnp.full((4, 4), -1, jnp.int32)
   args = (off, jnp.full((4,), -1, jnp.int32), jnp.ones((4,), bool),
           jnp.full((4, (m.cfg.vocab_size + 31) // 32), -1, jnp.int32), jax.random.key(0),
-          jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32))
+          jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32),
+          how_of(0.0, 1.0))   # greedy, as generate's steps above (one compile)
   step = {}
   for frac in (0.05, 8.0):
     mr.configure(Config("rocketkv", ratio=r, obs=obs, kernel=31, read_frac=frac))

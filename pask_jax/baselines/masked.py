@@ -289,8 +289,9 @@ class MaskedRunner:
 
   # --- decode ----------------------------------------------------------------------------------
 
-  def _step(self, params, st: State, tokens, active, bits, key, temperature, top_p):
-    """One token per sequence: write, attend over kept entries, accumulate, evict / demote."""
+  def _step(self, params, st: State, tokens, active, bits, key, temperature, top_p, how=None):
+    """One token per sequence: write, attend over kept entries, accumulate, evict / demote; then
+    the sampler (``how``, static: :meth:`pask_jax.decode.Runner._step`'s)."""
     self.traces["step"] += 1
     model = nnx.merge(self.graphdef, params)
     B, S = self.batch, self.capacity
@@ -354,24 +355,27 @@ class MaskedRunner:
     a = active.astype(jnp.int32)
     st = st._replace(length=st.length + a, n_gen=st.n_gen + a)
     logits = logits[:, 0]
-    return self._select(logits, bits, key, temperature, top_p), logits, st
+    return self._select(logits, bits, key, temperature, top_p, how), logits, st
 
   # --- the session protocol used by generate() ------------------------------------------------
 
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     return self.prefill_all(self.new_state(lengths), tokens, lengths)
 
-  def advance(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+  def advance(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p,
+              how=None):
     nxt, _, st = self.advance_logits(st, tokens, tag_ids, state_ids, active, bits, key,
-                                     temperature, top_p)
+                                     temperature, top_p, how)
     return nxt, st
 
   def advance_logits(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature,
-                     top_p):
+                     top_p, how=None):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
     the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
-    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
-    return self.step(self.params, st, tokens, active, bits, key, temperature, top_p)
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`).  ``how``:
+    the sampler's static branches, :func:`pask_jax.sample.how_of` of ``temperature`` and
+    ``top_p`` (None: chosen on the device, :func:`pask_jax.sample.sample`)."""
+    return self.step(self.params, st, tokens, active, bits, key, temperature, top_p, how)
 
   def report(self, st: State) -> list[dict]:
     """Per request: retained entries (H and INT4) and measured B, prompt / generated / total."""

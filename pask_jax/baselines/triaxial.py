@@ -446,9 +446,11 @@ class TriaxialRunner:
     logits, st = Runner.prefill_all(self, st, tokens, lengths)
     return logits, self.compress(st)
 
-  def _step(self, params, st: State, tokens, tag_ids, active, bits, key, temperature, top_p):
+  def _step(self, params, st: State, tokens, tag_ids, active, bits, key, temperature, top_p,
+            how=None):
     """One token per sequence: record its tags, store it BF16, move the token leaving the tail to
-    its width, attend over everything stored."""
+    its width, attend over everything stored; then the sampler (``how``, static:
+    :meth:`pask_jax.decode.Runner._step`'s)."""
     self.traces["step"] += 1
     model = nnx.merge(self.graphdef, params)
     B = self.batch
@@ -484,24 +486,28 @@ class TriaxialRunner:
     logits, st = model(tokens[:, None], pos[:, None], st._replace(tags=tags), attend)
     st = st._replace(n_gen=st.n_gen + active.astype(jnp.int32))
     logits = logits[:, 0]
-    return self._select(logits, bits, key, temperature, top_p), logits, st
+    return self._select(logits, bits, key, temperature, top_p, how), logits, st
 
   # --- the session protocol used by generate() ------------------------------------------------
 
   def begin(self, tokens: np.ndarray, lengths: np.ndarray, prompt_tags=None):
     return self.prefill_all(self.new_state(prompt_tags, lengths), tokens, lengths)
 
-  def advance(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+  def advance(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p,
+              how=None):
     nxt, _, st = self.advance_logits(st, tokens, tag_ids, state_ids, active, bits, key,
-                                     temperature, top_p)
+                                     temperature, top_p, how)
     return nxt, st
 
   def advance_logits(self, st, tokens, tag_ids, state_ids, active, bits, key, temperature,
-                     top_p):
+                     top_p, how=None):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
     the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
-    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
-    return self.step(self.params, st, tokens, tag_ids, active, bits, key, temperature, top_p)
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`).  ``how``:
+    the sampler's static branches, :func:`pask_jax.sample.how_of` of ``temperature`` and
+    ``top_p`` (None: chosen on the device, :func:`pask_jax.sample.sample`)."""
+    return self.step(self.params, st, tokens, tag_ids, active, bits, key, temperature, top_p,
+                     how)
 
   def report(self, st: State) -> list[dict]:
     """Per request: stored bits by the width map (end of request), measured B and the

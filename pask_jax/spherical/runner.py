@@ -124,7 +124,9 @@ def _fp16(x):
   return jnp.minimum(x, spherical.FP16_MAX).astype(jnp.float16).astype(jnp.float32)
 
 
-_select = jax.jit(lambda lg, bits, key, t, p: sample(apply_bitmask(lg, bits), key, t, p))
+# ``how``: the sampler's static branches (pask_jax.sample.sample)
+_select = jax.jit(lambda lg, bits, key, t, p, how=None: sample(apply_bitmask(lg, bits), key, t, p,
+                                                               how=how), static_argnames=("how",))
 
 
 def _control_state_bytes(sph) -> int:
@@ -267,7 +269,8 @@ class SphRunner:
                             out_shardings=(cs, ss, rep))
       self.step = jax.jit(self._step, donate_argnums=(2,),
                           in_shardings=(ps, rep, state) + (rep,) * 8,
-                          out_shardings=(rep, tp.logits_sharding(m), state))
+                          out_shardings=(rep, tp.logits_sharding(m), state),
+                          static_argnames=("how",))
       self.select = self._stats.select   # the mask per vocabulary shard, then one gather
 
   @classmethod
@@ -625,7 +628,9 @@ class SphRunner:
     return self._control_jit(self.tag_policy, state, tag_ids, state_ids, active)
 
   def _step(self, params, tpol, state, tokens, tag_ids, state_ids, active, bits, key,
-            temperature, top_p):
+            temperature, top_p, how=None):
+    """One token per request, then the sampler (``how``, static:
+    :meth:`pask_jax.decode.Runner._step`'s) -> (next tokens [B], logits [B, V], state)."""
     self.traces["step"] += 1
     cache, sph, rho, n_prompt, deficit = state
     model = nnx.merge(self.graphdef, params)
@@ -678,7 +683,7 @@ class SphRunner:
     masked = apply_bitmask(logits, bits)
     if self.tp_mesh is not None:   # the mask on each vocabulary shard, then one gather to sample
       masked = jax.lax.with_sharding_constraint(masked, tp.replicated(self.tp_mesh))
-    nxt = sample(masked, key, temperature, top_p)
+    nxt = sample(masked, key, temperature, top_p, how=how)
     return nxt, logits, (cache, sph, rho, n_prompt, deficit)
 
   def _window_mass(self, q, window, layer, lse):
@@ -734,21 +739,24 @@ class SphRunner:
       return out, top + jnp.log(jnp.where(den > 0, den, 1.0))
     return out
 
-  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p):
+  def advance(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature, top_p,
+              how=None):
     nxt, _, state = self.advance_logits(state, tokens, tag_ids, state_ids, active, bits, key,
-                                        temperature, top_p)
+                                        temperature, top_p, how)
     return nxt, state
 
   def advance_logits(self, state, tokens, tag_ids, state_ids, active, bits, key, temperature,
-                     top_p):
+                     top_p, how=None):
     """:meth:`advance` that also returns the step's logits ``[B, V]`` -> (next, logits, state):
     the forced-token path (feed given tokens, score them: W1 of :mod:`calibrate.longctx`).
-    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`)."""
+    On one GPU the logits are valid until the next step (:mod:`pask_jax.recycle`).  ``how``:
+    the sampler's static branches, :func:`pask_jax.sample.how_of` of ``temperature`` and
+    ``top_p`` (None: chosen on the device, :func:`pask_jax.sample.sample`)."""
     tpol = self.tag_policy if self.needs_policy else None
     tags = tag_ids if self.needs_policy else None
     sids = state_ids if self.plan == "pask" else None
     return self.step(self.params, tpol, state, tokens, tags, sids, active, bits, key,
-                     temperature, top_p)
+                     temperature, top_p, how)
 
   # --- accounting ------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from pask_jax import actions as Act
 from pask_jax.decode import PaskRunner, prompt_candidates
 from pask_jax.launch import Launcher
 from pask_jax.recycle import Recycler, logits_like, upload
-from pask_jax.sample import apply_bitmask, sample
+from pask_jax.sample import apply_bitmask, how_of as sample_how, sample
 from serve.engine.pages import NoPages, PagePools
 from serve.engine.sizing import bucket, dense_sizing, reachable, size_pools, worst_pages
 
@@ -81,9 +81,8 @@ def pick(logits, bits, seeds, steps, temperature, top_p, want_lp, *, gather=None
 
 def how_of(temperature, top_p, want_lp) -> tuple[bool, bool, bool]:
   """:func:`pick`'s static ``how`` from the host's per-row sampling values (every row, as the
-  device-side conditions read them)."""
-  t, p = np.asarray(temperature, np.float32), np.asarray(top_p, np.float32)
-  return bool((t > 0).any()), bool(((p < 1) & (t > 0)).any()), bool(np.asarray(want_lp).any())
+  device-side conditions read them): :func:`pask_jax.sample.how_of`'s, then the log-probs'."""
+  return sample_how(temperature, top_p) + (bool(np.asarray(want_lp).any()),)
 
 
 def pick_packed(logits, packed, *, gather=None, how=None):
