@@ -8,8 +8,9 @@ prompts of random ids of that length, the backend ``auto`` (the GPU tier kernels
 jnp reference on a CPU).  One begin and one step first (the compiles), then:
 
 * ``--repeats`` begins with ``timers`` (best of): ``prefill_ms`` (the full-precision prefill,
-  with the observation statistics RDR's features read) and ``commit_ms`` (the features, the
-  RDR plan, the tier encode, the cache writes); ``commit_share`` = commit / prefill;
+  with the observation statistics RDR's features read; ``--prefill exact flash``: the runner's
+  scratch-cache prefill and/or its one-chunk flash-attention prefill) and ``commit_ms`` (the
+  features, the RDR plan, the tier encode, the cache writes); ``commit_share`` = commit / prefill;
 * ``--steps`` decode steps chained (ms per step) and ``control_only`` (the step's control plane:
   the new token's route and balance, the gated rule's placement of the leaving token) called
   ``--steps`` times on the last state, back to back, waited for at the end: ``control_share``
@@ -38,7 +39,7 @@ SHAPES_EXTRA = {  # beside bench.bench_decode.SHAPES: the 1.5B coder's shape (G3
 
 
 def measure(model, method: str, batch: int, context: int, steps: int, repeats: int,
-            budget: float, seed: int = 0) -> dict:
+            budget: float, seed: int = 0, prefill: str = "exact") -> dict:
   import jax
   import numpy as np
   from pask_jax import tags as T
@@ -48,7 +49,8 @@ def measure(model, method: str, batch: int, context: int, steps: int, repeats: i
   from pask_jax.tracker import FREE_TAG
   cfg = model.cfg
   cap = capacity_for(context, steps + 2)
-  r = SphRunner.for_method(model, method, batch=batch, capacity=cap, backend="auto")
+  r = SphRunner.for_method(model, method, batch=batch, capacity=cap, backend="auto",
+                           prefill=prefill)
   if r.needs_policy:
     raise SystemExit(f"{method} needs a PASK policy: not timed here")
   r.configure(budget)
@@ -89,6 +91,7 @@ def measure(model, method: str, batch: int, context: int, steps: int, repeats: i
   control_s = (time.perf_counter() - t0) / steps
   meta = max(x["metadata_share"] for x in r.report(state))
   row = {"method": method, "batch": batch, "context": context, "budget": budget,
+         "prefill": prefill,
          "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
          "compile_s": round(compile_s, 2),
          "prefill_ms": 1e3 * best["prefill_s"], "commit_ms": 1e3 * best["commit_s"],
@@ -108,6 +111,10 @@ def main(argv=None) -> int:
   ap.add_argument("--budget", type=float, default=0.35)
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--prefill", nargs="+", default=["exact"], choices=["exact", "flash"],
+                  help="SphRunner's prefill: 'exact' (f32 attention over a scratch cache of "
+                       "the whole capacity) and/or 'flash' (cuDNN flash attention, the window's "
+                       "votes alone): the commit's share against each")
   ap.add_argument("--out", default=None, help="append the rows to this JSONL file")
   a = ap.parse_args(argv)
   import jax.numpy as jnp
@@ -123,8 +130,10 @@ def main(argv=None) -> int:
                        else jnp.bfloat16)
   for ctx in a.context:
     for m in a.methods:
-      row = {"shape": a.shape, **measure(model, m, a.batch, ctx, a.steps, a.repeats, a.budget)}
-      print_row(row, a.out)
+      for pf in a.prefill:
+        row = {"shape": a.shape, **measure(model, m, a.batch, ctx, a.steps, a.repeats, a.budget,
+                                           prefill=pf)}
+        print_row(row, a.out)
   return 0
 
 

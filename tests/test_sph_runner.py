@@ -269,12 +269,15 @@ def test_control_plane_bench_writes_its_rows(tmp_path):
   out = tmp_path / "rows.jsonl"
   assert sph_control.main(["--shape", "tiny", "--methods", "sphkv-gated", "--context", "40",
                            "--batch", "2", "--steps", "2", "--repeats", "1",
-                           "--out", str(out)]) == 0
-  (row,) = [json.loads(x) for x in out.read_text().splitlines()]
-  assert (row["method"], row["context"], row["batch"]) == ("sphkv-gated", 40, 2)
-  for k in ("prefill_ms", "commit_ms", "step_ms", "control_ms"):
-    assert row[k] > 0, k
-  assert 0 < row["metadata_share"] < 1 and set(row["met"]) == set(sph_control.GOALS)
+                           "--prefill", "exact", "flash", "--out", str(out)]) == 0
+  rows = [json.loads(x) for x in out.read_text().splitlines()]
+  assert [r["prefill"] for r in rows] == ["exact", "flash"]
+  for row in rows:
+    assert (row["method"], row["context"], row["batch"]) == ("sphkv-gated", 40, 2)
+    for k in ("prefill_ms", "commit_ms", "step_ms", "control_ms"):
+      assert row[k] > 0, k
+    assert row["commit_share"] == pytest.approx(row["commit_ms"] / row["prefill_ms"])
+    assert 0 < row["metadata_share"] < 1 and set(row["met"]) == set(sph_control.GOALS)
 
 
 def test_commit_temporaries_do_not_grow_with_the_layers():

@@ -239,21 +239,17 @@ class SphRunner:
         raise ValueError("stats is the exact prefill's runner; prefill 'flash' takes none")
       self._stats = None
       self._flash = jax.jit(self._prefill_flash)
-      self.commit = jax.jit(self._commit)
-      self.step = recycle.step_jit(self._step, recycle.logits_like(batch, self.cfg.vocab_size),
-                                   donate_argnums=(2,))
-      self.select = _select
-      return
-    if stats is None:
-      stats = MaskedRunner(model, batch=batch, capacity=capacity, mesh=self.tp_mesh)
-    elif stats.batch != batch or stats.capacity != capacity:
-      raise ValueError(f"the statistics runner has batch {stats.batch} and capacity "
-                       f"{stats.capacity}, this runner {batch} and {capacity}")
-    elif stats.tp_mesh != self.tp_mesh:
-      raise ValueError("the statistics runner runs on another mesh than this runner: make it "
-                       "with MaskedRunner(..., mesh=) of this runner's mesh")
-    self._stats = stats.configure(Config("snapkv", obs=self.obs))
-    self._stats.params = self.params
+    else:
+      if stats is None:
+        stats = MaskedRunner(model, batch=batch, capacity=capacity, mesh=self.tp_mesh)
+      elif stats.batch != batch or stats.capacity != capacity:
+        raise ValueError(f"the statistics runner has batch {stats.batch} and capacity "
+                         f"{stats.capacity}, this runner {batch} and {capacity}")
+      elif stats.tp_mesh != self.tp_mesh:
+        raise ValueError("the statistics runner runs on another mesh than this runner: make it "
+                         "with MaskedRunner(..., mesh=) of this runner's mesh")
+      self._stats = stats.configure(Config("snapkv", obs=self.obs))
+      self._stats.params = self.params
     if self.tp_mesh is None:
       self.commit = jax.jit(self._commit)
       self.step = recycle.step_jit(self._step, recycle.logits_like(batch, self.cfg.vocab_size),
