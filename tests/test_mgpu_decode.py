@@ -273,6 +273,31 @@ def _lower_int4(**kw):
   return partials_gpu.trace(*sds, **kw).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_stream_knob_keeps_the_values_and_annotates_both_launches():
+  """``stream_lo``: the INT4 partition and the BF16/window launch as async calls on XLA streams
+  N and N + 1 in one scheduling group; the output is the one-stream call's, bit for bit."""
+  for case_index, fmt in ((3, "int4"), (1, "bytes")):
+    args = CASES[case_index].make(seed=31 + case_index, lo_format=fmt)
+    one = decode_attention_gpu(*args, interpret=True, int4_kernel="mosaic_reference", **SMALL)
+    two = decode_attention_gpu(*args, interpret=True, int4_kernel="mosaic_reference",
+                               stream_lo=2, **SMALL)
+    assert bool(jnp.array_equal(one, two))
+  text = _lower_int4(int4_kernel="mosaic", stream_lo=1)
+  assert "mosaic_gpu" in text and "triton" in text
+  for n in ("1", "2"):
+    assert re.search(r"call @\w+\(.*_xla_stream_annotation = \"" + n + '"', text), n
+  assert "_scheduling_group_id" in text and "_xla_stream_annotation" not in _lower_int4(
+      int4_kernel="mosaic")
+  with pytest.raises(ValueError, match="^stream_lo must be a non-negative int"):
+    partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="mosaic_reference",
+                 stream_lo=-1, **SMALL)
+  with pytest.raises(ValueError, match="^stream_lo=1 launches the Mosaic GPU INT4 kernel on "
+                                       "another stream; this call reads its INT4 pool with the "
+                                       "Triton kernel"):
+    partials_gpu(*CASES[0].make(seed=9), interpret=True, int4_kernel="triton", stream_lo=1,
+                 **SMALL)
+
+
 @pytest.mark.parametrize("kernel", ["mosaic", "auto"])
 def test_int4_format_whole_call_lowers_for_cuda_with_both_kernels(kernel):
   text = _lower_int4(int4_kernel=kernel)

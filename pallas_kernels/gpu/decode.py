@@ -552,16 +552,17 @@ def partial_sets(q, window: Window, hi: HighPool, lo: LowPool, maps: PageMaps, l
                               splits=splits_lo, wgs=wgs_lo, table=table_lo, upcast=upcast_lo,
                               early_v=early_v_lo, layout="kernel",
                               reference=int4_kernel == "mosaic_reference")
-    hi_fn = lambda: call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, warps_bf16,
-                         num_stages, "pask_decode_attention")
+    def bf16_partitions():   # the BF16 pool and the window: one Triton launch
+      return call(0, n_hi, n_w, hi_args + w_args, hi_specs + w_specs, warps_bf16, num_stages,
+                  "pask_decode_attention")
     if not stream_lo:
-      return [(lo_fn(), True), (hi_fn(), False)]
+      return [(lo_fn(), True), (bf16_partitions(), False)]
     # Experimental: the two launches as async calls on streams stream_lo and stream_lo + 1, one
     # scheduling group per call site so XLA may place both starts before both dones.
     with set_xla_metadata(_scheduling_group_id=str(next(_GROUPS))):
       lo_part = lo_fn(stream=stream_lo)
       with mgpu_decode.on_stream(stream_lo + 1):
-        rest = jax.jit(hi_fn)()
+        rest = jax.jit(bf16_partitions)()
     return [(lo_part, True), (rest, False)]
   if fuse or not n_lo:
     return [(call(n_lo, n_hi, n_w, lo_args + hi_args + w_args, lo_specs + hi_specs + w_specs,
