@@ -16,6 +16,8 @@ jnp reference on a CPU).  One begin and one step first (the compiles), then:
   ``--steps`` times on the last state, back to back, waited for at the end: ``control_share``
   = control / step.  Alone, the control pays its own launches; inside the step it is fused, so
   the share is an upper bound;
+* ``--cupti`` (GPU): ``control_share_device``, the device time of one control call's kernels
+  over one step's (CUPTI, each alone), the control's share without its launches;
 * ``metadata_share``: the report's non-K/V bytes over the resident bytes (largest over the
   batch; :meth:`SphRunner.metadata_bytes`).
 
@@ -39,7 +41,7 @@ SHAPES_EXTRA = {  # beside bench.bench_decode.SHAPES: the 1.5B coder's shape (G3
 
 
 def measure(model, method: str, batch: int, context: int, steps: int, repeats: int,
-            budget: float, seed: int = 0, prefill: str = "exact") -> dict:
+            budget: float, seed: int = 0, prefill: str = "exact", cupti: bool = False) -> dict:
   import jax
   import numpy as np
   from pask_jax import tags as T
@@ -98,6 +100,16 @@ def measure(model, method: str, batch: int, context: int, steps: int, repeats: i
          "commit_share": best["commit_s"] / best["prefill_s"],
          "step_ms": 1e3 * step_s, "control_ms": 1e3 * control_s,
          "control_share": control_s / step_s, "metadata_share": meta}
+  if cupti:   # device time of the kernels alone: the control's vs the whole step's
+    from bench.bench_kernels import kernel_times
+    try:
+      ctl, row["control_cupti_ms"] = kernel_times(
+          lambda s: r.control_only(s, tag_ids, state_ids, active), (state,))
+      stp, row["step_cupti_ms"] = kernel_times(step, (state,))
+      row["control_kernels"], row["step_kernels"] = len(ctl), len(stp)
+      row["control_share_device"] = row["control_cupti_ms"] / row["step_cupti_ms"]
+    except Exception as e:  # noqa: BLE001 -- CUPTI is a GPU-only extra: say why, keep the row
+      row["cupti_error"] = f"{type(e).__name__}: {str(e)[:200]}"
   row["met"] = {k: bool(row[k] <= g) for k, g in GOALS.items()}
   return row
 
@@ -115,6 +127,9 @@ def main(argv=None) -> int:
                   help="SphRunner's prefill: 'exact' (f32 attention over a scratch cache of "
                        "the whole capacity) and/or 'flash' (cuDNN flash attention, the window's "
                        "votes alone): the commit's share against each")
+  ap.add_argument("--cupti", action="store_true",
+                  help="also the device time (CUPTI) of one control call's kernels and of one "
+                       "step's: control_share_device, the control's share without its launches")
   ap.add_argument("--out", default=None, help="append the rows to this JSONL file")
   a = ap.parse_args(argv)
   import jax.numpy as jnp
@@ -132,7 +147,7 @@ def main(argv=None) -> int:
     for m in a.methods:
       for pf in a.prefill:
         row = {"shape": a.shape, **measure(model, m, a.batch, ctx, a.steps, a.repeats, a.budget,
-                                           prefill=pf)}
+                                           prefill=pf, cupti=a.cupti)}
         print_row(row, a.out)
   return 0
 

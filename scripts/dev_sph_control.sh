@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 left() { echo $((limit - SECONDS - 15)); }
 for args in "--shape qwen2.5-1.5b --context 32768 8192" "--shape qwen2.5-0.5b --context 32768"; do
   t=$(left); [ $t -gt 30 ] || break
-  timeout -k 5 $t python3 bench/sph_control.py $args --batch ${BATCH:-8} --prefill ${PREFILL:-flash exact} \
+  timeout -k 5 $t python3 bench/sph_control.py $args --batch ${BATCH:-8} --prefill ${PREFILL:-flash exact} --cupti \
     --out $OUT/sph_control.jsonl >> $OUT/sph_control.log 2>&1
   echo "$args rc $?"
 done
