@@ -485,8 +485,9 @@ class SphRunner:
     per prompt ``int32 [n, N_CAND]`` label candidates or None (read with ``tags`` only);
     ``segments``: per prompt ``bool [n]``, True on its retrieved evidence, or None (priced by
     ω's middle weight in RDR's distortion; the fixed and PASK plans do not read it).
-    ``timers`` (optional dict): adds the seconds of the full-precision prefill (``prefill_s``)
-    and of the commit (``commit_s``: features, the RDR plan, the tier encode and the cache
+    ``timers`` (optional dict): adds the seconds of the full-precision prefill (``prefill_s``;
+    "exact": with the prompt's K/V and statistics sliced out of the scratch cache) and of the
+    commit (``commit_s``: features, the RDR plan, the tier encode and the cache
     writes; G6's control-plane share), each waited for, so only pass it when timing."""
     if self.rho is None:
       raise RuntimeError("SphRunner.configure(budget) first")
@@ -512,8 +513,8 @@ class SphRunner:
     retrieved = retrieved_mask(segments, lengths, Tn, self.batch)
     if retrieved is not None:
       retrieved = self._put(retrieved)
-    if timers is not None:   # the slices are the commit's inputs, not its work
-      jax.block_until_ready((k, v, score))
+    if timers is not None:   # the commit's other inputs are not its work
+      jax.block_until_ready((rho, retrieved))
       t1 = time.perf_counter()
     cache, sph, plan = self.commit(k, v, score, jnp.asarray(lengths), rho, tpol, cands,
                                    retrieved)
