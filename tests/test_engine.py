@@ -927,3 +927,24 @@ def test_warmup_compiles_every_sampling_variant_of_the_picks():
   assert all(x["finish"] in ("stop", "length") for x in res)
   assert (e.step._pick_rows._cache_size(), e.step._first._cache_size()) == sizes
   assert not e.batch.temp.any() and (e.batch.top_p == 1).all() and not e.batch.want_lp.any()
+
+
+def test_page_pressure_does_not_stall_a_prompt_prefilled_in_pieces():
+  """A long prompt prefilled in pieces and a younger short request that outgrows the pages: the
+  short one is preempted (page pressure), and the long prompt's pieces go on under the pressure,
+  so both complete (the engine spun forever when pressure also stopped the pieces)."""
+  from serve.engine import Engine
+  e = Engine(model(), tok(), pol("all-high"), slots=4, context=CTX, page=PAGE, hi_pages=40,
+             lo_pages=1, prefiller=prefiller())
+  e.sched.prefill_chunk = 32
+  e.sched.pacer.ready = lambda: False   # pieces only when starved: the order is not the clock's
+  long = long_request(4)
+  short = Request(ids=[tok().encode("hi")[0]] * 5, max_tokens=60)
+  got = {}
+  for r in (long, short):
+    r.emit = lambda k, p, r=r: got.setdefault(r.rid, []).append(k) if k != "delta" else None
+    e.submit(r)
+  e.run_until_idle(max_iterations=3000)
+  assert e.m["preemptions"] >= 1
+  assert got[long.rid][-1] == "done" and got[short.rid][-1] == "done"
+  assert len(short.out) == 60 and e.running == [None] * 4

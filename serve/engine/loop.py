@@ -80,13 +80,18 @@ class Loop:
       self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
     busy = bool(self.batch.active.any())
     running = any(x is not None for x in self.running)
-    if s.pressure and running:
+    # Under page pressure nothing new is admitted while a request runs; a prompt already being
+    # prefilled in pieces still goes on (it holds its pages), or a batch whose only running
+    # request is that prompt would never finish one and never lift the pressure.
+    blocked = s.pressure and running
+    if blocked:
       if self.waiting and None in self.running:
         m["admission_blocked_pages"] += 1
-      return
-    s.pressure = False
+    else:
+      s.pressure = False
     spent, i = 0.0, 0
-    while i < len(self.waiting) and None in self.running and s.room(busy, spent):
+    while (not blocked and i < len(self.waiting) and None in self.running
+           and s.room(busy, spent)):
       r = self.waiting[i]
       if s.waits(r):
         i += 1
